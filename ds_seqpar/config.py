@@ -1,0 +1,157 @@
+"""The ``"sequence_parallel"`` key of a DeepSpeed JSON config: one typed, self-validating section.
+
+Every error names the key, the bad value and what would be valid, so that a user who mistypes a
+strategy or a size learns the fix from the message alone. Nothing here talks to processes; the
+checks that need the world size (``size`` dividing it) take it as an argument.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Literal, Mapping, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+KEY = "sequence_parallel"
+STRATEGY_NAMES = ("ulysses", "ring", "zigzag", "striped", "lasp")
+RING_STRATEGIES = ("ring", "zigzag", "striped")
+BACKENDS = ("auto", "flash_attn", "torch", "math")
+LASP_COMMS = ("allgather", "ring")
+
+
+class ConfigError(ValueError):
+    """A bad ``sequence_parallel`` setting; the message names key, value and the valid choices."""
+
+
+class SequenceParallelConfig(BaseModel):
+    """Schema of ``"sequence_parallel": {...}`` in a DeepSpeed config."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    strategy: str = "ulysses"
+    """How attention is split across ranks: ulysses | ring | zigzag | striped | lasp."""
+
+    size: int = Field(default=1, ge=1)
+    """Sequence-parallel degree; the data-parallel degree is world_size / size."""
+
+    ulysses_size: int = Field(default=1, ge=1)
+    """> 1 with ring/zigzag/striped: 2D hybrid, Ulysses all-to-all inside groups of this many
+    neighbouring ranks and the ring across the groups. Must divide ``size``."""
+
+    backend: str = "auto"
+    """Local attention kernel: auto | flash_attn | torch | math. ``auto`` picks flash_attn on CUDA
+    when installed, else torch, and logs what it picked."""
+
+    lasp_comm: str = "allgather"
+    """LASP state exchange: allgather (LASP-2) | ring (LASP-1)."""
+
+    overlap: bool = True
+    """Post the next ring / state transfer before computing on the current block."""
+
+    timeout_s: float = Field(default=600.0, gt=0)
+    """Seconds a collective may wait for a peer before the run stops with an error."""
+
+    @model_validator(mode="after")
+    def _check_choices(self) -> "SequenceParallelConfig":
+        _check_choice("strategy", self.strategy, STRATEGY_NAMES)
+        _check_choice("backend", self.backend, BACKENDS)
+        _check_choice("lasp_comm", self.lasp_comm, LASP_COMMS)
+        if self.ulysses_size > 1 and self.strategy not in RING_STRATEGIES + ("ulysses",):
+            raise ConfigError(
+                f"{KEY}.ulysses_size={self.ulysses_size} combines only with a ring strategy "
+                f"({', '.join(RING_STRATEGIES)}); strategy={self.strategy!r} needs ulysses_size=1")
+        if self.size % self.ulysses_size != 0:
+            raise ConfigError(
+                f"{KEY}.ulysses_size={self.ulysses_size} must divide {KEY}.size={self.size}; "
+                f"valid ulysses_size values: {_divisors(self.size)}")
+        if self.strategy == "ulysses" and self.ulysses_size not in (1, self.size):
+            raise ConfigError(
+                f"{KEY}.ulysses_size={self.ulysses_size} with strategy='ulysses' must be 1 or "
+                f"equal to size={self.size}; for a 2D hybrid pick strategy ring, zigzag or striped")
+        return self
+
+    @property
+    def ring_size(self) -> int:
+        """Ranks along the ring dimension (size / ulysses_size); Ulysses alone has none."""
+        return 1 if self.strategy == "ulysses" else self.size // self.ulysses_size
+
+    @property
+    def effective_ulysses_size(self) -> int:
+        return self.size if self.strategy == "ulysses" else self.ulysses_size
+
+    @property
+    def strategy_key(self) -> str:
+        """Registry name: ring strategies with ulysses_size > 1 are the hybrid."""
+        if self.strategy in RING_STRATEGIES and self.ulysses_size > 1:
+            return "hybrid"
+        return self.strategy
+
+    def check_world(self, world_size: int) -> None:
+        """``size`` must divide the world: world = data-parallel x sequence-parallel."""
+        if world_size % self.size != 0:
+            raise ConfigError(
+                f"{KEY}.size={self.size} does not divide the world size {world_size}; "
+                f"valid sizes for this world: {_divisors(world_size)} "
+                f"(or launch a multiple of {self.size} ranks)")
+
+    @classmethod
+    def from_ds_config(cls, ds_config: Union[str, os.PathLike, Mapping[str, Any]]) -> "SequenceParallelConfig":
+        """Read the key from a DeepSpeed config dict or JSON file; absent key = no parallelism."""
+        ds = _load(ds_config)
+        section = ds.get(KEY, {})
+        if not isinstance(section, Mapping):
+            raise ConfigError(f"{KEY} must be an object like {{\"strategy\": \"ulysses\", \"size\": 2}}, "
+                              f"got {section!r}")
+        cfg = cls.parse(section)
+        ds_size = ds.get("sequence_parallel_size")
+        if ds_size is not None and int(ds_size) != cfg.size:
+            raise ConfigError(
+                f"DeepSpeed's sequence_parallel_size={ds_size} disagrees with {KEY}.size={cfg.size}; "
+                f"set both to the same value or remove sequence_parallel_size")
+        return cfg
+
+    @classmethod
+    def parse(cls, section: Mapping[str, Any]) -> "SequenceParallelConfig":
+        """Validate a plain dict, turning pydantic's report into one ConfigError message."""
+        try:
+            return cls(**dict(section))
+        except ValidationError as err:
+            raise ConfigError(_describe(err)) from None
+
+
+def _check_choice(field: str, value: str, valid: tuple) -> None:
+    if value not in valid:
+        raise ConfigError(f"{KEY}.{field}={value!r} is not valid; choose one of: {', '.join(valid)}")
+
+
+def _divisors(n: int) -> list:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _load(ds_config) -> Mapping[str, Any]:
+    if isinstance(ds_config, Mapping):
+        return ds_config
+    path = os.fspath(ds_config)
+    if not os.path.exists(path):
+        raise ConfigError(f"DeepSpeed config file {path!r} does not exist")
+    with open(path) as f:
+        return json.load(f)
+
+
+def _describe(err: ValidationError) -> str:
+    """One line per problem: key, offending value, and what is accepted."""
+    fields = list(SequenceParallelConfig.model_fields)
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(section)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{KEY}.{loc} is not a known key (value {e['input']!r}); "
+                         f"known keys: {', '.join(fields)}")
+        elif e["type"] == "value_error" and isinstance(e.get("ctx", {}).get("error"), ConfigError):
+            lines.append(str(e["ctx"]["error"]))
+        else:
+            lines.append(f"{KEY}.{loc}={e['input']!r}: {e['msg']}")
+    return "; ".join(lines)
+
+
+__all__ = ["SequenceParallelConfig", "ConfigError", "KEY", "STRATEGY_NAMES", "BACKENDS", "LASP_COMMS"]

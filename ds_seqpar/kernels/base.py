@@ -1,0 +1,65 @@
+"""What every local attention kernel offers, and the autograd wrapper around it.
+
+A kernel computes attention of one rank's query block against one key/value block and knows
+nothing of ranks. Layouts (the legend used across ds_seqpar):
+
+    q_bshd   [batch, seq_q, heads, head_dim]
+    k_bshd   [batch, seq_k, kv_heads, head_dim]     kv_heads divides heads (GQA)
+    v_bshd   [batch, seq_k, kv_heads, head_dim_v]
+    out_bshd [batch, seq_q, heads, head_dim_v]      same dtype as q
+    lse_bhs  [batch, heads, seq_q]                  fp32 log-sum-exp of the scaled scores
+
+``causal`` means top-left aligned on a square block: query i sees keys j <= i. Ring strategies
+only ever ask for causal on square blocks (the diagonal), so the kernels refuse other shapes
+rather than pick an alignment silently.
+
+``backward`` takes the *final* out and lse of the whole row (after merging all blocks); with
+those, the per-block gradient formulas give exactly that block's share of dq, dk, dv.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+
+class AttentionKernel:
+    name = "base"
+
+    def forward(self, q_bshd, k_bshd, v_bshd, causal: bool, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def backward(self, dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, causal: bool, scale: float):
+        raise NotImplementedError
+
+
+def check_block(q_bshd, k_bshd, v_bshd, causal: bool) -> None:
+    if q_bshd.dim() != 4 or k_bshd.dim() != 4 or v_bshd.dim() != 4:
+        raise ValueError(f"attention expects [batch, seq, heads, head_dim] tensors, got q {tuple(q_bshd.shape)}, "
+                         f"k {tuple(k_bshd.shape)}, v {tuple(v_bshd.shape)}")
+    if q_bshd.shape[2] % k_bshd.shape[2]:
+        raise ValueError(f"q heads ({q_bshd.shape[2]}) must be a multiple of k/v heads ({k_bshd.shape[2]})")
+    if causal and q_bshd.shape[1] != k_bshd.shape[1]:
+        raise ValueError(f"causal block must be square, got seq_q={q_bshd.shape[1]}, seq_k={k_bshd.shape[1]}")
+
+
+class LocalAttention(torch.autograd.Function):
+    """Thin autograd wrapper: save what backward needs, call the kernel."""
+
+    @staticmethod
+    def forward(ctx, q_bshd, k_bshd, v_bshd, kernel: AttentionKernel, causal: bool, scale: float):
+        out_bshd, lse_bhs = kernel.forward(q_bshd, k_bshd, v_bshd, causal, scale)
+        ctx.save_for_backward(q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs)
+        ctx.kernel, ctx.causal, ctx.scale = kernel, causal, scale
+        return out_bshd
+
+    @staticmethod
+    def backward(ctx, dout_bshd):
+        q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs = ctx.saved_tensors
+        dq, dk, dv = ctx.kernel.backward(dout_bshd.contiguous(), q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs,
+                                         ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+def local_attention(q_bshd, k_bshd, v_bshd, kernel: AttentionKernel, causal: bool, scale: float):
+    return LocalAttention.apply(q_bshd, k_bshd, v_bshd, kernel, causal, scale)

@@ -1,0 +1,164 @@
+"""SequenceParallel: the object users hold. It composes the pieces in a fixed order:
+
+  1. validate the config against the world (before any collective, same message on every rank)
+  2. build the process groups (sequence, data, sequence x data, ulysses, ring) and the mpu
+  3. resolve the local attention kernel
+  4. build the token layout and the strategy
+Then ``mpu`` goes to ``deepspeed.initialize(mpu=sp.mpu)`` so ZeRO reduces over data x sequence.
+
+Several SequenceParallel objects may live in one process (benchmarks compare strategies in one
+run); each owns its groups and its CommStats.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Mapping, Optional, Union
+
+import torch
+
+from . import comm
+from .config import ConfigError, SequenceParallelConfig
+from .kernels import get_kernel
+from .layouts import make_layout
+from .strategies import StrategyContext, get_strategy
+from .topology import ParallelDims, ProcessGroups, SequenceParallelMPU
+
+
+class SequenceParallel:
+    def __init__(self, config: Union[SequenceParallelConfig, Mapping[str, Any]],
+                 device: Optional[Union[str, torch.device]] = None):
+        if not isinstance(config, SequenceParallelConfig):
+            config = SequenceParallelConfig.parse(config)
+        if not comm.is_initialized():
+            raise RuntimeError("SequenceParallel needs torch.distributed: call deepspeed.init_distributed() "
+                               "(or torch.distributed.init_process_group) first")
+        self.config = config
+        strategy_cls = get_strategy(config.strategy_key)
+        # 1. validation that needs only the world size: identical on every rank, before any collective
+        world = comm.world_size()
+        config.check_world(world)
+        self.dims = ParallelDims(world, config.size, config.effective_ulysses_size)
+        # 2. groups (collective: every rank builds every group, in the same order)
+        self.groups = ProcessGroups(self.dims, comm.global_rank(), config.timeout_s)
+        self.mpu = SequenceParallelMPU(self.groups)
+        # 3. kernel
+        self.device = torch.device(device) if device is not None else _default_device()
+        self.kernel = get_kernel(config.backend, self.device)
+        # 4. layout and strategy
+        self.layout = make_layout(strategy_cls.layout_name, self.dims.ring_size, self.dims.ulysses_size)
+        self.stats = comm.CommStats()
+        c = self.groups.coords
+        self.strategy = strategy_cls(StrategyContext(
+            sp_group=self.groups.sp_group, ulysses_group=self.groups.ulysses_group,
+            ring_group=self.groups.ring_group, sp_size=self.dims.sp_size, sp_rank=c.sp_rank,
+            ulysses_size=self.dims.ulysses_size, ulysses_rank=c.ulysses_rank,
+            ring_size=self.dims.ring_size, ring_rank=c.ring_rank, kernel=self.kernel, stats=self.stats,
+            overlap=config.overlap, lasp_comm=config.lasp_comm))
+
+    @classmethod
+    def from_ds_config(cls, ds_config, device=None) -> "SequenceParallel":
+        return cls(SequenceParallelConfig.from_ds_config(ds_config), device=device)
+
+    # -- topology ------------------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return self.dims.sp_size
+
+    @property
+    def rank(self) -> int:
+        return self.groups.coords.sp_rank
+
+    @property
+    def group(self):
+        return self.groups.sp_group
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.groups.coords.dp_rank
+
+    @property
+    def dp_group(self):
+        return self.groups.dp_group
+
+    @property
+    def strategy_name(self) -> str:
+        return self.strategy.name
+
+    # -- tokens --------------------------------------------------------------------------------
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """Global-order tensor -> this rank's tokens, in the strategy's layout."""
+        self.layout.validate(x.shape[dim])
+        return self.layout.shard(x, dim, self.rank)
+
+    def unshard(self, local: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """Inverse of shard: every rank gets the global-order tensor (differentiable)."""
+        dim = dim % local.dim()
+        gathered = comm.all_gather(local, dim, self.group, self.stats, kind="unshard")
+        return self.layout.unshard(list(gathered.chunk(self.size, dim=dim)), dim)
+
+    def position_ids(self, seq_len: int, device=None) -> torch.Tensor:
+        """Global positions of this rank's tokens (for RoPE)."""
+        self.layout.validate(seq_len)
+        return self.layout.indices(seq_len, self.rank).to(device or self.device)
+
+    # -- attention -----------------------------------------------------------------------------
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                  softmax_scale: Optional[float] = None) -> torch.Tensor:
+        """Exact softmax attention over the whole sequence; q, k, v are this rank's shards [b, s, h, d]."""
+        check_qkv(q, k, v)
+        self.strategy.check_heads(q.shape[2], k.shape[2])
+        scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        return self.strategy.attention(q, k, v, causal, scale)
+
+    def linear_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         decay: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Causal linear attention over the whole sequence (strategy 'lasp')."""
+        check_qkv(q, k, v)
+        return self.strategy.linear_attention(q, k, v, decay)
+
+    # -- training helpers (the main-job issue adds these) ----------------------------------------
+    def shard_batch(self, batch):
+        raise NotImplementedError("SequenceParallel.shard_batch is not implemented yet "
+                                  "(it arrives with the main training job)")
+
+    def loss(self, logits, labels, ignore_index: int = -100):
+        raise NotImplementedError("SequenceParallel.loss is not implemented yet "
+                                  "(it arrives with the main training job)")
+
+    def __repr__(self) -> str:
+        return (f"SequenceParallel(strategy={self.strategy_name!r}, size={self.size}, rank={self.rank}, "
+                f"ulysses={self.dims.ulysses_size}, ring={self.dims.ring_size}, dp={self.dp_size}, "
+                f"backend={self.kernel.name!r})")
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Shape, dtype and device agreement, checked before any communication."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be [batch, seq, heads, head_dim] (bshd), got shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them first")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.shape[0] != k.shape[0] or k.shape[:2] != v.shape[:2] or q.shape[1] != k.shape[1]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must agree on batch and "
+                         f"local sequence length, and k, v on heads")
+    if k.shape[2] != v.shape[2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"k and v must have the same heads and q, k the same head_dim; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of k/v heads ({k.shape[2]}) for GQA")
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available() and comm.backend_name() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+__all__ = ["SequenceParallel", "ConfigError"]

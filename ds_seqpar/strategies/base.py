@@ -1,0 +1,56 @@
+"""What a strategy is given and what it offers.
+
+A strategy sees only tensors, process groups, a local kernel and the comm helpers; it never reads
+the config or the environment (``SequenceParallel`` resolves those and hands them over).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from ..comm import CommStats
+from ..kernels import AttentionKernel
+
+
+@dataclass
+class StrategyContext:
+    """Everything a strategy may use. Groups are torch.distributed process groups."""
+
+    sp_group: Any                 # all ranks holding pieces of one sequence
+    ulysses_group: Any            # all-to-all (head <-> sequence) partners; the sp group for Ulysses
+    ring_group: Any               # ring neighbours; size 1 for Ulysses alone
+    sp_size: int
+    sp_rank: int
+    ulysses_size: int
+    ulysses_rank: int
+    ring_size: int
+    ring_rank: int
+    kernel: AttentionKernel
+    stats: CommStats
+    overlap: bool = True
+    lasp_comm: str = "allgather"
+
+
+class Strategy:
+    """Base: one documented entry point per attention kind; unsupported kinds say what to use."""
+
+    name = "base"
+    layout_name = "contiguous"      # token layout across the ring dimension
+
+    def __init__(self, ctx: StrategyContext):
+        self.ctx = ctx
+
+    def attention(self, q_bshd: torch.Tensor, k_bshd: torch.Tensor, v_bshd: torch.Tensor,
+                  causal: bool, scale: float) -> torch.Tensor:
+        raise ValueError(f"sequence_parallel.strategy={self.name!r} computes linear attention; call "
+                         f"sp.linear_attention(q, k, v, decay) or pick a softmax strategy "
+                         f"(ulysses, ring, zigzag, striped)")
+
+    def linear_attention(self, q_bshd, k_bshd, v_bshd, decay: Optional[torch.Tensor]) -> torch.Tensor:
+        raise ValueError(f"sequence_parallel.strategy={self.name!r} computes softmax attention; "
+                         f"sp.linear_attention needs sequence_parallel.strategy='lasp'")
+
+    def check_heads(self, num_heads: int, num_kv_heads: int) -> None:
+        """Raise before any communication if these head counts cannot be split."""

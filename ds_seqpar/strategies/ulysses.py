@@ -1,0 +1,78 @@
+"""Ulysses: all-to-all from sequence-sharded to head-sharded, full-sequence attention, and back.
+
+Notation: P ranks in the Ulysses group, S_local tokens per rank, H q heads, H_kv k/v heads.
+
+    q_bshd [b, S_local, H, d] --all_to_all(heads -> seq)--> [b, P*S_local, H/P, d]
+    local kernel over the whole sequence (this rank's H/P heads)
+    out    [b, P*S_local, H/P, d] --all_to_all(seq -> heads)--> [b, S_local, H, d]
+
+Backward is the same exchanges in reverse (each all-to-all's backward is its dual).
+
+GQA: K/V travel with their own H_kv heads. When P does not divide H_kv, each k/v head is
+repeated the least number of times f = P / gcd(H_kv, P) that makes H_kv*f split over P ranks;
+repeat_interleave's backward sums the copies' gradients back. Rank r then holds q heads
+[r*H/P, (r+1)*H/P) and exactly the k/v heads they use.
+
+Bytes per rank, one forward + backward, element size e: q, k, v, out forward and dout, dq, dk,
+dv backward, each sending (P-1)/P of its local tensor: 8*e*S*(P-1)/P for MHA, where S is the
+number of elements of one local full-head tensor.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import comm
+from ..kernels import local_attention
+from .base import Strategy
+
+
+def kv_replication(num_heads: int, num_kv_heads: int, size: int) -> int:
+    """Least repeat factor of each k/v head so the k/v heads split evenly over ``size`` ranks."""
+    return size // math.gcd(num_kv_heads, size)
+
+
+def check_ulysses_heads(num_heads: int, num_kv_heads: int, size: int, key: str) -> None:
+    if num_heads % size:
+        valid = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+        raise ValueError(f"{key}={size}: Ulysses splits attention heads over ranks, and {num_heads} q heads "
+                         f"are not divisible by {size}; use a {key} that divides {num_heads} "
+                         f"({', '.join(map(str, valid))}) or a ring strategy (ring, zigzag, striped)")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"q heads ({num_heads}) must be a multiple of k/v heads ({num_kv_heads})")
+
+
+def seq_to_heads(x_bshd: torch.Tensor, group, stats, kind="all_to_all") -> torch.Tensor:
+    """[b, S_local, H, d] -> [b, P*S_local, H/P, d]: gather the sequence, scatter the heads."""
+    return comm.all_to_all(x_bshd, 2, 1, group, stats, kind)
+
+
+def heads_to_seq(x_bshd: torch.Tensor, group, stats, kind="all_to_all") -> torch.Tensor:
+    """[b, P*S_local, H/P, d] -> [b, S_local, H, d]: the inverse exchange."""
+    return comm.all_to_all(x_bshd, 1, 2, group, stats, kind)
+
+
+def scatter_heads(q_bshd, k_bshd, v_bshd, group, size, stats):
+    """All-to-all q, k, v to head-sharded, full-sequence tensors (k/v replicated if needed)."""
+    f = kv_replication(q_bshd.shape[2], k_bshd.shape[2], size)
+    if f > 1:
+        k_bshd = k_bshd.repeat_interleave(f, dim=2)   # [b, S_local, H_kv*f, d]
+        v_bshd = v_bshd.repeat_interleave(f, dim=2)
+    return (seq_to_heads(q_bshd, group, stats), seq_to_heads(k_bshd, group, stats),
+            seq_to_heads(v_bshd, group, stats))
+
+
+class UlyssesAttention(Strategy):
+    name = "ulysses"
+    layout_name = "contiguous"
+
+    def check_heads(self, num_heads: int, num_kv_heads: int) -> None:
+        check_ulysses_heads(num_heads, num_kv_heads, self.ctx.ulysses_size, "sequence_parallel.size")
+
+    def attention(self, q_bshd, k_bshd, v_bshd, causal, scale):
+        ctx = self.ctx
+        q_full, k_full, v_full = scatter_heads(q_bshd, k_bshd, v_bshd, ctx.ulysses_group, ctx.ulysses_size,
+                                               ctx.stats)
+        out_full = local_attention(q_full, k_full, v_full, ctx.kernel, causal, scale)   # [b, S, H/P, d]
+        return heads_to_seq(out_full, ctx.ulysses_group, ctx.stats)

@@ -1,0 +1,182 @@
+"""World -> (data, ring, ulysses) coordinates, the process groups built from them, and the mpu.
+
+Rank order (the innermost dimension varies fastest, so it lands on neighbouring ranks, i.e. on
+one node, where all-to-all bandwidth is highest):
+
+    rank = dp_rank * sp_size + ring_rank * ulysses_size + ulysses_rank
+    sp_rank = ring_rank * ulysses_size + ulysses_rank
+
+world=8, sp=4 (ulysses=2 x ring=2), dp=2:
+
+    rank      0 1 2 3 | 4 5 6 7
+    dp_rank   0 0 0 0 | 1 1 1 1
+    ring      0 0 1 1 | 0 0 1 1
+    ulysses   0 1 0 1 | 0 1 0 1
+
+Everything above the ``ProcessGroups`` class is pure arithmetic taking (world_size, rank) as
+arguments, unit-tested without processes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+from . import comm
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    world_size: int
+    sp_size: int
+    ulysses_size: int = 1
+
+    def __post_init__(self):
+        if self.sp_size < 1 or self.world_size % self.sp_size:
+            raise ValueError(f"sequence_parallel.size={self.sp_size} does not divide world size "
+                             f"{self.world_size}")
+        if self.sp_size % self.ulysses_size:
+            raise ValueError(f"sequence_parallel.ulysses_size={self.ulysses_size} does not divide "
+                             f"size={self.sp_size}")
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.sp_size
+
+    @property
+    def ring_size(self) -> int:
+        return self.sp_size // self.ulysses_size
+
+    def coords(self, rank: int) -> "Coords":
+        sp_rank = rank % self.sp_size
+        return Coords(rank=rank, dp_rank=rank // self.sp_size, sp_rank=sp_rank,
+                      ring_rank=sp_rank // self.ulysses_size, ulysses_rank=sp_rank % self.ulysses_size)
+
+    def sp_group_ranks(self) -> List[List[int]]:
+        """One sequence group per data-parallel replica: consecutive blocks of sp_size ranks."""
+        return [list(range(d * self.sp_size, (d + 1) * self.sp_size)) for d in range(self.dp_size)]
+
+    def dp_group_ranks(self) -> List[List[int]]:
+        """Ranks holding the same tokens in different replicas: stride sp_size."""
+        return [list(range(s, self.world_size, self.sp_size)) for s in range(self.sp_size)]
+
+    def ulysses_group_ranks(self) -> List[List[int]]:
+        u = self.ulysses_size
+        return [list(range(start, start + u)) for start in range(0, self.world_size, u)]
+
+    def ring_group_ranks(self) -> List[List[int]]:
+        """Same ulysses position, consecutive ring positions, within one sequence group."""
+        groups = []
+        for sp_ranks in self.sp_group_ranks():
+            for u in range(self.ulysses_size):
+                groups.append(sp_ranks[u::self.ulysses_size])
+        return groups
+
+
+@dataclass(frozen=True)
+class Coords:
+    rank: int
+    dp_rank: int
+    sp_rank: int
+    ring_rank: int
+    ulysses_rank: int
+
+
+def _member_group(all_ranks: List[List[int]], rank: int, backend_groups: list):
+    """Every rank must create every group (a collective); keep the one this rank is in."""
+    mine = None
+    for ranks, group in zip(all_ranks, backend_groups):
+        if rank in ranks:
+            mine = (group, ranks)
+    return mine
+
+
+class ProcessGroups:
+    """The sequence, data, sequence x data, ulysses and ring groups of this rank.
+
+    Built collectively: every rank of the world must construct one, in the same order.
+    """
+
+    def __init__(self, dims: ParallelDims, rank: int, timeout_s: float):
+        self.dims = dims
+        self.coords = dims.coords(rank)
+        world = [list(range(dims.world_size))]
+        self.seq_data_group, self.seq_data_ranks = self._build(world, rank, timeout_s)
+        self.sp_group, self.sp_ranks = self._build(dims.sp_group_ranks(), rank, timeout_s)
+        self.dp_group, self.dp_ranks = self._build(dims.dp_group_ranks(), rank, timeout_s)
+        self.ulysses_group, self.ulysses_ranks = self._build(dims.ulysses_group_ranks(), rank, timeout_s)
+        self.ring_group, self.ring_ranks = self._build(dims.ring_group_ranks(), rank, timeout_s)
+        # DeepSpeed all-reduces grad norms over the model-parallel group: here that is one rank.
+        singletons = [[r] for r in range(dims.world_size)]
+        self.model_group, _ = self._build(singletons, rank, timeout_s)
+
+    @staticmethod
+    def _build(all_ranks, rank, timeout_s):
+        groups = [comm.new_group(ranks, timeout_s) for ranks in all_ranks]
+        return _member_group(all_ranks, rank, groups)
+
+
+class SequenceParallelMPU:
+    """What ``deepspeed.initialize(mpu=...)`` queries (see deepspeed/utils/groups.py).
+
+    ZeRO partitions and reduces over the sequence x data group, and divides the summed gradient
+    by (seq_data_world / sequence_parallel_world) = dp_size: gradients are summed over the ranks
+    of one sequence and averaged over replicas. There is no tensor/model parallelism here.
+    """
+
+    def __init__(self, groups: ProcessGroups):
+        self._g = groups
+
+    # data parallel (replicas of the same sequence shard)
+    def get_data_parallel_group(self):
+        return self._g.dp_group
+
+    def get_data_parallel_world_size(self) -> int:
+        return self._g.dims.dp_size
+
+    def get_data_parallel_rank(self) -> int:
+        return self._g.coords.dp_rank
+
+    def get_data_parallel_group_ranks(self) -> List[int]:
+        return list(self._g.dp_ranks)
+
+    # sequence parallel
+    def get_sequence_parallel_group(self):
+        return self._g.sp_group
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self._g.dims.sp_size
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self._g.coords.sp_rank
+
+    # sequence x data: where ZeRO shards optimizer state and reduces gradients
+    def get_sequence_data_parallel_group(self):
+        return self._g.seq_data_group
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self._g.dims.world_size
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self._g.coords.rank
+
+    # no model (tensor) parallelism
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_model_parallel_group(self):
+        return self._g.model_group
+
+    def get_tensor_model_parallel_group(self):
+        return self._g.model_group
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return 1

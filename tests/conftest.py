@@ -1,0 +1,21 @@
+"""One pool of 4 CPU gloo ranks for the whole session (process start + imports are slow on 2 cores).
+
+Tests at 2 ranks use sequence_parallel.size=2 on this world, i.e. two independent sequence groups
+of 2 ranks (dp=2) that both check their results.
+"""
+import os
+
+import pytest
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+WORLD = 4
+
+
+@pytest.fixture(scope="session")
+def pool():
+    from ds_seqpar.rankpool import RankPool
+    p = RankPool(WORLD, timeout_s=180.0).start()
+    yield p
+    p.close()
