@@ -284,3 +284,26 @@ def init_local(rank: int, world: int, port: int, timeout_s: float, backend: str 
 def destroy() -> None:
     if is_initialized():
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# differentiable reductions (training loss)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, stats, kind):
+        return all_reduce(x.clone(), group, stats, "sum", kind)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # dual of an all-reduce whose output is replicated: every rank back-propagates the same
+        # upstream gradient, and d(sum_r x_r)/d x_r = 1, so each rank keeps the gradient as is
+        # (Megatron's reduce-from-region). Summing it again here would count it P times.
+        return grad, None, None, None
+
+
+def all_reduce_sum(x: torch.Tensor, group, stats: Optional[CommStats] = None,
+                   kind: str = "all_reduce") -> torch.Tensor:
+    """Sum over the group, out of place, same value on every rank; backward is the identity."""
+    return _AllReduceSum.apply(x, group, stats, kind)

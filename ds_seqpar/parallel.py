@@ -35,6 +35,9 @@ class SequenceParallel:
                                "(or torch.distributed.init_process_group) first")
         self.config = config
         strategy_cls = get_strategy(config.strategy_key)
+        if config.strategy_key == "hybrid":
+            # the 2D hybrid runs the configured ring strategy across Ulysses groups, in its layout
+            strategy_cls = strategy_cls.over(get_strategy(config.strategy))
         # 1. validation that needs only the world size: identical on every rank, before any collective
         world = comm.world_size()
         config.check_world(world)
@@ -121,14 +124,19 @@ class SequenceParallel:
         check_qkv(q, k, v)
         return self.strategy.linear_attention(q, k, v, decay)
 
-    # -- training helpers (the main-job issue adds these) ----------------------------------------
-    def shard_batch(self, batch):
-        raise NotImplementedError("SequenceParallel.shard_batch is not implemented yet "
-                                  "(it arrives with the main training job)")
+    # -- training helpers ----------------------------------------------------------------------
+    def shard_batch(self, batch, ignore_index: int = -100):
+        """Shift labels over the whole sequence, then shard every [batch, seq] tensor in the layout
+        and add global position_ids (see data.shard_batch)."""
+        from .data import shard_batch
+        return shard_batch(batch, self, ignore_index)
 
-    def loss(self, logits, labels, ignore_index: int = -100):
-        raise NotImplementedError("SequenceParallel.loss is not implemented yet "
-                                  "(it arrives with the main training job)")
+    def loss(self, logits, labels, ignore_index: int = -100, grad_scale: float = 1.0):
+        """Mean over the non-ignored tokens of the whole sequence, same on every rank; backward
+        gives this rank's share (see loss.py for why DeepSpeed's reduction then matches DP). ZeRO-3
+        averages over sequence ranks too: grad_scale=zero.deepspeed_grad_scale(ds_config, sp.size)."""
+        from .loss import sequence_loss
+        return sequence_loss(logits, labels, self.group, ignore_index, self.stats, grad_scale)
 
     def __repr__(self) -> str:
         return (f"SequenceParallel(strategy={self.strategy_name!r}, size={self.size}, rank={self.rank}, "

@@ -4,10 +4,18 @@ from __future__ import annotations
 from typing import Dict, Type
 
 from .base import Strategy, StrategyContext
+from .hybrid import HybridAttention
+from .ring import RingAttention
+from .striped import StripedAttention
 from .ulysses import UlyssesAttention
+from .zigzag import ZigzagAttention
 
 STRATEGIES: Dict[str, Type[Strategy]] = {
     "ulysses": UlyssesAttention,
+    "ring": RingAttention,
+    "zigzag": ZigzagAttention,
+    "striped": StripedAttention,
+    "hybrid": HybridAttention,
 }
 
 

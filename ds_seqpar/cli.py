@@ -1,0 +1,43 @@
+"""``ds-seqpar <command> [options]``: one entry point over the package's programs.
+
+Each command is a module with ``main(argv) -> int``; a new one (bench, report) is one line in
+COMMANDS. Modules load only when their command runs, so ``ds-seqpar --help`` stays fast.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Optional
+
+# command -> (module with main(argv), one-line help)
+COMMANDS = {
+    "train": ("ds_seqpar.train", "train a small causal LM with sequence x ZeRO data parallelism"),
+}
+
+
+def usage() -> str:
+    width = max(len(c) for c in COMMANDS)
+    lines = [f"  {name:<{width}}  {help_}" for name, (_, help_) in sorted(COMMANDS.items())]
+    return ("usage: ds-seqpar <command> [options]   (ds-seqpar <command> --help for its options)\n\ncommands:\n"
+            + "\n".join(lines))
+
+
+def main(argv: Optional[list] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # the deepspeed launcher puts --local_rank=N before everything: hand it to the command
+    launcher_flags = [a for a in argv if a.startswith("--local_rank=")]
+    argv = [a for a in argv if not a.startswith("--local_rank=")]
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        valid = ", ".join(sorted(COMMANDS))
+        print(f"ds-seqpar: unknown command {command!r}; choose one of: {valid}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[command][0])
+    return int(module.main(rest + launcher_flags) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

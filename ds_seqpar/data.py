@@ -1,0 +1,156 @@
+"""Data for the main job: the embedded corpus, token files, batches and sequence-parallel sharding.
+
+Batches are a pure function of (step, dp_rank): resuming from a checkpoint at step k replays
+exactly the batches an uninterrupted run would have seen, with no data-loader state to save.
+Every rank of a sequence group builds the same global sequence and keeps its own shard; every
+data-parallel replica draws different sequences.
+
+Legend: B = micro batch, N = global sequence length, L = local tokens (N / sp size).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sysconfig
+from typing import Dict, Mapping, Optional
+
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100
+CORPUS_BYTES = 4 << 20        # fixed subset size: identical corpus on every rank and every run
+TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+# ---------------------------------------------------------------------------------------------
+# labels and sharding
+
+
+def shift_labels(labels_bn: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Target of token t = label t+1 over the WHOLE sequence; the last token has none.
+    Done before sharding so the token at a shard edge keeps its target on the next rank."""
+    shifted = torch.full_like(labels_bn, ignore_index)
+    shifted[:, :-1] = labels_bn[:, 1:]
+    return shifted
+
+
+def shard_batch(batch: Mapping[str, torch.Tensor], sp=None, ignore_index: int = IGNORE_INDEX
+                ) -> Dict[str, torch.Tensor]:
+    """Global-order batch -> this rank's tokens, with labels shifted and global position_ids.
+
+    ``labels`` (default: input_ids) are aligned with input_ids as in Hugging Face. Any other
+    tensor shaped [B, N, ...] (attention/padding masks, loss masks) is sharded along dim 1 in
+    the same layout; anything else passes through unchanged. ``sp=None``: no sharding.
+    """
+    if "input_ids" not in batch:
+        raise ValueError(f"shard_batch needs an 'input_ids' tensor [batch, seq]; got keys {sorted(batch)}")
+    ids_bn = batch["input_ids"]
+    if ids_bn.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(ids_bn.shape)}")
+    b, n = ids_bn.shape
+    labels_bn = batch.get("labels", ids_bn)
+    if labels_bn.shape != ids_bn.shape:
+        raise ValueError(f"labels {tuple(labels_bn.shape)} must be aligned with input_ids "
+                         f"{tuple(ids_bn.shape)} (one label per token, not yet shifted)")
+    out = dict(batch)
+    out["labels"] = shift_labels(labels_bn, ignore_index)
+    given_pos = out.pop("position_ids", None)      # e.g. packed documents restarting at 0
+    if sp is None:
+        whole = torch.arange(n, device=ids_bn.device).expand(b, n)
+        out["position_ids"] = given_pos if given_pos is not None else whole
+        return out
+    sp.layout.validate(n)   # before touching anything: a clear error naming the length and divisor
+    local = {k: sp.shard(v, dim=1) if _is_token_tensor(v, b, n) else v for k, v in out.items()}
+    if given_pos is not None:
+        local["position_ids"] = sp.shard(given_pos.expand(b, n), dim=1)
+    else:
+        local["position_ids"] = sp.position_ids(n, device=ids_bn.device).expand(b, -1)   # [B, L]
+    return local
+
+
+def _is_token_tensor(v, b: int, n: int) -> bool:
+    return isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[0] == b and v.shape[1] == n
+
+
+# ---------------------------------------------------------------------------------------------
+# token sources
+
+
+def stdlib_corpus(num_bytes: int = CORPUS_BYTES) -> np.ndarray:
+    """Byte-level corpus (vocab 256) from this Python's own standard-library sources.
+
+    Deterministic: sorted file list, files concatenated until ``num_bytes``. Machines with the
+    same Python version build the same corpus; train.py checks that all ranks agree."""
+    root = sysconfig.get_paths()["stdlib"]
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "__pycache__", "test"))
+        files += [os.path.join(dirpath, f) for f in filenames if f.endswith(".py")]
+    chunks, total = [], 0
+    for path in sorted(os.path.relpath(f, root) for f in files):
+        with open(os.path.join(root, path), "rb") as f:
+            data = f.read()
+        chunks.append(data)
+        total += len(data)
+        if total >= num_bytes:
+            break
+    corpus = np.frombuffer(b"".join(chunks)[:num_bytes], dtype=np.uint8)
+    if corpus.size < 1024:
+        raise RuntimeError(f"found only {corpus.size} bytes of Python sources under {root}; "
+                           f"pass --data with a token file instead")
+    return corpus
+
+
+def token_file(path: str, dtype: str = "uint16") -> np.ndarray:
+    """A flat binary file of token ids (nanoGPT style), memory-mapped, never loaded whole."""
+    if dtype not in TOKEN_DTYPES:
+        raise ValueError(f"--data_dtype={dtype!r} is not valid; choose one of: {', '.join(TOKEN_DTYPES)}")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--data {path!r} does not exist")
+    return np.memmap(path, dtype=TOKEN_DTYPES[dtype], mode="r")
+
+
+def fingerprint(tokens: np.ndarray) -> str:
+    """Cheap identity of a token source (size + strided sample), compared across ranks."""
+    sample = np.ascontiguousarray(tokens[:: max(1, tokens.size // 65536)])
+    return f"{tokens.size}:{hashlib.sha1(sample.tobytes()).hexdigest()[:16]}"
+
+
+# ---------------------------------------------------------------------------------------------
+# batches
+
+
+def batch_for_step(tokens: np.ndarray, step: int, micro_step: int, dp_rank: int, dp_size: int,
+                   micro_batch: int, seq_len: int, seed: int = 0, ignore_frac: float = 0.0
+                   ) -> Dict[str, torch.Tensor]:
+    """The global-order batch replica ``dp_rank`` trains on at (step, micro_step).
+
+    All replicas draw the offsets of the whole global batch from one generator seeded by
+    (seed, step, micro_step), and replica d takes rows [d*B, (d+1)*B): replicas never share rows,
+    and the ranks of one sequence group get the same rows. ``ignore_frac`` sets that fraction of
+    labels to IGNORE_INDEX (like masking prompt tokens), so masked losses are exercised.
+    """
+    if tokens.size < seq_len + 1:
+        raise ValueError(f"the token source has {tokens.size} tokens, fewer than --seq_len={seq_len}")
+    rng = np.random.default_rng([seed, step, micro_step])
+    offsets = rng.integers(0, tokens.size - seq_len, size=dp_size * micro_batch)
+    mine = offsets[dp_rank * micro_batch:(dp_rank + 1) * micro_batch]
+    ids_bn = torch.from_numpy(np.stack([np.asarray(tokens[o:o + seq_len], dtype=np.int64) for o in mine]))
+    labels_bn = ids_bn.clone()
+    if ignore_frac > 0:
+        drop = rng.random((dp_size * micro_batch, seq_len))[dp_rank * micro_batch:(dp_rank + 1) * micro_batch]
+        labels_bn[torch.from_numpy(drop < ignore_frac)] = IGNORE_INDEX
+    return {"input_ids": ids_bn, "labels": labels_bn}
+
+
+def vocab_size_of(tokens: np.ndarray, given: Optional[int]) -> int:
+    """Byte corpus: 256. Token files: --vocab_size, or max id + 1 (one pass over the file)."""
+    if given:
+        return int(given)
+    if tokens.dtype == np.uint8:
+        return 256
+    return int(tokens.max()) + 1
+
+
+__all__ = ["IGNORE_INDEX", "shift_labels", "shard_batch", "stdlib_corpus", "token_file", "fingerprint",
+           "batch_for_step", "vocab_size_of"]

@@ -1,0 +1,123 @@
+"""Where a training run's numbers go: runs/<name>/run.json + metrics.jsonl (always, rank 0) and
+wandb (when the DeepSpeed config's own "wandb" block enables it).
+
+DeepSpeed's WandbMonitor calls ``wandb.init(project, group, entity)`` inside
+``deepspeed.initialize`` on global rank 0 and nothing else, so the run's name, directory, tags and
+default group are handed over through wandb's environment variables before that call (and put
+back afterwards: a test process may train several times). ds_seqpar then adds its config and
+per-step metrics to that same run, logged at ``engine.global_samples``, the step DeepSpeed's own
+Train/Samples/* events use: wandb drops any row logged at a smaller step than the last one.
+
+The JSON-lines log needs no wandb: ``report`` tools read metrics.jsonl directly.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from contextlib import contextmanager
+from typing import Optional
+
+import torch
+
+
+def run_name(strategy: str, sp_size: int, dp_size: int, seq_len: int, given: Optional[str] = None) -> str:
+    return given or f"{strategy}-sp{sp_size}-dp{dp_size}-n{seq_len}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def run_group(strategy: str, sp_size: int, seq_len: int) -> str:
+    """Runs that differ only in seed/date land in one wandb group: same strategy, size and length."""
+    return f"{strategy}-sp{sp_size}-n{seq_len}"
+
+
+def unique_dir(root: str, name: str) -> str:
+    path, i = os.path.join(root, name), 1
+    while os.path.exists(path):
+        path, i = os.path.join(root, f"{name}-{i}"), i + 1
+    os.makedirs(path)
+    return path
+
+
+class RunLog:
+    """run.json (config, once) and metrics.jsonl (one JSON object per step), on the writer rank."""
+
+    def __init__(self, run_dir: Optional[str]):
+        self.run_dir = os.path.abspath(run_dir) if run_dir else None
+        self.metrics_path = os.path.join(self.run_dir, "metrics.jsonl") if run_dir else None
+
+    def write_config(self, config: dict) -> None:
+        if self.run_dir:
+            with open(os.path.join(self.run_dir, "run.json"), "w") as f:
+                json.dump(config, f, indent=2, sort_keys=True, default=str)
+
+    def log(self, record: dict) -> None:
+        if self.metrics_path:
+            # one line per step, flushed: a crashed or killed run keeps everything logged so far
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps(record, sort_keys=True) + "\n")
+
+
+@contextmanager
+def wandb_env(enabled: bool, name: str, group: str, tags: list, run_dir: Optional[str]):
+    """Environment that names DeepSpeed's wandb.init; restored on exit."""
+    saved = {k: os.environ.get(k) for k in ("WANDB_NAME", "WANDB_DIR", "WANDB_RUN_GROUP", "WANDB_TAGS",
+                                            "WANDB_MODE")}
+    try:
+        if enabled and run_dir:
+            os.environ.update(WANDB_NAME=name, WANDB_DIR=os.path.abspath(run_dir), WANDB_TAGS=",".join(tags))
+            os.environ.setdefault("WANDB_RUN_GROUP", group)   # the config's "group" wins when given
+            if "WANDB_MODE" not in os.environ and not os.environ.get("WANDB_API_KEY"):
+                # no credentials in the environment (or no network): log locally, `wandb sync` later
+                os.environ["WANDB_MODE"] = "offline"
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def attach_wandb(config: dict) -> Optional[str]:
+    """Add our config to the run DeepSpeed started; return the run directory (None: no run)."""
+    try:
+        import wandb
+    except ImportError:
+        return None
+    if wandb.run is None:
+        return None
+    wandb.run.config.update(config, allow_val_change=True)
+    wandb.define_metric("train/*", step_metric="train/step")
+    return os.path.dirname(wandb.run.dir)
+
+
+def wandb_log(metrics: dict, step: int) -> None:
+    import wandb
+    if wandb.run is not None:
+        wandb.log({f"train/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+
+
+def wandb_offline() -> bool:
+    import wandb
+    return wandb.run is not None and bool(wandb.run.offline)
+
+
+def wandb_finish() -> None:
+    try:
+        import wandb
+    except ImportError:
+        return
+    if wandb.run is not None:
+        wandb.finish()
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """CUDA: peak allocated by torch. CPU: peak resident set of this process (ru_maxrss is KiB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+__all__ = ["RunLog", "run_name", "run_group", "unique_dir", "wandb_env", "attach_wandb", "wandb_log",
+           "wandb_offline", "wandb_finish", "peak_memory_mb"]

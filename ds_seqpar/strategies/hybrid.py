@@ -1,0 +1,58 @@
+"""2D hybrid (USP): Ulysses all-to-all inside groups of U neighbouring ranks, a ring strategy
+(ring, zigzag or striped) across the R = size / U groups.
+
+Notation: U = ctx.ulysses_size, R = ctx.ring_size, n = local tokens per rank, H / H_kv = q / kv
+heads. The layout (layouts.HybridLayout) is the ring strategy's layout over R positions with each
+ring shard cut contiguously into U pieces, so one Ulysses group together holds one ring shard.
+
+Math -> code:
+
+    q_bshd [b, n, H, d] --all_to_all in ulysses_group (ulysses.scatter_heads)--> [b, U*n, H/U, d]
+        (k, v likewise with H_kv heads, repeated f = U / gcd(H_kv, U) times only if U does not
+        divide H_kv); the U*n tokens are this ring position's shard, in its local order
+    ring loop over ring_group on those tensors, with the ring strategy's mask policy
+    out [b, U*n, H/U, d] --all_to_all back (ulysses.heads_to_seq)--> [b, n, H, d]
+
+Attention is independent per head, so splitting heads inside the group and running the ring
+across groups is exact. Backward: the ring loop's backward between the two all-to-alls' duals.
+U == size (R == 1) is Ulysses with the ring's single diagonal step; U == 1 is never routed here
+(the config's strategy_key is then the ring strategy itself).
+
+Constraints: U divides H (key "sequence_parallel.ulysses_size"), checked before communication;
+the ring layout's length rule applies to the ring shard U*n (zigzag: U*n even).
+
+Bytes sent per rank, one forward + backward, element size e, e_acc = 4, S = elements of one local
+full-head tensor [b, n, H, d], S_kv = elements of the local k:
+
+    Ulysses: (U-1)/U * e * (4*S + 4*f*S_kv)           q, out, dout, dq and k, v, dk, dv
+    ring:    f*S_kv * (R - 1) * (4*e + 2*e_acc)       the ring form on the head-sharded,
+                                                     U-times-longer k: U*n * f*H_kv/U * d = f*S_kv
+"""
+from __future__ import annotations
+
+from .ring import RingAttention
+from .ring_loop import RingFamily, check_local_length, ring_attention
+from .ulysses import check_ulysses_heads, heads_to_seq, scatter_heads
+
+
+class HybridAttention(RingFamily):
+    name = "hybrid"
+    ring_cls = RingAttention          # the strategy run across Ulysses groups; see over()
+    layout_name = RingAttention.layout_name
+
+    @classmethod
+    def over(cls, ring_cls):
+        """The hybrid with ``ring_cls`` (ring, zigzag or striped) across groups, in its layout."""
+        return type(f"{ring_cls.__name__}Hybrid", (cls,),
+                    {"ring_cls": ring_cls, "layout_name": ring_cls.layout_name, "__doc__": cls.__doc__})
+
+    def check_heads(self, num_heads, num_kv_heads):
+        check_ulysses_heads(num_heads, num_kv_heads, self.ctx.ulysses_size, "sequence_parallel.ulysses_size")
+
+    def attention(self, q_bshd, k_bshd, v_bshd, causal, scale):
+        ctx = self.ctx
+        check_local_length(f"{self.ring_cls.name}", self.layout_name, ctx, q_bshd.shape[1])
+        # [b, n, H, d] -> [b, U*n, H/U, d]: this ring position's whole shard, a slice of the heads
+        q_u, k_u, v_u = scatter_heads(q_bshd, k_bshd, v_bshd, ctx.ulysses_group, ctx.ulysses_size, ctx.stats)
+        out_u = ring_attention(q_u, k_u, v_u, causal, scale, ctx, self.ring_cls.blocks)
+        return heads_to_seq(out_u, ctx.ulysses_group, ctx.stats)            # [b, n, H, d]

@@ -1,0 +1,61 @@
+"""Plain data-parallel training on one process: the reference the end-to-end tests compare with.
+
+Every replica's batch is computed in turn on the whole sequence (no sharding, no sp.loss, labels
+shifted the textbook way), the replicas' gradients are averaged, clipped, and the same optimizer
+and scheduler as the DeepSpeed config take the step, in DeepSpeed's order.
+"""
+import copy
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ds_seqpar import SequenceParallelConfig, data
+from ds_seqpar.models import CausalLM
+from ds_seqpar.train import load_ds_config, load_tokens, model_config
+from ds_seqpar.trainargs import resolve_args
+
+
+def plain_loss(model, batch):
+    ids = batch["input_ids"]
+    pos = torch.arange(ids.shape[1]).expand_as(ids)
+    logits = model(ids, pos)
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch["labels"][:, 1:].reshape(-1),
+                           ignore_index=data.IGNORE_INDEX)
+
+
+def reference_losses(args, dp_size):
+    """(losses per replica per step, gradient norm per step) of plain data-parallel training over
+    ``dp_size`` replicas; the norm is the averaged gradient's, before clipping."""
+    from deepspeed.runtime.lr_schedules import WarmupLR
+    opts = resolve_args(args)
+    ds = load_ds_config(opts)
+    cfg = model_config(opts, SequenceParallelConfig.from_ds_config(ds))
+    tokens = load_tokens(opts)
+    cfg.vocab_size = data.vocab_size_of(tokens, opts.vocab_size)
+    torch.manual_seed(opts.seed)
+    model = CausalLM(cfg, sp=None)
+    params = copy.deepcopy(ds["optimizer"]["params"])
+    params.pop("torch_adam", None)
+    assert ds["optimizer"]["type"] == "AdamW", ds["optimizer"]
+    opt = torch.optim.AdamW(model.parameters(), **params)
+    sched = WarmupLR(opt, **ds["scheduler"]["params"]) if "scheduler" in ds else None
+    micro, accum = ds["train_micro_batch_size_per_gpu"], ds.get("gradient_accumulation_steps", 1)
+    losses, norms = [[] for _ in range(dp_size)], []
+    for step in range(opts.steps):
+        opt.zero_grad()
+        for d in range(dp_size):
+            step_loss = 0.0
+            for m in range(accum):
+                batch = data.batch_for_step(tokens, step, m, d, dp_size, micro, opts.seq_len, opts.seed,
+                                            opts.ignore_frac)
+                loss = plain_loss(model, batch)
+                (loss / (dp_size * accum)).backward()
+                step_loss += loss.item() / accum
+            losses[d].append(step_loss)
+        clip = ds.get("gradient_clipping") or math.inf
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+        opt.step()
+        if sched is not None:
+            sched.step()
+    return losses, norms
