@@ -97,7 +97,7 @@ class SequenceParallelConfig(BaseModel):
     @classmethod
     def from_ds_config(cls, ds_config: Union[str, os.PathLike, Mapping[str, Any]]) -> "SequenceParallelConfig":
         """Read the key from a DeepSpeed config dict or JSON file; absent key = no parallelism."""
-        ds = _load(ds_config)
+        ds = load_ds_config(ds_config)
         section = ds.get(KEY, {})
         if not isinstance(section, Mapping):
             raise ConfigError(f"{KEY} must be an object like {{\"strategy\": \"ulysses\", \"size\": 2}}, "
@@ -128,7 +128,7 @@ def _divisors(n: int) -> list:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _load(ds_config) -> Mapping[str, Any]:
+def load_ds_config(ds_config) -> Mapping[str, Any]:
     if isinstance(ds_config, Mapping):
         return ds_config
     path = os.fspath(ds_config)

@@ -18,10 +18,13 @@ from typing import Any, Mapping, Optional, Union
 import torch
 
 from . import comm
-from .config import ConfigError, SequenceParallelConfig
+from .config import ConfigError, SequenceParallelConfig, load_ds_config
+from .data import shard_batch
+from .loss import sequence_loss
 from .kernels import get_kernel
 from .layouts import make_layout
 from .strategies import StrategyContext, get_strategy
+from .zero import deepspeed_grad_scale
 from .topology import ParallelDims, ProcessGroups, SequenceParallelMPU
 
 
@@ -51,6 +54,7 @@ class SequenceParallel:
         # 4. layout and strategy
         self.layout = make_layout(strategy_cls.layout_name, self.dims.ring_size, self.dims.ulysses_size)
         self.stats = comm.CommStats()
+        self.loss_grad_scale = 1.0     # from_ds_config sets what the ZeRO stage needs
         c = self.groups.coords
         self.strategy = strategy_cls(StrategyContext(
             sp_group=self.groups.sp_group, ulysses_group=self.groups.ulysses_group,
@@ -61,7 +65,11 @@ class SequenceParallel:
 
     @classmethod
     def from_ds_config(cls, ds_config, device=None) -> "SequenceParallel":
-        return cls(SequenceParallelConfig.from_ds_config(ds_config), device=device)
+        """Build from a DeepSpeed config (dict or JSON path). The ZeRO stage found there sets the
+        factor sp.loss's backward needs (see zero.py), so the training script need not."""
+        sp = cls(SequenceParallelConfig.from_ds_config(ds_config), device=device)
+        sp.loss_grad_scale = deepspeed_grad_scale(load_ds_config(ds_config), sp.size)
+        return sp
 
     # -- topology ------------------------------------------------------------------------------
     @property
@@ -128,15 +136,15 @@ class SequenceParallel:
     def shard_batch(self, batch, ignore_index: int = -100):
         """Shift labels over the whole sequence, then shard every [batch, seq] tensor in the layout
         and add global position_ids (see data.shard_batch)."""
-        from .data import shard_batch
         return shard_batch(batch, self, ignore_index)
 
-    def loss(self, logits, labels, ignore_index: int = -100, grad_scale: float = 1.0):
+    def loss(self, logits, labels, ignore_index: int = -100, grad_scale: Optional[float] = None):
         """Mean over the non-ignored tokens of the whole sequence, same on every rank; backward
-        gives this rank's share (see loss.py for why DeepSpeed's reduction then matches DP). ZeRO-3
-        averages over sequence ranks too: grad_scale=zero.deepspeed_grad_scale(ds_config, sp.size)."""
-        from .loss import sequence_loss
-        return sequence_loss(logits, labels, self.group, ignore_index, self.stats, grad_scale)
+        gives this rank's share (see loss.py for why DeepSpeed's reduction then matches DP).
+        ``grad_scale`` defaults to what the DeepSpeed config needs (P under ZeRO-3, else 1) when
+        this object was built with ``from_ds_config``."""
+        scale = self.loss_grad_scale if grad_scale is None else grad_scale
+        return sequence_loss(logits, labels, self.group, ignore_index, self.stats, scale)
 
     def __repr__(self) -> str:
         return (f"SequenceParallel(strategy={self.strategy_name!r}, size={self.size}, rank={self.rank}, "

@@ -32,7 +32,7 @@ from .config import ConfigError, SequenceParallelConfig
 from .models import CausalLM, ModelConfig
 from .parallel import SequenceParallel
 from .trainargs import DEFAULT_DS_CONFIG, TrainConfigError, build_parser, resolve_args
-from .zero import deepspeed_grad_scale, partition_for_zero3
+from .zero import partition_for_zero3
 
 
 def run_training(args: Mapping[str, Any]) -> Dict[str, Any]:
@@ -43,15 +43,15 @@ def run_training(args: Mapping[str, Any]) -> Dict[str, Any]:
     ds_config = load_ds_config(opts)
     sp_cfg = SequenceParallelConfig.from_ds_config(ds_config)
     model_cfg = model_config(opts, sp_cfg)
-    grad_scale = deepspeed_grad_scale(ds_config, sp_cfg.size)
-    sp = SequenceParallel(sp_cfg)                      # checks size | world before building groups
+    # checks size | world before building groups; takes the loss's ZeRO factor from the config
+    sp = SequenceParallel.from_ds_config(ds_config)
     check_run(sp, opts, model_cfg)
     tokens = load_tokens(opts)
     model_cfg.vocab_size = data.vocab_size_of(tokens, opts.vocab_size)
     _check_same_data(tokens, sp.mpu.get_sequence_data_parallel_group())
     torch.manual_seed(opts.seed)                       # same init everywhere; DeepSpeed broadcasts anyway
     model = partition_for_zero3(CausalLM(model_cfg, sp).to(sp.device), ds_config, sp)
-    trainer = Trainer(opts, ds_config, sp, model, tokens, grad_scale)
+    trainer = Trainer(opts, ds_config, sp, model, tokens)
     try:
         return trainer.train()
     finally:
@@ -166,11 +166,10 @@ def _check_same_data(tokens, world_group) -> None:
 
 
 class Trainer:
-    def __init__(self, opts, ds_config: dict, sp, model: CausalLM, tokens, grad_scale: float):
+    def __init__(self, opts, ds_config: dict, sp, model: CausalLM, tokens):
         import deepspeed
         from . import runlog
         self.opts, self.sp, self.tokens, self.runlog = opts, sp, tokens, runlog
-        self.grad_scale = grad_scale            # ZeRO-3 averages over sequence ranks too (loss.py)
         self.rank = comm.global_rank()
         self.is_writer = self.rank == 0
         name = runlog.run_name(sp.strategy_name, sp.size, sp.dp_size, opts.seq_len, opts.run_name)
@@ -270,7 +269,7 @@ class Trainer:
             local = {k: v.to(eng.device) for k, v in sp.shard_batch(batch).items()}
             c0 = self._clock()
             logits = eng(local["input_ids"], local["position_ids"])
-            loss = sp.loss(logits, local["labels"], grad_scale=self.grad_scale)
+            loss = sp.loss(logits, local["labels"])
             eng.backward(loss)
             compute_s += self._clock() - c0
             loss_sum += loss.item()
