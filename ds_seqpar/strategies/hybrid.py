@@ -51,7 +51,7 @@ class HybridAttention(RingFamily):
 
     def attention(self, q_bshd, k_bshd, v_bshd, causal, scale):
         ctx = self.ctx
-        check_local_length(f"{self.ring_cls.name}", self.layout_name, ctx, q_bshd.shape[1])
+        check_local_length(self.ring_cls.name, self.layout_name, ctx, q_bshd.shape[1])
         # [b, n, H, d] -> [b, U*n, H/U, d]: this ring position's whole shard, a slice of the heads
         q_u, k_u, v_u = scatter_heads(q_bshd, k_bshd, v_bshd, ctx.ulysses_group, ctx.ulysses_size, ctx.stats)
         out_u = ring_attention(q_u, k_u, v_u, causal, scale, ctx, self.ring_cls.blocks)

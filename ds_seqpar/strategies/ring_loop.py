@@ -112,7 +112,7 @@ def ring_forward(q_bshd, k_bshd, v_bshd, causal: bool, scale: float, ctx, blocks
     p, me, n = ctx.ring_size, ctx.ring_rank, q_bshd.shape[1]
     out_acc_bshd, lse_acc_bhs = empty_accumulators(q_bshd, v_bshd.shape[-1])
     ring = _Ring(ctx, shift=+1, kind="ring")
-    kv_block = (k_bshd, v_bshd)
+    kv_block, fresh = (k_bshd, v_bshd), True
     for step in range(p):
         src = (me - step) % p                      # forward walk: blocks arrive from me-1
         more = step < p - 1
@@ -121,7 +121,12 @@ def ring_forward(q_bshd, k_bshd, v_bshd, causal: bool, scale: float, ctx, blocks
         for sub in blocks(me, src, p, causal, n):
             out_blk, lse_blk = ctx.kernel.forward(q_bshd[:, sub.q], kv_block[0][:, sub.k],
                                                   kv_block[1][:, sub.k], sub.causal, scale)
-            merge_(out_acc_bshd[:, sub.q], lse_acc_bhs[:, :, sub.q], out_blk, lse_blk)
+            if fresh and sub.q == ALL:             # nothing merged yet: the block is the result
+                out_acc_bshd.copy_(out_blk)
+                lse_acc_bhs.copy_(lse_blk)
+            else:
+                merge_(out_acc_bshd[:, sub.q], lse_acc_bhs[:, :, sub.q], out_blk, lse_blk)
+            fresh = False
         if more:
             if not ctx.overlap:
                 ring.start(kv_block, owned=step > 0)
@@ -133,27 +138,30 @@ def ring_forward(q_bshd, k_bshd, v_bshd, causal: bool, scale: float, ctx, blocks
 # backward
 
 
-def _block_grads(dout_bshd, q_bshd, kv_block, out_bshd, lse_bhs, subs, scale, kernel, dq_acc_bshd):
-    """Kernel backward per sub-block with the final out/lse rows; dq added in place, the
-    (key slice, dk, dv) pieces returned for the block's travelling accumulator."""
-    pieces = []
-    for sub in subs:
-        dq, dk, dv = kernel.backward(dout_bshd[:, sub.q], q_bshd[:, sub.q], kv_block[0][:, sub.k],
-                                     kv_block[1][:, sub.k], out_bshd[:, sub.q], lse_bhs[:, :, sub.q],
-                                     sub.causal, scale)
-        dq_acc_bshd[:, sub.q] += dq
-        pieces.append((sub.k, dk, dv))
-    return pieces
+def _block_grads(dout_bshd, q_bshd, kv_block, out_bshd, lse_bhs, subs, scale, kernel):
+    """Kernel backward per sub-block, given the final out/lse rows: [(sub, dq, dk, dv)]."""
+    return [(sub, *kernel.backward(dout_bshd[:, sub.q], q_bshd[:, sub.q], kv_block[0][:, sub.k],
+                                   kv_block[1][:, sub.k], out_bshd[:, sub.q], lse_bhs[:, :, sub.q],
+                                   sub.causal, scale))
+            for sub in subs]
 
 
-def _fold(dkv_acc, pieces, zero: bool) -> None:
-    dk_acc, dv_acc = dkv_acc
-    if zero:
-        dk_acc.zero_()
-        dv_acc.zero_()
-    for ks, dk, dv in pieces:
-        dk_acc[:, ks] += dk
-        dv_acc[:, ks] += dv
+def _sum_into(acc, pieces, fresh: bool) -> None:
+    """acc[:, s] += x for each (s, x). ``fresh``: acc is uninitialised and becomes exactly the sum
+    (a whole-width first piece is copied in, saving a zero-fill and an add pass)."""
+    if fresh:
+        if pieces and pieces[0][0] == ALL:
+            acc.copy_(pieces[0][1])
+            pieces = pieces[1:]
+        else:
+            acc.zero_()
+    for sl, x in pieces:
+        acc[:, sl] += x
+
+
+def _sum_kv_into(dkv_acc, grads, fresh: bool) -> None:
+    _sum_into(dkv_acc[0], [(sub.k, dk) for sub, _, dk, _ in grads], fresh)
+    _sum_into(dkv_acc[1], [(sub.k, dv) for sub, _, _, dv in grads], fresh)
 
 
 def ring_backward(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, causal: bool, scale: float,
@@ -161,27 +169,29 @@ def ring_backward(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, causal: 
     """(dq, dk, dv) of this rank's shards; the ring is walked in reverse (see module doc)."""
     p, me, n = ctx.ring_size, ctx.ring_rank, q_bshd.shape[1]
     dout_bshd = dout_bshd.contiguous()
-    dq_acc_bshd = torch.zeros(q_bshd.shape, dtype=torch.float32, device=q_bshd.device)
     kv_ring = _Ring(ctx, shift=-1, kind="ring")
     dkv_ring = _Ring(ctx, shift=-1, kind="ring_grad")
     kv_block = (k_bshd, v_bshd)
+    dq_acc_bshd = torch.empty(q_bshd.shape, dtype=torch.float32, device=q_bshd.device)
     dkv_home = [torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in kv_block]
     for step in range(p):
         src = (me + step) % p                      # reverse walk: blocks arrive from me+1
         more = step < p - 1
         if more and ctx.overlap:
             kv_ring.start(kv_block, owned=step > 0)
-        pieces = _block_grads(dout_bshd, q_bshd, kv_block, out_bshd, lse_bhs, blocks(me, src, p, causal, n),
-                              scale, ctx.kernel, dq_acc_bshd)
+        grads = _block_grads(dout_bshd, q_bshd, kv_block, out_bshd, lse_bhs, blocks(me, src, p, causal, n),
+                             scale, ctx.kernel)
+        _sum_into(dq_acc_bshd, [(sub.q, dq) for sub, dq, _, _ in grads], fresh=step == 0)
         if step == 0:
-            _fold(dkv_home, pieces, zero=True)     # own block: its gradient never leaves
+            _sum_kv_into(dkv_home, grads, fresh=True)      # own block: its gradient never leaves
         else:
             # step 1 starts src's travelling accumulator; later steps add to the one that arrived
             dkv_acc = dkv_ring.buffers(dkv_home) if step == 1 else dkv_ring.finish()
-            _fold(dkv_acc, pieces, zero=step == 1)
+            _sum_kv_into(dkv_acc, grads, fresh=step == 1)
             dkv_ring.start(dkv_acc, owned=True)
             if not ctx.overlap:
                 dkv_ring.finish()
+        del grads
         if more:
             if not ctx.overlap:
                 kv_ring.start(kv_block, owned=step > 0)
