@@ -17,6 +17,8 @@ from typing import Dict, Mapping, Optional
 import numpy as np
 import torch
 
+from .padding import pad_to
+
 IGNORE_INDEX = -100
 CORPUS_BYTES = 4 << 20        # fixed subset size: identical corpus on every rank and every run
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -59,10 +61,16 @@ def shard_batch(batch: Mapping[str, torch.Tensor], sp=None, ignore_index: int = 
         whole = torch.arange(n, device=ids_bn.device).expand(b, n)
         out["position_ids"] = given_pos if given_pos is not None else whole
         return out
-    sp.layout.validate(n)   # before touching anything: a clear error naming the length and divisor
-    local = {k: sp.shard(v, dim=1) if _is_token_tensor(v, b, n) else v for k, v in out.items()}
+    # any length: pad at the end to what the layout needs (padding.py); pads are ignored labels
+    padded = sp.padded_len(n)
+    local = {}
+    for key, v in out.items():
+        if _is_token_tensor(v, b, n):
+            fill = ignore_index if key == "labels" else 0
+            v = sp.shard(pad_to(v, 1, padded, fill), dim=1)
+        local[key] = v
     if given_pos is not None:
-        local["position_ids"] = sp.shard(given_pos.expand(b, n), dim=1)
+        local["position_ids"] = sp.shard(pad_to(given_pos.expand(b, n), 1, padded), dim=1)
     else:
         local["position_ids"] = sp.position_ids(n, device=ids_bn.device).expand(b, -1)   # [B, L]
     return local

@@ -21,6 +21,7 @@ from . import comm
 from .config import ConfigError, SequenceParallelConfig, load_ds_config
 from .data import shard_batch
 from .loss import sequence_loss
+from .padding import check_seq_len, pad_to, padded_len
 from .kernels import get_kernel
 from .layouts import make_layout
 from .strategies import StrategyContext, get_strategy
@@ -102,29 +103,44 @@ class SequenceParallel:
 
     # -- tokens --------------------------------------------------------------------------------
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """Global-order tensor -> this rank's tokens, in the strategy's layout."""
-        self.layout.validate(x.shape[dim])
+        """Global-order tensor -> this rank's tokens, in the strategy's layout. A length the layout
+        cannot split is padded with zeros at the end first (padding.py); pass the real length as
+        ``seq_len`` to attention (non-causal) and unshard."""
+        dim = dim % x.dim()
+        x = pad_to(x, dim, self.padded_len(x.shape[dim]))
         return self.layout.shard(x, dim, self.rank)
 
-    def unshard(self, local: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """Inverse of shard: every rank gets the global-order tensor (differentiable)."""
+    def unshard(self, local: torch.Tensor, dim: int = 1, seq_len: Optional[int] = None) -> torch.Tensor:
+        """Inverse of shard: every rank gets the global-order tensor (differentiable); ``seq_len``
+        drops the end padding that shard added."""
         dim = dim % local.dim()
         gathered = comm.all_gather(local, dim, self.group, self.stats, kind="unshard")
-        return self.layout.unshard(list(gathered.chunk(self.size, dim=dim)), dim)
+        full = self.layout.unshard(list(gathered.chunk(self.size, dim=dim)), dim)
+        if seq_len is not None:
+            check_seq_len(seq_len, full.shape[dim], self.layout.required_multiple)
+            full = full.narrow(dim, 0, seq_len)
+        return full
 
     def position_ids(self, seq_len: int, device=None) -> torch.Tensor:
-        """Global positions of this rank's tokens (for RoPE)."""
-        self.layout.validate(seq_len)
-        return self.layout.indices(seq_len, self.rank).to(device or self.device)
+        """Global positions of this rank's tokens (for RoPE); end padding continues the count."""
+        return self.layout.indices(self.padded_len(seq_len), self.rank).to(device or self.device)
+
+    def padded_len(self, seq_len: int) -> int:
+        """The length shard() pads ``seq_len`` to: the next multiple the layout can split."""
+        return padded_len(self.layout, seq_len)
 
     # -- attention -----------------------------------------------------------------------------
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                  softmax_scale: Optional[float] = None) -> torch.Tensor:
-        """Exact softmax attention over the whole sequence; q, k, v are this rank's shards [b, s, h, d]."""
+                  softmax_scale: Optional[float] = None, seq_len: Optional[int] = None) -> torch.Tensor:
+        """Exact softmax attention over the whole sequence; q, k, v are this rank's shards [b, s, h, d].
+        ``seq_len``: the real global length when shard() padded the sequence; padding keys are then
+        excluded (causal attention never sees them anyway, padding.py)."""
         check_qkv(q, k, v)
         self.strategy.check_heads(q.shape[2], k.shape[2])
+        if seq_len is not None:
+            check_seq_len(seq_len, q.shape[1] * self.size, self.layout.required_multiple)
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        return self.strategy.attention(q, k, v, causal, scale)
+        return self.strategy.attention(q, k, v, causal, scale, seq_len)
 
     def linear_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          decay: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -43,7 +43,8 @@ class Strategy:
         self.ctx = ctx
 
     def attention(self, q_bshd: torch.Tensor, k_bshd: torch.Tensor, v_bshd: torch.Tensor,
-                  causal: bool, scale: float) -> torch.Tensor:
+                  causal: bool, scale: float, seq_len: Optional[int] = None) -> torch.Tensor:
+        """``seq_len``: the real global length when the shards carry end padding (padding.py)."""
         raise ValueError(f"sequence_parallel.strategy={self.name!r} computes linear attention; call "
                          f"sp.linear_attention(q, k, v, decay) or pick a softmax strategy "
                          f"(ulysses, ring, zigzag, striped)")

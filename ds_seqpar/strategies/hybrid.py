@@ -39,20 +39,23 @@ class HybridAttention(RingFamily):
     name = "hybrid"
     ring_cls = RingAttention          # the strategy run across Ulysses groups; see over()
     layout_name = RingAttention.layout_name
+    blocks = staticmethod(RingAttention.blocks)
 
     @classmethod
     def over(cls, ring_cls):
         """The hybrid with ``ring_cls`` (ring, zigzag or striped) across groups, in its layout."""
         return type(f"{ring_cls.__name__}Hybrid", (cls,),
-                    {"ring_cls": ring_cls, "layout_name": ring_cls.layout_name, "__doc__": cls.__doc__})
+                    {"ring_cls": ring_cls, "layout_name": ring_cls.layout_name,
+                     "blocks": staticmethod(ring_cls.blocks), "__doc__": cls.__doc__})
 
     def check_heads(self, num_heads, num_kv_heads):
         check_ulysses_heads(num_heads, num_kv_heads, self.ctx.ulysses_size, "sequence_parallel.ulysses_size")
 
-    def attention(self, q_bshd, k_bshd, v_bshd, causal, scale):
+    def attention(self, q_bshd, k_bshd, v_bshd, causal, scale, seq_len=None):
         ctx = self.ctx
         check_local_length(self.ring_cls.name, self.layout_name, ctx, q_bshd.shape[1])
         # [b, n, H, d] -> [b, U*n, H/U, d]: this ring position's whole shard, a slice of the heads
         q_u, k_u, v_u = scatter_heads(q_bshd, k_bshd, v_bshd, ctx.ulysses_group, ctx.ulysses_size, ctx.stats)
-        out_u = ring_attention(q_u, k_u, v_u, causal, scale, ctx, self.ring_cls.blocks)
+        blocks = self.policy(causal, seq_len, q_u.shape[1])
+        out_u = ring_attention(q_u, k_u, v_u, causal, scale, ctx, blocks)
         return heads_to_seq(out_u, ctx.ulysses_group, ctx.stats)            # [b, n, H, d]

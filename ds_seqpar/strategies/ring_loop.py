@@ -43,6 +43,7 @@ import torch
 from .. import comm
 from ..kernels import empty_accumulators, merge_
 from ..layouts import make_layout
+from ..padding import valid_prefix
 from .base import Strategy
 
 
@@ -256,6 +257,28 @@ class RingFamily(Strategy):
     def blocks(me: int, src: int, p: int, causal: bool, n: int) -> Sequence[SubBlock]:
         raise NotImplementedError
 
-    def attention(self, q_bshd, k_bshd, v_bshd, causal, scale):
+    def attention(self, q_bshd, k_bshd, v_bshd, causal, scale, seq_len=None):
         check_local_length(self.name, self.layout_name, self.ctx, q_bshd.shape[1])
-        return ring_attention(q_bshd, k_bshd, v_bshd, causal, scale, self.ctx, self.blocks)
+        blocks = self.policy(causal, seq_len, q_bshd.shape[1])
+        return ring_attention(q_bshd, k_bshd, v_bshd, causal, scale, self.ctx, blocks)
+
+    def policy(self, causal: bool, seq_len, n_ring: int) -> BlockPolicy:
+        """The mask policy; with end padding (seq_len < padded length) non-causal blocks keep only
+        the real keys, a prefix of each block (padding.py). Causal blocks never see pads."""
+        padded = n_ring * self.ctx.ring_size
+        if causal or seq_len is None or seq_len == padded:
+            return self.blocks
+        return only_real_keys(self.blocks, valid_prefix(self.layout_name, self.ctx.ring_size, padded, seq_len))
+
+
+def only_real_keys(blocks: BlockPolicy, valid: Sequence[int]) -> BlockPolicy:
+    """Restrict every (non-causal) sub-block's keys to the first ``valid[src]`` of the block."""
+    def policy(me, src, p, causal, n):
+        subs = []
+        for sub in blocks(me, src, p, causal, n):
+            start, stop, _ = sub.k.indices(n)
+            stop = min(stop, valid[src])
+            if stop > start:
+                subs.append(SubBlock(sub.q, slice(start, stop), sub.causal))
+        return subs
+    return policy

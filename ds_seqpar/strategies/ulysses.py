@@ -70,9 +70,12 @@ class UlyssesAttention(Strategy):
     def check_heads(self, num_heads: int, num_kv_heads: int) -> None:
         check_ulysses_heads(num_heads, num_kv_heads, self.ctx.ulysses_size, "sequence_parallel.size")
 
-    def attention(self, q_bshd, k_bshd, v_bshd, causal, scale):
+    def attention(self, q_bshd, k_bshd, v_bshd, causal, scale, seq_len=None):
         ctx = self.ctx
         q_full, k_full, v_full = scatter_heads(q_bshd, k_bshd, v_bshd, ctx.ulysses_group, ctx.ulysses_size,
                                                ctx.stats)
+        if not causal and seq_len is not None and seq_len < k_full.shape[1]:
+            # end padding (padding.py): the real keys are the first seq_len of the whole sequence
+            k_full, v_full = k_full[:, :seq_len], v_full[:, :seq_len]
         out_full = local_attention(q_full, k_full, v_full, ctx.kernel, causal, scale)   # [b, S, H/P, d]
         return heads_to_seq(out_full, ctx.ulysses_group, ctx.stats)
