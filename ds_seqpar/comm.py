@@ -4,6 +4,7 @@ Verbs, with the process group always passed in (no group singletons):
   all_to_all     exchange one dimension for another inside a group (differentiable)
   all_gather     concatenate every rank's tensor along a dim (differentiable; dual: reduce_scatter)
   reduce_scatter sum over ranks, keep this rank's slice (dual of all_gather)
+  all_gather_async, reduce_scatter_async   the same, posted: wait() later (overlap)
   all_reduce     sum (or max) over the group, in place
   ring_send_recv post a send to rank+shift and a receive from rank-shift; wait() later (overlap)
 Every verb records what it sent in a ``CommStats`` (bytes this rank put on the wire, calls, and
@@ -15,7 +16,7 @@ import datetime
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -144,31 +145,17 @@ def all_reduce(x: torch.Tensor, group, stats: Optional[CommStats] = None, op: st
 
 
 def _all_gather(x: torch.Tensor, dim: int, group, stats, kind) -> torch.Tensor:
-    p = dist.get_world_size(group)
-    if p == 1:
+    if dist.get_world_size(group) == 1:
         return x
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(p)]
-    with _timed(stats, kind):
-        dist.all_gather(parts, x, group=group)
-    if stats is not None:
-        stats.record(kind, _nbytes(x) * (p - 1))
-    return torch.cat(parts, dim=dim)
+    return torch.cat(all_gather_async(x, group, stats, kind).wait(), dim=dim)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group, stats, kind) -> torch.Tensor:
     """Sum over ranks, keep this rank's 1/P slice along ``dim``. Built on all-to-all (gloo has no
     reduce-scatter); the bytes on the wire are those of a reduce-scatter: (P-1)/P of x."""
-    p = dist.get_world_size(group)
-    if p == 1:
+    if dist.get_world_size(group) == 1:
         return x
-    pieces_pX = torch.stack(torch.tensor_split(x, p, dim=dim)).contiguous()
-    received_pX = torch.empty_like(pieces_pX)
-    with _timed(stats, kind):
-        dist.all_to_all_single(received_pX, pieces_pX, group=group)
-    if stats is not None:
-        stats.record(kind, _nbytes(pieces_pX) * (p - 1) // p)
-    return received_pX.sum(0)
+    return reduce_scatter_async(x, dim, group, stats, kind).wait()
 
 
 def gather_object(obj, group=None) -> list:
@@ -252,6 +239,49 @@ class PendingP2P:
         return self._received
 
 
+class PendingCollective(PendingP2P):
+    """A posted collective (async_op=True: gloo runs it on its own threads while this one
+    computes); ``wait()`` blocks, then returns ``finish(received)``. Holds its send buffer so
+    that it outlives the transfer."""
+
+    def __init__(self, work, sent: torch.Tensor, received, finish: Callable, stats, kind):
+        super().__init__([work] if work is not None else [], received, stats, kind)
+        self._sent, self._finish = sent, finish
+
+    def wait(self):
+        return self._finish(super().wait())
+
+
+def all_gather_async(x: torch.Tensor, group, stats: Optional[CommStats] = None,
+                     kind: str = "all_gather") -> PendingCollective:
+    """Post an all-gather of ``x``; ``wait()`` returns every rank's tensor, in rank order."""
+    x = x.contiguous()
+    p = dist.get_world_size(group)
+    if p == 1:
+        return PendingCollective(None, x, [x], lambda parts: parts, stats, kind)
+    parts = [torch.empty_like(x) for _ in range(p)]
+    work = dist.all_gather(parts, x, group=group, async_op=True)
+    if stats is not None:
+        stats.record(kind, _nbytes(x) * (p - 1))
+    return PendingCollective(work, x, parts, lambda parts: parts, stats, kind)
+
+
+def reduce_scatter_async(x: torch.Tensor, dim: int, group, stats: Optional[CommStats] = None,
+                         kind: str = "reduce_scatter") -> PendingCollective:
+    """Post a reduce-scatter of ``x`` along ``dim`` (an all-to-all then a local sum: gloo has no
+    reduce-scatter; the bytes are a reduce-scatter's, (P-1)/P of x); ``wait()`` returns this
+    rank's summed slice. Not differentiable (used inside hand-written backward passes)."""
+    p = dist.get_world_size(group)
+    if p == 1:
+        return PendingCollective(None, x, x, lambda x: x, stats, kind)
+    pieces_pX = torch.stack(torch.tensor_split(x, p, dim=dim)).contiguous()   # piece j goes to rank j
+    received_pX = torch.empty_like(pieces_pX)
+    work = dist.all_to_all_single(received_pX, pieces_pX, group=group, async_op=True)
+    if stats is not None:
+        stats.record(kind, _nbytes(pieces_pX) * (p - 1) // p)
+    return PendingCollective(work, pieces_pX, received_pX, lambda received_pX: received_pX.sum(0), stats, kind)
+
+
 def p2p(sends: Sequence, recvs: Sequence, group, stats: Optional[CommStats] = None,
         kind: str = "p2p") -> PendingP2P:
     """Post ``sends`` [(tensor, group_rank)] and ``recvs`` [(buffer, group_rank)] at once."""
@@ -307,3 +337,17 @@ def all_reduce_sum(x: torch.Tensor, group, stats: Optional[CommStats] = None,
                    kind: str = "all_reduce") -> torch.Tensor:
     """Sum over the group, out of place, same value on every rank; backward is the identity."""
     return _AllReduceSum.apply(x, group, stats, kind)
+
+
+def unresponsive_ranks(timeout_s: float = 5.0):
+    """After a failed collective: which ranks do not answer a monitored barrier (gloo only).
+    Returns the list of global ranks, [] if all answered, None if it cannot be told here."""
+    import re
+    if not is_initialized() or dist.get_backend() != "gloo":
+        return None
+    try:
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
+        return []
+    except RuntimeError as err:
+        found = re.search(r"[Rr]anks? ([\d, ]+) failed to pass monitoredBarrier", str(err))
+        return [int(r) for r in found.group(1).replace(" ", "").split(",") if r] if found else None

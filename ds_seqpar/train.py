@@ -27,7 +27,7 @@ from typing import Any, Dict, Mapping, Optional
 
 import torch
 
-from . import comm, data
+from . import comm, data, faults
 from .config import ConfigError, SequenceParallelConfig
 from .models import CausalLM, ModelConfig
 from .parallel import SequenceParallel
@@ -39,9 +39,9 @@ def run_training(args: Mapping[str, Any]) -> Dict[str, Any]:
     """Train as the command line would with these options; return this rank's summary:
     ``losses`` (this replica's loss per step run), ``mean_losses`` (over replicas), ranks, paths."""
     opts = resolve_args(args)
-    _join_world(opts)
     ds_config = load_ds_config(opts)
     sp_cfg = SequenceParallelConfig.from_ds_config(ds_config)
+    _join_world(opts, sp_cfg.timeout_s)
     model_cfg = model_config(opts, sp_cfg)
     # checks size | world before building groups; takes the loss's ZeRO factor from the config
     sp = SequenceParallel.from_ds_config(ds_config)
@@ -62,12 +62,15 @@ def run_training(args: Mapping[str, Any]) -> Dict[str, Any]:
 # setup
 
 
-def _join_world(opts) -> None:
+def _join_world(opts, timeout_s: float) -> None:
+    import datetime
     import deepspeed
     if not comm.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        # the world group's collectives (DeepSpeed's own) get the same timeout as ours
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=True,
-                                   distributed_port=opts.master_port)
+                                   distributed_port=opts.master_port,
+                                   timeout=datetime.timedelta(seconds=timeout_s))
     else:
         deepspeed.init_distributed(dist_backend=comm.backend_name())   # adopt the existing world
     if torch.cuda.is_available():
@@ -239,6 +242,7 @@ class Trainer:
         bar = tqdm(total=self.opts.steps, initial=start, disable=not self.is_writer or not self.opts.progress,
                    desc=f"{self.sp.strategy_name} sp{self.sp.size} x dp{self.sp.dp_size}", unit="step")
         for step in range(start, self.opts.steps):
+            faults.maybe_inject(self.rank, step)
             local = self.step(step)
             metrics = self.reduce_metrics(step, local)
             losses.append(local["loss"])
@@ -342,7 +346,25 @@ def main(argv: Optional[list] = None) -> int:
         sys.stderr.flush()
         os.write(2, f"ds_seqpar.train: error: {err}\n".encode())
         return 2
+    except Exception as err:  # noqa: BLE001 - say which rank failed, then fail the launcher
+        rank = os.environ.get("RANK", "?")
+        hint = _comm_failure_hint() if _is_comm_error(err) else ""
+        sys.stderr.flush()
+        os.write(2, f"ds_seqpar.train: rank {rank} failed: {type(err).__name__}: {err}{hint}\n".encode())
+        return 1
     return 0
+
+
+def _comm_failure_hint() -> str:
+    missing = comm.unresponsive_ranks()
+    who = (f"rank(s) {', '.join(map(str, missing))} stopped responding" if missing else
+           "another rank died or stopped responding; its own error is above")
+    return f" (a collective failed or timed out: {who}; sequence_parallel.timeout_s bounds the wait)"
+
+
+def _is_comm_error(err: BaseException) -> bool:
+    text = f"{type(err).__name__} {err}".lower()
+    return any(w in text for w in ("gloo", "nccl", "timed out", "timeout", "connection", "distbackend", "peer"))
 
 
 def _quiet_deepspeed() -> None:
