@@ -16,9 +16,10 @@ Block decomposition the LASP strategy relies on (t = local position, S = block l
     o_t         = intra(q, k, v)_t + lambda^(t+1) q_t . state_in        intra_forward + state_output
     state_local = sum_s lambda^(S-1-s) k_s^T v_s  (excludes state_in)
     state after the block = lambda^S state_in + state_local              (state_decay gives lambda^S)
-so a strategy can overlap: intra_forward while state_in travels, then state_output(..., out=o);
-in backward, state_output_backward gives dstate_in from q and do alone, intra_backward runs while
-dstate_local travels, and state_local_backward adds its dk, dv (chunked_* do all of it in one call).
+so a strategy can overlap: state_local(k, v) first (to send), intra_forward while states travel,
+then state_output(..., out=o); in backward, state_output_backward gives dstate_in from q and do
+alone, intra_backward runs while dstate_local travels, and state_local_backward adds its dk, dv
+(chunked_* do all of it in one call).
 Work is a Python loop over heads of batched matmuls on strided per-head views: no layout copies of
 q/k/v, K/V never repeated for GQA, and one head's working set stays in cache. Forward and backward
 are explicit functions; LinearAttentionFunction only saves tensors and calls them. Powers of lambda
@@ -32,12 +33,13 @@ from torch import Tensor
 
 
 # ----------------------------------------------------------------------------- checks and decay tables
-def _state_dtype(dtype: torch.dtype) -> torch.dtype:
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
     # States sum many outer products: fp32 even for bf16/fp16 inputs; fp64 stays fp64 for tests.
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _check_inputs(q_bshd: Tensor, k_bshd: Tensor, v_bshd: Tensor, decay_h: Optional[Tensor]) -> None:
+def check_inputs(q_bshd: Tensor, k_bshd: Tensor, v_bshd: Tensor, decay_h: Optional[Tensor]) -> None:
+    """ValueError for bad shapes, dtypes or decay; LASP calls it before any communication."""
     if q_bshd.dim() != 4 or k_bshd.dim() != 4 or v_bshd.dim() != 4:
         raise ValueError(f"linear attention wants q, k, v as [batch, seq, heads, dim]; got shapes "
                          f"{tuple(q_bshd.shape)}, {tuple(k_bshd.shape)}, {tuple(v_bshd.shape)}")
@@ -62,9 +64,13 @@ def _check_inputs(q_bshd: Tensor, k_bshd: Tensor, v_bshd: Tensor, decay_h: Optio
 
 
 def _powers(decay_h: Tensor, exponents: Tensor, dtype: torch.dtype) -> Tensor:
-    """lambda_h^e as [H, len(e), 1] in dtype, via exp(e log lambda) in fp32/fp64 (e >= 0: no overflow)."""
-    log_h1 = decay_h.to(exponents.device, _state_dtype(dtype)).log().view(-1, 1)   # [H, 1]
-    return torch.exp(exponents.to(log_h1.dtype) * log_h1).unsqueeze(-1).to(dtype)
+    """lambda_h^e as [H, len(e), 1] in dtype, via exp(e log lambda) in fp32/fp64 (e >= 0: no overflow).
+    Powers below dtype's smallest normal number are exactly 0 (flush to zero): LASP's state terms
+    reach lambda^S over a whole block, and denormal multipliers make CPU matmuls and products several
+    times slower, while what they weight is negligible beside the weight-1 terms of the same sums."""
+    log_h1 = decay_h.to(exponents.device, state_dtype(dtype)).log().view(-1, 1)   # [H, 1]
+    pw_he = torch.exp(exponents.to(log_h1.dtype) * log_h1).to(dtype)
+    return pw_he.masked_fill(pw_he < torch.finfo(dtype).tiny, 0).unsqueeze(-1)
 
 
 def _position_decay(decay_h: Tensor, like_bshd: Tensor, offset: int) -> Tensor:
@@ -111,7 +117,7 @@ def _head(x_bnchd: Tensor, h: int) -> Tensor:
 
 
 def _prepare(q_bshd, k_bshd, v_bshd, decay_h, chunk_size) -> _Block:
-    _check_inputs(q_bshd, k_bshd, v_bshd, decay_h)
+    check_inputs(q_bshd, k_bshd, v_bshd, decay_h)
     if chunk_size < 1:
         raise ValueError(f"linear attention: chunk_size must be >= 1; got {chunk_size}")
     h, hkv = q_bshd.shape[2], k_bshd.shape[2]
@@ -124,7 +130,7 @@ def _prepare(q_bshd, k_bshd, v_bshd, decay_h, chunk_size) -> _Block:
     # exponent i-j clamped at 0 above the diagonal: those entries are masked, and must not overflow
     age = (pos[:, None] - pos[None, :]).clamp(min=0).flatten()
     mask = _powers(decay_h, age, q_bshd.dtype).view(h, c, c) * causal
-    step = _powers(decay_h, torch.tensor([c], device=pos.device), _state_dtype(q_bshd.dtype)).view(h, 1, 1, 1)
+    step = _powers(decay_h, torch.tensor([c], device=pos.device), state_dtype(q_bshd.dtype)).view(h, 1, 1, 1)
     return _Block(q, k, v, pad, hkv, h, mask, _powers(decay_h, pos + 1, q_bshd.dtype),
                   _powers(decay_h, c - 1 - pos, q_bshd.dtype), step)
 
@@ -149,7 +155,7 @@ def _chunk_states(blk: _Block) -> Tuple[Tensor, Tensor]:
     """(st_zbnkv: state before each chunk, state after the last chunk [Hs, B, Dk, Dv])."""
     b, n, c, _, dk = blk.k.shape
     dv = blk.v.shape[-1]
-    kv = torch.empty(blk.state_heads, b, n, dk, dv, dtype=_state_dtype(blk.k.dtype), device=blk.k.device)
+    kv = torch.empty(blk.state_heads, b, n, dk, dv, dtype=state_dtype(blk.k.dtype), device=blk.k.device)
     for hs in range(blk.state_heads):                    # each chunk's own part
         k_mcd = _head(blk.k, _kv_of_state(blk, hs))
         k_mcd = k_mcd if blk.k_out is None else k_mcd * blk.k_out[hs]
@@ -203,6 +209,21 @@ def intra_forward(q_bshd, k_bshd, v_bshd, decay_h=None, chunk_size=64) -> Tuple[
             o_mcd.baddbmm_(qd_mcd, st[hs].view(b * n, dk, -1).to(o.dtype))
         o[:, :, qh] = o_mcd.view(b, n * c, -1)
     return o[:, blk.pad:], _expand_state(final, h)
+
+
+def state_local(k_bshd: Tensor, v_bshd: Tensor, num_heads: int, decay_h: Optional[Tensor] = None) -> Tensor:
+    """state_local_bhkv = sum_s lambda^(S-1-s) k_s^T v_s per q head, from k and v alone: what a
+    LASP rank sends before its intra work (intra_forward returns the same state, but only after
+    all of that work). One [Dk, S] x [S, Dv] matmul per state head."""
+    b, s, hkv, dk = k_bshd.shape
+    hs_count = num_heads if decay_h is not None else hkv
+    k_out = None if decay_h is None else _position_decay(decay_h, k_bshd, 0).flip(1)   # lambda^(S-1-t)
+    st_zbkv = k_bshd.new_empty(hs_count, b, dk, v_bshd.shape[-1], dtype=state_dtype(k_bshd.dtype))
+    for hs in range(hs_count):
+        kvh = hs // (hs_count // hkv)
+        k_bsd = k_bshd[:, :, kvh] if k_out is None else k_bshd[:, :, kvh] * k_out[hs]
+        _bmm_acc(st_zbkv[hs], k_bsd.transpose(1, 2), v_bshd[:, :, kvh], True)
+    return _expand_state(st_zbkv, num_heads)
 
 
 def state_output(q_bshd: Tensor, state_in_bhkv: Tensor, decay_h: Optional[Tensor] = None,
@@ -279,7 +300,7 @@ def intra_backward(do_bshd, q_bshd, k_bshd, v_bshd, decay_h=None, chunk_size=64,
     blk = _prepare(q_bshd, k_bshd, v_bshd, decay_h, chunk_size)
     b, n, c, h, dk = blk.q.shape
     do_bnchd, _ = _chunked(do_bshd, c)
-    sdt = _state_dtype(q_bshd.dtype)
+    sdt = state_dtype(q_bshd.dtype)
     d_final = None if dstate_local_bhkv is None else _reduce_state(dstate_local_bhkv, blk.state_heads, sdt)
     through_states = n > 1 or d_final is not None
     st = _chunk_states(blk)[0] if n > 1 else None
@@ -295,7 +316,7 @@ def state_output_backward(do_bshd, q_bshd, state_in_bhkv=None, decay_h=None):
     only q and do, so it can be sent before any other backward work."""
     b, s, h, dk = q_bshd.shape
     decay_hs1 = None if decay_h is None else _position_decay(decay_h, q_bshd, 1)
-    dstate_in = q_bshd.new_empty(b, h, dk, do_bshd.shape[-1], dtype=_state_dtype(q_bshd.dtype))
+    dstate_in = q_bshd.new_empty(b, h, dk, do_bshd.shape[-1], dtype=state_dtype(q_bshd.dtype))
     dq = None if state_in_bhkv is None else torch.empty_like(q_bshd)
     for qh in range(h):
         dod_bsd = do_bshd[:, :, qh] if decay_hs1 is None else do_bshd[:, :, qh] * decay_hs1[qh]

@@ -58,10 +58,11 @@ def test_mpirun_trains_through_mpi_discovery(tmp_path):
 
 
 def test_no_launcher_spawns_local_ranks_and_a_bad_config_exits_with_one_message(tmp_path):
-    code, out = run([sys.executable, "-m", "ds_seqpar.train", *TINY, "--nprocs", "2", "--seq_len", "63",
+    code, out = run([sys.executable, "-m", "ds_seqpar.train", *TINY, "--nprocs", "2", "--n_heads", "3",
+                     "--dim", "48",
                      "--no_wandb", "--run_dir", str(tmp_path / "runs")], tmp_path)
     assert code == 2, out[-4000:]
     errors = [line for line in out.splitlines() if line.startswith("ds_seqpar.train: error:")]
     assert len(errors) == 2 and len(set(errors)) == 1, out[-4000:]
-    assert "sequence length 63 is not divisible" in errors[0], errors[0]
+    assert "3 q heads are not divisible by 2" in errors[0], errors[0]
     assert "Traceback" not in out, out[-4000:]

@@ -5,6 +5,7 @@ from typing import Dict, Type
 
 from .base import Strategy, StrategyContext
 from .hybrid import HybridAttention
+from .lasp import LaspAttention
 from .ring import RingAttention
 from .striped import StripedAttention
 from .ulysses import UlyssesAttention
@@ -16,6 +17,7 @@ STRATEGIES: Dict[str, Type[Strategy]] = {
     "zigzag": ZigzagAttention,
     "striped": StripedAttention,
     "hybrid": HybridAttention,
+    "lasp": LaspAttention,
 }
 
 
