@@ -96,3 +96,10 @@ def test_model_config_errors_name_the_option():
 def test_cli_lists_commands_and_rejects_unknown(capsys):
     assert cli.main([]) == 0 and "train" in capsys.readouterr().out
     assert cli.main(["nope"]) == 2 and "unknown command 'nope'" in capsys.readouterr().err
+
+
+def test_linear_attention_decay_survives_bf16_cast():
+    model = CausalLM(ModelConfig(dim=32, n_layers=1, n_heads=8, n_kv_heads=8, mlp_hidden=64, attention="linear"),
+                     sp=None).bfloat16()
+    decay = model.blocks[0].attn.decay_h()
+    assert decay.dtype == torch.float32 and bool((decay < 1).all()), decay

@@ -79,9 +79,12 @@ class Attention(nn.Module):
         self.wo = nn.Linear(h * d, cfg.dim, bias=False)
         if cfg.attention == "linear":
             self.out_norm = nn.RMSNorm(d, eps=cfg.norm_eps)
-            # fixed, not learned: the decay is part of the architecture, like RetNet's gammas
-            self.register_buffer("decay_h", 1 - 2.0 ** (-5 - torch.arange(h, dtype=torch.float32)),
-                                 persistent=False)
+
+    def decay_h(self) -> torch.Tensor:
+        """Fixed, not learned (part of the architecture, like RetNet's gammas), and built in fp32 at
+        each call rather than held as a buffer: module.bfloat16() would round 1 - 2^-9 and closer
+        decays to exactly 1.0."""
+        return 1 - 2.0 ** (-5 - torch.arange(self.cfg.n_heads, dtype=torch.float32, device=self.wq.weight.device))
 
     def forward(self, x_bld: torch.Tensor, pos_bl: torch.Tensor) -> torch.Tensor:
         b, l, _ = x_bld.shape
@@ -105,8 +108,7 @@ class Attention(nn.Module):
         return out.transpose(1, 2)
 
     def _linear(self, q, k, v):
-        # uncast: in bf16, 1 - 2^-9 and closer decays round to exactly 1.0 (the kernel uses fp32 itself)
-        decay_h = self.decay_h
+        decay_h = self.decay_h()
         if self.sp is not None:
             out = self.sp.linear_attention(q, k, v, decay=decay_h)
         else:
