@@ -89,9 +89,19 @@ def backend_name() -> str:
     return dist.get_backend()
 
 
+# Process groups live as long as the world and are never freed by torch; gloo starts threads for
+# each. Building fresh ones for every SequenceParallel (tests and benchmarks make hundreds) piles
+# up thousands of spinning threads per rank, so groups with the same ranks and timeout are shared.
+# Every rank asks for the same groups in the same order, so hits and misses agree across ranks.
+_GROUPS: Dict[tuple, object] = {}
+
+
 def new_group(ranks: Sequence[int], timeout_s: float):
     """Collective: every rank of the world calls this for every group, in the same order."""
-    return dist.new_group(ranks=list(ranks), timeout=datetime.timedelta(seconds=timeout_s))
+    key = (id(dist.group.WORLD), tuple(ranks), float(timeout_s))
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(ranks=list(ranks), timeout=datetime.timedelta(seconds=timeout_s))
+    return _GROUPS[key]
 
 
 def group_size(group) -> int:
@@ -119,15 +129,18 @@ def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group, stats
     if x.shape[scatter_dim] % p:
         raise ValueError(f"all_to_all: dim {scatter_dim} of shape {tuple(x.shape)} is not divisible "
                          f"by the group size {p}")
-    # chunks_pX: [P, ..., S_scatter/P, ...], chunk j goes to rank j
-    chunks_pX = torch.stack(torch.tensor_split(x, p, dim=scatter_dim)).contiguous()
+    scatter_dim, gather_dim = scatter_dim % x.dim(), gather_dim % x.dim()
+    # chunks_pX: [P, ..., S_scatter/P, ...], chunk j goes to rank j. Built by unflatten + movedim
+    # so that .contiguous() copies only when it must (e.g. not for the sequence dim at batch 1).
+    chunks_pX = x.unflatten(scatter_dim, (p, -1)).movedim(scatter_dim, 0).contiguous()
     received_pX = torch.empty_like(chunks_pX)
     with _timed(stats, kind):
         dist.all_to_all_single(received_pX, chunks_pX, group=group)
     if stats is not None:
         stats.record(kind, _nbytes(chunks_pX) * (p - 1) // p)
-    # received chunk j came from rank j, which held the j-th slice of the gathered dim
-    return torch.cat(received_pX.unbind(0), dim=gather_dim)
+    # received chunk j came from rank j, which held the j-th slice of the gathered dim; flatten
+    # returns a view when the layout allows (batch 1, gathering the sequence), else one copy
+    return received_pX.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
 
 
 def all_reduce(x: torch.Tensor, group, stats: Optional[CommStats] = None, op: str = "sum",
@@ -312,6 +325,7 @@ def init_local(rank: int, world: int, port: int, timeout_s: float, backend: str 
 
 
 def destroy() -> None:
+    _GROUPS.clear()
     if is_initialized():
         dist.destroy_process_group()
 
