@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ds_seqpar import SequenceParallel
-from ds_seqpar.linear_attention import intra_forward, linear_attention_reference, state_local
+from ds_seqpar.linear_attention import forward_begin, forward_states, intra_forward, linear_attention_reference
 from ds_seqpar.models.lm import Attention, ModelConfig
 
 from .reference import assert_derived_close
@@ -152,11 +152,12 @@ def test_lasp_errors_are_clear_and_come_before_communication(pool):
 
 @pytest.mark.parametrize("heads,kv_heads,use_decay", [(4, 4, True), (4, 2, False), (4, 1, True)])
 def test_state_local_equals_the_intra_forward_state(heads, kv_heads, use_decay):
-    """The state LASP sends before its intra work is the one intra_forward ends with."""
+    """The state LASP sends before its intra work (the scan of forward_begin's chunk products) is the
+    one intra_forward ends with."""
     q, k, v, _ = (t.double() for t in lasp_inputs(7, 150, heads, kv_heads))
     decay = DECAY.double() if use_decay else None
     want = intra_forward(q, k, v, decay)[1]
-    got = state_local(k, v, heads, decay)
+    got = forward_states(forward_begin(q, k, v, decay))
     assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-12, atol=1e-12), \
         (got - want).abs().max().item()
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from ds_seqpar.linear_attention import (
-    LinearAttentionFunction, chunked_backward, chunked_forward, intra_backward, intra_forward,
-    linear_attention, linear_attention_reference, state_decay, state_local_backward, state_output,
-    state_output_backward)
+    LinearAttentionFunction, backward_begin, backward_finish, backward_local, chunked_backward, chunked_forward,
+    forward_begin, forward_diagonal, forward_finish, forward_states, intra_forward, linear_attention,
+    linear_attention_reference, state_decay)
 
 K_TOL = 8.0
 ULPS = 4.0
@@ -116,13 +116,11 @@ def _two_blocks(q, k, v, decay, do, chunk, split):
     halves = [(x[:, :split], x[:, split:]) for x in (q, k, v, do)]
     (q1, q2), (k1, k2), (v1, v2), (do1, do2) = halves
     o1, st1 = chunked_forward(q1, k1, v1, decay, chunk)
-    o2, st2 = chunked_forward(q2, k2, v2, decay, chunk, state_in_bhkv=st1)
+    o2, state_all = chunked_forward(q2, k2, v2, decay, chunk, state_in_bhkv=st1)   # the state after both
     # backward walks the blocks in reverse: block 2 hands the gradient of its state_in to block 1
     dq2, dk2, dv2, dst_in2 = chunked_backward(do2, q2, k2, v2, decay, chunk, state_in_bhkv=st1)
     dq1, dk1, dv1, dst_in1 = chunked_backward(do1, q1, k1, v1, decay, chunk, dstate_local_bhkv=dst_in2)
     assert dst_in1 is None, "the first block has no state_in, so no dstate_in"
-    decay_s2 = state_decay(decay, q2.shape[1], st1.dtype)
-    state_all = st2 + (st1 if decay_s2 is None else decay_s2 * st1)
     cat = [torch.cat(pair, 1) for pair in ((o1, o2), (dq1, dq2), (dk1, dk2), (dv1, dv2))]
     return cat, state_all
 
@@ -144,26 +142,116 @@ def test_two_block_split_matches_whole_sequence(heads, kv_heads, use_decay, seq,
         _assert_derived(name, f, r32, r64)
 
 
-@pytest.mark.parametrize("use_decay,kv_heads", [(False, 2), (True, 2), (True, 4)])
-def test_overlap_pieces_compose_exactly(use_decay, kv_heads):
-    """The pieces the LASP strategy overlaps with communication add up to chunked_forward/backward."""
-    q, k, v, do = _inputs(4, kv_heads, 29, seed=5)
+def _reference_block(q, k, v, decay, state_in, do, dstate_after):
+    """Plain differentiable form of one block given the state before it: (o, state after the block,
+    dq, dk, dv, dstate_in) with dstate_in the TOTAL gradient (through o and the state after)."""
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, state_in)]
+    q_, k_, v_, s_ = leaves
+    heads, seq = q.shape[2], q.shape[1]
+    pw = torch.ones(heads, seq + 1, dtype=q.dtype) if decay is None else \
+        decay.to(q.dtype)[:, None] ** torch.arange(1, seq + 2, dtype=q.dtype)          # lambda^(t+1), t=0..S
+    o = linear_attention_reference(q_, k_, v_, decay) + torch.einsum("bshk,hs,bhkv->bshv", q_, pw[:, :seq], s_)
+    after = _reference_state(k_, v_, decay, heads) + pw[:, seq - 1].view(1, heads, 1, 1) * s_
+    grads = torch.autograd.grad((o, after), leaves, (do, dstate_after))
+    return (o.detach(), after.detach(), *grads)
+
+
+def _block_inputs(heads, kv_heads, seq, seed):
+    q, k, v, do = _inputs(heads, kv_heads, seq, seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    # per q head and NOT shared within a kv group: the kernel takes any per-q-head state
+    state_in, dstate_after = (torch.randn(q.shape[0], heads, q.shape[-1], v.shape[-1], generator=gen,
+                                          dtype=torch.float64) for _ in range(2))
+    return q, k, v, do, state_in, dstate_after
+
+
+@pytest.mark.parametrize("heads,kv_heads,use_decay,seq,chunk", CASES, ids=IDS)
+def test_block_with_state_in_and_dstate_local_matches_reference(heads, kv_heads, use_decay, seq, chunk):
+    """chunked_forward / chunked_backward of a middle block (a state in, a state gradient out)."""
+    q, k, v, do, state_in, dstate_after = _block_inputs(heads, kv_heads, seq, seed=12)
+    decay = _decay(use_decay, heads)
+    o, after = chunked_forward(*_f32(q, k, v, decay), chunk, state_in.float())
+    dq, dk, dv, dstate_in = chunked_backward(*_f32(do, q, k, v, decay), chunk, state_in.float(), dstate_after.float())
+    # the kernel's dstate_in is the share through o; the state after adds lambda^S dstate_after
+    decay_s = state_decay(None if decay is None else decay.float(), seq)
+    dstate_in = dstate_in + (dstate_after.float() if decay_s is None else decay_s * dstate_after.float())
+    ref32 = _reference_block(*_f32(q, k, v, decay, state_in, do, dstate_after))
+    ref64 = _reference_block(q, k, v, decay, state_in, do, dstate_after)
+    for name, got, r32, r64 in zip(("o", "state after", "dq", "dk", "dv", "dstate_in"),
+                                   (o, after, dq, dk, dv, dstate_in), ref32, ref64):
+        assert got.shape == r64.shape, f"{name}: shape {tuple(got.shape)} != {tuple(r64.shape)}"
+        _assert_derived(f"block {name}", got, r32, r64)
+
+
+def _three_blocks_in_lasp_order(q, k, v, decay, do, chunk, cuts):
+    """Blocks [0, a), [a, b), [b, S) through the phase API in the orders the LASP strategy uses: the
+    first sends its state before the intra work; the middle one sends its own state too and folds the
+    incoming one in later (all-gather order); the last scans with the state that arrived (ring order)."""
+    blocks = [[x[:, lo:hi] for x in (q, k, v, do)] for lo, hi in zip((0, *cuts), (*cuts, q.shape[1]))]
+    fwds = [forward_begin(qb, kb, vb, decay, chunk) for qb, kb, vb, _ in blocks]
+    s0, s1 = forward_states(fwds[0]), forward_states(fwds[1])
+    forward_diagonal(fwds[1])
+    forward_diagonal(fwds[2])
+    state_in = [None, s0, forward_states(fwds[1], s0)]      # the last gets lambda^L1 s0 + s1
+    state_all = forward_states(fwds[2], state_in[2])
+    outs = [forward_finish(f) for f in fwds]
+    bwds = [backward_begin(dob, qb, kb, vb, decay, chunk, st) for (qb, kb, vb, dob), st in zip(blocks, state_in)]
+    assert bwds[0].dstate_in is None, "the first block has no state_in, so no dstate_in"
+    for bwd in bwds:
+        backward_local(bwd)
+    decay_l1 = state_decay(decay, blocks[1][0].shape[1], s1.dtype)
+    d1 = bwds[2].dstate_in                                   # gradient of the state after block 1
+    d0 = bwds[1].dstate_in + (d1 if decay_l1 is None else decay_l1 * d1)
+    grads = [backward_finish(bwd, d) for bwd, d in zip(bwds, (d0, d1, None))]
+    cat = [torch.cat(parts, 1) for parts in (outs, *zip(*grads))]
+    return cat, state_all, s1
+
+
+@pytest.mark.parametrize("heads,kv_heads,use_decay,seq,chunk", CASES, ids=IDS)
+def test_three_blocks_in_lasp_order_match_whole_sequence(heads, kv_heads, use_decay, seq, chunk):
+    q, k, v, do = _inputs(heads, kv_heads, seq, seed=4)
+    decay = _decay(use_decay, heads)
+    cuts = (seq // 3 + 1, 2 * seq // 3 + 2)                # no block a multiple of the chunk
+    (o, dq, dk, dv), state_all, s1 = _three_blocks_in_lasp_order(*_f32(q, k, v, decay, do), chunk, cuts)
+    _assert_derived("split output", o, linear_attention_reference(*_f32(q, k, v, decay)),
+                    linear_attention_reference(q, k, v, decay))
+    _assert_derived("combined state", state_all, _reference_state(*_f32(k, v, decay), heads),
+                    _reference_state(k, v, decay, heads))
+    mid = slice(*cuts)
+    _assert_derived("middle block's own state", s1, _reference_state(*_f32(k[:, mid], v[:, mid], decay), heads),
+                    _reference_state(k[:, mid], v[:, mid], decay, heads))
+    ref32 = _reference_grads(*_f32(q, k, v, decay, do))
+    ref64 = _reference_grads(q, k, v, decay, do)
+    for name, f, r32, r64 in zip(("split dq", "split dk", "split dv"), (dq, dk, dv), ref32, ref64):
+        _assert_derived(name, f, r32, r64)
+
+
+@pytest.mark.parametrize("use_decay,kv_heads,seq", [(False, 2, 29), (True, 2, 29), (True, 4, 32), (True, 4, 5)])
+def test_phase_orders_compose_exactly(use_decay, kv_heads, seq):
+    """Folding state_in into an existing scan equals scanning with it, and the phases in any order
+    the strategy uses equal chunked_forward / chunked_backward (float64, up to rounding)."""
+    q, k, v, do, state_in, dstate_after = _block_inputs(4, kv_heads, seq, seed=5)
     decay = _decay(use_decay, 4)
-    gen = torch.Generator().manual_seed(6)
-    state_in = torch.randn(2, 4, 8, 12, generator=gen, dtype=torch.float64)
-    dstate_local = torch.randn(2, 4, 8, 12, generator=gen, dtype=torch.float64)
-    o_ref, st_ref = chunked_forward(q, k, v, decay, 8, state_in)
-    o, st = intra_forward(q, k, v, decay, 8)
-    state_output(q, state_in, decay, out=o)
-    assert torch.allclose(o, o_ref, atol=1e-12) and torch.allclose(st, st_ref, atol=1e-12), "forward pieces"
-    grads_ref = chunked_backward(do, q, k, v, decay, 8, state_in, dstate_local)
-    dq, dk, dv = intra_backward(do, q, k, v, decay, 8)
-    dq_state, dstate_in = state_output_backward(do, q, state_in, decay)
-    dk_state, dv_state = state_local_backward(k, v, dstate_local, decay)
-    for name, got, ref in zip(("dq", "dk", "dv", "dstate_in"),
-                              (dq + dq_state, dk + dk_state, dv + dv_state, dstate_in), grads_ref):
+    o_ref, after_ref = chunked_forward(q, k, v, decay, 8, state_in)
+    fwd = forward_begin(q, k, v, decay, 8)
+    own = forward_states(fwd)
+    forward_diagonal(fwd)
+    after = forward_states(fwd, state_in)
+    with pytest.raises(RuntimeError, match="already folded"):
+        forward_states(fwd, state_in)
+    o = forward_finish(fwd)
+    assert torch.allclose(own, intra_forward(q, k, v, decay, 8)[1], rtol=0, atol=1e-12), "state_local"
+    for name, got, ref in (("o", o, o_ref), ("state after", after, after_ref)):
         err = (got - ref).abs().max().item()
-        assert err < 1e-11, f"{name}: overlap pieces differ from chunked_backward by {err:.3e}"
+        assert err < 1e-12, f"{name}: scan-then-fold differs from scan-with-state_in by {err:.3e}"
+    grads_ref = chunked_backward(do, q, k, v, decay, 8, state_in, dstate_after)
+    bwd = backward_begin(do, q, k, v, decay, 8, state_in)
+    dstate_in = bwd.dstate_in.clone()                    # available before backward_local
+    backward_local(bwd)
+    for name, got, ref in zip(("dq", "dk", "dv", "dstate_in"), (*backward_finish(bwd, dstate_after), dstate_in),
+                              grads_ref):
+        err = (got - ref).abs().max().item()
+        assert err < 1e-12, f"{name}: phases differ from chunked_backward by {err:.3e}"
 
 
 def test_gradcheck_fp64():

@@ -9,13 +9,17 @@ without). States are [B, H, Dk, Dv] in fp32 (fp64 for fp64 inputs), one per q he
     state_in_r = sum_{r'<r} lambda^(L (r-1-r')) S_r'                    (0 on rank 0)
                = lambda^L state_in_{r-1} + S_{r-1}                      the ring recurrence
 
-Math -> code (kernels in linear_attention.py; they know nothing of ranks):
+Math -> code (kernel phases in linear_attention.py; they know nothing of ranks). Inside a block the
+kernel needs every chunk's own k^T v and their prefix scan anyway; S_r is the scan's end, and a
+state_in starts the scan, so its share of o rides on the q . (chunk state) product the kernel has
+for every chunk. Backward mirrors it: G_r is the reverse scan of the per-chunk q^T do products at
+the block start, and dS_r starts the reverse scan, so dk, dv through the chunk states take it along.
 
-    o_r        = intra_forward(q, k, v)  +  state_output(q, state_in_r)
-    dq         = intra_backward's dq     +  state_output_backward's dq
-    G_r        = state_output_backward's dstate_in   (needs only q and do)
+    S_r        = forward_states(fwd)                      after forward_begin's chunk products
+    o_r        = forward_finish(fwd)  after forward_states(fwd, state_in_r) folded state_in_r in
+    G_r        = backward_begin(..., state_in_r).dstate_in   (q and do only; through o only)
     dS_r       = sum_{r'>r} lambda^(L (r'-1-r)) G_r'                    (0 on the last rank)
-    dk, dv     = intra_backward's        +  state_local_backward(k, v, dS_r)
+    dq, dk, dv = backward_finish(bwd, dS_r)              after backward_local(bwd)
 
 How states travel is kept apart from what is computed on them (two exchange classes):
 
@@ -27,14 +31,18 @@ How states travel is kept apart from what is computed on them (two exchange clas
   prefix sum. Backward is the dual collective: rank r puts lambda^(L (r-1-r')) G_r in slot r' < r
   of a [P, B, H, Dk, Dv] buffer and a reduce-scatter hands each rank the sum for its own S.
 
-Overlap (ctx.overlap): the intra-block work never waits for a state. Forward posts the state
-transfer first (S_r from k and v alone, a cheap matmul, where it must leave before the intra
-work: rank 0 on the ring, ranks < P-1 for the all-gather), runs intra_forward, then waits and
-adds state_output; backward computes G_r first, posts its transfer, runs intra_backward, then
-waits and adds state_local_backward. Middle ring ranks can only forward a state once it arrived,
-so they do it after their intra work. Without overlap every transfer is waited for as soon as it
-is posted; the kernel calls are the same, so both give bit-identical results. Values nobody reads
-are not computed: the last rank's S (the all-gather still carries it: zeros), rank 0's G.
+Overlap (ctx.overlap): the bulk of the local work never waits for a state, and nothing is computed
+twice. Forward: forward_begin (chunk products), then S_r (their scan) is posted where it must leave
+before the local work (rank 0 on the ring, ranks < P-1 for the all-gather); ranks > 0 run the
+intra-chunk part (forward_diagonal) while states travel, then wait and fold state_in into the scan
+(one pass over the chunk states if S_r was scanned already, else the scan itself) and finish with
+q . (chunk states). Middle ring ranks forward the state after their block (lambda^L state_in + S_r,
+the end of that scan) as soon as state_in arrived. Backward: ranks > 0 compute G_r first (one
+q^T do product per chunk, which the local work reuses, and a reverse scan), post it, run
+backward_local (the bulk), then wait for dS_r, which joins the reverse walk over the chunks. Without
+overlap every transfer is waited for as soon as it is posted; the kernel calls are the same, so both
+give bit-identical results. Values nobody reads are not computed: the last rank's S (the all-gather
+still carries it: zeros), rank 0's G.
 
 Bytes sent per rank, one forward + backward; state_bytes = B*H*Dk*Dv*4 (8 for fp64 inputs):
 
@@ -54,8 +62,8 @@ import torch
 from torch import Tensor
 
 from .. import comm
-from ..linear_attention import (check_inputs, intra_backward, intra_forward, state_decay, state_dtype, state_local,
-                                state_local_backward, state_output, state_output_backward)
+from ..linear_attention import (backward_begin, backward_finish, backward_local, check_inputs, forward_begin,
+                                forward_diagonal, forward_finish, forward_states, state_decay, state_dtype)
 from .base import Strategy
 
 CHUNK_SIZE = 64          # the kernel's chunk, as single-process linear_attention uses
@@ -88,6 +96,10 @@ class _States:
     def zeros(self, *lead: int) -> Tensor:
         return torch.zeros(lead + self.shape, dtype=self.dtype, device=self.device)
 
+    @property
+    def receives_state(self) -> bool:
+        return self.r > 0                      # rank 0 has no earlier tokens
+
     def posted(self, pending):
         if not self.overlap:
             pending.wait()
@@ -102,19 +114,23 @@ class _RingStates(_States):
     def _p2p(self, sends, recvs, kind):
         return self.posted(comm.p2p(sends, recvs, self.group, self.stats, kind))
 
-    def post_state(self, k_bshd: Tensor, v_bshd: Tensor) -> None:
+    @property
+    def sends_local_state(self) -> bool:
+        return self.r == 0 and self.p > 1      # rank 0's outgoing state is its own S
+
+    def post_state(self, local_state: Optional[Tensor]) -> None:
         if self.r > 0:
             self._recv = self._p2p([], [(self.empty(), self.r - 1)], "lasp_state")
-        elif self.p > 1:       # rank 0's outgoing state is its own S: send it before the intra work
-            self._send = self._p2p([(state_local(k_bshd, v_bshd, self.heads, self.decay_h), 1)], [], "lasp_state")
+        elif self.p > 1:
+            self._send = self._p2p([(local_state, 1)], [], "lasp_state")
 
-    def state_in(self, own_state: Tensor) -> Optional[Tensor]:
-        if self.r == 0:
-            return None
-        state_in = self._recv.wait()[0]
-        if self.r < self.p - 1:
-            self._send = self._p2p([(_decayed(self.power(1), state_in) + own_state, self.r + 1)], [], "lasp_state")
-        return state_in
+    def state_in(self) -> Optional[Tensor]:
+        return None if self.r == 0 else self._recv.wait()[0]
+
+    def pass_on(self, state_after: Tensor) -> None:
+        """Middle ranks forward lambda^L state_in + S_r, the state after their block, to r+1."""
+        if 0 < self.r < self.p - 1:
+            self._send = self._p2p([(state_after, self.r + 1)], [], "lasp_state")
 
     def post_dstate(self, dstate_in: Optional[Tensor]) -> None:
         if self.r < self.p - 1:
@@ -141,16 +157,22 @@ class _GatheredStates(_States):
 
     _pending = None
 
-    def post_state(self, k_bshd: Tensor, v_bshd: Tensor) -> None:
-        # prefix sums only look back: the last rank's S is never read, so it contributes zeros
-        own = state_local(k_bshd, v_bshd, self.heads, self.decay_h) if self.r < self.p - 1 else self.zeros()
+    @property
+    def sends_local_state(self) -> bool:
+        return self.r < self.p - 1             # prefix sums only look back: the last S is never read
+
+    def post_state(self, local_state: Optional[Tensor]) -> None:
+        own = local_state if self.sends_local_state else self.zeros()
         self._pending = self.posted(comm.all_gather_async(own, self.group, self.stats, "lasp_state"))
 
-    def state_in(self, own_state: Tensor) -> Optional[Tensor]:
+    def state_in(self) -> Optional[Tensor]:
         states = self._pending.wait()           # [S_0, ..., S_{P-1}], each [B, H, Dk, Dv]
         if self.r == 0:
             return None
         return sum(_decayed(self.power(self.r - 1 - src), states[src]) for src in range(self.r))
+
+    def pass_on(self, state_after: Tensor) -> None:
+        pass                                    # every S already went out with the all-gather
 
     def post_dstate(self, dstate_in: Optional[Tensor]) -> None:
         to_owner_pbhkv = self.zeros(self.p)     # slot r': this rank's share of dS_r'
@@ -182,30 +204,25 @@ def lasp_forward(q_bshd, k_bshd, v_bshd, decay_h, ctx, chunk_size=CHUNK_SIZE) ->
     """(o_bshd, state_in_bhkv or None on rank 0) of this rank's block of the whole sequence."""
     check_inputs(q_bshd, k_bshd, v_bshd, decay_h)      # the same error on every rank, before any transfer
     states = _exchange(ctx, q_bshd, v_bshd, decay_h)
-    states.post_state(k_bshd, v_bshd)
-    o_bshd, own_state = intra_forward(q_bshd, k_bshd, v_bshd, decay_h, chunk_size)   # while states travel
-    state_in = states.state_in(own_state)
-    if state_in is not None:
-        state_output(q_bshd, state_in, decay_h, out=o_bshd)
+    fwd = forward_begin(q_bshd, k_bshd, v_bshd, decay_h, chunk_size)     # each chunk's k^T v
+    states.post_state(forward_states(fwd) if states.sends_local_state else None)   # S_r: their scan
+    state_in = None
+    if states.receives_state:
+        forward_diagonal(fwd)                           # the intra-chunk work, while states travel
+        state_in = states.state_in()
+        states.pass_on(forward_states(fwd, state_in))   # state_in joins the chunk-state scan
+    o_bshd = forward_finish(fwd)                        # q . (chunk states), state_in's share included
     states.finish()
     return o_bshd, state_in
 
 
 def lasp_backward(do_bshd, q_bshd, k_bshd, v_bshd, state_in, decay_h, ctx, chunk_size=CHUNK_SIZE):
     """(dq, dk, dv) of lasp_forward; dstates flow towards earlier ranks (see the module doc)."""
-    do_bshd = do_bshd.contiguous()
-    dq_state, dstate_in = (None, None) if state_in is None else \
-        state_output_backward(do_bshd, q_bshd, state_in, decay_h)                    # G_r: q and do only
+    bwd = backward_begin(do_bshd.contiguous(), q_bshd, k_bshd, v_bshd, decay_h, chunk_size, state_in)
     states = _exchange(ctx, q_bshd, v_bshd, decay_h)
-    states.post_dstate(dstate_in)
-    dq, dk, dv = intra_backward(do_bshd, q_bshd, k_bshd, v_bshd, decay_h, chunk_size)   # while dstates travel
-    dstate_local = states.dstate_local(dstate_in)
-    if dstate_local is not None:
-        dk_state, dv_state = state_local_backward(k_bshd, v_bshd, dstate_local, decay_h)
-        dk += dk_state
-        dv += dv_state
-    if dq_state is not None:
-        dq += dq_state
+    states.post_dstate(bwd.dstate_in)                   # G_r: from q and do alone (None on rank 0)
+    backward_local(bwd)                                 # the bulk, while dstates travel
+    dq, dk, dv = backward_finish(bwd, states.dstate_local(bwd.dstate_in))   # dS_r joins the reverse walk
     states.finish()
     return dq, dk, dv
 
