@@ -16,7 +16,7 @@ from ..kernels import AttentionKernel
 
 @dataclass
 class StrategyContext:
-    """Everything a strategy may use. Groups are torch.distributed process groups."""
+    """Everything a strategy may use. Groups are process groups, used only through comm.py."""
 
     sp_group: Any                 # all ranks holding pieces of one sequence
     ulysses_group: Any            # all-to-all (head <-> sequence) partners; the sp group for Ulysses
