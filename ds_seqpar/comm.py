@@ -108,9 +108,6 @@ def group_size(group) -> int:
     return dist.get_world_size(group)
 
 
-def group_rank(group) -> int:
-    return dist.get_rank(group)
-
 
 def barrier(group=None) -> None:
     dist.barrier(group=group)
@@ -228,10 +225,6 @@ def all_gather_nograd(x: torch.Tensor, dim: int, group, stats: Optional[CommStat
                       kind: str = "all_gather") -> torch.Tensor:
     return _all_gather(x, dim, group, stats, kind)
 
-
-def all_to_all_nograd(x: torch.Tensor, scatter_dim: int, gather_dim: int, group,
-                      stats: Optional[CommStats] = None, kind: str = "all_to_all") -> torch.Tensor:
-    return _all_to_all(x, scatter_dim, gather_dim, group, stats, kind)
 
 
 # ---------------------------------------------------------------------------------------------

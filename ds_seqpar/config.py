@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Literal, Mapping, Optional, Union
+from typing import Any, Mapping, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 

@@ -4,7 +4,6 @@ Derived tolerance (STYLE item 12): the fast path's error against a float64 refer
 most K times the error of a plain same-precision implementation against that reference, plus a
 floor far below any real bug (a wrong mask or a lost block moves results by O(1e-2) or more).
 """
-import torch
 
 from ds_seqpar.kernels import MathKernel
 

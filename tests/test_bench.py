@@ -2,7 +2,6 @@
 end to end (JSON fields, exact byte ratios, markdown rows, plots), bad options, and the training
 report over real (tiny) training runs."""
 import json
-import os
 
 import pytest
 
