@@ -4,7 +4,7 @@
 """
 from .comm import CommStats
 from .config import ConfigError, SequenceParallelConfig
-from .parallel import SequenceParallel
+from .sequence_parallel import SequenceParallel
 from .strategies import STRATEGIES
 
 __version__ = "0.1.0"

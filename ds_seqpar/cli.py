@@ -11,9 +11,9 @@ from typing import Optional
 
 # command -> (module with main(argv), one-line help)
 COMMANDS = {
-    "train": ("ds_seqpar.train", "train a small causal LM with sequence x ZeRO data parallelism"),
-    "bench": ("ds_seqpar.bench", "benchmark every strategy against one process, side by side in one run"),
-    "report": ("ds_seqpar.report", "compare training runs (runs/*/metrics.jsonl): tables and plots"),
+    "train": ("ds_seqpar.train.main", "train a small causal LM with sequence x ZeRO data parallelism"),
+    "bench": ("ds_seqpar.bench.main", "benchmark every strategy against one process, side by side in one run"),
+    "report": ("ds_seqpar.report.main", "compare training runs (runs/*/metrics.jsonl): tables and plots"),
 }
 
 

@@ -12,10 +12,11 @@ from typing import Any, Mapping, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .kernels import BACKENDS
+from .strategies import RING_STRATEGIES, STRATEGIES
+
 KEY = "sequence_parallel"
-STRATEGY_NAMES = ("ulysses", "ring", "zigzag", "striped", "lasp")
-RING_STRATEGIES = ("ring", "zigzag", "striped")
-BACKENDS = ("auto", "flash_attn", "torch", "math")
+STRATEGY_NAMES = tuple(STRATEGIES)          # the registry is the one list of strategies
 LASP_COMMS = ("allgather", "ring")
 
 
@@ -80,11 +81,9 @@ class SequenceParallelConfig(BaseModel):
         return self.size if self.strategy == "ulysses" else self.ulysses_size
 
     @property
-    def strategy_key(self) -> str:
-        """Registry name: ring strategies with ulysses_size > 1 are the hybrid."""
-        if self.strategy in RING_STRATEGIES and self.ulysses_size > 1:
-            return "hybrid"
-        return self.strategy
+    def is_hybrid(self) -> bool:
+        """A ring strategy with ulysses_size > 1 runs as the 2D hybrid (strategies.build)."""
+        return self.strategy in RING_STRATEGIES and self.ulysses_size > 1
 
     def check_world(self, world_size: int) -> None:
         """``size`` must divide the world: world = data-parallel x sequence-parallel."""

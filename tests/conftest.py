@@ -15,7 +15,7 @@ WORLD = 4
 
 @pytest.fixture(scope="session")
 def pool():
-    from ds_seqpar.rankpool import RankPool
+    from ds_seqpar.launch.rankpool import RankPool
     p = RankPool(WORLD, timeout_s=180.0).start()
     yield p
     p.close()

@@ -10,10 +10,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ds_seqpar import SequenceParallelConfig, data
+from ds_seqpar import SequenceParallelConfig
+from ds_seqpar.train import data
 from ds_seqpar.models import CausalLM
-from ds_seqpar.train import load_ds_config, load_tokens, model_config
-from ds_seqpar.trainargs import resolve_args
+from ds_seqpar.train.main import build_ds_config, load_tokens, model_config
+from ds_seqpar.train.args import resolve_args
 
 
 def plain_loss(model, batch):
@@ -29,7 +30,7 @@ def reference_losses(args, dp_size):
     ``dp_size`` replicas; the norm is the averaged gradient's, before clipping."""
     from deepspeed.runtime.lr_schedules import WarmupLR
     opts = resolve_args(args)
-    ds = load_ds_config(opts)
+    ds = build_ds_config(opts)
     cfg = model_config(opts, SequenceParallelConfig.from_ds_config(ds))
     tokens = load_tokens(opts)
     cfg.vocab_size = data.vocab_size_of(tokens, opts.vocab_size)

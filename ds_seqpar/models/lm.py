@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..linear_attention import linear_attention as local_linear_attention
+from ..kernels.linear import linear_attention as local_linear_attention
 
 
 @dataclass

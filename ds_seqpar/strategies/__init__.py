@@ -1,12 +1,14 @@
-"""The strategy registry: a flat name -> class mapping and one lookup that lists valid names."""
+"""The strategy registry: a flat name -> class mapping, one lookup that lists the valid names, and
+one factory that builds any configured strategy (the 2D hybrid by composition)."""
 from __future__ import annotations
 
-from typing import Dict, Type
+from typing import Dict, Tuple, Type
 
 from .base import Strategy, StrategyContext
 from .hybrid import HybridAttention
 from .lasp import LaspAttention
 from .ring import RingAttention
+from .ring_loop import RingFamily
 from .striped import StripedAttention
 from .ulysses import UlyssesAttention
 from .zigzag import ZigzagAttention
@@ -16,9 +18,11 @@ STRATEGIES: Dict[str, Type[Strategy]] = {
     "ring": RingAttention,
     "zigzag": ZigzagAttention,
     "striped": StripedAttention,
-    "hybrid": HybridAttention,
     "lasp": LaspAttention,
 }
+
+# the strategies that run the ring loop, and so also run across Ulysses groups (2D hybrid)
+RING_STRATEGIES: Tuple[str, ...] = tuple(n for n, c in STRATEGIES.items() if issubclass(c, RingFamily))
 
 
 def get_strategy(name: str) -> Type[Strategy]:
@@ -30,4 +34,13 @@ def get_strategy(name: str) -> Type[Strategy]:
                           f"{', '.join(sorted(STRATEGIES))}") from None
 
 
-__all__ = ["STRATEGIES", "Strategy", "StrategyContext", "get_strategy"]
+def build(config, ctx: StrategyContext) -> Strategy:
+    """The strategy the config asks for, over ``ctx``: a ring strategy with ulysses_size > 1 is
+    wrapped in the 2D hybrid (Ulysses inside groups, that ring strategy across them)."""
+    strategy = get_strategy(config.strategy)(ctx)
+    if config.is_hybrid:
+        return HybridAttention(ctx, ring=strategy)
+    return strategy
+
+
+__all__ = ["STRATEGIES", "RING_STRATEGIES", "Strategy", "StrategyContext", "build", "get_strategy"]

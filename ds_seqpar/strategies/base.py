@@ -12,6 +12,7 @@ import torch
 
 from ..comm import CommStats
 from ..kernels import AttentionKernel
+from ..sharding.layouts import Layout
 
 
 @dataclass
@@ -29,6 +30,7 @@ class StrategyContext:
     ring_rank: int
     kernel: AttentionKernel
     stats: CommStats
+    layout: Layout                # the token layout SequenceParallel shards with (hybrid: its ring inside)
     overlap: bool = True
     lasp_comm: str = "allgather"
 

@@ -16,7 +16,7 @@ Math -> code:
 Attention is independent per head, so splitting heads inside the group and running the ring
 across groups is exact. Backward: the ring loop's backward between the two all-to-alls' duals.
 U == size (R == 1) is Ulysses with the ring's single diagonal step; U == 1 is never routed here
-(the config's strategy_key is then the ring strategy itself).
+(strategies.build then returns the ring strategy itself).
 
 Constraints: U divides H (key "sequence_parallel.ulysses_size"), checked before communication;
 the ring layout's length rule applies to the ring shard U*n (zigzag: U*n even).
@@ -30,32 +30,32 @@ full-head tensor [b, n, H, d], S_kv = elements of the local k:
 """
 from __future__ import annotations
 
-from .ring import RingAttention
 from .ring_loop import RingFamily, check_local_length, ring_attention
 from .ulysses import check_ulysses_heads, heads_to_seq, scatter_heads
 
 
 class HybridAttention(RingFamily):
-    name = "hybrid"
-    ring_cls = RingAttention          # the strategy run across Ulysses groups; see over()
-    layout_name = RingAttention.layout_name
-    blocks = staticmethod(RingAttention.blocks)
+    """Composition: Ulysses all-to-alls around ``ring``'s loop. ``ring`` is the ring, zigzag or
+    striped strategy built over the same context; its mask policy and layout are used as they are."""
 
-    @classmethod
-    def over(cls, ring_cls):
-        """The hybrid with ``ring_cls`` (ring, zigzag or striped) across groups, in its layout."""
-        return type(f"{ring_cls.__name__}Hybrid", (cls,),
-                    {"ring_cls": ring_cls, "layout_name": ring_cls.layout_name,
-                     "blocks": staticmethod(ring_cls.blocks), "__doc__": cls.__doc__})
+    name = "hybrid"
+
+    def __init__(self, ctx, ring: RingFamily):
+        super().__init__(ctx)
+        self.ring = ring
+        self.layout_name = ring.layout_name
+
+    def blocks(self, me, src, p, causal, n):
+        return self.ring.blocks(me, src, p, causal, n)
 
     def check_heads(self, num_heads, num_kv_heads):
         check_ulysses_heads(num_heads, num_kv_heads, self.ctx.ulysses_size, "sequence_parallel.ulysses_size")
 
     def attention(self, q_bshd, k_bshd, v_bshd, causal, scale, seq_len=None):
         ctx = self.ctx
-        check_local_length(self.ring_cls.name, self.layout_name, ctx, q_bshd.shape[1])
+        check_local_length(self.ring.name, ctx, q_bshd.shape[1])
         # [b, n, H, d] -> [b, U*n, H/U, d]: this ring position's whole shard, a slice of the heads
         q_u, k_u, v_u = scatter_heads(q_bshd, k_bshd, v_bshd, ctx.ulysses_group, ctx.ulysses_size, ctx.stats)
-        blocks = self.policy(causal, seq_len, q_u.shape[1])
+        blocks = self.ring.policy(causal, seq_len, q_u.shape[1])
         out_u = ring_attention(q_u, k_u, v_u, causal, scale, ctx, blocks)
         return heads_to_seq(out_u, ctx.ulysses_group, ctx.stats)            # [b, n, H, d]

@@ -62,7 +62,7 @@ import torch
 from torch import Tensor
 
 from .. import comm
-from ..linear_attention import (backward_begin, backward_finish, backward_local, check_inputs, forward_begin,
+from ..kernels.linear import (backward_begin, backward_finish, backward_local, check_inputs, forward_begin,
                                 forward_diagonal, forward_finish, forward_states, state_decay, state_dtype)
 from .base import Strategy
 

@@ -42,8 +42,7 @@ import torch
 
 from .. import comm
 from ..kernels import empty_accumulators, merge_
-from ..layouts import make_layout
-from ..padding import valid_prefix
+from ..sharding.padding import valid_prefix
 from .base import Strategy
 
 
@@ -230,10 +229,10 @@ def ring_attention(q_bshd, k_bshd, v_bshd, causal: bool, scale: float, ctx, bloc
     return RingAttentionFunction.apply(q_bshd, k_bshd, v_bshd, ctx, blocks, causal, scale)
 
 
-def check_local_length(strategy_name: str, layout_name: str, ctx, n_local: int) -> None:
-    """ValueError before any communication (same on every rank) when the ring layout cannot hold
+def check_local_length(strategy_name: str, ctx, n_local: int) -> None:
+    """ValueError before any communication (same on every rank) when the layout cannot hold
     ``n_local`` tokens per rank; says which local and global lengths would work."""
-    layout = make_layout(layout_name, ctx.ring_size, ctx.ulysses_size)
+    layout = ctx.layout
     multiple = layout.required_multiple                 # of the global length
     n_global = n_local * ctx.sp_size
     if n_local >= 1 and n_global % multiple == 0:
@@ -258,7 +257,7 @@ class RingFamily(Strategy):
         raise NotImplementedError
 
     def attention(self, q_bshd, k_bshd, v_bshd, causal, scale, seq_len=None):
-        check_local_length(self.name, self.layout_name, self.ctx, q_bshd.shape[1])
+        check_local_length(self.name, self.ctx, q_bshd.shape[1])
         blocks = self.policy(causal, seq_len, q_bshd.shape[1])
         return ring_attention(q_bshd, k_bshd, v_bshd, causal, scale, self.ctx, blocks)
 
@@ -268,7 +267,7 @@ class RingFamily(Strategy):
         padded = n_ring * self.ctx.ring_size
         if causal or seq_len is None or seq_len == padded:
             return self.blocks
-        return only_real_keys(self.blocks, valid_prefix(self.layout_name, self.ctx.ring_size, padded, seq_len))
+        return only_real_keys(self.blocks, valid_prefix(self.ctx.layout.ring_layout, padded, seq_len))
 
 
 def only_real_keys(blocks: BlockPolicy, valid: Sequence[int]) -> BlockPolicy:

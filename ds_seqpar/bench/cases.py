@@ -1,0 +1,306 @@
+"""Rank-side measurements of ``ds-seqpar bench``: every case (the single-process kernels, each
+strategy, DeepSpeed's own Ulysses) timed side by side in interleaved rounds, plus the bytes each
+case saves for backward. Runs on every rank (RankPool or a launcher); bench.py drives it and
+bench_summary.py turns what it returns into ratios.
+
+Round structure: for each sequence length, ``warmup + repeats`` rounds; each round runs every case
+once in a fixed order after a barrier (A B C A B C ...), so load from other processes hits all
+cases alike. A "single" case runs on rank 0 only (one thread, the whole sequence) while the other
+ranks wait in the next barrier. Per case and round each rank returns its wall time, the main
+thread's CPU time (the compute: waiting in a collective costs little CPU), the seconds it sat
+blocked in communication and the bytes it sent (CommStats; None for DeepSpeed's collectives,
+which bypass it). On CUDA "cpu" is the wall time between synchronisations instead.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measured variant. runner: "single" (rank 0, whole sequence), "sp" (our strategy, with
+    these sequence_parallel keys), "deepspeed" (deepspeed.sequence.layer.DistributedAttention)."""
+
+    name: str
+    attention: str                                   # softmax | linear
+    runner: str
+    config: Tuple[Tuple[str, Any], ...] = ()
+
+    @property
+    def strategy(self) -> Optional[str]:
+        return dict(self.config).get("strategy")
+
+
+CASES: Dict[str, Case] = {c.name: c for c in (
+    Case("single", "softmax", "single"),
+    Case("ulysses", "softmax", "sp", (("strategy", "ulysses"),)),
+    Case("ring", "softmax", "sp", (("strategy", "ring"),)),
+    Case("zigzag", "softmax", "sp", (("strategy", "zigzag"),)),
+    Case("striped", "softmax", "sp", (("strategy", "striped"),)),
+    Case("zigzag_no_overlap", "softmax", "sp", (("strategy", "zigzag"), ("overlap", False))),
+    Case("hybrid", "softmax", "sp", (("strategy", "zigzag"), ("ulysses_size", 2))),
+    Case("ds_ulysses", "softmax", "deepspeed"),
+    Case("single_linear", "linear", "single"),
+    Case("lasp2", "linear", "sp", (("strategy", "lasp"), ("lasp_comm", "allgather"))),
+    Case("lasp1", "linear", "sp", (("strategy", "lasp"), ("lasp_comm", "ring"))),
+)}
+BASELINE = {"softmax": "single", "linear": "single_linear"}
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """What every rank needs to build the same cases (picklable: it travels to the ranks)."""
+
+    world: int
+    cases: Tuple[str, ...]
+    batch: int = 1
+    heads: int = 8
+    kv_heads: int = 8
+    head_dim: int = 64
+    dtype: str = "fp32"
+    causal: bool = True
+    backend: str = "torch"
+    device: str = "cpu"
+    decay: bool = True              # linear attention: the small LM's per-head decay
+    warmup: int = 1
+    repeats: int = 5
+
+
+# ---------------------------------------------------------------------------------------------
+# timing helpers (bench_lasp imports _inputs, _fwd_bwd, _timed through bench_ring)
+
+
+def _inputs(seq, heads, head_dim, kv_heads=None, batch=1, dtype=torch.float32, device="cpu", seed=0):
+    """Global-order q, k, v, dout (the same on every rank: the seed is fixed)."""
+    g = torch.Generator().manual_seed(seed)
+    kv = kv_heads or heads
+    shapes = [(batch, seq, heads, head_dim), (batch, seq, kv, head_dim), (batch, seq, kv, head_dim),
+              (batch, seq, heads, head_dim)]
+    return [torch.randn(s, generator=g).to(device=device, dtype=dtype) for s in shapes]
+
+
+def _fwd_bwd(attend, q, k, v, dout):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    attend(q, k, v).backward(dout)
+
+
+def _timed(fn, stats=None, device="cpu") -> dict:
+    if stats is not None:
+        stats.reset()
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    wall, cpu = time.perf_counter(), time.thread_time()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    res = {"wall": time.perf_counter() - wall, "cpu": time.thread_time() - cpu}
+    if cuda:
+        res["cpu"] = res["wall"]        # GPU kernels are asynchronous: CPU time says nothing there
+    if stats is not None:
+        res.update(wait=stats.total_seconds, bytes=stats.total_bytes)
+    return res
+
+
+def saved_bytes(forward: Callable[[], Any]) -> int:
+    """Bytes the autograd graph of ``forward()`` keeps for backward: every tensor saved through
+    save_for_backward, counted once per storage (views and re-saves of one buffer share it)."""
+    storages: Dict[Tuple[int, str], int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        storages[(s.data_ptr(), str(t.device))] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    del out
+    return sum(storages.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# building the cases on a rank
+
+
+class RankCases:
+    """The attend functions of every selected case on this rank, built once (process groups are
+    collective to create, so all SequenceParallel objects live for the whole measurement)."""
+
+    def __init__(self, spec: BenchSpec):
+        from .. import comm
+        from ..kernels import get_kernel
+        from ..sequence_parallel import SequenceParallel
+        self.spec, self.rank = spec, comm.global_rank()
+        self.device = torch.device(spec.device, int(os.environ.get("LOCAL_RANK", 0))) \
+            if spec.device == "cuda" else torch.device("cpu")
+        self.dtype = DTYPES[spec.dtype]
+        self.kernel = get_kernel(spec.backend, self.device)
+        self.scale = spec.head_dim ** -0.5
+        self.decay = (1 - 2.0 ** (-5 - torch.arange(spec.heads, dtype=torch.float32))).to(self.device) \
+            if spec.decay else None
+        self.sps = {}
+        for name in spec.cases:
+            case = CASES[name]
+            if case.runner == "sp":
+                cfg = dict(case.config, size=spec.world)
+                if case.attention == "softmax":
+                    cfg["backend"] = spec.backend
+                self.sps[name] = SequenceParallel(cfg, device=self.device)
+        self.ds_attn = self._deepspeed_ulysses() if "ds_ulysses" in spec.cases else None
+
+    def _deepspeed_ulysses(self):
+        """DeepSpeed's Ulysses around the same local kernel, on the whole world's group."""
+        import deepspeed
+        from deepspeed.sequence.layer import DistributedAttention
+        from .. import comm
+        from ..kernels import local_attention
+        from ..sequence_parallel import SequenceParallel
+        deepspeed.init_distributed(dist_backend=comm.backend_name())     # adopt the running world
+        group = SequenceParallel({"strategy": "ulysses", "size": self.spec.world}, device=self.device).group
+        causal, kernel, scale = self.spec.causal, self.kernel, self.scale
+
+        def local(q, k, v, *args, **kwargs):                  # [b, N, H/P, d] head-sharded, whole sequence
+            return local_attention(q, k, v, kernel, causal, scale)
+
+        # bshd tensors: scatter heads (dim 2), gather the sequence (dim 1), batch first
+        return DistributedAttention(local, group, scatter_idx=2, gather_idx=1)
+
+    def attend(self, name: str) -> Callable:
+        """q, k, v (this case's shards) -> output, differentiable."""
+        case, causal = CASES[name], self.spec.causal
+        if name == "single":
+            from ..kernels import local_attention
+            return lambda q, k, v: local_attention(q, k, v, self.kernel, causal, self.scale)
+        if name == "single_linear":
+            from ..kernels.linear import linear_attention
+            return lambda q, k, v: linear_attention(q, k, v, self.decay)
+        if case.runner == "deepspeed":
+            return lambda q, k, v: self.ds_attn(q, k, v, 0)
+        sp = self.sps[name]
+        if case.attention == "linear":
+            return lambda q, k, v: sp.linear_attention(q, k, v, self.decay)
+        return lambda q, k, v: sp.attention(q, k, v, causal=causal)
+
+    def inputs(self, name: str, seq: int, seed: int = 0) -> Optional[List[torch.Tensor]]:
+        """This rank's q, k, v, dout for the case (None: the case does not run on this rank)."""
+        s = self.spec
+        full = _inputs(seq, s.heads, s.head_dim, s.kv_heads, s.batch, self.dtype, self.device, seed)
+        if CASES[name].runner == "single":
+            return full if self.rank == 0 else None
+        # clone: a shard may be a view of the global tensor, whose whole storage would then count as
+        # this rank's saved memory; a rank of a real run holds only its own tokens
+        if name in self.sps:
+            return [self.sps[name].shard(t).clone() for t in full]
+        return [t.chunk(s.world, dim=1)[self.rank].clone() for t in full]      # DeepSpeed: contiguous
+
+    def stats(self, name: str):
+        return self.sps[name].stats if name in self.sps else None
+
+
+# ---------------------------------------------------------------------------------------------
+# what the ranks run
+
+
+def run_rank(spec: BenchSpec, seq_lens: List[int], budget_n: Optional[int]) -> Dict[str, Any]:
+    """What every rank runs: timing and memory at each length, then the longest-sequence search."""
+    cases = RankCases(spec)
+    out = {"lengths": measure(cases, seq_lens)}
+    if budget_n:
+        out["max_seq"] = max_seq_search(cases, budget_n)
+    return out
+
+
+def measure(cases: "RankCases", seq_lens: List[int]) -> Dict[int, Dict[str, Any]]:
+    """Every case at every length: interleaved timing rounds and saved bytes on this rank."""
+    from .. import comm
+    spec = cases.spec
+    out = {}
+    for seq in seq_lens:
+        shards = {name: cases.inputs(name, seq) for name in spec.cases}
+        fns = {name: (lambda a=cases.attend(name), x=shards[name]: _fwd_bwd(a, *x)) for name in spec.cases}
+        rounds: Dict[str, List[dict]] = {name: [] for name in spec.cases}
+        for rnd in range(spec.warmup + spec.repeats):
+            for name in spec.cases:
+                comm.barrier()
+                if shards[name] is None:
+                    continue
+                res = _timed(fns[name], cases.stats(name), spec.device)
+                if rnd >= spec.warmup:
+                    rounds[name].append(res)
+        comm.barrier()
+        memory = {name: _saved(cases, name, shards[name]) for name in spec.cases}
+        # the 1-minute load average as this length's rounds end: a neighbour's burst mid-run shows here
+        out[seq] = {"rounds": rounds, "saved_bytes": memory, "load_1min": os.getloadavg()[0]}
+        del shards, fns
+    comm.barrier()
+    return out
+
+
+def _saved(cases: RankCases, name: str, shard) -> Optional[int]:
+    if shard is None:
+        return None
+    q, k, v = (t.detach().requires_grad_() for t in shard[:3])
+    return saved_bytes(lambda: cases.attend(name)(q, k, v))
+
+
+def max_seq_search(cases: RankCases, budget_n: int) -> Dict[str, Dict[str, int]]:
+    """Per case, the longest global length (a multiple of ``step``) whose saved bytes on the
+    fullest rank fit the budget = what the case's single-process baseline saves at ``budget_n``.
+    Forward only. Exponential then binary search; every rank takes the same decisions (the probe
+    is the max over ranks), so the collectives line up."""
+    from .. import comm
+    spec = cases.spec
+    # every layout's divisor (zigzag: 2P chunks, the hybrid: times U) and no finer than 64 tokens, so a
+    # search costs ~2 log2(N / 64) forward passes
+    step = math.lcm(64, *(2 * spec.world * dict(CASES[n].config).get("ulysses_size", 1) for n in spec.cases))
+    budgets = {}
+    for base in ("single", "single_linear"):
+        if base in spec.cases and cases.rank == 0:
+            budgets[base] = _probe(cases, base, budget_n)
+    budgets = comm.gather_object(budgets)[0]          # rank 0's numbers, to every rank
+    out = {}
+    for name in spec.cases:
+        budget = budgets.get(BASELINE[CASES[name].attention])
+        if budget is None or (CASES[name].runner == "single" and cases.rank != 0):
+            continue
+        fits = lambda n, name=name, budget=budget: _probe(cases, name, n) <= budget  # noqa: E731
+        out[name] = {"max_seq": _largest(fits, step, limit=4 * spec.world * budget_n), "budget_bytes": budget,
+                     "step": step}
+    comm.barrier()
+    return out
+
+
+def _probe(cases: RankCases, name: str, seq: int) -> int:
+    """Saved bytes of the fullest rank at global length ``seq`` (single cases: rank 0 alone)."""
+    from .. import comm
+    mine = _saved(cases, name, cases.inputs(name, seq, seed=1))
+    if CASES[name].runner == "single":
+        return mine
+    worst = torch.tensor([float(mine)], dtype=torch.float64, device=cases.device)     # nccl: on the GPU
+    return int(comm.all_reduce(worst, cases.sps[name].group if name in cases.sps else None, op="max").item())
+
+
+def _largest(fits: Callable[[int], bool], step: int, limit: int) -> int:
+    """Largest k*step <= limit with fits(k*step), assuming fits is monotone (saved bytes grow with
+    N). The limit (4x the ideal answer) keeps a case that saves nothing from probing forever."""
+    if not fits(step):
+        return 0
+    lo, hi = 1, 2
+    while hi * step <= limit and fits(hi * step):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid * step) else (lo, mid)
+    return lo * step
+
+
+__all__ = ["CASES", "BASELINE", "Case", "BenchSpec", "DTYPES", "RankCases", "run_rank", "measure",
+           "max_seq_search", "saved_bytes"]

@@ -1,0 +1,316 @@
+"""``ds-seqpar bench``: every strategy, the single-process kernels and DeepSpeed's own Ulysses,
+measured side by side in one run, with the ratios DESIGN §7 sets targets for.
+
+    ds-seqpar bench --preset quick                     # ~1 minute on 2 CPU cores
+    ds-seqpar bench --preset full                      # P=2, N up to 8192, fp32, causal -> reports/cpu_full.md
+    ds-seqpar bench --strategies zigzag,lasp --P 4 --seq-lens 4096,8192 --no-causal --name mine
+    torchrun --nproc_per_node 2 -m ds_seqpar.cli bench ...   # under a launcher (GPUs: --device cuda)
+
+Without a launcher the command starts P local CPU ranks itself (RankPool, one thread each, gloo).
+What it measures (bench_cases.py on the ranks, bench_train.py for training, bench_summary.py for
+the ratios): fwd+bwd speedup over the single-process kernel, per-rank CPU time and imbalance,
+total work, bytes per rank vs the closed form (bench_bytes.py), bytes saved for backward per
+rank and the longest sequence that fits a fixed per-rank budget, LASP-1/LASP-2 vs single-process
+linear attention, ours vs deepspeed.sequence.layer.DistributedAttention, and the whole training
+step of the small LM (ZeRO-2) at P ranks vs one. Writes <out>/<name>.json, <out>/<name>.md and
+<out>/<name>/*.png; with --wandb one wandb run per case, grouped by the bench name.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+from .cases import BASELINE, CASES, DTYPES, BenchSpec
+
+ALIASES = {"lasp": ["lasp2", "lasp1"], "deepspeed": ["ds_ulysses"]}
+PRESETS = {
+    "quick": dict(P=2, seq_lens=[512, 1024, 2048], heads=8, head_dim=64, repeats=5, warmup=1,
+                  mem_budget_n=1024, train_strategies="zigzag"),
+    "full": dict(P=2, seq_lens=[1024, 2048, 4096, 8192], heads=8, head_dim=64, repeats=5, warmup=1,
+                 mem_budget_n=2048, train_strategies="zigzag,ulysses,lasp"),
+}
+DEFAULT_STRATEGIES = "ulysses,ring,zigzag,striped,lasp,ds_ulysses"
+
+
+class BenchError(ValueError):
+    """A bad option, found before any rank starts."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="ds-seqpar bench", description="Benchmark every sequence-parallel strategy, the single-process kernels "
+        "and DeepSpeed's Ulysses side by side in one run; write <out>/<name>.{md,json} and plots.",
+        epilog="presets: " + "; ".join(f"{k}: P={v['P']}, N={','.join(map(str, v['seq_lens']))}, {v['heads']} heads x "
+                                      f"{v['head_dim']}, training {v['train_strategies']}" for k, v in PRESETS.items()))
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="quick",
+                    help="defaults for the options below (quick: ~1 minute on 2 cores)")
+    ap.add_argument("--strategies", default=DEFAULT_STRATEGIES,
+                    help=f"comma list of {', '.join(c for c in CASES if c not in BASELINE.values())}; "
+                         "lasp = lasp2,lasp1 (the single-process baselines are always measured)")
+    ap.add_argument("--P", "--world", dest="P", type=int, help="ranks (sequence-parallel size = world)")
+    ap.add_argument("--seq-lens", type=ints, help="global sequence lengths, comma separated")
+    ap.add_argument("--heads", type=int)
+    ap.add_argument("--kv-heads", type=int, help="k/v heads (GQA); default = heads")
+    ap.add_argument("--head-dim", type=int)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="bf16/fp16 need CUDA")
+    ap.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--no-decay", action="store_true", help="linear attention without the LM's per-head decay")
+    ap.add_argument("--backend", default="torch", choices=("torch", "math", "flash_attn", "auto"),
+                    help="local attention kernel (flash_attn needs CUDA and the flash-attn package)")
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    ap.add_argument("--repeats", type=int, help="measured rounds per length (>= 5 for numbers to report)")
+    ap.add_argument("--warmup", type=int, help="unmeasured rounds first")
+    ap.add_argument("--mem-budget-n", type=int, help="memory budget = what one process saves at this N (0: skip)")
+    ap.add_argument("--train-strategies", help="training-step comparison, comma list ('none' to skip)")
+    ap.add_argument("--train-seq-len", type=int, help="training sequence length (default: the preset's)")
+    ap.add_argument("--out", default="reports", help="directory for <name>.md, <name>.json, <name>/*.png")
+    ap.add_argument("--name", help="default: <device>_<preset>")
+    ap.add_argument("--wandb", action="store_true", help="one wandb run per case (offline without credentials)")
+    ap.add_argument("--wandb-project", default="ds_seqpar")
+    ap.add_argument("--notes", default="", help="free text added to the report")
+    ap.add_argument("--render", metavar="JSON", help="measure nothing: rewrite the page and plots of a saved "
+                    "results file (e.g. after a change to the report's layout)")
+    ap.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)      # the deepspeed launcher's
+    return ap
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Preset defaults under explicit options; then every check that can fail, before any rank starts."""
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.kv_heads = args.kv_heads or args.heads
+    args.device = _device(args)
+    args.name = args.name or f"{args.device}_{args.preset}"
+    args.cases = _cases(args.strategies)
+    args.train = [] if args.train_strategies in ("", "none") else args.train_strategies.split(",")
+    _check(args)
+    require_matplotlib()
+    return args
+
+
+def require_matplotlib() -> None:
+    """Checked before measuring: a missing plotting library must not cost a whole run's results."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise BenchError("the report's plots need matplotlib: pip install 'ds_seqpar[bench]'") from None
+
+
+def _device(args) -> str:
+    import torch
+    cuda = torch.cuda.is_available()
+    if args.device == "cuda" and not cuda:
+        raise BenchError("--device cuda: CUDA is not available on this machine; use --device cpu")
+    device = args.device if args.device != "auto" else ("cuda" if cuda and _under_launcher() else "cpu")
+    if device == "cpu" and args.dtype in ("bf16", "fp16"):
+        raise BenchError(f"--dtype {args.dtype} needs CUDA (--device cuda under a launcher): on CPU the local "
+                         f"kernels would time a half-precision emulation no GPU run resembles; use --dtype fp32")
+    if device == "cpu" and args.backend == "flash_attn":
+        raise BenchError("--backend flash_attn needs CUDA and the flash-attn package; use --backend torch on CPU")
+    if device == "cuda" and not _under_launcher():
+        raise BenchError("--device cuda runs under a launcher (one GPU per rank), e.g. "
+                         "`torchrun --nproc_per_node P -m ds_seqpar.cli bench --device cuda ...`")
+    return device
+
+
+def _cases(strategies: str) -> List[str]:
+    chosen = set()
+    for name in (s.strip() for s in strategies.split(",") if s.strip()):
+        for case in ALIASES.get(name, [name]):
+            if case not in CASES or case in BASELINE.values():
+                valid = [c for c in CASES if c not in BASELINE.values()] + list(ALIASES)
+                raise BenchError(f"--strategies: unknown case {name!r}; choose from {', '.join(valid)}")
+            chosen.add(case)
+    chosen |= {BASELINE[CASES[c].attention] for c in chosen}
+    return [c for c in CASES if c in chosen]          # a fixed order: baselines first in each family
+
+
+def _check(a) -> None:
+    if a.P < 2:
+        raise BenchError(f"--P {a.P}: a sequence-parallel benchmark needs at least 2 ranks")
+    if a.heads % a.kv_heads:
+        raise BenchError(f"--heads {a.heads} must be a multiple of --kv-heads {a.kv_heads}")
+    if any(c in a.cases for c in ("ulysses", "ds_ulysses", "hybrid")) and a.heads % a.P:
+        raise BenchError(f"--heads {a.heads} is not divisible by --P {a.P}: Ulysses splits heads over ranks; "
+                         f"drop ulysses/ds_ulysses from --strategies or pick --heads divisible by {a.P}")
+    if "hybrid" in a.cases and (a.P < 4 or a.P % 2):
+        raise BenchError(f"--strategies hybrid (ulysses_size 2 x zigzag ring) needs an even --P >= 4, got {a.P}")
+    multiple = 2 * a.P * (2 if "hybrid" in a.cases else 1)
+    bad = [n for n in a.seq_lens if n % multiple]
+    if bad or not a.seq_lens:
+        raise BenchError(f"--seq-lens {bad or a.seq_lens}: every length must be a positive multiple of {multiple} "
+                         f"(zigzag's 2P chunks)")
+    if a.repeats < 1 or a.warmup < 0:
+        raise BenchError(f"--repeats {a.repeats} must be >= 1 and --warmup {a.warmup} >= 0")
+
+
+def _under_launcher() -> bool:
+    from ..launch.spawn import under_launcher
+    return under_launcher()
+
+
+def machine(load_before, during: List[float]) -> Dict[str, Any]:
+    """CPU, versions, and the load: before, after, and the highest 1-minute value seen during the run."""
+    import deepspeed
+    import torch
+    model = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    after, cpus = os.getloadavg(), os.cpu_count()
+    peak = max([load_before[0], after[0]] + during)
+    return {"cpu_model": model, "cpus": cpus, "load_before": " ".join(f"{x:.2f}" for x in load_before),
+            "load_after": " ".join(f"{x:.2f}" for x in after), "load_peak": peak, "loaded": peak > cpus,
+            "torch": torch.__version__, "deepspeed": deepspeed.__version__, "python": platform.python_version()}
+
+
+def _command(argv: List[str]) -> str:
+    shown, skip = [], False
+    for a in argv:                          # --notes text is printed in the report, not in the command
+        if skip or a.startswith("--notes="):
+            skip = False
+            continue
+        skip = a == "--notes"
+        if not skip:
+            shown.append(shlex.quote(a))
+    launcher = f"(each of WORLD_SIZE={os.environ.get('WORLD_SIZE')} ranks of a launcher) " if _under_launcher() else ""
+    return launcher + " ".join(["ds-seqpar bench"] + shown)
+
+
+def run(args: argparse.Namespace, argv: List[str], pools=None) -> Optional[Dict[str, Any]]:
+    """Measure, summarise, write; returns the results dict on the writing rank (None elsewhere).
+    ``pools``: an already started (P-rank, 1-rank) RankPool pair to use instead of starting them."""
+    from . import summary as S
+    load_before, start = os.getloadavg(), time.monotonic()
+    spec = BenchSpec(world=args.P, cases=tuple(args.cases), batch=args.batch, heads=args.heads,
+                     kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype, causal=args.causal,
+                     backend=args.backend, device=args.device, decay=not args.no_decay, warmup=args.warmup,
+                     repeats=args.repeats)
+    per_rank, train, skipped = _measure(args, spec, pools)
+    if per_rank is None:
+        return None
+    meta = dict(name=args.name, world=args.P, device=args.device, comm_backend="nccl" if args.device == "cuda"
+                else "gloo", dtype=args.dtype, causal=args.causal, batch=args.batch, heads=args.heads,
+                kv_heads=args.kv_heads, head_dim=args.head_dim, backend=args.backend, seq_lens=args.seq_lens,
+                warmup=args.warmup, repeats=args.repeats, cases=args.cases, mem_budget_n=args.mem_budget_n,
+                decay=not args.no_decay, preset=args.preset, notes=args.notes, command=_command(argv))
+    load_by_length = {str(n): per_rank[0]["lengths"][n]["load_1min"] for n in args.seq_lens}
+    during = list(load_by_length.values()) + [x for t in train.values() for x in t["load_1min"]]
+    res = {"meta": meta, "machine": machine(load_before, during), "elapsed_s": time.monotonic() - start,
+           "attention": S.attention_rows(per_rank, meta), "max_seq": S.max_seq_rows(per_rank, meta),
+           "train": S.train_rows(train, args.P) if train else {}, "train_skipped": skipped,
+           "train_model": _train_model(args), "load_by_length": load_by_length,
+           "raw": {"ranks": per_rank, "train": train}}
+    res["checks"] = S.checks(res)
+    _write(res, args)
+    return res
+
+
+def _train_model(args) -> Dict[str, Any]:
+    from .train_step import TRAIN_PRESETS
+    model = dict(TRAIN_PRESETS[args.preset])
+    if args.train_seq_len:
+        model["seq_len"] = args.train_seq_len
+    return model
+
+
+def _measure(args, spec: BenchSpec, pools=None):
+    """(per-rank results, training results, why training was skipped); None on non-writing ranks."""
+    from .cases import run_rank
+    from ..launch.rankpool import RankPool
+    if _under_launcher():
+        return _measure_under_launcher(args, spec)
+    if pools is not None and pools[0].world_size != args.P:
+        raise BenchError(f"--P {args.P} but the given pool has {pools[0].world_size} ranks")
+    pool, solo = pools or (RankPool(args.P, timeout_s=3600.0, threads_per_rank=1).start(), None)
+    try:
+        per_rank = pool.run(run_rank, spec, args.seq_lens, args.mem_budget_n, timeout=3600.0)
+        train = {}
+        if args.train:
+            from .train_step import measure_training
+            # started only now: its process start and imports would load the attention timings
+            solo = solo or RankPool(1, timeout_s=3600.0, threads_per_rank=1).start()
+            train = measure_training(pool, solo, args.train, _train_model(args), args.warmup, args.repeats)
+    finally:
+        if pools is None:
+            pool.close()
+            if solo is not None:
+                solo.close()
+    return per_rank, train, "" if args.train else "skipped (--train-strategies none)"
+
+
+def _measure_under_launcher(args, spec: BenchSpec):
+    import deepspeed
+    from .. import comm
+    from .cases import run_rank
+    if args.device == "cuda":
+        import torch
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))   # nccl object collectives use it
+    deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
+    if args.device == "cpu":
+        import torch
+        torch.set_num_threads(1)        # the comparison is one thread per rank, as with RankPool
+    if comm.world_size() != args.P:
+        raise BenchError(f"--P {args.P} but the launcher started {comm.world_size()} ranks")
+    mine = run_rank(spec, args.seq_lens, args.mem_budget_n)
+    per_rank = comm.gather_object(mine)
+    why = ("not measured under a launcher: it needs a 1-rank world beside the P-rank one; run without a "
+           "launcher (CPU), or compare `ds-seqpar train` runs with `ds-seqpar report`")
+    return (per_rank if comm.global_rank() == 0 else None), {}, why
+
+
+def _write(res: Dict[str, Any], args) -> None:
+    from .markdown import write_report
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    md = write_report(res, args.out)
+    if args.wandb:
+        from .wandb_log import log_bench
+        log_bench(res, os.path.join(args.out, args.name), args.wandb_project)
+    width = max(len(c["what"]) for c in res["checks"])
+    print("\n".join(f"{c['what']:<{width}}  {c['measured']:8.3f}  {c['target']:>9}  {c['result']}"
+                    for c in res["checks"]))
+    print(f"ds-seqpar bench: wrote {md}, {os.path.join(args.out, args.name + '.json')} and "
+          f"{os.path.join(args.out, args.name)}/*.png")
+
+
+def render_saved(path: str) -> str:
+    """Re-summarise and re-render a results JSON next to itself; the measurements are untouched."""
+    from .markdown import write_report
+    from .summary import checks
+    with open(path) as f:
+        res = json.load(f)
+    res["checks"] = checks(res)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    return write_report(res, os.path.dirname(path) or ".")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--render" in argv:
+        print(f"ds-seqpar bench: wrote {render_saved(build_parser().parse_args(argv).render)}")
+        return 0
+    try:
+        args = resolve(build_parser().parse_args(argv))
+    except BenchError as err:
+        print(f"ds-seqpar bench: error: {err}", file=sys.stderr)
+        return 2
+    run(args, argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

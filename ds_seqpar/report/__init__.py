@@ -1,0 +1,1 @@
+"""`ds-seqpar report`: compare training runs (tables and plots)."""

@@ -1,0 +1,193 @@
+"""SequenceParallel: the object users hold. It composes the pieces in a fixed order:
+
+  1. validate the config against the world (before any collective, same message on every rank)
+  2. build the process groups (sequence, data, sequence x data, ulysses, ring) and the mpu
+  3. resolve the local attention kernel
+  4. build the token layout and the strategy
+Then ``mpu`` goes to ``deepspeed.initialize(mpu=sp.mpu)`` so ZeRO reduces over data x sequence.
+
+Several SequenceParallel objects may live in one process (benchmarks compare strategies in one
+run); each owns its groups and its CommStats.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Mapping, Optional, Union
+
+import torch
+
+from . import comm, strategies
+from .config import ConfigError, SequenceParallelConfig, load_ds_config
+from .kernels import get_kernel
+from .loss import sequence_loss
+from .sharding.batch import shard_batch
+from .sharding.layouts import make_layout
+from .sharding.padding import check_seq_len, pad_to, padded_len
+from .strategies import StrategyContext, get_strategy
+from .topology import ParallelDims, ProcessGroups, SequenceParallelMPU
+from .zero import deepspeed_grad_scale
+
+
+class SequenceParallel:
+    def __init__(self, config: Union[SequenceParallelConfig, Mapping[str, Any]],
+                 device: Optional[Union[str, torch.device]] = None):
+        if not isinstance(config, SequenceParallelConfig):
+            config = SequenceParallelConfig.parse(config)
+        if not comm.is_initialized():
+            raise RuntimeError("SequenceParallel needs torch.distributed: call deepspeed.init_distributed() "
+                               "(or torch.distributed.init_process_group) first")
+        self.config = config
+        # 1. validation that needs only the world size: identical on every rank, before any collective
+        world = comm.world_size()
+        config.check_world(world)
+        self.dims = ParallelDims(world, config.size, config.effective_ulysses_size)
+        # 2. groups (collective: every rank builds every group, in the same order)
+        self.groups = ProcessGroups(self.dims, comm.global_rank(), config.timeout_s)
+        self.mpu = SequenceParallelMPU(self.groups)
+        # 3. kernel
+        self.device = torch.device(device) if device is not None else _default_device()
+        self.kernel = get_kernel(config.backend, self.device)
+        # 4. layout (the configured strategy's, cut into Ulysses pieces for the hybrid), strategy
+        layout_name = get_strategy(config.strategy).layout_name
+        self.layout = make_layout(layout_name, self.dims.ring_size, self.dims.ulysses_size)
+        self.stats = comm.CommStats()
+        self.loss_grad_scale = 1.0     # from_ds_config sets what the ZeRO stage needs
+        c = self.groups.coords
+        self.strategy = strategies.build(config, StrategyContext(
+            sp_group=self.groups.sp_group, ulysses_group=self.groups.ulysses_group,
+            ring_group=self.groups.ring_group, sp_size=self.dims.sp_size, sp_rank=c.sp_rank,
+            ulysses_size=self.dims.ulysses_size, ulysses_rank=c.ulysses_rank,
+            ring_size=self.dims.ring_size, ring_rank=c.ring_rank, kernel=self.kernel, stats=self.stats,
+            layout=self.layout, overlap=config.overlap, lasp_comm=config.lasp_comm))
+
+    @classmethod
+    def from_ds_config(cls, ds_config, device=None) -> "SequenceParallel":
+        """Build from a DeepSpeed config (dict or JSON path). The ZeRO stage found there sets the
+        factor sp.loss's backward needs (see zero.py), so the training script need not."""
+        sp = cls(SequenceParallelConfig.from_ds_config(ds_config), device=device)
+        sp.loss_grad_scale = deepspeed_grad_scale(load_ds_config(ds_config), sp.size)
+        return sp
+
+    # -- topology ------------------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return self.dims.sp_size
+
+    @property
+    def rank(self) -> int:
+        return self.groups.coords.sp_rank
+
+    @property
+    def group(self):
+        return self.groups.sp_group
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.groups.coords.dp_rank
+
+    @property
+    def dp_group(self):
+        return self.groups.dp_group
+
+    @property
+    def strategy_name(self) -> str:
+        return self.strategy.name
+
+    # -- tokens --------------------------------------------------------------------------------
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """Global-order tensor -> this rank's tokens, in the strategy's layout. A length the layout
+        cannot split is padded with zeros at the end first (padding.py); pass the real length as
+        ``seq_len`` to attention (non-causal) and unshard."""
+        dim = dim % x.dim()
+        x = pad_to(x, dim, self.padded_len(x.shape[dim]))
+        return self.layout.shard(x, dim, self.rank)
+
+    def unshard(self, local: torch.Tensor, dim: int = 1, seq_len: Optional[int] = None) -> torch.Tensor:
+        """Inverse of shard: every rank gets the global-order tensor (differentiable); ``seq_len``
+        drops the end padding that shard added."""
+        dim = dim % local.dim()
+        gathered = comm.all_gather(local, dim, self.group, self.stats, kind="unshard")
+        full = self.layout.unshard(list(gathered.chunk(self.size, dim=dim)), dim)
+        if seq_len is not None:
+            check_seq_len(seq_len, full.shape[dim], self.layout.required_multiple)
+            full = full.narrow(dim, 0, seq_len)
+        return full
+
+    def position_ids(self, seq_len: int, device=None) -> torch.Tensor:
+        """Global positions of this rank's tokens (for RoPE); end padding continues the count."""
+        return self.layout.indices(self.padded_len(seq_len), self.rank).to(device or self.device)
+
+    def padded_len(self, seq_len: int) -> int:
+        """The length shard() pads ``seq_len`` to: the next multiple the layout can split."""
+        return padded_len(self.layout, seq_len)
+
+    # -- attention -----------------------------------------------------------------------------
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                  softmax_scale: Optional[float] = None, seq_len: Optional[int] = None) -> torch.Tensor:
+        """Exact softmax attention over the whole sequence; q, k, v are this rank's shards [b, s, h, d].
+        ``seq_len``: the real global length when shard() padded the sequence; padding keys are then
+        excluded (causal attention never sees them anyway, padding.py)."""
+        check_qkv(q, k, v)
+        self.strategy.check_heads(q.shape[2], k.shape[2])
+        if seq_len is not None:
+            check_seq_len(seq_len, q.shape[1] * self.size, self.layout.required_multiple)
+        scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        return self.strategy.attention(q, k, v, causal, scale, seq_len)
+
+    def linear_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         decay: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Causal linear attention over the whole sequence (strategy 'lasp')."""
+        check_qkv(q, k, v)
+        return self.strategy.linear_attention(q, k, v, decay)
+
+    # -- training helpers ----------------------------------------------------------------------
+    def shard_batch(self, batch, ignore_index: int = -100):
+        """Shift labels over the whole sequence, then shard every [batch, seq] tensor in the layout
+        and add global position_ids (see sharding/batch.py)."""
+        return shard_batch(batch, self, ignore_index)
+
+    def loss(self, logits, labels, ignore_index: int = -100, grad_scale: Optional[float] = None):
+        """Mean over the non-ignored tokens of the whole sequence, same on every rank; backward
+        gives this rank's share (see loss.py for why DeepSpeed's reduction then matches DP).
+        ``grad_scale`` defaults to what the DeepSpeed config needs (P under ZeRO-3, else 1) when
+        this object was built with ``from_ds_config``."""
+        scale = self.loss_grad_scale if grad_scale is None else grad_scale
+        return sequence_loss(logits, labels, self.group, ignore_index, self.stats, scale)
+
+    def __repr__(self) -> str:
+        return (f"SequenceParallel(strategy={self.strategy_name!r}, size={self.size}, rank={self.rank}, "
+                f"ulysses={self.dims.ulysses_size}, ring={self.dims.ring_size}, dp={self.dp_size}, "
+                f"backend={self.kernel.name!r})")
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Shape, dtype and device agreement, checked before any communication."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be [batch, seq, heads, head_dim] (bshd), got shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them first")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.shape[0] != k.shape[0] or k.shape[:2] != v.shape[:2] or q.shape[1] != k.shape[1]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must agree on batch and "
+                         f"local sequence length, and k, v on heads")
+    if k.shape[2] != v.shape[2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"k and v must have the same heads and q, k the same head_dim; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of k/v heads ({k.shape[2]}) for GQA")
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available() and comm.backend_name() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+__all__ = ["SequenceParallel", "ConfigError"]

@@ -1,0 +1,68 @@
+"""One object owns the step metrics from measurement to the loggers: each rank measures its own
+step (compute clock, attention bytes and seconds, peak memory), one small all-gather reduces them
+across the sequence x data ranks (the slowest or largest rank is what limits a step), and rank 0
+writes the record to metrics.jsonl and wandb."""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict
+
+import torch
+
+from .. import comm
+from . import runlog
+
+# rank-local measurements whose maximum over ranks is what the step costs
+WORST_OF = ("step_s", "compute_s", "attn_comm_bytes", "attn_comm_s", "peak_mem_mb")
+
+
+class StepMetrics:
+    def __init__(self, sp, run_dir, wandb_on: bool, is_writer: bool):
+        self.sp, self.is_writer, self.wandb_on = sp, is_writer, wandb_on
+        self.log = runlog.RunLog(run_dir)
+
+    # -- measurement (this rank) -----------------------------------------------------------------
+    def clock(self) -> float:
+        """CPU: this process's CPU time, so waiting on a slower peer does not count as compute.
+        CUDA: wall time after a sync (kernels are asynchronous; CPU time says nothing)."""
+        if self.sp.device.type == "cuda":
+            torch.cuda.synchronize()
+            return time.perf_counter()
+        return time.process_time()
+
+    def attn_bytes(self) -> int:
+        return sum(b for k, b in self.sp.stats.bytes.items() if k != "loss")
+
+    def attn_seconds(self) -> float:
+        return sum(s for k, s in self.sp.stats.seconds.items() if k != "loss")
+
+    def peak_memory_mb(self) -> float:
+        return runlog.peak_memory_mb(self.sp.device)
+
+    # -- reduction (every rank) ------------------------------------------------------------------
+    def reduce(self, step: int, local: Dict[str, float], tokens: int, engine) -> Dict[str, Any]:
+        """Gather every rank's numbers into the step's record; ``tokens`` trained this step."""
+        sp, keys = self.sp, list(local)
+        mine = torch.tensor([[local[k] for k in keys]], dtype=torch.float64)
+        every = comm.all_gather_nograd(mine, 0, sp.mpu.get_sequence_data_parallel_group())  # [world, keys]
+        col = {k: every[:, i] for i, k in enumerate(keys)}
+        compute_gp = col["compute_s"].view(sp.dp_size, sp.size)     # [dp groups, sp ranks]
+        imbalance = (compute_gp.max(1).values / compute_gp.mean(1).clamp(min=1e-12)).max().item()
+        worst = {k: col[k].max().item() for k in WORST_OF}
+        return {"step": step + 1, "loss": col["loss"].mean().item(), "grad_norm": local["grad_norm"],
+                "tokens_per_s": tokens / worst["step_s"], "step_s": worst["step_s"],
+                "compute_s_max": worst["compute_s"], "compute_imbalance": imbalance,
+                "attn_comm_bytes": int(worst["attn_comm_bytes"]), "attn_comm_s": worst["attn_comm_s"],
+                "peak_mem_mb": worst["peak_mem_mb"], "lr": engine.get_lr()[0],
+                "samples": engine.global_samples, "time": time.time()}
+
+    # -- loggers (rank 0) ------------------------------------------------------------------------
+    def write(self, record: Dict[str, Any], samples: int) -> None:
+        if not self.is_writer:
+            return
+        self.log.log(record)
+        if self.wandb_on:
+            runlog.wandb_log(record, step=samples)
+
+
+__all__ = ["StepMetrics"]

@@ -1,0 +1,183 @@
+"""Ring, zigzag, striped and the 2D Ulysses x Ring hybrid on 4 CPU gloo ranks: exactness against
+single-process attention, bytes against the closed forms, causal skipping, and clear errors.
+
+Size 2 on the 4-rank pool is two sequence groups of 2 ranks (dp=2), both checking their results.
+"""
+import pytest
+import torch
+
+from ds_seqpar import SequenceParallel
+from ds_seqpar.kernels import AttentionKernel
+
+from ..dist_checks import HEAD_CASES, check_attention_exact, global_inputs, sharded_attention_grads
+
+RING_STRATEGIES = ("ring", "zigzag", "striped")
+SEQ, BATCH, HEAD_DIM, E, E_ACC = 64, 2, 16, 4, 4
+
+
+def _check_many(cfgs):
+    """One pool task for several configs (each builds its own groups, a collective)."""
+    return [len(check_attention_exact(cfg)) for cfg in cfgs]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_ring_strategies_match_single_process(pool, size):
+    cfgs = [{"strategy": s, "size": size} for s in RING_STRATEGIES]
+    if size == 4:
+        cfgs.append({"strategy": "zigzag", "size": 4, "overlap": False})   # the non-overlapped path
+    for counts in pool.run(_check_many, cfgs):
+        assert counts == [len(HEAD_CASES)] * len(cfgs), (cfgs, counts)
+
+
+@pytest.mark.parametrize("ulysses_size", [2, 4])
+def test_hybrid_matches_single_process(pool, ulysses_size):
+    cfgs = [{"strategy": s, "size": 4, "ulysses_size": ulysses_size} for s in RING_STRATEGIES]
+    for counts in pool.run(_check_many, cfgs):
+        assert counts == [len(HEAD_CASES)] * len(cfgs), (cfgs, counts)
+
+
+def _layout_of(cfg):
+    sp = SequenceParallel(cfg)
+    inner = getattr(sp.strategy, "ring", None)          # the hybrid wraps a ring strategy
+    name = type(sp.strategy).__name__ + (f"({type(inner).__name__})" if inner is not None else "")
+    return name, repr(sp.layout)
+
+
+@pytest.mark.parametrize("ring", RING_STRATEGIES)
+def test_hybrid_uses_the_ring_strategy_layout(pool, ring):
+    name, layout = pool.run(_layout_of, {"strategy": ring, "size": 4, "ulysses_size": 2})[0]
+    layout_cls = {"ring": "ContiguousLayout", "zigzag": "ZigzagLayout", "striped": "StripedLayout"}[ring]
+    ring_cls = {"ring": "RingAttention", "zigzag": "ZigzagAttention", "striped": "StripedAttention"}[ring]
+    assert name == f"HybridAttention({ring_cls})" and layout == f"HybridLayout({layout_cls}, ring_size=2, ulysses_size=2)", \
+        (name, layout)
+    name, layout = pool.run(_layout_of, {"strategy": ring, "size": 4, "ulysses_size": 1})[0]
+    assert "Hybrid" not in name and layout == f"{layout_cls}(size=4)", (name, layout)
+
+
+# -- bytes ------------------------------------------------------------------------------------
+
+
+def _bytes_per_kind(cfgs, heads, kv_heads):
+    out = []
+    for cfg in cfgs:
+        sp = SequenceParallel(cfg)
+        q, k, v, dout = global_inputs(2, BATCH, SEQ, heads, kv_heads, HEAD_DIM)
+        sp.stats.reset()
+        sharded_attention_grads(sp, q, k, v, dout, True)
+        out.append(dict(sp.stats.bytes))
+    return out
+
+
+def ring_closed_form(p, s_kv, e=E, e_acc=E_ACC):
+    """Per rank, one forward + backward: K/V P-1 hops each way, dK/dV P-1 hops in fp32."""
+    return {"ring": s_kv * (p - 1) * 4 * e, "ring_grad": s_kv * (p - 1) * 2 * e_acc}
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_ring_bytes_match_closed_form(pool, size):
+    cases = [(4, 4), (4, 2), (4, 1)]                  # MHA and GQA: bytes scale with kv heads
+    cfgs = [{"strategy": s, "size": size} for s in RING_STRATEGIES]
+    for heads, kv_heads in cases:
+        s_kv = BATCH * (SEQ // size) * kv_heads * HEAD_DIM
+        expected = ring_closed_form(size, s_kv)
+        total = s_kv * (size - 1) * (4 * E + 2 * E_ACC)
+        for rank, per_cfg in enumerate(pool.run(_bytes_per_kind, cfgs, heads, kv_heads)):
+            for cfg, got in zip(cfgs, per_cfg):
+                assert got == expected and sum(got.values()) == total, \
+                    f"{cfg} heads={heads} kv_heads={kv_heads} rank {rank}: sent {got}, closed form {expected}"
+
+
+def test_hybrid_bytes_match_closed_form(pool):
+    u, r, heads = 2, 2, 4
+    for kv_heads, f in ((4, 1), (2, 1), (1, 2)):      # f: k/v head repeat so that U splits them
+        n = SEQ // (u * r)
+        s, s_kv = BATCH * n * heads * HEAD_DIM, BATCH * n * kv_heads * HEAD_DIM
+        expected = ring_closed_form(r, f * s_kv)
+        expected["all_to_all"] = (u - 1) * E * (4 * s + 4 * f * s_kv) // u
+        cfgs = [{"strategy": st, "size": 4, "ulysses_size": u} for st in RING_STRATEGIES]
+        for rank, per_cfg in enumerate(pool.run(_bytes_per_kind, cfgs, heads, kv_heads)):
+            for cfg, got in zip(cfgs, per_cfg):
+                assert got == expected, f"{cfg} kv_heads={kv_heads} rank {rank}: sent {got}, closed form {expected}"
+
+
+# -- causal skipping --------------------------------------------------------------------------
+
+
+class CountingKernel(AttentionKernel):
+    """Delegates to a real kernel and records the (q, k) pairs each call computes."""
+
+    def __init__(self, inner):
+        self.inner, self.name = inner, inner.name
+        self.calls = {"forward": [], "backward": []}
+
+    @staticmethod
+    def _pairs(sq, sk, causal):
+        return sq * (sq + 1) // 2 if causal else sq * sk
+
+    def forward(self, q, k, v, causal, scale):
+        self.calls["forward"].append(self._pairs(q.shape[1], k.shape[1], causal))
+        return self.inner.forward(q, k, v, causal, scale)
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        self.calls["backward"].append(self._pairs(q.shape[1], k.shape[1], causal))
+        return self.inner.backward(dout, q, k, v, out, lse, causal, scale)
+
+
+def _work_per_rank(cfgs, causal):
+    out = []
+    for cfg in cfgs:
+        sp = SequenceParallel(cfg)
+        counter = CountingKernel(sp.kernel)
+        sp.strategy.ctx.kernel = counter
+        q, k, v, dout = global_inputs(3, 1, SEQ, 2, 2, HEAD_DIM)
+        sharded_attention_grads(sp, q, k, v, dout, causal)
+        visible = sp.layout.causal_work(SEQ)[sp.rank] if causal else (SEQ // sp.size) * SEQ
+        out.append((sp.rank, counter.calls, visible))
+    return out
+
+
+def test_causal_blocks_are_skipped_and_only_visible_pairs_computed(pool):
+    p = 4
+    cfgs = [{"strategy": s, "size": p} for s in RING_STRATEGIES]
+    for per_cfg in pool.run(_work_per_rank, cfgs, True):
+        for cfg, (rank, calls, visible) in zip(cfgs, per_cfg):
+            # contiguous ring: blocks from higher ranks are skipped; zigzag/striped: a piece every step
+            n_calls = rank + 1 if cfg["strategy"] == "ring" else p
+            for phase in ("forward", "backward"):
+                assert len(calls[phase]) == n_calls, f"{cfg} rank {rank} {phase}: {len(calls[phase])} kernel calls"
+                assert sum(calls[phase]) == visible, \
+                    f"{cfg} rank {rank} {phase}: computed {sum(calls[phase])} (q, k) pairs, visible {visible}"
+    for per_cfg in pool.run(_work_per_rank, cfgs, False):
+        for cfg, (rank, calls, visible) in zip(cfgs, per_cfg):
+            assert len(calls["forward"]) == p and sum(calls["forward"]) == visible, (cfg, rank, calls)
+
+
+# -- errors before communication ---------------------------------------------------------------
+
+
+def _error_of(cfg, local_len, heads):
+    sp = SequenceParallel(cfg)
+    q = torch.randn(1, local_len, heads, HEAD_DIM)
+    sp.stats.reset()
+    try:
+        sp.attention(q, q, q)
+    except ValueError as err:
+        return str(err), sp.stats.total_bytes
+    return "no error", sp.stats.total_bytes
+
+
+@pytest.mark.parametrize("cfg,local_len,heads,needles", [
+    ({"strategy": "zigzag", "size": 2}, 7, 4, ["multiple of 2", "got 7 tokens per rank", "pad the sequence to 16",
+                                                "truncate it to 12"]),
+    ({"strategy": "zigzag", "size": 4, "ulysses_size": 2}, 3, 4, ["no error"]),   # ring shard 6 is even
+    ({"strategy": "striped", "size": 4, "ulysses_size": 4}, 8, 6, ["sequence_parallel.ulysses_size=4",
+                                                                   "6 q heads"]),
+])
+def test_bad_lengths_and_heads_are_clear_errors(pool, cfg, local_len, heads, needles):
+    results = pool.run(_error_of, cfg, local_len, heads)
+    msgs = {m for m, _ in results}
+    assert len(msgs) == 1, msgs
+    msg = msgs.pop()
+    assert all(n in msg for n in needles), msg
+    if needles != ["no error"]:
+        assert all(sent == 0 for _, sent in results), f"communication before the error: {results}"

@@ -1,0 +1,133 @@
+"""End to end: sequence x data parallel training with ZeRO 1/2/3 == plain data-parallel training,
+for every registered strategy, on the 4-rank pool; plus checkpoint resume and bad configs."""
+import functools
+import json
+import math
+import os
+
+import pytest
+
+from ds_seqpar import STRATEGIES
+
+from ..train_reference import reference_losses
+
+CONFIGS = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "configs")
+REL = 1e-5
+NORM_REL = 1e-4      # a gradient norm sums many squares in fp32: looser than the loss, far below any bug
+TINY = {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "seq_len": 64, "steps": 3,
+        "ignore_frac": 0.25, "corpus_bytes": 1 << 18, "quiet": True, "no_wandb": True}
+
+
+# every registered strategy, and the 2D hybrid (a ring strategy with ulysses_size > 1)
+SHIPPED = sorted(STRATEGIES) + ["hybrid"]
+
+
+def shipped_config(name):
+    """configs/<name>_zero2.json: the tests train with the configs users get."""
+    path = os.path.join(CONFIGS, f"{name}_zero2.json")
+    assert os.path.exists(path), f"strategy {name!r} is shipped but {path} is missing"
+    with open(path) as f:
+        return json.load(f)
+
+
+def _train(args):
+    from ds_seqpar.train import run_training
+    return run_training(args)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(name, dp_size):
+    return reference_losses(dict(TINY, deepspeed_config=shipped_config(name)), dp_size)
+
+
+def assert_close_losses(got, want, what, rel=REL, quantity="loss"):
+    assert len(got) == len(want), f"{what}: {len(got)} values, expected {len(want)}"
+    for i, (g, w) in enumerate(zip(got, want)):
+        err = abs(g - w) / abs(w)
+        assert math.isfinite(g) and err <= rel, \
+            f"{what}: step {i + 1} {quantity} {g!r} != plain data-parallel {w!r} (rel {err:.2e} > {rel})"
+
+
+@pytest.mark.parametrize("name", ["ulysses", "zigzag"])
+def test_any_sequence_length_is_padded_exactly(pool, tmp_path, name):
+    """61 tokens: the layout pads to 62 / 64 at the end; losses equal plain training on 61."""
+    args = dict(TINY, seq_len=61)
+    ref, _ = reference_losses(dict(args, deepspeed_config=shipped_config(name)), 2)
+    results = pool.run(_train, dict(args, deepspeed_config=shipped_config(name), run_dir=str(tmp_path)))
+    for r in results:
+        assert_close_losses(r["losses"], ref[r["dp_rank"]], f"{name} seq_len=61 rank {r['rank']}")
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("name", SHIPPED)
+def test_sequence_x_data_parallel_matches_plain_data_parallel(pool, tmp_path, name, stage):
+    ds = shipped_config(name)
+    ds["zero_optimization"]["stage"] = stage
+    results = pool.run(_train, dict(TINY, deepspeed_config=ds, run_dir=str(tmp_path)))
+    sp_size = ds["sequence_parallel"]["size"]
+    dp_size = len(results) // sp_size
+    ref, ref_norms = _reference(name, dp_size)
+    for r in results:
+        what = f"{name} ZeRO-{stage} rank {r['rank']} (dp_rank {r['dp_rank']}, sp_rank {r['sp_rank']})"
+        assert_close_losses(r["losses"], ref[r["dp_rank"]], what)
+        # Adam hides a constant gradient factor from the losses; the norm does not
+        assert_close_losses(r["grad_norms"], ref_norms, what, NORM_REL, "gradient norm")
+        peer = results[r["dp_rank"] * sp_size]      # sp_rank 0 of the same sequence group
+        assert r["losses"] == peer["losses"], f"{what}: loss differs from its sequence group's rank 0"
+    with open(results[0]["metrics_path"]) as f:
+        logged = [json.loads(line) for line in f]
+    assert [m["step"] for m in logged] == [1, 2, 3], logged
+    mean_ref = [sum(c) / dp_size for c in zip(*ref)]
+    assert_close_losses([m["loss"] for m in logged], mean_ref, f"{name} logged mean over replicas")
+
+
+def test_gradient_accumulation_matches_plain_data_parallel(pool, tmp_path):
+    ds = shipped_config("ulysses")
+    ds["gradient_accumulation_steps"] = 2
+    results = pool.run(_train, dict(TINY, deepspeed_config=ds, run_dir=str(tmp_path)))
+    ref, ref_norms = reference_losses(dict(TINY, deepspeed_config=ds), 2)
+    for r in results:
+        assert_close_losses(r["losses"], ref[r["dp_rank"]], f"accumulation rank {r['rank']}")
+        assert_close_losses(r["grad_norms"], ref_norms, f"accumulation rank {r['rank']}", NORM_REL, "gradient norm")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_checkpoint_resume_reproduces_losses(pool, tmp_path, stage):
+    ds = shipped_config("ulysses")
+    ds["zero_optimization"]["stage"] = stage
+    base = dict(TINY, deepspeed_config=ds, steps=4, run_dir=str(tmp_path / "runs"))
+    save = str(tmp_path / "ckpt")
+    whole = pool.run(_train, base)
+    first = pool.run(_train, dict(base, steps=2, save_dir=save, save_interval=2))
+    resumed = pool.run(_train, dict(base, save_dir=save, resume=True))
+    for w, f, r in zip(whole, first, resumed):
+        assert r["start_step"] == 2, r
+        assert f["losses"] == w["losses"][:2], (f["losses"], w["losses"])
+        assert_close_losses(r["losses"], w["losses"][2:], f"rank {r['rank']} resumed at step 2")
+
+
+BAD = [
+    ({"strategy": "foo"}, "sequence_parallel.strategy='foo' is not valid"),
+    ({"sp_size": 3}, "sequence_parallel.size=3 does not divide the world size 4"),
+    ({"seq_len": 1}, "--seq_len=1 >= 2"),
+    ({"n_heads": 3, "dim": 48, "n_kv_heads": None}, "3 q heads are not divisible by 2"),
+]
+
+
+def _bad_run(args):
+    from ds_seqpar import ConfigError
+    from ds_seqpar.train import run_training
+    try:
+        run_training(args)
+    except ConfigError as err:
+        return str(err)
+    return "trained without error"
+
+
+@pytest.mark.parametrize("override,expected", BAD, ids=["strategy", "size", "seq_len", "heads"])
+def test_bad_config_stops_every_rank_with_one_message(pool, tmp_path, override, expected):
+    args = dict(TINY, deepspeed_config=shipped_config("ulysses"), run_dir=str(tmp_path), **override)
+    messages = pool.run(_bad_run, args)
+    assert len(set(messages)) == 1, f"ranks disagree: {messages}"
+    assert expected in messages[0], messages[0]
+    assert not os.listdir(tmp_path), "a run directory was created: the error came after training started"

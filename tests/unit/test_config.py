@@ -1,0 +1,58 @@
+"""The sequence_parallel config key: schema, validation messages, DeepSpeed agreement."""
+import json
+
+import pytest
+
+from ds_seqpar import ConfigError, SequenceParallelConfig
+
+
+def test_defaults_and_fields():
+    cfg = SequenceParallelConfig(strategy="striped", size=4)
+    assert (cfg.strategy, cfg.size, cfg.ulysses_size, cfg.backend, cfg.lasp_comm, cfg.overlap) == \
+        ("striped", 4, 1, "auto", "allgather", True)
+    assert cfg.ring_size == 4 and not cfg.is_hybrid
+
+
+def test_hybrid_key_and_sizes():
+    cfg = SequenceParallelConfig(strategy="zigzag", size=4, ulysses_size=2)
+    assert cfg.is_hybrid and cfg.ring_size == 2 and cfg.effective_ulysses_size == 2
+
+
+@pytest.mark.parametrize("section,needles", [
+    ({"strategy": "rung"}, ["sequence_parallel.strategy='rung'", "ulysses, ring, zigzag, striped, lasp"]),
+    ({"backend": "cudnn"}, ["sequence_parallel.backend='cudnn'", "auto, flash_attn, torch, math"]),
+    ({"lasp_comm": "p2p"}, ["sequence_parallel.lasp_comm='p2p'", "allgather, ring"]),
+    ({"sizee": 2}, ["sequence_parallel.sizee is not a known key", "known keys: strategy, size"]),
+    ({"size": 0}, ["sequence_parallel.size=0"]),
+    ({"strategy": "ring", "size": 4, "ulysses_size": 3}, ["ulysses_size=3 must divide", "size=4", "[1, 2, 4]"]),
+    ({"strategy": "lasp", "size": 4, "ulysses_size": 2}, ["ulysses_size=2 combines only with a ring strategy"]),
+])
+def test_bad_values_name_key_value_and_choices(section, needles):
+    with pytest.raises(ConfigError) as err:
+        SequenceParallelConfig.parse(section)
+    for needle in needles:
+        assert needle in str(err.value), f"{needle!r} not in {err.value}"
+
+
+def test_size_must_divide_world():
+    cfg = SequenceParallelConfig(strategy="ring", size=3)
+    with pytest.raises(ConfigError, match=r"size=3 does not divide the world size 4; valid sizes for this world: \[1, 2, 4\]"):
+        cfg.check_world(4)
+    cfg.check_world(6)
+
+
+def test_from_ds_config_dict_file_and_agreement(tmp_path):
+    ds = {"train_batch_size": 8, "sequence_parallel": {"strategy": "zigzag", "size": 2}}
+    assert SequenceParallelConfig.from_ds_config(ds).strategy == "zigzag"
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    assert SequenceParallelConfig.from_ds_config(str(path)).size == 2
+    with pytest.raises(ConfigError, match="sequence_parallel_size=4 disagrees with sequence_parallel.size=2"):
+        SequenceParallelConfig.from_ds_config({**ds, "sequence_parallel_size": 4})
+    assert SequenceParallelConfig.from_ds_config({**ds, "sequence_parallel_size": 2}).size == 2
+    assert SequenceParallelConfig.from_ds_config({"train_batch_size": 8}).size == 1
+
+
+def test_missing_file_is_clear():
+    with pytest.raises(ConfigError, match="does not exist"):
+        SequenceParallelConfig.from_ds_config("/nonexistent/ds.json")
