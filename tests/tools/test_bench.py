@@ -2,6 +2,7 @@
 end to end (JSON fields, exact byte ratios, markdown rows, plots), bad options, and the training
 report over real (tiny) training runs."""
 import json
+import os
 
 import pytest
 
@@ -124,6 +125,18 @@ def test_bench_rejects_bad_options_before_starting_ranks(argv, message):
     with pytest.raises(BenchError) as err:
         resolve(build_parser().parse_args(argv))
     assert message in str(err.value), str(err.value)
+
+
+def test_bench_training_case_takes_a_hugging_face_model(tmp_path):
+    from ds_seqpar.bench.main import BenchError, _train_model, build_parser, resolve
+    path = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "configs", "models", "qwen2_small.json")
+    args = resolve(build_parser().parse_args(["--model", path, "--train-strategies", "zigzag,ulysses",
+                                              "--train-seq-len", "256"]))
+    assert _train_model(args) == {"model": os.path.abspath(path), "seq_len": 256, "micro_batch": 1, "steps": 3}
+    with pytest.raises(BenchError, match="--train-strategies lasp: Hugging Face models use softmax attention"):
+        resolve(build_parser().parse_args(["--model", path, "--train-strategies", "zigzag,lasp"]))
+    with pytest.raises(BenchError, match="does not exist"):
+        resolve(build_parser().parse_args(["--model", str(tmp_path / "nope")]))
 
 
 def test_bench_command_exits_2_with_the_message(capsys):
