@@ -12,6 +12,7 @@ Order of apply (everything that can fail does so before the model is touched, on
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Dict, List, Optional
 
 import torch.nn as nn
@@ -26,19 +27,28 @@ _KEYS = itertools.count()
 
 
 class SequenceParallelState:
-    """What one applied (sp, model) pair shares between its attention function, loss and hooks."""
+    """What one applied (sp, model) pair shares between its attention function, loss and hooks.
+
+    transformers keeps every registered function for the life of the process (there is no public
+    unregister), and the function holds this state: so the layers are held by weak reference, and
+    a finished model (with its optimizer's flat buffers behind its parameters) can be freed."""
 
     def __init__(self, sp, key: str, layers, previous_attn, previous_loss):
         self.sp = sp
         self.key = key
         self.names: Dict[int, str] = {id(m): f"{n} ({type(m).__name__})" for n, m in layers}
-        self.layers = layers
+        self._layers = [(n, weakref.ref(m)) for n, m in layers]
         self.previous_attn = previous_attn
         self.previous_loss = previous_loss
         self.calls: set = set()           # attention layers that called the function in this forward
         self.labels_given = False
         self.loss_routed = False
         self.handles: List = []
+
+    @property
+    def layers(self):
+        """(name, module) of the attention layers that are still alive."""
+        return [(n, ref()) for n, ref in self._layers if ref() is not None]
 
     def layer_name(self, module) -> str:
         return self.names.get(id(module), type(module).__name__)
@@ -81,6 +91,7 @@ def remove_sequence_parallel(model: nn.Module) -> nn.Module:
     model.set_attn_implementation(state.previous_attn)
     model.loss_function = state.previous_loss
     state.sp = None         # the registered function now refuses to run (transformers has no unregister)
+    state.previous_loss = None
     setattr(model, STATE_ATTR, None)
     return model
 

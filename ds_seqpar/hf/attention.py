@@ -39,7 +39,7 @@ def make_attention_function(state) -> Callable:
                                f"remove_sequence_parallel; this model's attention key is stale")
         causal, seq_len, cu_seqlens = _call_options(module, kwargs)
         check_call(where, query, key, attention_mask, dropout, kwargs, sp.size, causal, seq_len)
-        if cu_seqlens is not None and "cu_seqlens" not in inspect.signature(sp.attention).parameters:
+        if cu_seqlens is not None and not accepts_cu_seqlens(sp):
             raise UnsupportedModelError(f"ds_seqpar.hf: packed documents (cu_seqlens) in {where}: this "
                                         f"ds_seqpar's sp.attention has no cu_seqlens argument; pass one "
                                         f"document per row instead")
@@ -54,6 +54,11 @@ def make_attention_function(state) -> Callable:
         return out_bshd[..., :dv], None
 
     return ds_seqpar_attention
+
+
+def accepts_cu_seqlens(sp) -> bool:
+    """Whether this ds_seqpar's sp.attention takes packed-document boundaries."""
+    return "cu_seqlens" in inspect.signature(sp.attention).parameters
 
 
 def _call_options(module, kwargs):

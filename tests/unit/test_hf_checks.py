@@ -199,3 +199,52 @@ def test_hf_package_imports_only_the_core():
             if isinstance(node, ast.ImportFrom) and node.level:
                 top = (node.module or "").split(".")[0]
                 assert node.level == 1 or top not in tools, f"{path} imports ..{node.module}"
+
+
+class _RecordingSP:
+    """Stands in for SequenceParallel (size 1): records what the registered function passes."""
+    size = 1
+
+    def __init__(self, packed):
+        self.calls = []
+        if not packed:
+            self.attention = self._attention_without_cu
+
+    def attention(self, q, k, v, causal=True, softmax_scale=None, seq_len=None, cu_seqlens=None):
+        self.calls.append(dict(shapes=(q.shape, k.shape, v.shape), causal=causal, scale=softmax_scale,
+                               cu_seqlens=cu_seqlens))
+        return torch.zeros(q.shape[:-1] + (q.shape[-1],))
+
+    def _attention_without_cu(self, q, k, v, causal=True, softmax_scale=None, seq_len=None):
+        return self.attention(q, k, v, causal, softmax_scale, seq_len)
+
+
+def _function(sp):
+    from ds_seqpar.hf.apply import SequenceParallelState
+    from ds_seqpar.hf.attention import make_attention_function
+    return make_attention_function(SequenceParallelState(sp, "k", [], "sdpa", None))
+
+
+def test_attention_function_layouts_scale_and_packed_pass_through():
+    sp = _RecordingSP(packed=True)
+    fn = _function(sp)
+    module = torch.nn.Module()
+    q, k, v = torch.zeros(2, 4, 8, 24), torch.zeros(2, 2, 8, 24), torch.zeros(2, 2, 8, 8)   # [b, h, s, d], MLA v
+    out, weights = fn(module, q, k, v, None, dropout=0.0, scaling=0.3)
+    assert out.shape == (2, 8, 4, 8) and weights is None            # [b, s, h, dv]
+    call = sp.calls[-1]
+    assert call["shapes"] == ((2, 8, 4, 24), (2, 8, 2, 24), (2, 8, 2, 24)) and call["scale"] == 0.3
+    assert call["causal"] is True and call["cu_seqlens"] is None
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    fn(module, q, k, v, None, scaling=None, cu_seqlens=cu)
+    assert sp.calls[-1]["cu_seqlens"] is cu and sp.calls[-1]["scale"] == 24 ** -0.5      # scale of the real d
+    fn(module, q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=5, max_length_k=5)
+    assert sp.calls[-1]["cu_seqlens"] is cu
+    module.is_causal = False
+    fn(module, q, k, v, None, sp_seq_len=8)
+    assert sp.calls[-1]["causal"] is False
+    with pytest.raises(UnsupportedModelError, match="packed documents .*no cu_seqlens argument"):
+        _function(_RecordingSP(packed=False))(torch.nn.Module(), q, k, v, None, cu_seqlens=cu)
+    stale = _function(None)
+    with pytest.raises(RuntimeError, match="after remove_sequence_parallel"):
+        stale(module, q, k, v, None)
