@@ -73,8 +73,8 @@ def _call_options(module, kwargs):
         cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
         if cu_q is not None:
             if cu_k is not None and not torch.equal(cu_q, cu_k):
-                raise UnsupportedModelError(f"ds_seqpar.hf: cu_seq_lens_q != cu_seq_lens_k: query and key "
-                                            f"documents differ (cross attention); pass one cu_seqlens")
+                raise UnsupportedModelError("ds_seqpar.hf: cu_seq_lens_q != cu_seq_lens_k: query and key "
+                                            "documents differ (cross attention); pass one cu_seqlens")
             cu_seqlens = cu_q
     return bool(causal), seq_len, cu_seqlens
 

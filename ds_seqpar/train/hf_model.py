@@ -7,8 +7,6 @@ name). Everything that can be refused is refused before weights are loaded, on e
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn as nn
 
@@ -87,11 +85,6 @@ def build(opts, config, sp=None) -> HFCausalLM:
     if sp is not None:
         apply_sequence_parallel(model, sp)
     return HFCausalLM(model, opts.model, loaded)
-
-
-def vocab_of(config) -> Optional[int]:
-    from ..hf.checks import text_config
-    return getattr(text_config(config), "vocab_size", None)
 
 
 __all__ = ["HFCausalLM", "build", "check_options", "check_run", "load_config"]

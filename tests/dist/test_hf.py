@@ -64,7 +64,7 @@ def check_family(family, cases, checkpointing=False):
     sp, model, batch, logits = applied[0]
     with torch.no_grad():
         assert torch.equal(model(**batch).logits, logits), f"{family}: first applied model changed"
-    for sp, model, _, _ in applied:
+    for _, model, _, _ in applied:
         remove_sequence_parallel(model)
         assert model.config._attn_implementation == "sdpa", model.config._attn_implementation
         _compare_plain(f"{family} after remove", model, ids, plain[0], ref[0])

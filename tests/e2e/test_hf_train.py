@@ -49,6 +49,40 @@ def test_hf_checkpoint_resume_reproduces_losses(pool, tmp_path, model_dirs):
         assert_close_losses(r["losses"], w["losses"][2:], f"--model rank {r['rank']} resumed at step 2")
 
 
+def _readme_recipe(model_dir, ds, opts):
+    """The README's five lines (model(**batch).loss under DeepSpeed), on the main job's batches."""
+    import deepspeed
+    from ds_seqpar import SequenceParallel, comm
+    from ds_seqpar.hf import apply_sequence_parallel
+    from ds_seqpar.hf.model_io import load_causal_lm
+    from ds_seqpar.train import data
+    deepspeed.init_distributed(dist_backend=comm.backend_name())
+    tokens = data.stdlib_corpus(opts["corpus_bytes"])
+    sp = SequenceParallel.from_ds_config(ds)
+    model = apply_sequence_parallel(load_causal_lm(model_dir)[0].train(), sp)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds, mpu=sp.mpu)
+    losses = []
+    for step in range(opts["steps"]):
+        batch = data.batch_for_step(tokens, step, 0, sp.dp_rank, sp.dp_size, ds["train_micro_batch_size_per_gpu"],
+                                    opts["seq_len"], opts.get("seed", 0), opts["ignore_frac"])
+        batch = sp.shard_batch(batch)
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    engine.destroy()
+    return {"losses": losses, "dp_rank": sp.dp_rank, "rank": comm.global_rank()}
+
+
+def test_readme_hf_recipe_matches_plain_data_parallel(pool, model_dirs):
+    ds = shipped_config("zigzag")
+    ds.pop("wandb")
+    results = pool.run(_readme_recipe, model_dirs["weights"], ds, HF_TINY)
+    ref, _ = reference_losses(dict(HF_TINY, model=model_dirs["weights"], deepspeed_config=ds), 2)
+    for r in results:
+        assert_close_losses(r["losses"], ref[r["dp_rank"]], f"README recipe rank {r['rank']}")
+
+
 def _main(argv):
     from ds_seqpar.train import main
     return main(argv)
