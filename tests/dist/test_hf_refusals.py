@@ -56,7 +56,21 @@ def refusal_messages():
     from ds_seqpar.hf import apply_sequence_parallel
     apply_sequence_parallel(bypass, sp)
     out["bypass"] = _message(lambda: bypass(**batch))
+    # a model computing its loss without model.loss_function (it would shift labels again)
+    own_loss = tiny_model("llama")
+    own_loss.__class__ = _own_loss_class(type(own_loss))
+    apply_sequence_parallel(own_loss, sp)
+    out["own loss"] = _message(lambda: own_loss(**batch))
     return out
+
+
+def _own_loss_class(base):
+    class OwnLossForCausalLM(base):
+        def forward(self, input_ids=None, position_ids=None, labels=None, **kwargs):
+            out = super().forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
+            out.loss = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+            return out
+    return OwnLossForCausalLM
 
 
 def _applied_twice(model, sp):
@@ -85,6 +99,7 @@ EXPECTED = {
     "dropout": "attention dropout 0.1 in training",
     "softcap": "logit softcapping (attn_logit_softcapping=30.0)",
     "bypass": "did not call the sequence-parallel attention (first: model.layers.1.self_attn (BypassAttention))",
+    "own loss": "OwnLossForCausalLM computed its loss without model.loss_function",
 }
 
 

@@ -248,3 +248,22 @@ def test_attention_function_layouts_scale_and_packed_pass_through():
     stale = _function(None)
     with pytest.raises(RuntimeError, match="after remove_sequence_parallel"):
         stale(module, q, k, v, None)
+
+
+def test_routed_loss_does_not_shift_again_and_refuses_a_token_count():
+    from ds_seqpar.hf.apply import SequenceParallelState
+    from ds_seqpar.hf.loss import make_loss_function
+
+    class OneRank:
+        def loss(self, logits, labels, ignore_index=-100):
+            return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=ignore_index)
+
+    state = SequenceParallelState(OneRank(), "k", [], "sdpa", None)
+    fn = make_loss_function(state)
+    logits, labels = torch.randn(2, 5, 7), torch.randint(0, 7, (2, 5))
+    want = F.cross_entropy(logits.flatten(0, 1), labels.flatten())          # labels taken as already shifted
+    torch.testing.assert_close(fn(logits, labels, 7), want)                 # positional (Gemma2, Jamba)
+    torch.testing.assert_close(fn(logits=logits, labels=None, vocab_size=7, shift_labels=labels), want)
+    assert state.loss_routed
+    with pytest.raises(UnsupportedModelError, match="num_items_in_batch=10"):
+        fn(logits=logits, labels=labels, vocab_size=7, num_items_in_batch=10)
