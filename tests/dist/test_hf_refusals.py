@@ -44,6 +44,10 @@ def refusal_messages():
     out["3-D positions"] = _message(lambda: llama(input_ids=batch["input_ids"],
                                                   position_ids=batch["position_ids"][None].expand(3, -1, -1)))
     out["twice"] = _message(lambda: _applied_twice(llama, sp))
+    from transformers import DynamicCache
+    out["cache"] = _message(lambda: llama(**batch, past_key_values=DynamicCache(config=llama.config)))
+    ulysses = SequenceParallel({"strategy": "ulysses", "size": 4})
+    out["heads"] = _message(lambda: _applied("llama", ulysses, hidden_size=48, num_attention_heads=6))
     window = _applied("qwen2", sp, use_sliding_window=True, sliding_window=16, max_window_layers=0)
     out["sliding window"] = _message(lambda: window(**batch))
     dropout = _applied("llama", sp, attention_dropout=0.1)
@@ -95,6 +99,8 @@ EXPECTED = {
     "no position_ids": "position_ids are required",
     "3-D positions": "multimodal 3-D position ids",
     "twice": "already has sequence parallelism applied",
+    "cache": "past_key_values (cached attention) cannot be exact",
+    "heads": "LlamaConfig num_attention_heads=6, num_key_value_heads=2: ",
     "sliding window": "sliding window of 16 tokens shorter than the padded sequence (32 tokens)",
     "dropout": "attention dropout 0.1 in training",
     "softcap": "logit softcapping (attn_logit_softcapping=30.0)",
