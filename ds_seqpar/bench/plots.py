@@ -82,7 +82,8 @@ def plot_bytes(res, path: str) -> str:
     plt, m = _plt(), res["meta"]
     seqs, colors = m["seq_lens"], _colors(m["cases"])
     fig, ax = plt.subplots(figsize=(10, 5))
-    rows = {c: [res["attention"][str(n)][c] for n in seqs] for c in _parallel_cases(res)}
+    rows = {c: [res["attention"][str(n)][c] for n in seqs] for c in _parallel_cases(res)
+            if "bytes_form" in res["attention"][str(seqs[0])][c]}          # the cases that communicate
     forms = {c: [max(r["bytes_form"]) / MIB for r in rs] for c, rs in rows.items()}
     for label, case, form in _merged(forms):
         ax.plot(seqs, form, ls="--", color=colors[case], lw=1.5, label=f"{label}: closed form")

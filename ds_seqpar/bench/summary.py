@@ -70,7 +70,7 @@ def case_row(per_rank: List[Dict[str, Any]], seq: int, case: str, meta: Dict[str
            "expected_imbalance": expected_imbalance(case, p, causal) if case != base else 1.0}
     if case in TARGET_FRACTION:
         row["target"] = TARGET_FRACTION[case] * row["bound"]
-    if CASES[case].runner != "single":
+    if CASES[case].runner in ("sp", "deepspeed"):        # the cases that communicate
         row["wait_s"] = _per_rank(per_rank, seq, case, "wait") if CASES[case].runner == "sp" else None
         row.update(_bytes_fields(per_rank, seq, case, meta))
     return row
@@ -140,7 +140,7 @@ def checks(results: Dict[str, Any]) -> List[Dict[str, Any]]:
     rows = results["attention"][str(seq)]
     out = []
     for case, r in rows.items():
-        if r["baseline"] == case:
+        if r["baseline"] == case or CASES[case].runner == "local":       # references, not strategies
             continue
         if "target" in r:
             out.append(_check(f"{case} speedup, N={seq}", r["speedup"]["median"], r["bound"],

@@ -171,12 +171,17 @@ def test_report_compares_real_training_runs(pool, tmp_path, capsys):
     assert "is not a training run directory" in capsys.readouterr().err
 
 
-def test_bench_ring_is_a_preset_of_bench():
+@pytest.mark.parametrize("preset,cases,breakdown", [
+    ("ring", ["single", "ulysses", "ring", "zigzag", "striped", "zigzag_no_overlap"], False),
+    ("lasp", ["single_linear", "lasp2", "lasp1", "halves"], True),
+])
+def test_ring_and_lasp_are_presets_of_bench(preset, cases, breakdown):
+    # the former python -m ds_seqpar.bench_ring / bench_lasp: one family at N=8192, no training
     from ds_seqpar.bench.main import build_parser, resolve
-    from ds_seqpar.bench.ring_preset import bench_argv
-    args = resolve(build_parser().parse_args(bench_argv(["--seq", "4096", "--out", "reports/ring_cpu.md"])))
-    assert args.cases == ["single", "ulysses", "ring", "zigzag", "striped", "zigzag_no_overlap"], args.cases
-    assert (args.seq_lens, args.P, args.train, args.out, args.name) == ([4096], 2, [], "reports", "ring_cpu")
+    args = resolve(build_parser().parse_args(["--preset", preset]))
+    assert args.cases == cases, args.cases
+    assert (args.seq_lens, args.P, args.train, args.mem_budget_n, args.lasp_breakdown) == ([8192], 2, [], 0, breakdown)
+    assert args.name == f"cpu_{preset}"
 
 
 def _ours_vs_deepspeed():
