@@ -29,6 +29,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
+from ..report.plotting import require_matplotlib
 from ..strategies import STRATEGIES
 from .cases import BASELINE, CASES, DTYPES, BenchSpec
 
@@ -114,16 +115,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     args.cases = _cases(args.strategies)
     args.train = [] if args.train_strategies in ("", "none") else args.train_strategies.split(",")
     _check(args)
-    require_matplotlib()
+    require_matplotlib("the report's plots", BenchError)     # before measuring, not after
     return args
-
-
-def require_matplotlib() -> None:
-    """Checked before measuring: a missing plotting library must not cost a whole run's results."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise BenchError("the report's plots need matplotlib: pip install 'ds_seqpar[bench]'") from None
 
 
 def _device(args) -> str:
