@@ -144,6 +144,7 @@ class RankCases:
     def __init__(self, spec: BenchSpec):
         from .. import comm
         from ..kernels import get_kernel
+        from ..models.lm import head_decay
         from ..sequence_parallel import SequenceParallel
         self.spec, self.rank = spec, comm.global_rank()
         self.device = torch.device(spec.device, int(os.environ.get("LOCAL_RANK", 0))) \
@@ -151,8 +152,7 @@ class RankCases:
         self.dtype = DTYPES[spec.dtype]
         self.kernel = get_kernel(spec.backend, self.device)
         self.scale = spec.head_dim ** -0.5
-        self.decay = (1 - 2.0 ** (-5 - torch.arange(spec.heads, dtype=torch.float32))).to(self.device) \
-            if spec.decay else None
+        self.decay = head_decay(spec.heads, self.device) if spec.decay else None
         self.sps = {}
         for name in spec.cases:
             case = CASES[name]

@@ -29,6 +29,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
+from ..kernels.base import check_head_groups
 from ..report.plotting import require_matplotlib
 from ..strategies import STRATEGIES
 from .cases import BASELINE, CASES, DTYPES, BenchSpec
@@ -151,8 +152,10 @@ def _cases(strategies: str) -> List[str]:
 def _check(a) -> None:
     if a.P < 2:
         raise BenchError(f"--P {a.P}: a sequence-parallel benchmark needs at least 2 ranks")
-    if a.heads % a.kv_heads:
-        raise BenchError(f"--heads {a.heads} must be a multiple of --kv-heads {a.kv_heads}")
+    try:
+        check_head_groups(a.heads, a.kv_heads)
+    except ValueError as err:
+        raise BenchError(f"--heads {a.heads}, --kv-heads {a.kv_heads}: {err}") from None
     if any(c in a.cases for c in ("ulysses", "ds_ulysses", "hybrid")) and a.heads % a.P:
         raise BenchError(f"--heads {a.heads} is not divisible by --P {a.P}: Ulysses splits heads over ranks; "
                          f"drop ulysses/ds_ulysses from --strategies or pick --heads divisible by {a.P}")

@@ -1,43 +1,12 @@
-"""The benchmark and the report: closed-form bytes against CommStats on real ranks, a tiny bench run
-end to end (JSON fields, exact byte ratios, markdown rows, plots), bad options, and the training
-report over real (tiny) training runs."""
+"""The benchmark and the report: the closed-form oracle's edge cases, a tiny bench run end to end
+(JSON fields, exact byte ratios, markdown rows, plots), bad options, and the training report over
+real (tiny) training runs. Each strategy family's bytes against the oracle on real ranks are in
+tests/dist (test_ulysses.py, test_ring.py, test_lasp.py)."""
 import json
 
 import pytest
 
 from ds_seqpar.strategies.closed_form import Shapes, closed_form_bytes
-
-# (strategy, sp size, extra config): every closed form, at sizes the 4-rank pool holds
-BYTES_CASES = [("ulysses", 2, {}), ("ulysses", 4, {}), ("ring", 2, {}), ("ring", 4, {}), ("zigzag", 4, {}),
-               ("striped", 2, {}), ("striped", 4, {}), ("zigzag", 4, {"ulysses_size": 2}),
-               ("lasp", 4, {"lasp_comm": "allgather"}), ("lasp", 4, {"lasp_comm": "ring"})]
-SEQ, HEADS, KV_HEADS, HEAD_DIM = 64, 4, 2, 8       # GQA: 2 k/v heads, so Ulysses at size 4 replicates them
-
-
-def _sent_bytes(strategy, size, extra, causal):
-    """On every rank: one fwd+bwd, the bytes CommStats recorded and this rank's closed form."""
-    from ds_seqpar import SequenceParallel
-    from ds_seqpar.bench.cases import _fwd_bwd, _inputs
-    sp = SequenceParallel(dict(strategy=strategy, size=size, **extra))
-    q, k, v, dout = (sp.shard(t).clone() for t in _inputs(SEQ, HEADS, HEAD_DIM, KV_HEADS))
-    if strategy == "lasp":
-        attend = lambda q_, k_, v_: sp.linear_attention(q_, k_, v_)  # noqa: E731
-    else:
-        attend = lambda q_, k_, v_: sp.attention(q_, k_, v_, causal=causal)  # noqa: E731
-    sp.stats.reset()
-    _fwd_bwd(attend, q, k, v, dout)
-    want = closed_form_bytes(strategy, size, Shapes(1, SEQ, HEADS, KV_HEADS, HEAD_DIM, 4), rank=sp.rank,
-                             ulysses_size=extra.get("ulysses_size", 1), lasp_comm=extra.get("lasp_comm", "allgather"))
-    return sp.stats.total_bytes, want, sp.stats.as_dict()
-
-
-@pytest.mark.parametrize("strategy,size,extra", BYTES_CASES,
-                         ids=[f"{s}-{n}-{'-'.join(map(str, e.values())) or 'plain'}" for s, n, e in BYTES_CASES])
-def test_closed_form_bytes_match_comm_stats(pool, strategy, size, extra):
-    for causal in (True, False) if strategy in ("ring", "striped") else (True,):
-        for rank, (sent, want, detail) in enumerate(pool.run(_sent_bytes, strategy, size, extra, causal)):
-            assert sent == want, (f"{strategy} size {size} {extra} causal={causal} rank {rank}: CommStats recorded "
-                                  f"{sent} bytes, the closed form says {want}; per op: {detail}")
 
 
 def test_closed_form_bytes_edge_cases():

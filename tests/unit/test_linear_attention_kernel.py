@@ -313,7 +313,7 @@ def test_strong_decay_is_finite():
 
 
 @pytest.mark.parametrize("bad,match", [
-    (dict(k=torch.zeros(1, 5, 3, 4), v=torch.zeros(1, 5, 3, 4)), "multiple of kv heads"),
+    (dict(k=torch.zeros(1, 5, 3, 4), v=torch.zeros(1, 5, 3, 4)), "multiple of k/v heads"),
     (dict(v=torch.zeros(1, 6, 2, 4)), "k must be"),
     (dict(decay=torch.tensor([0.5, 1.5, 0.5, 0.5])), r"lie in \(0, 1\]"),
     (dict(decay=torch.tensor([0.0, 0.5, 0.5, 0.5])), r"lie in \(0, 1\]"),
