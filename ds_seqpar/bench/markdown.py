@@ -48,7 +48,7 @@ def _header(res: Dict[str, Any]) -> List[str]:
 
 
 def _checks_table(res: Dict[str, Any]) -> List[str]:
-    lines = [f"## Targets (DESIGN §7) at N={max(res['meta']['seq_lens'])}", "",
+    lines = [f"## Targets (docs/design.md) at N={max(res['meta']['seq_lens'])}", "",
              "| check | measured | bound | target | result | why, where short |", "|---|---|---|---|---|---|"]
     for c in res["checks"]:
         lines.append(f"| {c['what']} | {_f(c['measured'], 3)} | {_f(c['bound'])} | {c['target']} | "
@@ -186,8 +186,8 @@ DEFINITIONS = """## How to read it
   scheduling. imbalance = max/mean CPU over ranks (expected value in parentheses). work vs single
   = sum of per-rank CPU / baseline CPU (1.00: no work added by splitting).
 - comm wait: seconds a rank sat blocked in communication (CommStats); bytes: what CommStats
-  recorded per rank for one fwd+bwd, against `bench_bytes.closed_form_bytes`.
-- Targets are DESIGN §7's figures at P=2 taken as a fraction of each bound (see bench_summary.py).
+  recorded per rank for one fwd+bwd, against `strategies/closed_form.py`.
+- Targets are docs/design.md's figures at P=2 taken as a fraction of each bound (see bench/summary.py).
 """
 HALVES = """- halves: every rank runs the single-process kernel on its own N/P tokens and exchanges
   nothing: not attention over the sequence but the bound no exact scheme beats here (ranks

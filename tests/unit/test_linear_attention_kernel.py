@@ -1,6 +1,6 @@
-"""Single-process tests of the chunked linear-attention kernel (ds_seqpar/linear_attention.py).
+"""Single-process tests of the chunked linear-attention kernel (ds_seqpar/kernels/linear/).
 
-Tolerances are derived, not guessed (STYLE 12): the fp32 fast path's max error against the float64
+Tolerances are derived, not guessed (tests/reference.py): the fp32 fast path's max error against the float64
 reference may be at most K_TOL times the error of the plain fp32 reference against the same float64
 reference, plus a floor of a few fp32 ulps of the result's scale (for results that come out exact).
 """
