@@ -106,7 +106,8 @@ def closed_form_by_kind(strategy: str, p: int, shapes: Shapes, rank: int = 0, ul
     out. ``ulysses_size`` > 1 with a ring strategy is the 2D hybrid, as in the config key;
     ``lasp_comm`` picks LASP-1 (ring) or LASP-2 (allgather)."""
     if strategy not in ("lasp", "ulysses") + RING_STRATEGIES:
-        raise ValueError(f"no closed form for strategy {strategy!r}; known: lasp, ulysses, {', '.join(RING_STRATEGIES)}")
+        raise ValueError(f"no closed form for strategy {strategy!r}; known: lasp, ulysses, "
+                         f"{', '.join(RING_STRATEGIES)}")
     if p == 1:
         return {}
     if strategy == "lasp":

@@ -75,8 +75,8 @@ def _assert_bytes_match_closed_form(pool, cfgs, head_cases):
     for heads, kv_heads in head_cases:
         for rank, per_cfg in enumerate(pool.run(_bytes_per_kind, cfgs, heads, kv_heads)):
             for cfg, causal, sent in per_cfg:
-                want = closed_form_by_kind(cfg["strategy"], cfg["size"], Shapes(BATCH, SEQ, heads, kv_heads, HEAD_DIM, E),
-                                           ulysses_size=cfg.get("ulysses_size", 1))
+                shapes = Shapes(BATCH, SEQ, heads, kv_heads, HEAD_DIM, E)
+                want = closed_form_by_kind(cfg["strategy"], cfg["size"], shapes, ulysses_size=cfg.get("ulysses_size", 1))
                 assert sent == want, (f"{cfg} causal={causal} heads={heads} kv_heads={kv_heads} rank {rank}: "
                                       f"sent {sent}, closed form {want}")
 
