@@ -1,4 +1,5 @@
-"""Plain data-parallel training on one process: the reference the end-to-end tests compare with.
+"""Plain data-parallel training on one process: the reference the end-to-end tests compare with
+(the own LM, or a ``--model`` Hugging Face model with its own sdpa attention).
 
 Every replica's batch is computed in turn on the whole sequence (no sharding, no sp.loss, labels
 shifted the textbook way), the replicas' gradients are averaged, clipped, and the same optimizer
@@ -12,8 +13,7 @@ import torch.nn.functional as F
 
 from ds_seqpar import SequenceParallelConfig
 from ds_seqpar.train import data
-from ds_seqpar.models import CausalLM
-from ds_seqpar.train.main import build_ds_config, load_tokens, model_config
+from ds_seqpar.train.main import build_ds_config, build_model, load_hf_config, load_tokens, model_config
 from ds_seqpar.train.args import resolve_args
 
 
@@ -31,11 +31,12 @@ def reference_losses(args, dp_size):
     from deepspeed.runtime.lr_schedules import WarmupLR
     opts = resolve_args(args)
     ds = build_ds_config(opts)
-    cfg = model_config(opts, SequenceParallelConfig.from_ds_config(ds))
+    sp_cfg = SequenceParallelConfig.from_ds_config(ds)
+    hf_config = load_hf_config(opts, sp_cfg, ds)            # --model: a Hugging Face model (sdpa attention)
+    cfg = None if hf_config is not None else model_config(opts, sp_cfg)
     tokens = load_tokens(opts)
-    cfg.vocab_size = data.vocab_size_of(tokens, opts.vocab_size)
     torch.manual_seed(opts.seed)
-    model = CausalLM(cfg, sp=None)
+    model = build_model(opts, cfg, hf_config, data.vocab_size_of(tokens, opts.vocab_size), sp=None)
     params = copy.deepcopy(ds["optimizer"]["params"])
     params.pop("torch_adam", None)
     assert ds["optimizer"]["type"] == "AdamW", ds["optimizer"]

@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     g.add_argument("--deepspeed", action="store_true", help=argparse.SUPPRESS)
     m = p.add_argument_group("model")
+    m.add_argument("--model", default=None, metavar="PATH", help="train a local Hugging Face causal LM instead of "
+                   "the built-in one: a model directory (config.json + weights: from_pretrained) or a config JSON / "
+                   "directory without weights (random init); the options below are then ignored")
     m.add_argument("--dim", type=int, default=128)
     m.add_argument("--n_layers", type=int, default=4)
     m.add_argument("--n_heads", type=int, default=4)

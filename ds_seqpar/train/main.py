@@ -1,9 +1,11 @@
-"""The main job: train a small causal LM with any sequence-parallel strategy and ZeRO.
+"""The main job: train a small causal LM (or a local Hugging Face model, ``--model PATH``) with any
+sequence-parallel strategy and ZeRO.
 
     python -m ds_seqpar.train                       # 4 local CPU ranks: 2 data x 2 sequence, ZeRO-2
     deepspeed --num_gpus 4 --module ds_seqpar.train --deepspeed_config configs/zigzag_zero2.json
     mpirun -np 4 python -m ds_seqpar.train ...      # MPI discovery through mpi4py
     torchrun --nproc_per_node 4 -m ds_seqpar.train ...
+    python -m ds_seqpar.train --model configs/models/llama_small.json --deepspeed_config configs/zigzag_zero2.json
 
 The same code runs gloo on CPU and nccl on GPU. ``run_training(dict)`` is what the command line
 and the tests call. Order of work (every check that can fail runs before training starts and
@@ -30,8 +32,8 @@ from .. import comm
 from ..config import ConfigError, SequenceParallelConfig
 from ..models import CausalLM, ModelConfig
 from ..sequence_parallel import SequenceParallel
-from ..zero import partition_for_zero3
-from . import data
+from ..zero import partition_for_zero3, zero_stage
+from . import data, hf_model
 from .args import DEFAULT_DS_CONFIG, TrainConfigError, build_parser, resolve_args
 from .trainer import Trainer
 
@@ -43,15 +45,19 @@ def run_training(args: Mapping[str, Any]) -> Dict[str, Any]:
     ds_config = build_ds_config(opts)
     sp_cfg = SequenceParallelConfig.from_ds_config(ds_config)
     _join_world(opts, sp_cfg.timeout_s)
-    model_cfg = model_config(opts, sp_cfg)
+    hf_config = load_hf_config(opts, sp_cfg, ds_config)        # --model: options checked, no weights yet
+    model_cfg = None if hf_config is not None else model_config(opts, sp_cfg)
     # checks size | world before building groups; takes the loss's ZeRO factor from the config
     sp = SequenceParallel.from_ds_config(ds_config)
     check_run(sp, opts, model_cfg)
     tokens = load_tokens(opts)
-    model_cfg.vocab_size = data.vocab_size_of(tokens, opts.vocab_size)
+    vocab_size = data.vocab_size_of(tokens, opts.vocab_size)
+    if hf_config is not None:
+        hf_model.check_run(sp, opts, hf_config, vocab_size)
     _check_same_data(tokens, sp.mpu.get_sequence_data_parallel_group())
     torch.manual_seed(opts.seed)                       # same init everywhere; DeepSpeed broadcasts anyway
-    model = partition_for_zero3(CausalLM(model_cfg, sp).to(sp.device), ds_config, sp)
+    model = build_model(opts, model_cfg, hf_config, vocab_size, sp).to(sp.device)
+    model = partition_for_zero3(model, ds_config, sp)
     trainer = Trainer(opts, ds_config, sp, model, tokens)
     try:
         return trainer.train()
@@ -111,6 +117,23 @@ def build_ds_config(opts) -> dict:
     return ds
 
 
+def load_hf_config(opts, sp_cfg: SequenceParallelConfig, ds_config):
+    """--model PATH: the Hugging Face config (None without --model), after the options that do not
+    go with it are refused."""
+    if not opts.model:
+        return None
+    hf_model.check_options(opts, sp_cfg.strategy, zero_stage(ds_config))
+    return hf_model.load_config(opts)
+
+
+def build_model(opts, model_cfg: Optional[ModelConfig], hf_config, vocab_size: int, sp=None):
+    """The own LM, or the --model one; ``sp=None``: the plain single-process model (the reference)."""
+    if hf_config is not None:
+        return hf_model.build(opts, hf_config, sp)
+    model_cfg.vocab_size = vocab_size
+    return CausalLM(model_cfg, sp)
+
+
 def model_config(opts, sp_cfg: SequenceParallelConfig) -> ModelConfig:
     """Model sizes from the command line; attention kind follows the strategy unless forced."""
     kind = opts.attention
@@ -128,13 +151,13 @@ def model_config(opts, sp_cfg: SequenceParallelConfig) -> ModelConfig:
         raise TrainConfigError(str(err)) from None
 
 
-def check_run(sp, opts, model_cfg: ModelConfig) -> None:
+def check_run(sp, opts, model_cfg: Optional[ModelConfig]) -> None:
     """Heads against the strategy: same message on every rank. Any sequence length works (the
     layout pads at the end, padding.py)."""
     if opts.steps < 0 or opts.seq_len < 2:
         raise TrainConfigError(f"--steps={opts.steps} must be >= 0 and --seq_len={opts.seq_len} >= 2")
     try:
-        if model_cfg.attention == "softmax":
+        if model_cfg is not None and model_cfg.attention == "softmax":
             sp.strategy.check_heads(model_cfg.n_heads, model_cfg.n_kv_heads)
     except ValueError as err:
         raise TrainConfigError(f"{err} (--seq_len={opts.seq_len}, --n_heads={model_cfg.n_heads}, "

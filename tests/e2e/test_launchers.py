@@ -66,3 +66,17 @@ def test_no_launcher_spawns_local_ranks_and_a_bad_config_exits_with_one_message(
     assert len(errors) == 2 and len(set(errors)) == 1, out[-4000:]
     assert "3 q heads are not divisible by 2" in errors[0], errors[0]
     assert "Traceback" not in out, out[-4000:]
+
+
+@pytest.mark.skipif(shutil.which("deepspeed") is None, reason="deepspeed launcher not on PATH")
+def test_deepspeed_launcher_trains_a_hugging_face_model(tmp_path):
+    """--model with the shipped Qwen2 config (random init), ring attention, wandb on (offline)."""
+    runs = tmp_path / "runs"
+    code, out = run(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module",
+                     "ds_seqpar.train", "--model", "configs/models/qwen2_small.json", "--deepspeed_config",
+                     "configs/ring_zero2.json", "--steps", "2", "--seq_len", "64", "--corpus_bytes", "65536",
+                     "--no_progress", "--run_dir", str(runs)], tmp_path)
+    assert code == 0, out[-4000:]
+    rows, config = metrics_of(runs, 2)
+    assert config["model"]["architecture"] == "Qwen2Config" and config["strategy"] == "ring", config
+    assert list((runs / os.listdir(runs)[0] / "wandb").glob("offline-run-*")), f"no offline wandb run under {runs}"
