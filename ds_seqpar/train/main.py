@@ -22,7 +22,7 @@ import copy
 import json
 import os
 import sys
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, Mapping, Optional
 
 import torch
 
@@ -30,15 +30,16 @@ from .. import comm
 from ..config import ConfigError, SequenceParallelConfig
 from ..models import CausalLM, ModelConfig
 from ..sequence_parallel import SequenceParallel
-from ..zero import partition_for_zero3
 from . import data
 from .args import DEFAULT_DS_CONFIG, TrainConfigError, build_parser, resolve_args
 from .trainer import Trainer
 
 
-def run_training(args: Mapping[str, Any]) -> Dict[str, Any]:
+def run_training(args: Mapping[str, Any], build_model: Optional[Callable] = None) -> Dict[str, Any]:
     """Train as the command line would with these options; return this rank's summary:
-    ``losses`` (this replica's loss per step run), ``mean_losses`` (over replicas), ranks, paths."""
+    ``losses`` (this replica's loss per step run), ``mean_losses`` (over replicas), ranks, paths.
+    ``build_model(model_cfg, sp, ds_config)``: another way to build the (seeded) model, e.g.
+    under deepspeed.zero.Init; it goes to deepspeed.initialize as it comes back."""
     opts = resolve_args(args)
     ds_config = build_ds_config(opts)
     sp_cfg = SequenceParallelConfig.from_ds_config(ds_config)
@@ -49,9 +50,9 @@ def run_training(args: Mapping[str, Any]) -> Dict[str, Any]:
     check_run(sp, opts, model_cfg)
     tokens = load_tokens(opts)
     model_cfg.vocab_size = data.vocab_size_of(tokens, opts.vocab_size)
-    _check_same_data(tokens, sp.mpu.get_sequence_data_parallel_group())
+    _check_same_data(tokens, sp.groups.seq_data_group)
     torch.manual_seed(opts.seed)                       # same init everywhere; DeepSpeed broadcasts anyway
-    model = partition_for_zero3(CausalLM(model_cfg, sp).to(sp.device), ds_config, sp)
+    model = (build_model or _plain_model)(model_cfg, sp, ds_config)
     trainer = Trainer(opts, ds_config, sp, model, tokens)
     try:
         return trainer.train()
@@ -61,6 +62,12 @@ def run_training(args: Mapping[str, Any]) -> Dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------
 # setup
+
+
+def _plain_model(model_cfg: ModelConfig, sp, ds_config: dict):
+    """Built whole on every rank; under ZeRO-3 deepspeed.initialize partitions it over sp.mpu's
+    data-parallel group, which is every rank (topology.py)."""
+    return CausalLM(model_cfg, sp).to(sp.device)
 
 
 def _join_world(opts, timeout_s: float) -> None:
