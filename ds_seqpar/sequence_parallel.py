@@ -144,13 +144,23 @@ class SequenceParallel:
         if seq_len is not None:
             check_seq_len(seq_len, q.shape[1] * self.size, self.layout.required_multiple)
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        return self.strategy.attention(q, k, v, causal, scale, seq_len)
+        wire = self._comm_dtype(q.dtype)
+        if wire == q.dtype:
+            return self.strategy.attention(q, k, v, causal, scale, seq_len)
+        return self.strategy.attention(q.to(wire), k.to(wire), v.to(wire), causal, scale, seq_len).to(q.dtype)
 
     def linear_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          decay: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Causal linear attention over the whole sequence (strategy 'lasp')."""
         check_qkv(q, k, v)
-        return self.strategy.linear_attention(q, k, v, decay)
+        wire = self._comm_dtype(q.dtype)
+        if wire == q.dtype:
+            return self.strategy.linear_attention(q, k, v, decay)
+        return self.strategy.linear_attention(q.to(wire), k.to(wire), v.to(wire), decay).to(q.dtype)
+
+    def _comm_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """sequence_parallel.comm_dtype: auto keeps the model's dtype (config.py)."""
+        return _COMM_DTYPES.get(self.config.comm_dtype, dtype)
 
     # -- training helpers ----------------------------------------------------------------------
     def shard_batch(self, batch, ignore_index: int = -100):
@@ -189,6 +199,9 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of k/v heads ({k.shape[2]}) for GQA")
+
+
+_COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _require_distributed() -> None:
