@@ -115,6 +115,8 @@ def build_ds_config(opts) -> dict:
         ds.setdefault("optimizer", {}).setdefault("params", {})["lr"] = opts.lr
     if opts.no_wandb:
         ds.pop("wandb", None)
+    if opts.resume_universal:
+        ds["checkpoint"] = dict(ds.get("checkpoint", {}), load_universal=True)
     return ds
 
 

@@ -10,7 +10,7 @@ from ds_seqpar.strategies.closed_form import Shapes, closed_form_bytes
 
 from ..reference import K
 from ..train_reference import reference_losses
-from .test_train_e2e import REL, SHIPPED, TINY, _train, assert_close_losses, shipped_config
+from .test_train_e2e import REL, SHIPPED, TINY, _bad_run, _train, assert_close_losses, shipped_config
 
 # ---------------------------------------------------------------------------------------------
 # bf16
@@ -115,3 +115,42 @@ def test_zero_offload_trains_with_sequence_parallelism_as_without(pool, tmp_path
         for r in results:
             assert_close_losses(r["losses"], ref_losses[r["dp_rank"]], f"offload {what} rank {r['rank']}")
             assert_close_losses(r["grad_norms"], ref_norms, f"offload {what} rank {r['rank']}", 1e-4, "gradient norm")
+
+
+# ---------------------------------------------------------------------------------------------
+# resume at another shape (universal checkpoint)
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    """A 2-rank world for the resumed runs at dp 1 x sp 2 and dp 2 x sp 1."""
+    from ds_seqpar.launch.rankpool import RankPool
+    p = RankPool(2, timeout_s=180.0).start()
+    yield p
+    p.close()
+
+
+def test_checkpoint_resumes_at_another_shape_through_the_universal_checkpoint(pool, pool2, tmp_path):
+    """Saved after 2 steps at dp 2 x sp 2 (zigzag, ZeRO-2); resumed with --resume_universal at
+    dp 1 x sp 2, dp 2 x sp 1 (2 ranks) and with Ulysses (4 ranks), each with the
+    same global batch of 4 sequences: steps 3-4 give the uninterrupted run's losses and norms.
+    (Every label counts, so the mean over replicas is the global batch's mean at any shape.)"""
+    base = dict(TINY, ignore_frac=0.0, steps=4, deepspeed_config=shipped_config("zigzag"),
+                run_dir=str(tmp_path / "runs"))
+    save = str(tmp_path / "ckpt")
+    whole = pool.run(_train, base)[0]
+    pool.run(_train, dict(base, steps=2, save_dir=save, save_interval=2))
+    resumed = {"dp1 x sp2": pool2.run(_train, dict(base, micro_batch=4, **_resume(save)))[0],
+               "dp2 x sp1": pool2.run(_train, dict(base, sp_size=1, **_resume(save)))[0],
+               "ulysses": pool.run(_train, dict(base, strategy="ulysses", **_resume(save)))[0]}
+    for shape, r in resumed.items():
+        assert r["start_step"] == 2, (shape, r["start_step"])
+        assert_close_losses(r["mean_losses"], whole["mean_losses"][2:], f"resumed at {shape}", REL)
+        assert_close_losses(r["grad_norms"], whole["grad_norms"][2:], f"resumed at {shape}", 1e-4, "gradient norm")
+    # deepspeed cannot load a ZeRO-2 checkpoint at ZeRO-3: said on every rank, before loading
+    messages = pool.run(_bad_run, dict(base, zero_stage=3, **_resume(save)))
+    assert len(set(messages)) == 1 and "saved with ZeRO stage 1 or 2" in messages[0], messages
+
+
+def _resume(save_dir):
+    return {"save_dir": save_dir, "resume_universal": True}
