@@ -108,11 +108,16 @@ def test_sequence_x_data_parallel_matches_plain_data_parallel(pool, tmp_path, na
     assert_close_losses([m["loss"] for m in logged], mean_ref, f"{name} logged mean over replicas")
 
 
-def test_gradient_accumulation_matches_plain_data_parallel(pool, tmp_path):
+def test_gradient_accumulation_and_clipping_match_plain_data_parallel(pool, tmp_path):
+    """Where DeepSpeed draws the line, once each under ZeRO-3: 2 accumulated micro-batches per
+    step, and clipping active at every step: the clip norm is the global norm over data x sequence
+    ranks, equal to plain data parallelism's (the batch arithmetic: tests/dist/test_deepspeed_mpu.py)."""
     ds = shipped_config("ulysses")
     ds["gradient_accumulation_steps"] = 2
+    ds["zero_optimization"]["stage"] = 3
     results = pool.run(_train, dict(TINY, deepspeed_config=ds, run_dir=str(tmp_path)))
     ref, ref_norms = reference_losses(dict(TINY, deepspeed_config=ds), 2)
+    assert min(ref_norms) > ds["gradient_clipping"], f"clipping must act at every step: norms {ref_norms}"
     for r in results:
         assert_close_losses(r["losses"], ref[r["dp_rank"]], f"accumulation rank {r['rank']}")
         assert_close_losses(r["grad_norms"], ref_norms, f"accumulation rank {r['rank']}", NORM_REL, "gradient norm")
