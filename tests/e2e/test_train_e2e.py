@@ -90,6 +90,12 @@ def test_sequence_x_data_parallel_matches_plain_data_parallel(pool, tmp_path, na
     Hugging Face builds it: the losses AND the gradient norms of plain data parallelism."""
     ds = shipped_config(name)
     ds["zero_optimization"]["stage"] = stage
+    if build is _train_zero_init:
+        # a Hugging Face config states the batch; zero.Init (no mpu) then counts replicas only
+        # through DeepSpeed's sequence_parallel_size
+        ds["sequence_parallel_size"] = ds["sequence_parallel"]["size"]
+        replicas = pool.world_size // ds["sequence_parallel"]["size"]
+        ds["train_batch_size"] = ds["train_micro_batch_size_per_gpu"] * replicas
     results = pool.run(build, dict(TINY, deepspeed_config=ds, run_dir=str(tmp_path)))
     sp_size = ds["sequence_parallel"]["size"]
     dp_size = len(results) // sp_size

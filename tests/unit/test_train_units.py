@@ -44,7 +44,8 @@ def test_unknown_training_option_is_an_error():
                                         ({"train_batch_size": 6}, 4)], ids=["all-three", "micro", "batch-only"])
 def test_train_batch_size_that_counts_ranks_is_refused_with_the_replica_count(batch, want):
     """world 8 = dp 4 x sp 2: the batch counts the 4 replicas (the 2 ranks of a sequence share it)."""
-    with pytest.raises(ConfigError, match=rf"train_batch_size=\d+ does not fit 4 data-parallel replicas.*e\.g\. {want}\)"):
+    refused = rf"train_batch_size=\d+ does not fit 4 data-parallel replicas.*e\.g\. {want}\)"
+    with pytest.raises(ConfigError, match=refused):
         check_ds_config(batch, sp_size=2, dp_size=4)
     check_ds_config(dict(batch, train_batch_size=want), sp_size=2, dp_size=4)
     check_ds_config(dict(batch, train_batch_size="auto"), sp_size=2, dp_size=4)
