@@ -89,11 +89,26 @@ def _reference(dp_size):
     return losses, norms
 
 
-def _direct_sp_training(zero, batch_keys):
+def _built_under_zero_init(sp):
+    """zero.Init over the sequence x data group (the explicit form of what the mpu gives DeepSpeed),
+    the seeded plain weights loaded into the partitioned parameters."""
+    import deepspeed
+    weights = _tiny_model(sp).state_dict()
+    with deepspeed.zero.Init(data_parallel_group=sp.groups.seq_data_group,
+                             config_dict_or_path={"train_micro_batch_size_per_gpu": 1}):
+        model = _tiny_model(sp)
+    params = dict(model.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0):
+        for name, p in params.items():
+            p.data.copy_(weights[name])
+    return model
+
+
+def _direct_sp_training(zero, batch_keys, zero_init=False):
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
     sp = SequenceParallel({"strategy": "zigzag", "size": 2})          # no DeepSpeed config seen
-    model = _tiny_model(sp)
+    model = _built_under_zero_init(sp) if zero_init else _tiny_model(sp)
     ds_config = dict({"zero_optimization": zero, "zero_allow_untested_optimizer": True,
                       "gradient_clipping": 1e6, "steps_per_print": 10**9}, **batch_keys)
     try:
@@ -116,15 +131,18 @@ def _direct_sp_training(zero, batch_keys):
 MICRO_DP = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 2}
 
 
-@pytest.mark.parametrize("zero", [{"stage": 3, "stage3_param_persistence_threshold": 0},
-                                  {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_scatter": False,
-                                   "reduce_bucket_size": 300}],
-                         ids=["reduce_scatter", "buckets-with-and-without-compensation"])
-def test_sequence_parallel_built_directly_is_exact_under_zero3(pool, zero):
-    """No from_ds_config, a model not built under zero.Init: partitioned over every rank, and the
-    loss factor right on both of stage 3's reduction paths (a 300-element bucket limit sends the
-    embedding through the one path, the small tensors through the other)."""
-    results = pool.run(_direct_sp_training, zero, MICRO_DP)
+Z3 = {"stage": 3, "stage3_param_persistence_threshold": 0}
+
+
+@pytest.mark.parametrize("zero,zero_init", [(Z3, False), (dict(Z3, reduce_scatter=False, reduce_bucket_size=300), False),
+                                            (Z3, True)],
+                         ids=["reduce_scatter", "buckets-of-both-paths", "zero.Init-sequence-x-data"])
+def test_sequence_parallel_built_directly_is_exact_under_zero3(pool, zero, zero_init):
+    """No from_ds_config; the model built plainly (partitioned by deepspeed.initialize over every
+    rank) or under zero.Init over the sequence x data group; the loss factor right on both of
+    stage 3's reduction paths (a 300-element bucket limit sends the large tensors through the
+    one path, the small ones through the other)."""
+    results = pool.run(_direct_sp_training, zero, MICRO_DP, zero_init)
     ref_losses, ref_norms = _reference(2)
     for rank, r in enumerate(results):
         assert r["partition"] >= 4, f"rank {rank}: ZeRO-3 partitioned over fewer than the 4 ranks: {r}"
