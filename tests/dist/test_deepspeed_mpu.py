@@ -134,8 +134,8 @@ MICRO_DP = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 
 Z3 = {"stage": 3, "stage3_param_persistence_threshold": 0}
 
 
-@pytest.mark.parametrize("zero,zero_init", [(Z3, False), (dict(Z3, reduce_scatter=False, reduce_bucket_size=300), False),
-                                            (Z3, True)],
+@pytest.mark.parametrize("zero,zero_init", [(Z3, False), (dict(Z3, reduce_scatter=False, reduce_bucket_size=300),
+                                                         False), (Z3, True)],
                          ids=["reduce_scatter", "buckets-of-both-paths", "zero.Init-sequence-x-data"])
 def test_sequence_parallel_built_directly_is_exact_under_zero3(pool, zero, zero_init):
     """No from_ds_config; the model built plainly (partitioned by deepspeed.initialize over every
