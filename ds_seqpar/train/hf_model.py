@@ -44,7 +44,7 @@ class HFModelInfo:
                     architecture=type(self.config).__name__)
 
 
-def check_options(opts, strategy: str, zero_stage: int) -> None:
+def check_options(opts, strategy: str) -> None:
     """Options that do not go with --model; checked before anything starts."""
     if strategy == "lasp":
         raise TrainConfigError(f"--model {opts.model!r} with sequence_parallel.strategy='lasp': Hugging Face models "
@@ -52,10 +52,6 @@ def check_options(opts, strategy: str, zero_stage: int) -> None:
                                f"or striped (ulysses_size > 1 for the 2D hybrid)")
     if opts.attention == "linear":
         raise TrainConfigError(f"--attention=linear does not go with --model {opts.model!r} (softmax attention)")
-    if zero_stage == 3:
-        raise TrainConfigError(f"--model {opts.model!r} with ZeRO stage 3 is not supported yet (the model would "
-                               f"have to be built under zero.Init over the sequence x data ranks); use ZeRO stage "
-                               f"1 or 2 (--zero_stage 2)")
 
 
 def load_config(opts):

@@ -24,7 +24,7 @@ import copy
 import json
 import os
 import sys
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, Mapping, Optional
 
 import torch
 
@@ -32,15 +32,16 @@ from .. import comm
 from ..config import ConfigError, SequenceParallelConfig
 from ..models import CausalLM, ModelConfig
 from ..sequence_parallel import SequenceParallel
-from ..zero import partition_for_zero3, zero_stage
 from . import data, hf_model
 from .args import DEFAULT_DS_CONFIG, TrainConfigError, build_parser, resolve_args
 from .trainer import Trainer
 
 
-def run_training(args: Mapping[str, Any]) -> Dict[str, Any]:
+def run_training(args: Mapping[str, Any], model_factory: Optional[Callable] = None) -> Dict[str, Any]:
     """Train as the command line would with these options; return this rank's summary:
-    ``losses`` (this replica's loss per step run), ``mean_losses`` (over replicas), ranks, paths."""
+    ``losses`` (this replica's loss per step run), ``mean_losses`` (over replicas), ranks, paths.
+    ``model_factory(model_cfg, sp, ds_config)``: another way to build the (seeded) own LM, e.g.
+    under deepspeed.zero.Init; it goes to deepspeed.initialize as it comes back."""
     opts = resolve_args(args)
     ds_config = build_ds_config(opts)
     sp_cfg = SequenceParallelConfig.from_ds_config(ds_config)
@@ -54,10 +55,15 @@ def run_training(args: Mapping[str, Any]) -> Dict[str, Any]:
     vocab_size = data.vocab_size_of(tokens, opts.vocab_size)
     if hf_config is not None:
         hf_model.check_run(sp, opts, hf_config, vocab_size)
-    _check_same_data(tokens, sp.mpu.get_sequence_data_parallel_group())
+    _check_same_data(tokens, sp.groups.seq_data_group)
     torch.manual_seed(opts.seed)                       # same init everywhere; DeepSpeed broadcasts anyway
-    model = build_model(opts, model_cfg, hf_config, vocab_size, sp).to(sp.device)
-    model = partition_for_zero3(model, ds_config, sp)
+    if model_factory is not None:
+        model_cfg.vocab_size = vocab_size
+        model = model_factory(model_cfg, sp, ds_config)
+    else:
+        # built whole on every rank; under ZeRO-3 deepspeed.initialize partitions it over sp.mpu's
+        # data-parallel group, which is every rank (topology.py)
+        model = build_model(opts, model_cfg, hf_config, vocab_size, sp).to(sp.device)
     trainer = Trainer(opts, ds_config, sp, model, tokens)
     try:
         return trainer.train()
@@ -114,6 +120,8 @@ def build_ds_config(opts) -> dict:
         ds.setdefault("optimizer", {}).setdefault("params", {})["lr"] = opts.lr
     if opts.no_wandb:
         ds.pop("wandb", None)
+    if opts.resume_universal:
+        ds["checkpoint"] = dict(ds.get("checkpoint", {}), load_universal=True)
     return ds
 
 
@@ -122,7 +130,7 @@ def load_hf_config(opts, sp_cfg: SequenceParallelConfig, ds_config):
     go with it are refused."""
     if not opts.model:
         return None
-    hf_model.check_options(opts, sp_cfg.strategy, zero_stage(ds_config))
+    hf_model.check_options(opts, sp_cfg.strategy)
     return hf_model.load_config(opts)
 
 

@@ -21,10 +21,10 @@ def model_dirs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind,stage,name", [("weights", 2, "zigzag"), ("config", 1, "ulysses"),
-                                             ("weights", 2, "hybrid")])
+                                             ("weights", 2, "hybrid"), ("weights", 3, "striped")])
 def test_hf_model_training_matches_plain_data_parallel(pool, tmp_path, model_dirs, kind, stage, name):
     """dp 2 x sp 2 zigzag with from_pretrained weights under ZeRO-2; a random init (from_config) under
-    ZeRO-1 with Ulysses; the 2D hybrid (ring of 2 Ulysses pairs, sp 4)."""
+    ZeRO-1 with Ulysses; the 2D hybrid (ring of 2 Ulysses pairs, sp 4); ZeRO-3 with the plain recipe."""
     ds = shipped_config(name)
     ds["zero_optimization"]["stage"] = stage
     args = dict(HF_TINY, model=model_dirs[kind], deepspeed_config=ds)
@@ -99,9 +99,8 @@ def test_readme_command_trains_the_shipped_llama(pool, tmp_path):
 
 @pytest.mark.parametrize("override,expected", [
     ({"strategy": "lasp"}, "with sequence_parallel.strategy='lasp': Hugging Face models use softmax attention"),
-    ({"zero_stage": 3}, "with ZeRO stage 3 is not supported yet"),
     ({"vocab_size": 4000, "data": "TOKENS"}, "has vocab_size=256, smaller than the training data's vocabulary (4000"),
-], ids=["lasp", "zero3", "vocab"])
+], ids=["lasp", "vocab"])
 def test_bad_hf_run_stops_every_rank_with_one_message(pool, tmp_path, model_dirs, override, expected):
     import numpy as np
     if override.get("data") == "TOKENS":
