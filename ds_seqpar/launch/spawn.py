@@ -10,6 +10,7 @@ communication, so the others get a grace period to say it too.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -33,10 +34,13 @@ def spawn_local(module: str, argv: Sequence[str], nprocs: int, grace_s: float = 
         procs.append(subprocess.Popen([sys.executable, "-u", "-m", module, *argv], env=env))
     failed_at, code = None, 0
     try:
-        while any(p.poll() is None for p in procs):
-            bad = [p.returncode for p in procs if p.returncode not in (None, 0)]
+        # poll every rank each time (any() would stop at the first live one and miss a failure)
+        while [p.poll() for p in procs].count(None):
+            bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode not in (None, 0)]
             if bad and failed_at is None:
-                failed_at, code = time.monotonic(), bad[0]
+                (rank, code), failed_at = bad[0], time.monotonic()
+                if code != CONFIG_ERROR:     # a killed rank cannot say it itself
+                    _say_exit(rank, code)
             if failed_at is not None and (code != CONFIG_ERROR or time.monotonic() - failed_at > grace_s):
                 break
             time.sleep(0.1)
@@ -51,6 +55,12 @@ def spawn_local(module: str, argv: Sequence[str], nprocs: int, grace_s: float = 
                 p.kill()
     code = code or next((p.returncode for p in procs if p.returncode), 0)
     return 128 - code if code < 0 else code      # killed by signal N: the shell's 128 + N
+
+
+def _say_exit(rank: int, code: int) -> None:
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    sys.stderr.write(f"ds_seqpar.train: rank {rank} {how}; stopping the other ranks\n")
+    sys.stderr.flush()
 
 
 __all__ = ["under_launcher", "spawn_local"]

@@ -22,6 +22,7 @@ import copy
 import json
 import os
 import sys
+import time
 import traceback
 from typing import Any, Dict, Mapping, Optional
 
@@ -202,12 +203,15 @@ def main(argv: Optional[list] = None) -> int:
         hint = _comm_failure_hint() if _is_comm_error(err) else ""
         # a peer's failed collective is explained by the hint; this rank's own error by its traceback
         detail = "" if hint or isinstance(err, KeyboardInterrupt) else traceback.format_exc()
+        # rank 0 names the unresponsive ranks (it ran the monitored barrier): a peer leaving first
+        # could get it stopped by the launcher before it says so
         return _fail(130 if isinstance(err, KeyboardInterrupt) else 1,
-                     f"{detail}ds_seqpar.train: rank {rank} failed: {type(err).__name__}: {err}{hint}")
+                     f"{detail}ds_seqpar.train: rank {rank} failed: {type(err).__name__}: {err}{hint}",
+                     linger_s=1.0 if hint and rank != "0" else 0.0)
     return 0
 
 
-def _fail(code: int, message: str) -> int:
+def _fail(code: int, message: str, linger_s: float = 0.0) -> int:
     """Say the error as one write (so ranks' lines do not interleave), then leave. One rank of
     several leaves at once with os._exit: its peers may be blocked in a collective with it, an MPI
     runtime would hold a normal exit in MPI_Finalize until they time out, and interpreter shutdown
@@ -217,6 +221,7 @@ def _fail(code: int, message: str) -> int:
     sys.stderr.flush()
     os.write(2, f"{message}\n".encode())
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        time.sleep(linger_s)
         os._exit(code)
     return code
 
