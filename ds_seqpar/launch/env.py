@@ -293,5 +293,11 @@ def cuda_device(local_rank: int, local_world_size: Optional[int], device_count: 
     return local_rank
 
 
+def local_device(env: Mapping[str, str], device_count: int) -> int:
+    """``cuda_device`` of the rank whose env:// block (``launch_env``'s) is ``env``."""
+    local_world = env.get("LOCAL_WORLD_SIZE")
+    return cuda_device(int(env.get("LOCAL_RANK", 0)), int(local_world) if local_world else None, device_count)
+
+
 __all__ = ["Launch", "LaunchError", "READERS", "cuda_device", "detect", "first_host", "free_port",
-           "launch_env", "mpi_rank0_host", "rank_env", "slurm_tasks_on_node", "under_launcher"]
+           "launch_env", "local_device", "mpi_rank0_host", "rank_env", "slurm_tasks_on_node", "under_launcher"]

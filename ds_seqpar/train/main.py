@@ -70,15 +70,13 @@ def _join_world(opts, timeout_s: float) -> None:
     deepspeed, Open MPI, MPICH/Intel MPI, MVAPICH and Slurm), on the launcher's device."""
     import datetime
     import deepspeed
-    from ..launch.env import cuda_device, launch_env
+    from ..launch.env import launch_env, local_device
     fresh = not comm.is_initialized()
     if fresh:
         os.environ.update(launch_env(os.environ, opts.master_port, opts.local_rank))
     if torch.cuda.is_available():
         # before the process group: NCCL binds its communicator to the current device
-        local_world = os.environ.get("LOCAL_WORLD_SIZE")
-        torch.cuda.set_device(cuda_device(int(os.environ.get("LOCAL_RANK", 0)),
-                                          int(local_world) if local_world else None, torch.cuda.device_count()))
+        torch.cuda.set_device(local_device(os.environ, torch.cuda.device_count()))
     if fresh:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         # every env:// variable is set, so DeepSpeed runs no MPI discovery of its own (which would

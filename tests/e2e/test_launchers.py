@@ -105,6 +105,7 @@ def test_one_failing_rank_ends_the_job_within_seconds(launcher, tmp_path):
     cmd = [*LAUNCH[launcher](), "--deepspeed_config", config(tmp_path, timeout_s=FAULT_TIMEOUT_S), *TINY,
            "--no_wandb", "--run_dir", str(tmp_path / "runs")]
     code, out, secs = run_with_fault(cmd, f"2:0:{mode}")
+    print(f"{launcher}: rank 2 {mode} -> job ended {secs:.1f}s later, exit code {code}")   # shown with -s
     assert code != 0, out[-4000:]
     assert secs < FAST_EXIT_S, f"{launcher}: the job ended {secs:.1f}s after rank 2 failed\n{out[-4000:]}"
     said = [line for line in out.splitlines() if line.startswith("ds_seqpar.train: rank 2 failed:")]

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from ds_seqpar.launch.env import (LaunchError, cuda_device, detect, first_host, launch_env,
+from ds_seqpar.launch.env import (LaunchError, cuda_device, detect, first_host, launch_env, local_device,
                                   slurm_tasks_on_node, under_launcher)
 from ds_seqpar.topology import ParallelDims
 
@@ -264,3 +264,5 @@ def test_cuda_device_is_the_launchers_local_rank():
     assert cuda_device(5, 8, 1) == 0            # the launcher left one visible device per rank
     with pytest.raises(LaunchError, match="8 ranks on this node but 4 visible CUDA devices"):
         cuda_device(1, 8, 4)                     # every rank refuses, not only ranks 4..7
+    # from the block set under mpirun -np 4 on this machine: rank 1 is local rank 2, so device 2
+    assert local_device(launch_env(openmpi(1, 2, 4, 4), PORT), 4) == 2
