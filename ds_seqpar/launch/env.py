@@ -195,8 +195,9 @@ def detect(env: Mapping[str, str], default_port: int = 29500) -> Optional[Launch
             return launch
     foreign = [v for v in FOREIGN_RANK_VARS if v in env]
     if foreign:
-        raise LaunchError(f"started by a launcher ds_seqpar cannot read ({', '.join(f'{v}={env[v]}' for v in foreign)}); "
-                          f"set RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for each rank")
+        seen = ", ".join(f"{v}={env[v]}" for v in foreign)
+        raise LaunchError(f"started by a launcher ds_seqpar cannot read ({seen}); set RANK, LOCAL_RANK, "
+                          f"WORLD_SIZE, MASTER_ADDR and MASTER_PORT for each rank")
     return None
 
 

@@ -203,8 +203,9 @@ def main(argv: Optional[list] = None) -> int:
         detail = "" if hint or isinstance(err, KeyboardInterrupt) else traceback.format_exc()
         # rank 0 names the unresponsive ranks (it ran the monitored barrier): a peer leaving first
         # could get it stopped by the launcher before it says so
+        what = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
         return _fail(130 if isinstance(err, KeyboardInterrupt) else 1,
-                     f"{detail}ds_seqpar.train: rank {rank} failed: {type(err).__name__}: {err}{hint}",
+                     f"{detail}ds_seqpar.train: rank {rank} failed: {what}{hint}",
                      linger_s=1.0 if hint and rank != "0" else 0.0)
     return 0
 
