@@ -282,11 +282,15 @@ def _measure(args, spec: BenchSpec, pools=None):
 def _measure_under_launcher(args, spec: BenchSpec):
     import deepspeed
     from .. import comm
+    from ..launch.env import launch_env, local_device
     from .cases import run_rank
+    # rank, local rank and rendezvous as the launcher gave them (Open MPI's local rank is not the
+    # rank): with every env:// variable set, DeepSpeed runs no MPI discovery of its own
+    os.environ.update(launch_env(os.environ))
     if args.device == "cuda":
         import torch
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))   # nccl object collectives use it
-    deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
+        torch.cuda.set_device(local_device(os.environ, torch.cuda.device_count()))   # nccl object collectives use it
+    deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo", auto_mpi_discovery=False)
     if args.device == "cpu":
         import torch
         torch.set_num_threads(1)        # the comparison is one thread per rank, as with RankPool

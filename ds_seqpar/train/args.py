@@ -42,8 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr", type=float, default=None, help="override the optimizer's lr")
     g.add_argument("--nprocs", type=int, default=4, help="ranks to start when no launcher started this "
                    "command (ignored under deepspeed/torchrun/mpirun)")
-    g.add_argument("--master_port", type=int, default=29500, help="rendezvous port for MPI discovery and "
-                   "single-process runs")
+    g.add_argument("--master_port", type=int, default=29500, help="rendezvous port where the launcher sets "
+                   "no MASTER_PORT (mpirun, srun, one process)")
     # what the deepspeed launcher and deepspeed-style scripts pass; the environment carries the rank
     g.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     g.add_argument("--deepspeed", action="store_true", help=argparse.SUPPRESS)
