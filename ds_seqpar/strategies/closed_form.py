@@ -10,12 +10,18 @@ Each form is the one in the strategy's docstring (strategies/*.py); the notation
     S_kv     elements of the local k (= of v)              [b, n, H_kv, d]
     e        element size of q, k, v; e_acc = 4 (the ring's fp32 dK/dV accumulators)
     f        Ulysses k/v head replication P / gcd(H_kv, P) (1 when P divides H_kv)
+
+Packed documents: Ulysses and the hybrid's all-to-alls are unchanged; the ring loop's K/V and
+dK/dV go only where a document needs them (ring_document_bytes), LASP's states only across rank
+boundaries a document crosses (lasp_document_bytes).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict
+from typing import Callable, Dict, List, Sequence
+
+import torch
 
 E_ACC = 4            # ring dK/dV accumulators are fp32 whatever the input dtype (ring_loop.py)
 
@@ -82,6 +88,45 @@ def lasp_bytes(p: int, sh: Shapes, rank: int, lasp_comm: str) -> int:
     return lasp_state_bytes(sh) * 2 * (p - 1)
 
 
+# -- packed documents (cu_seqlens) -------------------------------------------------------------
+
+
+def ring_document_needs(bounds: Sequence[int], ring_layout, padded: int, causal: bool) -> List[List[bool]]:
+    """needs[me][src] (me != src): ring position me computes on src's K/V block, i.e. some document
+    has a key in src at or before (causal) one of its queries in me. From each document's first and
+    last token on each rank, independently of the sub-block decomposition (varlen.py)."""
+    p = ring_layout.size
+    span = []                                        # span[r][d] = (first, last) global position of d on r
+    for r in range(p):
+        g = ring_layout.indices(padded, r)
+        g = g[g < bounds[-1]]                        # end padding belongs to no document
+        doc = torch.searchsorted(torch.tensor(bounds), g, right=True) - 1
+        span.append({int(d): (int(g[doc == d].min()), int(g[doc == d].max())) for d in doc.unique()})
+    return [[me != src and any(not causal or span[src][d][0] <= span[me][d][1]
+                               for d in span[me].keys() & span[src].keys())
+             for src in range(p)] for me in range(p)]
+
+
+def ring_document_bytes(needs: List[List[bool]], me: int, block_kv_elems: int, elem: int) -> Dict[str, int]:
+    """Bytes ring position ``me`` sends for one fwd+bwd with packed documents (transport.py: direct):
+    its K/V to every rank that needs them, forward and backward; its fp32 share of dK/dV to every
+    rank whose block it needs. ``block_kv_elems``: elements of the k the ring loop holds (S_kv;
+    f*S_kv for the hybrid). Every pair needed: exactly ring_bytes."""
+    p = len(needs)
+    needed_by = sum(needs[other][me] for other in range(p))
+    uses = sum(needs[me][other] for other in range(p))
+    return {"ring": needed_by * 2 * block_kv_elems * 2 * elem, "ring_grad": uses * 2 * block_kv_elems * E_ACC}
+
+
+def lasp_document_bytes(chain, rank: int, state_bytes: int, lasp_comm: str) -> Dict[str, int]:
+    """LASP with documents (lasp_chain.py): LASP-1 sends a state only across a boundary a document
+    crosses (and its dstate back); LASP-2 keeps its collectives unless no document crosses any."""
+    if lasp_comm == "ring":
+        return {"lasp_state": state_bytes * chain.sends[rank], "lasp_dstate": state_bytes * chain.takes_in[rank]}
+    both = state_bytes * (chain.p - 1) * chain.any_state_travels
+    return {"lasp_state": both, "lasp_dstate": both}
+
+
 _SOFTMAX: Dict[str, Callable[[int, Shapes], int]] = {
     "ulysses": ulysses_bytes, "ring": ring_bytes, "zigzag": ring_bytes, "striped": ring_bytes,
 }
@@ -103,4 +148,5 @@ def closed_form_bytes(strategy: str, p: int, shapes: Shapes, rank: int = 0, ulys
     return _SOFTMAX[strategy](p, shapes)
 
 
-__all__ = ["Shapes", "closed_form_bytes", "kv_replication", "E_ACC"]
+__all__ = ["Shapes", "closed_form_bytes", "kv_replication", "E_ACC", "ring_document_needs", "ring_document_bytes",
+           "lasp_document_bytes"]
