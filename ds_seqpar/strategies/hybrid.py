@@ -56,6 +56,6 @@ class HybridAttention(RingFamily):
         check_local_length(self.ring.name, ctx, q_bshd.shape[1])
         # [b, n, H, d] -> [b, U*n, H/U, d]: this ring position's whole shard, a slice of the heads
         q_u, k_u, v_u = scatter_heads(q_bshd, k_bshd, v_bshd, ctx.ulysses_group, ctx.ulysses_size, ctx.stats)
-        blocks = self.ring.policy(causal, seq_len, q_u.shape[1], docs)
+        blocks = self.ring.policy(causal, seq_len, q_u.shape[1], docs, q_u.device)
         out_u = ring_attention(q_u, k_u, v_u, causal, scale, ctx, blocks)
         return heads_to_seq(out_u, ctx.ulysses_group, ctx.stats)            # [b, n, H, d]

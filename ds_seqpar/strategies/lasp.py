@@ -50,6 +50,14 @@ Bytes sent per rank, one forward + backward; state_bytes = B*H*Dk*Dv*4 (8 for fp
     allgather:  state_bytes * 2 * (P-1)                  all-gather (P-1); reduce-scatter (P-1)/P of P
 None of it depends on L: LASP's communication does not grow with the sequence.
 
+Packed documents (cu_seqlens): the state restarts at every document start. lasp_chain.py says which
+states cross which rank boundaries: a rank's block is cut at the document starts inside it into
+segments; the first continues state_in (unless a document starts at the block start), the last one's
+local state goes out, the ones between are documents of their own (plain intra-block kernel, no
+state). LASP-1 sends a state (and its gradient back) only across boundaries a document crosses;
+LASP-2 sums over the ranks whose states reach this one (chain(r)) and, when no document crosses any
+boundary, exchanges nothing. Without documents the plan is the one above, call for call.
+
 Constraints: every rank holds L tokens (contiguous layout); GQA native (states are per q head, so
 H states travel even when kv heads share one without decay); decay None or a fixed [H] tensor in
 (0, 1] (checked before any communication).

@@ -233,17 +233,19 @@ class RingFamily(Strategy):
 
     def attention(self, q_bshd, k_bshd, v_bshd, causal, scale, seq_len=None, docs=None):
         check_local_length(self.name, self.ctx, q_bshd.shape[1])
-        blocks = self.policy(causal, seq_len, q_bshd.shape[1], docs)
+        blocks = self.policy(causal, seq_len, q_bshd.shape[1], docs, q_bshd.device)
         return ring_attention(q_bshd, k_bshd, v_bshd, causal, scale, self.ctx, blocks)
 
-    def policy(self, causal: bool, seq_len, n_ring: int, docs=None) -> BlockPolicy:
+    def policy(self, causal: bool, seq_len, n_ring: int, docs=None, device="cpu") -> BlockPolicy:
         """The mask policy; with end padding (seq_len < padded length) non-causal blocks keep only
         the real keys, a prefix of each block (padding.py). Causal blocks never see pads. With
         packed documents (``docs``, sharding/documents.py) the policy follows their boundaries
         and leaves the pads out (varlen.py)."""
         if docs is not None:
             from .varlen import document_blocks
-            return document_blocks(docs, self.ctx.layout.ring_layout, causal)
+            kernel = self.ctx.kernel        # how it wants document-sized causal squares cut (kernels/base.py)
+            return document_blocks(docs, self.ctx.layout.ring_layout, causal,
+                                   lambda size: kernel.causal_tile(size, device))
         padded = n_ring * self.ctx.ring_size
         if causal or seq_len is None or seq_len == padded:
             return self.blocks

@@ -23,15 +23,15 @@ HEAD_CASES = [(c, h, hkv) for c in (True, False) for (h, hkv) in ((4, 4), (4, 2)
 SOFTMAX = ("ulysses", "ring", "zigzag", "striped")
 
 
-def _check_packed(cfgs):
+def _check_packed(cfgs, doc_cases=DOC_CASES, head_cases=HEAD_CASES):
     """Every (config, documents, causal, heads) case: out, dq, dk, dv vs the float64 per-document
     reference with the derived tolerance. Returns the number of cases checked per config."""
     counts = []
     for cfg in cfgs:
         sp = SequenceParallel(cfg)
         n = 0
-        for seq, bounds in DOC_CASES:
-            for causal, heads, kv_heads in HEAD_CASES:
+        for seq, bounds in doc_cases:
+            for causal, heads, kv_heads in head_cases:
                 q, k, v, dout = global_inputs(seq + heads + kv_heads, 1, seq, heads, kv_heads, HEAD_DIM)
                 scale = HEAD_DIM ** -0.5
                 ref64 = packed_attention_with_grads(q, k, v, dout, bounds, causal, scale, torch.float64)
@@ -63,6 +63,15 @@ def test_packed_documents_hybrid_match_per_document_reference(pool):
     cfgs = [{"strategy": s, "size": 4, "ulysses_size": 2} for s in ("ring", "zigzag", "striped")]
     for counts in pool.run(_check_packed, cfgs):
         assert counts == [len(DOC_CASES) * len(HEAD_CASES)] * len(cfgs), counts
+
+
+def test_long_documents_cut_into_kernel_tiles_stay_exact(pool):
+    """Documents of > 256 tokens per rank: the CPU kernel's causal squares are cut into 128-token
+    tiles (kernels/torch_kernel.py causal_tile), merged like any sub-blocks."""
+    cfgs = [{"strategy": s, "size": 2} for s in ("ulysses", "ring", "striped")]
+    docs, heads = [(700, [0, 37, 700])], [(True, 2, 1)]
+    for counts in pool.run(_check_packed, cfgs, docs, heads):
+        assert counts == [1] * len(cfgs), counts
 
 
 # -- work and bytes --------------------------------------------------------------------------

@@ -36,12 +36,13 @@ def _tiled(subs, nq, nk):
 
 @pytest.mark.parametrize("name,ring,ulysses", LAYOUTS)
 @pytest.mark.parametrize("bounds", BOUNDS)
-@pytest.mark.parametrize("causal", [True, False])
-def test_sub_blocks_tile_the_document_mask_exactly(name, ring, ulysses, bounds, causal):
+@pytest.mark.parametrize("causal,tile", [(True, None), (False, None), (True, 3)])
+def test_sub_blocks_tile_the_document_mask_exactly(name, ring, ulysses, bounds, causal, tile):
+    """Also with causal squares cut into tiles of 3 (kernels' causal_tile)."""
     layout = make_layout(name, ring, ulysses)
     padded = -(-48 // layout.required_multiple) * layout.required_multiple
     docs = Documents(bounds, padded)
-    policy = document_blocks(docs, layout.ring_layout, causal)
+    policy = document_blocks(docs, layout.ring_layout, causal, None if tile is None else lambda size: tile)
     idx = [layout.ring_layout.indices(padded, r) for r in range(ring)]
     for me, src in itertools.product(range(ring), repeat=2):
         subs = policy(me, src, ring, causal, len(idx[me]))
@@ -49,6 +50,17 @@ def test_sub_blocks_tile_the_document_mask_exactly(name, ring, ulysses, bounds, 
         want = _mask(docs, idx[me], idx[src], causal).to(torch.int64)
         assert torch.equal(cover, want), (name, ring, ulysses, bounds, causal, me, src, subs)
         assert policy.needs(me, src) == bool(want.any())
+
+
+def test_cpu_kernel_cuts_small_causal_squares_only():
+    from ds_seqpar.kernels import TorchKernel
+    kernel = TorchKernel()
+    assert [kernel.causal_tile(n, "cpu") for n in (64, 256, 512, 1024, 4096)] == [None, None, 128, 128, 256]
+    subs = whole_sequence_blocks(Documents([0, 300], 300), True, lambda size: kernel.causal_tile(size, "cpu"))(
+        0, 0, 1, True, 300)
+    assert [(s.q.start, s.q.stop, s.k.start, s.k.stop, s.causal) for s in subs] == [
+        (0, 128, 0, 128, True), (128, 256, 128, 256, True), (128, 256, 0, 128, False),
+        (256, 300, 256, 300, True), (256, 300, 0, 256, False)]
 
 
 def test_whole_sequence_policy_is_one_square_per_document():

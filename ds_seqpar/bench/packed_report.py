@@ -1,0 +1,141 @@
+"""Summary and markdown page of ``ds-seqpar bench --packed`` (bench/packed.py measures)."""
+from __future__ import annotations
+
+import statistics
+from typing import Dict, List
+
+from .packed import LINEAR, strategy_config, variant_bounds
+
+GOAL = 0.20
+
+
+def _case(per_rank, key) -> dict:
+    ranks = [r["rounds"][key] for r in per_rank if r["rounds"][key]]
+    walls = [max(r[i]["wall"] for r in ranks) for i in range(len(ranks[0]))]
+    cpu = [statistics.median(x["cpu"] for x in r) for r in ranks]
+    row = {"time": statistics.median(walls), "min": min(walls), "max": max(walls), "cpu": cpu,
+           "imbalance": max(cpu) / (sum(cpu) / len(cpu))}
+    if "by_kind" in ranks[0][0]:
+        row["bytes"] = [sum(r[-1]["by_kind"].values()) for r in ranks]
+        row["wait"] = [statistics.median(x["wait"] for x in r) for r in ranks]
+    return row
+
+
+def work_per_rank(name: str, args, bounds) -> List[int]:
+    """(q, k) pairs each rank computes for these documents (causal), from the mask policy itself."""
+    import torch
+    from ..sharding.documents import Documents
+    from ..sharding.layouts import make_layout
+    from ..strategies import get_strategy
+    from ..strategies.varlen import document_blocks
+    p, n = args.P, args.seq
+    docs = Documents(bounds, n)
+    if name in LINEAR:                               # linear attention: work follows tokens, L per rank
+        return [n // p] * p
+    if name == "ulysses":                            # every rank: all documents, 1/P of the heads
+        lengths = torch.tensor(docs.lengths())
+        return [int((lengths * (lengths + 1) // 2).sum()) // p] * p
+    cfg = strategy_config(name, p)
+    u = cfg.get("ulysses_size", 1)
+    ring = make_layout(get_strategy(cfg["strategy"]).layout_name, p // u)
+    policy = document_blocks(docs, ring, True)
+    per_ring = [sum(policy.pairs(me, src) for src in range(ring.size)) for me in range(ring.size)]
+    return [per_ring[r // u] // u for r in range(p)]
+
+
+def closed_form(name: str, args, bounds) -> List[int]:
+    """Bytes per rank for one fwd+bwd of these documents (strategies/closed_form.py)."""
+    from ..sharding.documents import Documents
+    from ..sharding.layouts import make_layout
+    from ..strategies import get_strategy
+    from ..strategies import closed_form as cf
+    from ..strategies.lasp_chain import LaspChain
+    p, sh = args.P, cf.Shapes(1, args.seq, args.heads, args.heads, args.head_dim)
+    cfg = strategy_config(name, p)
+    if bounds is None or name == "ulysses":
+        return [cf.closed_form_bytes(cfg["strategy"], p, sh, r, cfg.get("ulysses_size", 1),
+                                     cfg.get("lasp_comm", "allgather")) for r in range(p)]
+    if name in LINEAR:
+        chain = LaspChain(p, args.seq // p, Documents(bounds, args.seq))
+        return [sum(cf.lasp_document_bytes(chain, r, cf.lasp_state_bytes(sh), cfg["lasp_comm"]).values())
+                for r in range(p)]
+    u = cfg.get("ulysses_size", 1)
+    ring = make_layout(get_strategy(cfg["strategy"]).layout_name, p // u)
+    needs = cf.ring_document_needs(bounds, ring, args.seq, True)
+    a2a = cf.closed_form_bytes("ulysses", u, cf.Shapes(1, args.seq // ring.size, args.heads, args.heads,
+                                                       args.head_dim)) if u > 1 else 0
+    block = cf.kv_replication(args.heads, args.heads, u) * sh.local(p).kv_elems     # the k the ring loop holds
+    return [a2a + sum(cf.ring_document_bytes(needs, r // u, block, sh.elem).values()) for r in range(p)]
+
+
+def summarize(per_rank, args) -> Dict[str, dict]:
+    out = {}
+    for name in ("single", "single_linear") + tuple(args.strategies):
+        rows = {v: _case(per_rank, f"{name}/{v}") for v in ("one", "equal", "mixed")}
+        rows["ratio"] = rows["equal"]["time"] / rows["one"]["time"]
+        rows["cpu_ratio"] = max(rows["equal"]["cpu"]) / max(rows["one"]["cpu"])
+        if not name.startswith("single"):
+            mixed = variant_bounds("mixed", args.seq, args.docs, tuple(args.mixed))
+            work = work_per_rank(name, args, mixed)
+            rows["work"], rows["work_imbalance"] = work, max(work) / (sum(work) / len(work))
+            rows["forms"] = {v: closed_form(name, args, variant_bounds(v, args.seq, args.docs, tuple(args.mixed)))
+                             for v in ("one", "equal", "mixed")}
+        out[name] = rows
+    return out
+
+
+def _f(xs, fmt="{:.3f}") -> str:
+    return " / ".join(fmt.format(x) for x in xs)
+
+
+def render(rows: Dict[str, dict], masked: List[dict], meta) -> str:
+    ideal = 1 / meta["docs"]
+    lines = [
+        f"# Packed documents on CPU ranks: {meta['docs']} equal documents vs one document of the same length", "",
+        f"P={meta['P']} ranks x 1 thread (gloo), N={meta['seq']} tokens, batch 1, {meta['heads']} heads x "
+        f"{meta['head_dim']}, fp32, causal, forward + backward, kernel `torch` (CPU flash SDPA); "
+        f"{meta['repeats']} interleaved rounds after {meta['warmup']} warm-up round(s); medians (min-max) of the "
+        f"slowest rank's wall time.", "",
+        f"Command: `{meta['command']}`", "",
+        f"Machine: {meta['cpus']} CPUs, shared with other engineers' jobs during this run: load average before "
+        f"{meta['load_before']}, after {meta['load_after']}, highest 1-minute value at the end of the rounds "
+        f"{meta['load_during']:.2f}; whole run {meta['elapsed']:.0f} s. Interleaving puts the load on every case "
+        f"alike; the CPU-time ratio is the less load-sensitive number.", "",
+        f"## Time of {meta['docs']} equal documents / time of one document (ideal {ideal:.3f}, goal <= {GOAL:.2f})", "",
+        "Softmax attention: causal work is the sum of squared document lengths, 1/docs of one document's. "
+        "Linear attention (LASP, single_linear) does O(N) work either way: its ideal ratio is 1.", "",
+        "| case | one document s | equal documents s | ratio | CPU ratio | ideal | goal | bytes/rank one doc "
+        "(closed form) | bytes/rank documents (closed form) |",
+        "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        linear = name in LINEAR or name == "single_linear"
+        ok = "" if linear else ("**PASS**" if r["ratio"] <= GOAL else "**SHORT**")
+        forms = r.get("forms", {})
+        b1 = f"{_f(r['one']['bytes'], '{}')} ({_f(forms['one'], '{}')})" if "bytes" in r["one"] else ""
+        b2 = f"{_f(r['equal']['bytes'], '{}')} ({_f(forms['equal'], '{}')})" if "bytes" in r["equal"] else ""
+        lines.append(f"| {name} | {r['one']['time']:.3f} ({r['one']['min']:.3f}-{r['one']['max']:.3f}) | "
+                     f"{r['equal']['time']:.3f} ({r['equal']['min']:.3f}-{r['equal']['max']:.3f}) | {r['ratio']:.3f} | "
+                     f"{r['cpu_ratio']:.3f} | {'1' if linear else f'{ideal:.3f}'} | {'' if linear else f'<= {GOAL}'} "
+                     f"{ok} | {b1} | {b2} |")
+    lines += ["", f"## Mixed document lengths {list(meta['mixed'])}: per-rank balance", "",
+              "Work = (q, k) pairs each rank computes (from the mask policy; LASP: tokens), imbalance = max/mean; "
+              "measured = median CPU seconds per rank.", "",
+              "| case | time s | CPU s per rank | measured imbalance | work per rank | work imbalance | "
+              "bytes/rank (closed form) |", "|---|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        if name.startswith("single"):
+            continue
+        m = r["mixed"]
+        lines.append(f"| {name} | {m['time']:.3f} | {_f(m['cpu'])} | {m['imbalance']:.2f} | {_f(r['work'], '{}')} | "
+                     f"{r['work_imbalance']:.2f} | {_f(m['bytes'], '{}')} ({_f(r['forms']['mixed'], '{}')}) |")
+    lines += ["", f"## One rank's block (n = {meta['seq'] // meta['P']}): per-document sub-blocks vs one masked block",
+              "", "Fwd+bwd on one process, the same CPU flash kernel: causal squares per document (what the strategies "
+              "do) against one call over the whole block with an additive mask (attn_mask).", "",
+              "| document length | documents | masked block s | sub-blocks s | masked / sub-blocks |", "|---|---|---|---|---|"]
+    lines += [f"| {m['doc_len']} | {m['docs']} | {m['masked']:.3f} | {m['subblocks']:.3f} | "
+              f"{m['masked'] / m['subblocks']:.1f}x |" for m in masked]
+    lines += ["", meta.get("notes", ""), ""]
+    return "\n".join(lines)
+
+
+__all__ = ["summarize", "render", "work_per_rank", "closed_form"]
