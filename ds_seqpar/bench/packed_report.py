@@ -13,8 +13,9 @@ def _case(per_rank, key) -> dict:
     ranks = [r["rounds"][key] for r in per_rank if r["rounds"][key]]
     walls = [max(r[i]["wall"] for r in ranks) for i in range(len(ranks[0]))]
     cpu = [statistics.median(x["cpu"] for x in r) for r in ranks]
+    cpu_rounds = [max(r[i]["cpu"] for r in ranks) for i in range(len(ranks[0]))]
     row = {"time": statistics.median(walls), "min": min(walls), "max": max(walls), "cpu": cpu,
-           "imbalance": max(cpu) / (sum(cpu) / len(cpu))}
+           "imbalance": max(cpu) / (sum(cpu) / len(cpu)), "walls": walls, "cpu_rounds": cpu_rounds}
     if "by_kind" in ranks[0][0]:
         row["bytes"] = [sum(r[-1]["by_kind"].values()) for r in ranks]
         row["wait"] = [statistics.median(x["wait"] for x in r) for r in ranks]
@@ -68,12 +69,23 @@ def closed_form(name: str, args, bounds) -> List[int]:
     return [a2a + sum(cf.ring_document_bytes(needs, r // u, block, sh.elem).values()) for r in range(p)]
 
 
+def _median_ratio(a, b) -> float:
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
+def _ratio_range(a, b):
+    ratios = [x / y for x, y in zip(a, b)]
+    return min(ratios), max(ratios)
+
+
 def summarize(per_rank, args) -> Dict[str, dict]:
     out = {}
     for name in ("single", "single_linear") + tuple(args.strategies):
         rows = {v: _case(per_rank, f"{name}/{v}") for v in ("one", "equal", "mixed")}
-        rows["ratio"] = rows["equal"]["time"] / rows["one"]["time"]
-        rows["cpu_ratio"] = max(rows["equal"]["cpu"]) / max(rows["one"]["cpu"])
+        # per round (the two variants ran back to back, under the same load), then the median
+        rows["ratio"] = _median_ratio(rows["equal"]["walls"], rows["one"]["walls"])
+        rows["ratio_range"] = _ratio_range(rows["equal"]["walls"], rows["one"]["walls"])
+        rows["cpu_ratio"] = _median_ratio(rows["equal"]["cpu_rounds"], rows["one"]["cpu_rounds"])
         if not name.startswith("single"):
             mixed = variant_bounds("mixed", args.seq, args.docs, tuple(args.mixed))
             work = work_per_rank(name, args, mixed)
@@ -95,7 +107,9 @@ def render(rows: Dict[str, dict], masked: List[dict], meta) -> str:
         f"P={meta['P']} ranks x 1 thread (gloo), N={meta['seq']} tokens, batch 1, {meta['heads']} heads x "
         f"{meta['head_dim']}, fp32, causal, forward + backward, kernel `torch` (CPU flash SDPA); "
         f"{meta['repeats']} interleaved rounds after {meta['warmup']} warm-up round(s); medians (min-max) of the "
-        f"slowest rank's wall time.", "",
+        f"slowest rank's wall time. Ratios are taken per round (the two variants run back to back, under "
+        f"the same load) and their median reported, with (min-max) over rounds; CPU ratio: the same with "
+        f"the busiest rank's thread CPU time.", "",
         f"Command: `{meta['command']}`", "",
         f"Machine: {meta['cpus']} CPUs, shared with other engineers' jobs during this run: load average before "
         f"{meta['load_before']}, after {meta['load_after']}, highest 1-minute value at the end of the rounds "
@@ -114,7 +128,8 @@ def render(rows: Dict[str, dict], masked: List[dict], meta) -> str:
         b1 = f"{_f(r['one']['bytes'], '{}')} ({_f(forms['one'], '{}')})" if "bytes" in r["one"] else ""
         b2 = f"{_f(r['equal']['bytes'], '{}')} ({_f(forms['equal'], '{}')})" if "bytes" in r["equal"] else ""
         lines.append(f"| {name} | {r['one']['time']:.3f} ({r['one']['min']:.3f}-{r['one']['max']:.3f}) | "
-                     f"{r['equal']['time']:.3f} ({r['equal']['min']:.3f}-{r['equal']['max']:.3f}) | {r['ratio']:.3f} | "
+                     f"{r['equal']['time']:.3f} ({r['equal']['min']:.3f}-{r['equal']['max']:.3f}) | {r['ratio']:.3f} "
+                     f"({r['ratio_range'][0]:.3f}-{r['ratio_range'][1]:.3f}) | "
                      f"{r['cpu_ratio']:.3f} | {'1' if linear else f'{ideal:.3f}'} | {'' if linear else f'<= {GOAL}'} "
                      f"{ok} | {b1} | {b2} |")
     lines += ["", f"## Mixed document lengths {list(meta['mixed'])}: per-rank balance", "",
