@@ -46,27 +46,10 @@ def work_per_rank(name: str, args, bounds) -> List[int]:
 
 def closed_form(name: str, args, bounds) -> List[int]:
     """Bytes per rank for one fwd+bwd of these documents (strategies/closed_form.py)."""
-    from ..sharding.documents import Documents
-    from ..sharding.layouts import make_layout
-    from ..strategies import get_strategy
-    from ..strategies import closed_form as cf
-    from ..strategies.lasp_chain import LaspChain
-    p, sh = args.P, cf.Shapes(1, args.seq, args.heads, args.heads, args.head_dim)
-    cfg = strategy_config(name, p)
-    if bounds is None or name == "ulysses":
-        return [cf.closed_form_bytes(cfg["strategy"], p, sh, r, cfg.get("ulysses_size", 1),
-                                     cfg.get("lasp_comm", "allgather")) for r in range(p)]
-    if name in LINEAR:
-        chain = LaspChain(p, args.seq // p, Documents(bounds, args.seq))
-        return [sum(cf.lasp_document_bytes(chain, r, cf.lasp_state_bytes(sh), cfg["lasp_comm"]).values())
-                for r in range(p)]
-    u = cfg.get("ulysses_size", 1)
-    ring = make_layout(get_strategy(cfg["strategy"]).layout_name, p // u)
-    needs = cf.ring_document_needs(bounds, ring, args.seq, True)
-    a2a = cf.closed_form_bytes("ulysses", u, cf.Shapes(1, args.seq // ring.size, args.heads, args.heads,
-                                                       args.head_dim)) if u > 1 else 0
-    block = cf.kv_replication(args.heads, args.heads, u) * sh.local(p).kv_elems     # the k the ring loop holds
-    return [a2a + sum(cf.ring_document_bytes(needs, r // u, block, sh.elem).values()) for r in range(p)]
+    from ..strategies.closed_form import Shapes, closed_form_bytes
+    cfg, sh = strategy_config(name, args.P), Shapes(1, args.seq, args.heads, args.heads, args.head_dim)
+    return [closed_form_bytes(cfg["strategy"], args.P, sh, r, cfg.get("ulysses_size", 1),
+                              cfg.get("lasp_comm", "allgather"), bounds) for r in range(args.P)]
 
 
 def _median_ratio(a, b) -> float:

@@ -69,6 +69,12 @@ def rope(x_blhd: torch.Tensor, pos_bl: torch.Tensor, theta: float) -> torch.Tens
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x_blhd.dtype)
 
 
+def head_decay(n_heads: int, device=None) -> torch.Tensor:
+    """The linear-attention decay per head, lambda_h = 1 - 2^-(5+h), fp32 [n_heads] (the benchmark
+    times LASP with it too)."""
+    return 1 - 2.0 ** (-5 - torch.arange(n_heads, dtype=torch.float32, device=device))
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, sp=None):
         super().__init__()
@@ -84,7 +90,7 @@ class Attention(nn.Module):
         """Fixed, not learned (part of the architecture, like RetNet's gammas), and built in fp32 at
         each call rather than held as a buffer: module.bfloat16() would round 1 - 2^-9 and closer
         decays to exactly 1.0."""
-        return 1 - 2.0 ** (-5 - torch.arange(self.cfg.n_heads, dtype=torch.float32, device=self.wq.weight.device))
+        return head_decay(self.cfg.n_heads, self.wq.weight.device)
 
     def forward(self, x_bld: torch.Tensor, pos_bl: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
         """``cu_seqlens``: packed documents (global boundaries, batch 1); pos_bl then counts within each."""

@@ -20,7 +20,7 @@ from .agreement import check_same_on_ranks
 from .documents import (as_boundaries, boundaries_from_positions, check_boundaries, positions_from_boundaries)
 from .padding import pad_to
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = -100          # labels the loss leaves out (Hugging Face's and torch's convention)
 
 
 def shift_labels(labels_bn: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:

@@ -9,11 +9,12 @@ Legend (shapes on this rank; "n" is the ring shard this rank holds):
     out_acc_bshd [b, n, H, dv] fp32    lse_acc_bhs [b, H, n] fp32   (merge accumulators)
     dkv_acc      (dk, dv) fp32, shaped like kv_block: a block's gradient, travelling with it
 
-Three pieces, kept apart: transport.py moves K/V blocks and their dK/dV between ranks (the relay
-ring through comm.p2p, double buffered; or, for packed documents, direct sends to the ranks that
-need a block), ``kernels.merge_`` folds partial (out, lse) into fp32 accumulators,
-and a strategy's mask policy ``blocks(me, src, P, causal, n)`` says which sub-blocks of (my
-queries) x (src's keys) to compute: a list of ``SubBlock(q, k, causal)`` slices, [] to skip.
+Three pieces, kept apart, so how K/V travels is separate from what is computed on it: transport.py
+moves K/V blocks and their dK/dV between ranks (the relay ring through comm.p2p, double buffered;
+or, for packed documents, direct sends to the ranks that need a block), ``kernels.merge_`` folds
+partial (out, lse) into fp32 accumulators, and a strategy's mask policy
+``blocks(me, src, P, causal, n)`` says which sub-blocks of (my queries) x (src's keys) to compute:
+a list of ``SubBlock(q, k, causal)`` slices, [] to skip.
 ``causal`` on a sub-block means top-left on a square block, the only kind the kernels accept.
 
 Forward walks the ring forward: send to me+1, receive from me-1, so step s holds src = me - s.

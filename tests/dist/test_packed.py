@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ds_seqpar import SequenceParallel
-from ds_seqpar.strategies.closed_form import ring_document_bytes, ring_document_needs
+from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind
 
 from ..dist_checks import global_inputs
 from ..reference import assert_derived_close, packed_attention_with_grads
@@ -98,10 +98,9 @@ def _work_and_bytes(cfgs, seq, bounds, causal):
         q_l, k_l, v_l = (sp.shard(t).detach().requires_grad_() for t in (q, k, v))
         sp.stats.reset()
         sp.attention(q_l, k_l, v_l, causal=causal, cu_seqlens=bounds).backward(sp.shard(dout))
-        ring_layout = sp.layout.ring_layout
-        needs = ring_document_needs(bounds, ring_layout, sp.padded_len(seq), causal)
-        want = ring_document_bytes(needs, sp.strategy.ctx.ring_rank, k_l.numel(), k_l.element_size())
-        got = {kind: sp.stats.bytes.get(kind, 0) for kind in want}
+        want = closed_form_by_kind(cfg["strategy"], sp.size, Shapes(1, sp.padded_len(seq), 4, 2, HEAD_DIM),
+                                   sp.rank, cu_seqlens=bounds, causal=causal)
+        got = {kind: b for kind, b in sp.stats.bytes.items() if b and kind != "cu_seqlens_check"}
         out.append((cfg, sp.rank, counter.calls, _visible_pairs(sp, seq, bounds, causal), got, want))
     return out
 
@@ -122,23 +121,26 @@ def test_packed_work_is_inside_documents_and_bytes_match_closed_form(pool, seq, 
                     f"{what} {phase}: computed {sum(calls[phase])} (q, k) pairs, {visible} inside documents"
             assert got == want, f"{what}: sent {got}, closed form {want}"
             if cfg["strategy"] == "ring" and bounds == [0, 16, 20, 32, 48, 64]:
-                assert sum(got.values()) == 0, f"{what}: documents inside shards, yet {got} bytes travelled"
+                assert not got, f"{what}: documents inside shards, yet {got} bytes travelled"
 
 
-def _single_document_bytes(size):
-    """A single non-causal document: every rank needs every block, so the ring's general form."""
-    sp = SequenceParallel({"strategy": "zigzag", "size": size})
+def _single_document_bytes(cfg):
+    """A single non-causal document: every rank needs every block, so the general closed form."""
+    sp = SequenceParallel(cfg)
     q, k, v, dout = global_inputs(4, 1, 64, 4, 2, HEAD_DIM)
     q_l, k_l, v_l = (sp.shard(t).detach().requires_grad_() for t in (q, k, v))
     sp.stats.reset()
     sp.attention(q_l, k_l, v_l, causal=False, cu_seqlens=[0, 64]).backward(sp.shard(dout))
-    s_kv = k_l.numel()
-    return dict(sp.stats.bytes), {"ring": s_kv * (size - 1) * 16, "ring_grad": s_kv * (size - 1) * 8}
+    general = closed_form_by_kind(cfg["strategy"], sp.size, Shapes(1, 64, 4, 2, HEAD_DIM), sp.rank,
+                                  cfg.get("ulysses_size", 1))
+    return {kind: b for kind, b in sp.stats.bytes.items() if b and kind != "cu_seqlens_check"}, general
 
 
-def test_every_block_needed_costs_the_general_closed_form(pool):
-    for got, general in pool.run(_single_document_bytes, 4):
-        assert {k: got[k] for k in general} == general, (got, general)
+@pytest.mark.parametrize("cfg", [{"strategy": "zigzag", "size": 4}, {"strategy": "striped", "size": 4,
+                                                                       "ulysses_size": 2}])
+def test_every_block_needed_costs_the_general_closed_form(pool, cfg):
+    for got, general in pool.run(_single_document_bytes, cfg):
+        assert got == general, (got, general)
 
 
 # -- errors before communication ---------------------------------------------------------------

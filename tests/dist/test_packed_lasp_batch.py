@@ -6,9 +6,9 @@ import torch
 from ds_seqpar import SequenceParallel
 from ds_seqpar.kernels.linear import linear_attention_reference
 from ds_seqpar.sharding.batch import shard_batch
-from ds_seqpar.strategies.closed_form import lasp_document_bytes
-from ds_seqpar.strategies.lasp_chain import LaspChain
 from ds_seqpar.sharding.documents import Documents
+from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind
+from ds_seqpar.strategies.lasp_chain import LaspChain
 
 from ..reference import assert_derived_close
 from .test_lasp import DECAY, DK, DV
@@ -52,9 +52,8 @@ def _check_lasp(size):
                 got = [sp.unshard(t, seq_len=seq) for t in (o_l.detach(), q_l.grad, k_l.grad, v_l.grad)]
                 for name, g, r, p in zip(("out", "dq", "dk", "dv"), got, ref64, plain):
                     assert_derived_close(f"{case} {name}", g, r, p)
-                chain = LaspChain(size, q_l.shape[1], Documents(bounds, q_l.shape[1] * size))
-                state_bytes = 4 * 4 * DK * DV
-                want = {k: b for k, b in lasp_document_bytes(chain, sp.rank, state_bytes, mode).items() if b}
+                shapes = Shapes(1, q_l.shape[1] * size, 4, kv_heads, DK, v_head_dim=DV)
+                want = closed_form_by_kind("lasp", size, shapes, sp.rank, lasp_comm=mode, cu_seqlens=bounds)
                 assert sent == want, f"{case}: sent {sent}, closed form {want}"
                 checked.append(case)
     return checked
