@@ -170,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--out", default="reports")
     ap.add_argument("--name", default="packed_cpu")
+    ap.add_argument("--sweep-trials", type=int, default=200, help="random packings in the balance sweep (0: skip)")
     ap.add_argument("--notes", default="")
     return ap
 
@@ -185,7 +186,7 @@ def resolve(args) -> argparse.Namespace:
 
 def main(argv: Optional[List[str]] = None) -> int:
     from ..launch.rankpool import RankPool
-    from .packed_report import render, summarize
+    from .packed_report import imbalance_sweep, render, summarize
     argv = list(sys.argv[1:] if argv is None else argv)
     args = resolve(build_parser().parse_args(argv))
     load_before, start = os.getloadavg(), time.monotonic()
@@ -198,6 +199,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 load_before=" ".join(f"{x:.2f}" for x in load_before),
                 load_after=" ".join(f"{x:.2f}" for x in os.getloadavg()),
                 load_during=max(r["load_1min"] for r in per_rank),
+                sweep=imbalance_sweep(args.seq, trials=args.sweep_trials) if args.sweep_trials else None,
                 command="ds-seqpar bench --packed " + " ".join(map(shlex.quote, argv)))
     page = render(summarize(per_rank, args), per_rank[0]["masked"], meta)
     os.makedirs(args.out, exist_ok=True)

@@ -4,7 +4,7 @@ the ratio beside the ideal."""
 import argparse
 
 from ds_seqpar.bench.packed import bench_rank, build_parser, resolve
-from ds_seqpar.bench.packed_report import render, summarize
+from ds_seqpar.bench.packed_report import imbalance_sweep, render, summarize
 
 
 def test_packed_bench_runs_and_bytes_match_closed_forms(pool):
@@ -20,7 +20,12 @@ def test_packed_bench_runs_and_bytes_match_closed_forms(pool):
             assert r[variant]["bytes"] == r["forms"][variant], (name, variant, r[variant]["bytes"], r["forms"][variant])
     assert rows["ring"]["equal"]["bytes"] == [0, 0], "8 documents of 32 inside 128-token shards: nothing travels"
     assert rows["ulysses"]["work_imbalance"] == 1.0 and rows["ring"]["work_imbalance"] > 1.0
-    meta = dict(vars(args), cpus=2, elapsed=1.0, load_before="0", load_after="0", load_during=0.0, command="x")
+    sweep = imbalance_sweep(1024, ps=(2, 4), trials=4)
+    assert all(mean <= worst for per in sweep.values() for mean, worst in per.values()), sweep
+    assert sweep["striped"][4][1] < 1.05 <= sweep["contiguous"][4][1], sweep     # token granularity balances
+    meta = dict(vars(args), cpus=2, elapsed=1.0, load_before="0", load_after="0", load_during=0.0, command="x",
+                sweep=sweep, sweep_trials=4)
     page = render(rows, per_rank[0]["masked"], meta)
     assert "| ring |" in page and "ideal 0.125" in page and "masked / sub-blocks" in page, page
+    assert "Best balanced ring layout for packed data (smallest worst case): **striped**" in page, page
     assert isinstance(args, argparse.Namespace)
