@@ -37,8 +37,9 @@ accumulators). (Sending the own block's share around as well would cost S_kv*2*e
 
 Packed documents (cu_seqlens): the policy is varlen.DocumentBlocks, a function of the global
 document boundaries; blocks no query of mine shares a document with are skipped, and K/V go only
-where they are computed on (transport.DirectKV / DirectGrads): the bytes are the closed form above
-times the fraction of (rank, block) pairs that share a document (closed_form.ring_documents).
+where they are computed on (transport.DirectKV / DirectGrads): a rank sends its K/V to each rank
+that needs them and its dK/dV shares to each rank whose block it needed, instead of P-1 hops of
+each (closed_form.ring_document_bytes; the same bytes when every rank needs every block).
 """
 from __future__ import annotations
 
