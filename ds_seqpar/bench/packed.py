@@ -134,7 +134,8 @@ def masked_vs_subblocks(args) -> List[dict]:
         bias = torch.zeros(n, n).masked_fill(~mask, float("-inf"))
 
         def masked():
-            out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+            out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
+                                                                        scale=scale)
             aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, False,
                                                                     attn_mask=bias, scale=scale)
 

@@ -166,7 +166,8 @@ def render(rows: Dict[str, dict], masked: List[dict], meta) -> str:
     lines += ["", f"## One rank's block (n = {meta['seq'] // meta['P']}): per-document sub-blocks vs one masked block",
               "", "Fwd+bwd on one process, the same CPU flash kernel: causal squares per document (what the strategies "
               "do) against one call over the whole block with an additive mask (attn_mask).", "",
-              "| document length | documents | masked block s | sub-blocks s | masked / sub-blocks |", "|---|---|---|---|---|"]
+              "| document length | documents | masked block s | sub-blocks s | masked / sub-blocks |",
+              "|---|---|---|---|---|"]
     lines += [f"| {m['doc_len']} | {m['docs']} | {m['masked']:.3f} | {m['subblocks']:.3f} | "
               f"{m['masked'] / m['subblocks']:.1f}x |" for m in masked]
     lines += ["", meta.get("notes", ""), ""]

@@ -94,7 +94,8 @@ def packed_documents(cu_seqlens, pos_bn, b: int, n: int, sp=None) -> Optional[Tu
     bounds, error = None, None
     try:
         if b != 1:
-            raise ValueError(f"packed documents ({'cu_seqlens' if cu_seqlens is not None else 'position_ids restarting at 0'}) "
+            given = "cu_seqlens" if cu_seqlens is not None else "position_ids restarting at 0"
+            raise ValueError(f"packed documents ({given}) "
                              f"need batch size 1, as flash-attn's varlen API: got batch {b}; concatenate the "
                              f"rows into one packed sequence")
         if cu_seqlens is not None:

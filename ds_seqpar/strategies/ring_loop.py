@@ -171,7 +171,7 @@ def ring_backward(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, causal: 
         if step == 0:
             _sum_kv_into(dkv_home, grads, fresh=True)      # own block: its gradient never leaves
         else:
-            dkv_away.add(step, src, lambda acc, fresh: _sum_kv_into(acc, grads, fresh), dkv_home)
+            dkv_away.add(step, src, lambda acc, fresh, grads=grads: _sum_kv_into(acc, grads, fresh), dkv_home)
         del grads
         if step < p - 1:
             kv.advance()

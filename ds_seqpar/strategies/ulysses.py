@@ -84,7 +84,8 @@ class UlyssesAttention(Strategy):
             # packed documents: the whole sequence is here, in global order; per-document sub-blocks
             # through the ring loop's single step (one position, nothing travels; varlen.py)
             tile = lambda size: ctx.kernel.causal_tile(size, q_full.device)  # noqa: E731
-            out_full = ring_attention(q_full, k_full, v_full, causal, scale, ctx, whole_sequence_blocks(docs, causal, tile))
+            blocks = whole_sequence_blocks(docs, causal, tile)
+            out_full = ring_attention(q_full, k_full, v_full, causal, scale, ctx, blocks)
             return heads_to_seq(out_full, ctx.ulysses_group, ctx.stats)
         if not causal and seq_len is not None and seq_len < k_full.shape[1]:
             # end padding (padding.py): the real keys are the first seq_len of the whole sequence

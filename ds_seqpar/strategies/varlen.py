@@ -21,8 +21,10 @@ new kernel. A kernel that wastes work on small causal blocks (the CPU flash kern
 keys only in tiles of 512) gets its causal squares cut further: tile-sized causal squares on the
 diagonal plus, per row of tiles, one full rectangle of the keys before it (kernels: causal_tile).
 One masked block instead (the CPU kernel's attn_mask) measured 3.7x slower than per-document
-sub-blocks for two documents in a 4096-token block and 8x for eight (reports/packed_cpu.md). Non-causal: Q x K is one FULL rectangle. Pads (PAD_DOC) pair with nothing: a pad row
-sees no key in any block and keeps lse = -inf (merge.py), and no real row sees a pad key.
+sub-blocks for two documents in a 4096-token block and 8x for eight (reports/packed_cpu.md).
+
+Non-causal: Q x K is one FULL rectangle. Pads (PAD_DOC) pair with nothing: a pad row sees no key
+in any block and keeps lse = -inf (merge.py), and no real row sees a pad key.
 Contiguous, zigzag and striped diagonals come out as before (one causal square per document
 piece; striped blocks from a higher rank: o = 1, queries [1, ..) x keys [.., -1)).
 

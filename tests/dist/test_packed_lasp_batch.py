@@ -29,8 +29,9 @@ def per_document_reference(q, k, v, do, decay, bounds, dtype):
 
 def _lasp_inputs(seed, seq, heads, kv_heads):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(1, seq, heads, DK, generator=g) / DK ** 0.5, torch.randn(1, seq, kv_heads, DK, generator=g) / DK ** 0.5,
-            torch.randn(1, seq, kv_heads, DV, generator=g), torch.randn(1, seq, heads, DV, generator=g))
+    q = torch.randn(1, seq, heads, DK, generator=g) / DK ** 0.5
+    k = torch.randn(1, seq, kv_heads, DK, generator=g) / DK ** 0.5
+    return q, k, torch.randn(1, seq, kv_heads, DV, generator=g), torch.randn(1, seq, heads, DV, generator=g)
 
 
 def _check_lasp(size):
@@ -48,7 +49,8 @@ def _check_lasp(size):
                 o_l = sp.linear_attention(q_l, k_l, v_l, decay=decay, cu_seqlens=bounds)
                 o_l.backward(sp.shard(do))
                 sent = {k: b for k, b in sp.stats.bytes.items() if b and k != "cu_seqlens_check"}
-                case = f"lasp {mode} size={size} cu_seqlens={bounds} decay={use_decay} kv_heads={kv_heads} rank {sp.rank}"
+                case = (f"lasp {mode} size={size} cu_seqlens={bounds} decay={use_decay} kv_heads={kv_heads} "
+                        f"rank {sp.rank}")
                 got = [sp.unshard(t, seq_len=seq) for t in (o_l.detach(), q_l.grad, k_l.grad, v_l.grad)]
                 for name, g, r, p in zip(("out", "dq", "dk", "dv"), got, ref64, plain):
                     assert_derived_close(f"{case} {name}", g, r, p)
