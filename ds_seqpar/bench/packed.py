@@ -172,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default="reports")
     ap.add_argument("--name", default="packed_cpu")
     ap.add_argument("--sweep-trials", type=int, default=200, help="random packings in the balance sweep (0: skip)")
-    ap.add_argument("--notes", default="")
+    ap.add_argument("--notes", default="", help="free text added to the page")
+    ap.add_argument("--render", metavar="JSON", help="measure nothing: rewrite the page of a saved results file")
     return ap
 
 
@@ -187,9 +188,12 @@ def resolve(args) -> argparse.Namespace:
 
 def main(argv: Optional[List[str]] = None) -> int:
     from ..launch.rankpool import RankPool
-    from .packed_report import imbalance_sweep, render, summarize
+    from .packed_report import imbalance_sweep, summarize
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = resolve(build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
+    if args.render:
+        return _write(**_load(args.render), out=os.path.dirname(args.render) or ".")
+    args = resolve(args)
     load_before, start = os.getloadavg(), time.monotonic()
     pool = RankPool(args.P, timeout_s=3600.0, threads_per_rank=1).start()
     try:
@@ -201,12 +205,43 @@ def main(argv: Optional[List[str]] = None) -> int:
                 load_after=" ".join(f"{x:.2f}" for x in os.getloadavg()),
                 load_during=max(r["load_1min"] for r in per_rank),
                 sweep=imbalance_sweep(args.seq, trials=args.sweep_trials) if args.sweep_trials else None,
-                command="ds-seqpar bench --packed " + " ".join(map(shlex.quote, argv)))
-    page = render(summarize(per_rank, args), per_rank[0]["masked"], meta)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{args.name}.md")
+                command=_command(argv))
+    return _write(summarize(per_rank, args), per_rank[0]["masked"], meta, args.out)
+
+
+def _command(argv: List[str]) -> str:
+    """The command as run; --notes text is printed in the page, not in the command."""
+    shown, skip = [], False
+    for a in argv:
+        if skip or a.startswith("--notes="):
+            skip = False
+            continue
+        skip = a == "--notes"
+        if not skip:
+            shown.append(shlex.quote(a))
+    return " ".join(["ds-seqpar bench --packed"] + shown)
+
+
+def _load(path: str) -> dict:
+    import json
+    with open(path) as f:
+        saved = json.load(f)
+    saved["meta"]["sweep"] = {name: {int(p): tuple(v) for p, v in per.items()}
+                              for name, per in (saved["meta"].get("sweep") or {}).items()} or None
+    return saved
+
+
+def _write(rows, masked, meta, out: str) -> int:
+    """<out>/<name>.md and the numbers behind it, <out>/<name>.json (--render re-writes the page)."""
+    import json
+    from .packed_report import render
+    page = render(rows, masked, meta)
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, f"{meta['name']}.md")
     with open(path, "w") as f:
         f.write(page)
+    with open(os.path.join(out, f"{meta['name']}.json"), "w") as f:
+        json.dump({"rows": rows, "masked": masked, "meta": meta}, f, indent=1, default=list)
     print(page)
     print(f"ds-seqpar bench --packed: wrote {path}")
     return 0
