@@ -132,7 +132,8 @@ def render(rows: Dict[str, dict], masked: List[dict], meta) -> str:
         "|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         linear = name in LINEAR or name == "single_linear"
-        ok = "" if linear else ("**PASS**" if r["ratio"] <= GOAL else "**SHORT**")
+        verdict = lambda x: "**PASS**" if x <= GOAL else "**SHORT**"  # noqa: E731
+        ok = "" if linear else f"wall {verdict(r['ratio'])}, CPU {verdict(r['cpu_ratio'])}"
         forms = r.get("forms", {})
         b1 = f"{_f(r['one']['bytes'], '{}')} ({_f(forms['one'], '{}')})" if "bytes" in r["one"] else ""
         b2 = f"{_f(r['equal']['bytes'], '{}')} ({_f(forms['equal'], '{}')})" if "bytes" in r["equal"] else ""
