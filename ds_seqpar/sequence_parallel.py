@@ -144,7 +144,7 @@ class SequenceParallel:
         self.strategy.check_heads(q.shape[2], k.shape[2])
         if seq_len is not None:
             check_seq_len(seq_len, q.shape[1] * self.size, self.layout.required_multiple)
-        docs = None if cu_seqlens is None else self.documents(cu_seqlens, q, seq_len)
+        docs = None if cu_seqlens is None else self._documents(cu_seqlens, q, seq_len)
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
         return self.strategy.attention(q, k, v, causal, scale, seq_len, docs=docs)
 
@@ -153,10 +153,10 @@ class SequenceParallel:
         """Causal linear attention over the whole sequence (strategy 'lasp'); with ``cu_seqlens``
         (as in attention) the state restarts at every document start."""
         check_qkv(q, k, v)
-        docs = None if cu_seqlens is None else self.documents(cu_seqlens, q)
+        docs = None if cu_seqlens is None else self._documents(cu_seqlens, q)
         return self.strategy.linear_attention(q, k, v, decay, docs=docs)
 
-    def documents(self, cu_seqlens, q: torch.Tensor, seq_len: Optional[int] = None) -> Documents:
+    def _documents(self, cu_seqlens, q: torch.Tensor, seq_len: Optional[int] = None) -> Documents:
         """Validated packed-document boundaries for shards shaped like ``q``: local checks, then one
         small all-reduce that every rank joins (agreement.py) unless ``cu_seqlens`` is the tensor
         shard_batch returned and verified, unchanged. ValueError naming cu_seqlens otherwise."""

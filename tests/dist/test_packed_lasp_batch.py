@@ -136,3 +136,23 @@ def test_bad_packed_batches_are_clear_errors(pool, batch, needles):
 def test_shard_batch_without_sp_marks_documents_too():
     out = shard_batch({"input_ids": torch.arange(6)[None], "position_ids": torch.tensor([0, 1, 0, 1, 2, 0])})
     assert out["cu_seqlens"].tolist() == [0, 2, 5, 6] and out["labels"].tolist() == [[1, -100, 3, 4, -100, -100]]
+
+
+def _check_skipped_for_shard_batch_tensor():
+    sp = SequenceParallel({"strategy": "ring", "size": 2})
+    ids = torch.arange(32)[None]
+    local = sp.shard_batch({"input_ids": ids, "position_ids": torch.cat([torch.arange(20), torch.arange(12)])[None]})
+    q = torch.randn(1, 16, 4, 8)
+    checks = []
+    for cu in (local["cu_seqlens"], local["cu_seqlens"].tolist()):
+        sp.stats.reset()
+        sp.attention(q, q, q, cu_seqlens=cu)
+        checks.append(sp.stats.calls.get("cu_seqlens_check", 0))
+    return checks
+
+
+def test_cu_seqlens_from_shard_batch_needs_no_second_check(pool):
+    """shard_batch checked its cu_seqlens across ranks: attention with that tensor skips the
+    all-reduce; the same boundaries as a list are checked again."""
+    for checks in pool.run(_check_skipped_for_shard_batch_tensor):
+        assert checks == [0, 1], checks
