@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from typing import Any, Mapping, Optional, Union
 
 import torch
@@ -22,7 +23,9 @@ from .config import ConfigError, SequenceParallelConfig, load_ds_config
 from .kernels import get_kernel
 from .kernels.base import check_head_groups
 from .loss import sequence_loss
+from .sharding.agreement import check_same_on_ranks
 from .sharding.batch import shard_batch
+from .sharding.documents import Documents, as_boundaries, check_documents
 from .sharding.layouts import make_layout
 from .sharding.padding import check_seq_len, pad_to, padded_len
 from .strategies import StrategyContext, get_strategy
@@ -51,6 +54,7 @@ class SequenceParallel:
         layout_name = get_strategy(config.strategy).layout_name
         self.layout = make_layout(layout_name, self.dims.ring_size, self.dims.ulysses_size)
         self.stats = comm.CommStats()
+        self._verified_cu = None       # (weakref, version, bounds) of the cu_seqlens shard_batch checked
         c = self.groups.coords
         self.strategy = strategies.build(config, StrategyContext(
             sp_group=self.groups.sp_group, ulysses_group=self.groups.ulysses_group,
@@ -136,37 +140,69 @@ class SequenceParallel:
 
     # -- attention -----------------------------------------------------------------------------
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                  softmax_scale: Optional[float] = None, seq_len: Optional[int] = None) -> torch.Tensor:
+                  softmax_scale: Optional[float] = None, seq_len: Optional[int] = None,
+                  cu_seqlens=None) -> torch.Tensor:
         """Exact softmax attention over the whole sequence; q, k, v are this rank's shards [b, s, h, d].
         ``seq_len``: the real global length when shard() padded the sequence; padding keys are then
-        excluded (causal attention never sees them anyway, padding.py)."""
+        excluded (causal attention never sees them anyway, padding.py). ``cu_seqlens``: packed
+        documents [0, l1, l1+l2, ..., N], global and the same on every rank, batch size 1: no token
+        attends across a document boundary (strategies/varlen.py)."""
         check_qkv(q, k, v)
         self.strategy.check_heads(q.shape[2], k.shape[2])
         if seq_len is not None:
             check_seq_len(seq_len, q.shape[1] * self.size, self.layout.required_multiple)
+        docs = None if cu_seqlens is None else self._documents(cu_seqlens, q, seq_len)
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
         wire = self._comm_dtype(q.dtype)
         if wire == q.dtype:
-            return self.strategy.attention(q, k, v, causal, scale, seq_len)
-        return self.strategy.attention(q.to(wire), k.to(wire), v.to(wire), causal, scale, seq_len).to(q.dtype)
+            return self.strategy.attention(q, k, v, causal, scale, seq_len, docs=docs)
+        out = self.strategy.attention(q.to(wire), k.to(wire), v.to(wire), causal, scale, seq_len, docs=docs)
+        return out.to(q.dtype)
 
     def linear_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         decay: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Causal linear attention over the whole sequence (strategy 'lasp')."""
+                         decay: Optional[torch.Tensor] = None, cu_seqlens=None) -> torch.Tensor:
+        """Causal linear attention over the whole sequence (strategy 'lasp'); with ``cu_seqlens``
+        (as in attention) the state restarts at every document start."""
         check_qkv(q, k, v)
+        docs = None if cu_seqlens is None else self._documents(cu_seqlens, q)
         wire = self._comm_dtype(q.dtype)
         if wire == q.dtype:
-            return self.strategy.linear_attention(q, k, v, decay)
-        return self.strategy.linear_attention(q.to(wire), k.to(wire), v.to(wire), decay).to(q.dtype)
+            return self.strategy.linear_attention(q, k, v, decay, docs=docs)
+        return self.strategy.linear_attention(q.to(wire), k.to(wire), v.to(wire), decay, docs=docs).to(q.dtype)
 
     def _comm_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """sequence_parallel.comm_dtype: auto keeps the model's dtype (config.py)."""
         return _COMM_DTYPES.get(self.config.comm_dtype, dtype)
 
+    def _documents(self, cu_seqlens, q: torch.Tensor, seq_len: Optional[int] = None) -> Documents:
+        """Validated packed-document boundaries for shards shaped like ``q``: local checks, then one
+        small all-reduce that every rank joins (agreement.py) unless ``cu_seqlens`` is the tensor
+        shard_batch returned and verified, unchanged. ValueError naming cu_seqlens otherwise."""
+        padded = q.shape[1] * self.size
+        if self._verified_cu is not None and self._verified_cu[0]() is cu_seqlens \
+                and cu_seqlens._version == self._verified_cu[1]:
+            bounds, error = self._verified_cu[2], None
+            check_documents(bounds, q.shape[0], padded, self.layout.required_multiple, seq_len)
+        else:
+            bounds, error = None, None
+            try:
+                bounds = as_boundaries(cu_seqlens)
+                check_documents(bounds, q.shape[0], padded, self.layout.required_multiple, seq_len)
+            except ValueError as err:
+                error = err
+            check_same_on_ranks(bounds, error, self.group, self.stats, q.device)
+        return Documents(bounds, padded)
+
+    def _remember_verified(self, cu_seqlens: torch.Tensor, bounds) -> None:
+        """shard_batch checked ``cu_seqlens`` across ranks: attention may skip the all-reduce for it."""
+        self._verified_cu = (weakref.ref(cu_seqlens), cu_seqlens._version, tuple(bounds))
+
     # -- training helpers ----------------------------------------------------------------------
     def shard_batch(self, batch, ignore_index: int = -100):
         """Shift labels over the whole sequence, then shard every [batch, seq] tensor in the layout
-        and add global position_ids (see sharding/batch.py)."""
+        and add global position_ids (see sharding/batch.py). Packed documents (position_ids
+        restarting at 0, or a cu_seqlens entry) also give ``cu_seqlens`` (global) and labels that
+        never cross a document boundary."""
         return shard_batch(batch, self, ignore_index)
 
     def loss(self, logits, labels, ignore_index: int = -100, grad_scale: Optional[float] = None):

@@ -5,6 +5,8 @@ most K times the error of a plain same-precision implementation against that ref
 floor far below any real bug (a wrong mask or a lost block moves results by O(1e-2) or more).
 """
 
+import torch
+
 from ds_seqpar.kernels import MathKernel
 
 K = 5.0
@@ -30,3 +32,19 @@ def assert_derived_close(name, got, ref64, plain, k=K, floor=1e-6):
     err = max_err(got, ref64)
     assert err <= bound, (f"{name}: max error {err:.3e} vs float64 exceeds derived bound {bound:.3e} "
                           f"(plain {got.dtype} error {max_err(plain, ref64):.3e}, K={k})")
+
+
+def packed_attention_with_grads(q, k, v, dout, bounds, causal, scale, dtype):
+    """(out, dq, dk, dv) of attention computed per document separately (batch 1): document d is
+    tokens [bounds[d], bounds[d+1]); tokens past bounds[-1] (end padding) get zeros."""
+    parts = [attention_with_grads(q[:, a:b], k[:, a:b], v[:, a:b], dout[:, a:b], causal, scale, dtype)
+             for a, b in zip(bounds, bounds[1:])]
+    pad = q.shape[1] - bounds[-1]
+    out = []
+    for i, like in enumerate((q, q, k, v)):
+        cat = [p[i] for p in parts]
+        if pad:
+            width = v.shape[-1] if i == 0 else like.shape[-1]
+            cat.append(like.new_zeros(like.shape[0], pad, like.shape[2], width).to(cat[0].dtype))
+        out.append(torch.cat(cat, dim=1))
+    return tuple(out)

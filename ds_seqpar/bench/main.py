@@ -7,6 +7,7 @@ measured side by side in one run, with the ratios docs/design.md sets targets fo
     ds-seqpar bench --preset lasp                      # LASP-1/LASP-2 vs the halves bound, per-piece kernel work
     ds-seqpar bench --strategies zigzag,lasp --P 4 --seq-lens 4096,8192 --no-causal --name mine
     torchrun --nproc_per_node 2 -m ds_seqpar.cli bench ...   # under a launcher (GPUs: --device cuda)
+    ds-seqpar bench --packed [--P 2 --seq 8192 --docs 8]     # packed documents (bench/packed.py)
 
 Without a launcher the command starts P local CPU ranks itself (RankPool, one thread each, gloo).
 What it measures (cases.py on the ranks, train_step.py for training, summary.py for the ratios):
@@ -333,6 +334,9 @@ def render_saved(path: str) -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--packed" in argv:               # packed documents vs one document: its own options and page
+        from .packed import main as packed_main
+        return packed_main([a for a in argv if a != "--packed"])
     if "--render" in argv:
         print(f"ds-seqpar bench: wrote {render_saved(build_parser().parse_args(argv).render)}")
         return 0

@@ -18,13 +18,19 @@ those, the per-block gradient formulas give exactly that block's share of dq, dk
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
 
 class AttentionKernel:
     name = "base"
+
+    def causal_tile(self, size: int, device) -> Optional[int]:
+        """Tile to cut a causal square of ``size`` into (causal squares of the tile on the diagonal, full
+        rectangles below), when the kernel wastes work on small causal blocks; None: call it whole.
+        Packed documents use it (strategies/varlen.py): their causal squares are document-sized."""
+        return None
 
     def forward(self, q_bshd, k_bshd, v_bshd, causal: bool, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError

@@ -92,34 +92,50 @@ class Attention(nn.Module):
         decays to exactly 1.0."""
         return head_decay(self.cfg.n_heads, self.wq.weight.device)
 
-    def forward(self, x_bld: torch.Tensor, pos_bl: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_bld: torch.Tensor, pos_bl: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
+        """``cu_seqlens``: packed documents (global boundaries, batch 1); pos_bl then counts within each."""
         b, l, _ = x_bld.shape
         h, hkv, d = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
         q_blhd = self.wq(x_bld).view(b, l, h, d)
         k_blhd, v_blhd = self.wkv(x_bld).view(b, l, 2 * hkv, d).split(hkv, dim=2)
         if self.cfg.attention == "linear":
-            out_blhd = self._linear(F.elu(q_blhd) + 1, F.elu(k_blhd) + 1, v_blhd.contiguous())
+            out_blhd = self._linear(F.elu(q_blhd) + 1, F.elu(k_blhd) + 1, v_blhd.contiguous(), cu_seqlens)
         else:
             q_blhd = rope(q_blhd, pos_bl, self.cfg.rope_theta)
             k_blhd = rope(k_blhd, pos_bl, self.cfg.rope_theta)
-            out_blhd = self._softmax(q_blhd, k_blhd, v_blhd.contiguous())
+            out_blhd = self._softmax(q_blhd, k_blhd, v_blhd.contiguous(), cu_seqlens)
         return self.wo(out_blhd.reshape(b, l, h * d))
 
-    def _softmax(self, q, k, v):
+    def _softmax(self, q, k, v, cu_seqlens=None):
         if self.sp is not None:
-            return self.sp.attention(q, k, v, causal=True)
+            packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+            return self.sp.attention(q, k, v, causal=True, **packed)
         # one process, whole sequence in global order: plain causal SDPA over [B, H, L, D]
+        mask = None if cu_seqlens is None else _same_document_causal(cu_seqlens, q.shape[1], q.device)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True, enable_gqa=q.shape[2] != k.shape[2])
+                                             attn_mask=mask, is_causal=mask is None,
+                                             enable_gqa=q.shape[2] != k.shape[2])
         return out.transpose(1, 2)
 
-    def _linear(self, q, k, v):
+    def _linear(self, q, k, v, cu_seqlens=None):
         decay_h = self.decay_h()
         if self.sp is not None:
-            out = self.sp.linear_attention(q, k, v, decay=decay_h)
-        else:
+            packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+            out = self.sp.linear_attention(q, k, v, decay=decay_h, **packed)
+        elif cu_seqlens is None:
             out = local_linear_attention(q, k, v, decay_h)
+        else:                                   # one process: each document on its own
+            bounds = [int(t) for t in cu_seqlens]
+            out = torch.cat([local_linear_attention(q[:, a:b], k[:, a:b], v[:, a:b], decay_h)
+                             for a, b in zip(bounds, bounds[1:])], dim=1)
         return self.out_norm(out)
+
+
+def _same_document_causal(cu_seqlens, length: int, device) -> torch.Tensor:
+    """[L, L] bool: query t may see key s iff s <= t in the same document (one-process path)."""
+    bounds = torch.as_tensor(cu_seqlens, device=device).long()
+    doc = torch.searchsorted(bounds, torch.arange(length, device=device), right=True)
+    return (doc[:, None] == doc[None, :]) & torch.ones(length, length, dtype=torch.bool, device=device).tril()
 
 
 class MLP(nn.Module):
@@ -141,13 +157,14 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, pos_bl):
-        x = x + self.attn(self.attn_norm(x), pos_bl)
+    def forward(self, x, pos_bl, cu_seqlens=None):
+        x = x + self.attn(self.attn_norm(x), pos_bl, cu_seqlens)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class CausalLM(nn.Module):
-    """``forward(input_ids [B, L], position_ids [B, L]) -> logits [B, L, V]`` on this rank's tokens."""
+    """``forward(input_ids [B, L], position_ids [B, L], cu_seqlens=None) -> logits [B, L, V]`` on this
+    rank's tokens; with packed documents (cu_seqlens) attention stays inside each document."""
 
     def __init__(self, cfg: ModelConfig, sp=None):
         super().__init__()
@@ -170,10 +187,11 @@ class CausalLM(nn.Module):
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
+        """``cu_seqlens``: packed documents (sp.shard_batch's), passed to every attention layer."""
         x = self.embed(input_ids)                                           # [B, L, dim]
         for block in self.blocks:
-            x = block(x, position_ids)
+            x = block(x, position_ids, cu_seqlens)
         x = self.norm(x)
         return self.lm_head(x)                                              # [B, L, V]
 

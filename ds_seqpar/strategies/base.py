@@ -45,13 +45,14 @@ class Strategy:
         self.ctx = ctx
 
     def attention(self, q_bshd: torch.Tensor, k_bshd: torch.Tensor, v_bshd: torch.Tensor,
-                  causal: bool, scale: float, seq_len: Optional[int] = None) -> torch.Tensor:
-        """``seq_len``: the real global length when the shards carry end padding (padding.py)."""
+                  causal: bool, scale: float, seq_len: Optional[int] = None, docs=None) -> torch.Tensor:
+        """``seq_len``: the real global length when the shards carry end padding (padding.py);
+        ``docs``: packed documents (sharding/documents.Documents, validated), or None."""
         raise ValueError(f"sequence_parallel.strategy={self.name!r} computes linear attention; call "
                          f"sp.linear_attention(q, k, v, decay) or pick a softmax strategy "
                          f"(ulysses, ring, zigzag, striped)")
 
-    def linear_attention(self, q_bshd, k_bshd, v_bshd, decay: Optional[torch.Tensor]) -> torch.Tensor:
+    def linear_attention(self, q_bshd, k_bshd, v_bshd, decay: Optional[torch.Tensor], docs=None) -> torch.Tensor:
         raise ValueError(f"sequence_parallel.strategy={self.name!r} computes softmax attention; "
                          f"sp.linear_attention needs sequence_parallel.strategy='lasp'")
 

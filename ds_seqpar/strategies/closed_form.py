@@ -14,11 +14,17 @@ Each form is the one in the strategy's docstring (strategies/*.py); the notation
 
 Forms are split by the CommStats kind each exchange records under ("all_to_all", "ring",
 "ring_grad", "lasp_state", "lasp_dstate"), so a test also sees which exchange is off.
+
+Packed documents: Ulysses and the hybrid's all-to-alls are unchanged; the ring loop's K/V and
+dK/dV go only where a document needs them (ring_document_bytes), LASP's states only across rank
+boundaries a document crosses (lasp_document_bytes).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Sequence
+
+import torch
 
 from . import RING_STRATEGIES
 from .ulysses import kv_replication
@@ -99,18 +105,81 @@ def lasp_bytes(p: int, sh: Shapes, rank: int, lasp_comm: str) -> Dict[str, int]:
     return {"lasp_state": state * (p - 1), "lasp_dstate": state * (p - 1)}
 
 
+# -- packed documents (cu_seqlens) -------------------------------------------------------------
+
+
+def ring_document_needs(bounds: Sequence[int], ring_layout, padded: int, causal: bool) -> List[List[bool]]:
+    """needs[me][src] (me != src): ring position me computes on src's K/V block, i.e. some document
+    has a key in src at or before (causal) one of its queries in me. From each document's first and
+    last token on each rank, independently of the sub-block decomposition (varlen.py)."""
+    p = ring_layout.size
+    span = []                                        # span[r][d] = (first, last) global position of d on r
+    for r in range(p):
+        g = ring_layout.indices(padded, r)
+        g = g[g < bounds[-1]]                        # end padding belongs to no document
+        doc = torch.searchsorted(torch.tensor(bounds), g, right=True) - 1
+        span.append({int(d): (int(g[doc == d].min()), int(g[doc == d].max())) for d in doc.unique()})
+    return [[me != src and any(not causal or span[src][d][0] <= span[me][d][1]
+                               for d in span[me].keys() & span[src].keys())
+             for src in range(p)] for me in range(p)]
+
+
+def ring_document_bytes(needs: List[List[bool]], me: int, kv_elems: int, elem: int) -> Dict[str, int]:
+    """Bytes ring position ``me`` sends for one fwd+bwd with packed documents (transport.py: direct):
+    its K/V to every rank that needs them, forward and backward; its fp32 share of dK/dV to every
+    rank whose block it needs. ``kv_elems``: elements of the k and v the ring loop holds (S_k + S_v;
+    f times that for the hybrid). Every pair needed: exactly _ring's form."""
+    p = len(needs)
+    needed_by = sum(needs[other][me] for other in range(p))
+    uses = sum(needs[me][other] for other in range(p))
+    return {"ring": needed_by * kv_elems * 2 * elem, "ring_grad": uses * kv_elems * E_ACC}
+
+
+def _documents_by_kind(strategy: str, p: int, sh: Shapes, rank: int, ulysses_size: int, lasp_comm: str,
+                       cu_seqlens: Sequence[int], causal: bool) -> Dict[str, int]:
+    from ..sharding.documents import Documents
+    from ..sharding.layouts import make_layout
+    from . import get_strategy
+    from .lasp_chain import LaspChain
+    if strategy == "ulysses":
+        return ulysses_bytes(p, sh)
+    if strategy == "lasp":
+        chain = LaspChain(p, sh.seq // p, Documents(cu_seqlens, sh.seq))
+        return lasp_document_bytes(chain, rank, lasp_state_bytes(sh), lasp_comm)
+    u, loc = ulysses_size, sh.local(p)
+    f = kv_replication(sh.heads, sh.kv_heads, u) if u > 1 else 1
+    ring = make_layout(get_strategy(strategy).layout_name, p // u)
+    needs = ring_document_needs(cu_seqlens, ring, sh.seq, causal)
+    out = {"all_to_all": _all_to_all(u, loc, f)} if u > 1 else {}
+    out.update(ring_document_bytes(needs, rank // u, f * loc.elements(sh.kv_heads, sh.head_dim + sh.dv), sh.elem))
+    return out
+
+
+def lasp_document_bytes(chain, rank: int, state_bytes: int, lasp_comm: str) -> Dict[str, int]:
+    """LASP with documents (lasp_chain.py): LASP-1 sends a state only across a boundary a document
+    crosses (and its dstate back); LASP-2 keeps its collectives unless no document crosses any."""
+    if lasp_comm == "ring":
+        return {"lasp_state": state_bytes * chain.sends[rank], "lasp_dstate": state_bytes * chain.takes_in[rank]}
+    both = state_bytes * (chain.p - 1) * chain.any_state_travels
+    return {"lasp_state": both, "lasp_dstate": both}
+
+
 def closed_form_by_kind(strategy: str, p: int, shapes: Shapes, rank: int = 0, ulysses_size: int = 1,
-                        lasp_comm: str = "allgather") -> Dict[str, int]:
+                        lasp_comm: str = "allgather", cu_seqlens: Optional[Sequence[int]] = None,
+                        causal: bool = True) -> Dict[str, int]:
     """{CommStats kind: bytes} rank ``rank`` of a sequence group of ``p`` ranks sends for one
     fwd+bwd of one attention call over ``shapes`` (global length); kinds that send nothing are left
     out. ``ulysses_size`` > 1 with a ring strategy is the 2D hybrid, as in the config key;
-    ``lasp_comm`` picks LASP-1 (ring) or LASP-2 (allgather)."""
+    ``lasp_comm`` picks LASP-1 (ring) or LASP-2 (allgather). ``cu_seqlens``: packed documents over
+    shapes.seq tokens (the padded length; ``causal`` matters to the ring family then)."""
     if strategy not in ("lasp", "ulysses") + RING_STRATEGIES:
         raise ValueError(f"no closed form for strategy {strategy!r}; known: lasp, ulysses, "
                          f"{', '.join(RING_STRATEGIES)}")
     if p == 1:
         return {}
-    if strategy == "lasp":
+    if cu_seqlens is not None:
+        out = _documents_by_kind(strategy, p, shapes, rank, ulysses_size, lasp_comm, list(cu_seqlens), causal)
+    elif strategy == "lasp":
         out = lasp_bytes(p, shapes, rank, lasp_comm)
     elif strategy == "ulysses":
         out = ulysses_bytes(p, shapes)
@@ -120,9 +189,12 @@ def closed_form_by_kind(strategy: str, p: int, shapes: Shapes, rank: int = 0, ul
 
 
 def closed_form_bytes(strategy: str, p: int, shapes: Shapes, rank: int = 0, ulysses_size: int = 1,
-                      lasp_comm: str = "allgather") -> int:
-    """The total of ``closed_form_by_kind``: what CommStats.total_bytes must read."""
-    return sum(closed_form_by_kind(strategy, p, shapes, rank, ulysses_size, lasp_comm).values())
+                      lasp_comm: str = "allgather", cu_seqlens: Optional[Sequence[int]] = None,
+                      causal: bool = True) -> int:
+    """The total of ``closed_form_by_kind``: what CommStats.total_bytes must read (with packed
+    documents, less the "cu_seqlens_check" all-reduce of three int64 per call)."""
+    return sum(closed_form_by_kind(strategy, p, shapes, rank, ulysses_size, lasp_comm, cu_seqlens, causal).values())
 
 
-__all__ = ["Shapes", "closed_form_bytes", "closed_form_by_kind", "kv_replication", "E_ACC"]
+__all__ = ["Shapes", "closed_form_bytes", "closed_form_by_kind", "kv_replication", "E_ACC", "ring_document_needs",
+           "ring_document_bytes", "lasp_document_bytes"]

@@ -51,11 +51,11 @@ class HybridAttention(RingFamily):
     def check_heads(self, num_heads, num_kv_heads):
         check_ulysses_heads(num_heads, num_kv_heads, self.ctx.ulysses_size, "sequence_parallel.ulysses_size")
 
-    def attention(self, q_bshd, k_bshd, v_bshd, causal, scale, seq_len=None):
+    def attention(self, q_bshd, k_bshd, v_bshd, causal, scale, seq_len=None, docs=None):
         ctx = self.ctx
         check_local_length(self.ring.name, ctx, q_bshd.shape[1])
         # [b, n, H, d] -> [b, U*n, H/U, d]: this ring position's whole shard, a slice of the heads
         q_u, k_u, v_u = scatter_heads(q_bshd, k_bshd, v_bshd, ctx.ulysses_group, ctx.ulysses_size, ctx.stats)
-        blocks = self.ring.policy(causal, seq_len, q_u.shape[1])
+        blocks = self.ring.policy(causal, seq_len, q_u.shape[1], docs, q_u.device)
         out_u = ring_attention(q_u, k_u, v_u, causal, scale, ctx, blocks)
         return heads_to_seq(out_u, ctx.ulysses_group, ctx.stats)            # [b, n, H, d]

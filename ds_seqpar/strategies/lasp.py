@@ -50,6 +50,14 @@ Bytes sent per rank, one forward + backward; state_bytes = B*H*Dk*Dv*4 (8 for fp
     allgather:  state_bytes * 2 * (P-1)                  all-gather (P-1); reduce-scatter (P-1)/P of P
 None of it depends on L: LASP's communication does not grow with the sequence.
 
+Packed documents (cu_seqlens): the state restarts at every document start. lasp_chain.py says which
+states cross which rank boundaries: a rank's block is cut at the document starts inside it into
+segments; the first continues state_in (unless a document starts at the block start), the last one's
+local state goes out, the ones between are documents of their own (plain intra-block kernel, no
+state). LASP-1 sends a state (and its gradient back) only across boundaries a document crosses;
+LASP-2 sums over the ranks whose states reach this one (chain(r)) and, when no document crosses any
+boundary, exchanges nothing. Without documents the plan is the one above, call for call.
+
 Constraints: every rank holds L tokens (contiguous layout); GQA native (states are per q head, so
 H states travel even when kv heads share one without decay); decay None or a fixed [H] tensor in
 (0, 1] (checked before any communication).
@@ -63,8 +71,10 @@ from torch import Tensor
 
 from .. import comm
 from ..kernels.linear import (backward_begin, backward_finish, backward_local, check_inputs, forward_begin,
-                                forward_diagonal, forward_finish, forward_states, state_decay, state_dtype)
+                                forward_diagonal, forward_finish, forward_states, intra_backward, intra_forward,
+                                state_decay, state_dtype)
 from .base import Strategy
+from .lasp_chain import LaspChain
 
 CHUNK_SIZE = 64          # the kernel's chunk, as single-process linear_attention uses
 
@@ -78,9 +88,10 @@ class _States:
     """What both exchanges share: who this rank is, the state shape, lambda^(L n), and posting
     that waits at once without overlap."""
 
-    def __init__(self, ctx, q_bshd: Tensor, v_bshd: Tensor, decay_h: Optional[Tensor]):
+    def __init__(self, ctx, q_bshd: Tensor, v_bshd: Tensor, decay_h: Optional[Tensor], chain: LaspChain):
         self.p, self.r, self.group, self.stats, self.overlap = (ctx.sp_size, ctx.sp_rank, ctx.sp_group, ctx.stats,
                                                                  ctx.overlap)
+        self.chain = chain
         b, self.length, self.heads, dk = q_bshd.shape
         self.shape, self.dtype = (b, self.heads, dk, v_bshd.shape[-1]), state_dtype(q_bshd.dtype)
         self.device = q_bshd.device
@@ -98,7 +109,12 @@ class _States:
 
     @property
     def receives_state(self) -> bool:
-        return self.r > 0                      # rank 0 has no earlier tokens
+        return self.chain.takes_in[self.r]     # rank 0 has no earlier tokens; a document start cuts the rest
+
+    @property
+    def _forwards_state_in(self) -> bool:
+        """The state this rank sends on includes state_in: one segment, continued on both sides."""
+        return self.chain.carry[self.r] and self.chain.sends[self.r]
 
     def posted(self, pending):
         if not self.overlap:
@@ -107,7 +123,8 @@ class _States:
 
 
 class _RingStates(_States):
-    """LASP-1: a state hops r-1 -> r -> r+1; backward walks the ring in reverse (r+1 -> r)."""
+    """LASP-1: a state hops r-1 -> r -> r+1; backward walks the ring in reverse (r+1 -> r). Hops only
+    where a document continues across the boundary (lasp_chain.py)."""
 
     _recv = _send = None
 
@@ -116,33 +133,36 @@ class _RingStates(_States):
 
     @property
     def sends_local_state(self) -> bool:
-        return self.r == 0 and self.p > 1      # rank 0's outgoing state is its own S
+        # the outgoing state is the last segment's own S (rank 0; or a document starts in this block)
+        return self.chain.sends[self.r] and not self._forwards_state_in
 
     def post_state(self, local_state: Optional[Tensor]) -> None:
-        if self.r > 0:
+        if self.receives_state:
             self._recv = self._p2p([], [(self.empty(), self.r - 1)], "lasp_state")
-        elif self.p > 1:
-            self._send = self._p2p([(local_state, 1)], [], "lasp_state")
+        if self.sends_local_state:
+            self._send = self._p2p([(local_state, self.r + 1)], [], "lasp_state")
 
     def state_in(self) -> Optional[Tensor]:
-        return None if self.r == 0 else self._recv.wait()[0]
+        return self._recv.wait()[0] if self.receives_state else None
 
     def pass_on(self, state_after: Tensor) -> None:
-        """Middle ranks forward lambda^L state_in + S_r, the state after their block, to r+1."""
-        if 0 < self.r < self.p - 1:
+        """Ranks inside a document forward lambda^L state_in + S_r, the state after their block, to r+1."""
+        if self._forwards_state_in:
             self._send = self._p2p([(state_after, self.r + 1)], [], "lasp_state")
 
     def post_dstate(self, dstate_in: Optional[Tensor]) -> None:
-        if self.r < self.p - 1:
+        if self.chain.sends[self.r]:
             self._recv = self._p2p([], [(self.empty(), self.r + 1)], "lasp_dstate")
-        elif self.r > 0:       # the last rank's D is its own G: send it before the intra work
+        if self.receives_state and not self._forwards_state_in:
+            # D_r is G_r alone (no later rank's gradient reaches state_in through this block): send it
+            # before the intra work
             self._send = self._p2p([(dstate_in, self.r - 1)], [], "lasp_dstate")
 
     def dstate_local(self, dstate_in: Optional[Tensor]) -> Optional[Tensor]:
-        if self.r == self.p - 1:
+        if not self.chain.sends[self.r]:
             return None
         d_after = self._recv.wait()[0]          # D_{r+1}: the gradient of the state sent to r+1
-        if self.r > 0:
+        if self.receives_state and self._forwards_state_in:
             self._send = self._p2p([(dstate_in + _decayed(self.power(1), d_after), self.r - 1)], [], "lasp_dstate")
         return d_after
 
@@ -153,37 +173,48 @@ class _RingStates(_States):
 
 
 class _GatheredStates(_States):
-    """LASP-2: all-gather every S, prefix-sum locally; backward reduce-scatters the dual."""
+    """LASP-2: all-gather every S, prefix-sum locally; backward reduce-scatters the dual. With
+    documents the sums run over chain(r) only, and when no document crosses a rank boundary nothing
+    is exchanged at all."""
 
     _pending = None
 
     @property
+    def _active(self) -> bool:
+        return self.chain.any_state_travels    # the same on every rank: all join the collective or none
+
+    @property
     def sends_local_state(self) -> bool:
-        return self.r < self.p - 1             # prefix sums only look back: the last S is never read
+        return self.chain.sends[self.r]        # prefix sums only look back: the last S is never read
 
     def post_state(self, local_state: Optional[Tensor]) -> None:
-        own = local_state if self.sends_local_state else self.zeros()
-        self._pending = self.posted(comm.all_gather_async(own, self.group, self.stats, "lasp_state"))
+        if self._active:
+            own = local_state if self.sends_local_state else self.zeros()
+            self._pending = self.posted(comm.all_gather_async(own, self.group, self.stats, "lasp_state"))
 
     def state_in(self) -> Optional[Tensor]:
-        states = self._pending.wait()           # [S_0, ..., S_{P-1}], each [B, H, Dk, Dv]
-        if self.r == 0:
+        states = self._pending.wait() if self._active else None     # [S_0, ..., S_{P-1}], each [B, H, Dk, Dv]
+        if not self.receives_state:
             return None
-        return sum(_decayed(self.power(self.r - 1 - src), states[src]) for src in range(self.r))
+        return sum(_decayed(self.power(self.r - 1 - src), states[src]) for src in self.chain.chain(self.r))
 
     def pass_on(self, state_after: Tensor) -> None:
         pass                                    # every S already went out with the all-gather
 
     def post_dstate(self, dstate_in: Optional[Tensor]) -> None:
+        if not self._active:
+            return
         to_owner_pbhkv = self.zeros(self.p)     # slot r': this rank's share of dS_r'
-        for dst in range(self.r):
+        for dst in self.chain.chain(self.r):
             to_owner_pbhkv[dst] = _decayed(self.power(self.r - 1 - dst), dstate_in)
         self._pending = self.posted(comm.reduce_scatter_async(to_owner_pbhkv, 0, self.group, self.stats,
                                                               "lasp_dstate"))
 
     def dstate_local(self, dstate_in: Optional[Tensor]) -> Optional[Tensor]:
+        if not self._active:
+            return None
         d_own = self._pending.wait()[0]         # [1, B, H, Dk, Dv] summed over ranks -> [B, H, Dk, Dv]
-        return None if self.r == self.p - 1 else d_own
+        return d_own if self.sends_local_state else None
 
     def finish(self) -> None:
         self._pending = None
@@ -192,61 +223,94 @@ class _GatheredStates(_States):
 EXCHANGES = {"ring": _RingStates, "allgather": _GatheredStates}
 
 
-def _exchange(ctx, q_bshd, v_bshd, decay_h) -> _States:
-    return EXCHANGES[ctx.lasp_comm](ctx, q_bshd, v_bshd, decay_h)
+def _exchange(ctx, q_bshd, v_bshd, decay_h, chain: LaspChain) -> _States:
+    return EXCHANGES[ctx.lasp_comm](ctx, q_bshd, v_bshd, decay_h, chain)
 
 
 # ---------------------------------------------------------------------------------------------
 # forward and backward
 
 
-def lasp_forward(q_bshd, k_bshd, v_bshd, decay_h, ctx, chunk_size=CHUNK_SIZE) -> Tuple[Tensor, Optional[Tensor]]:
-    """(o_bshd, state_in_bhkv or None on rank 0) of this rank's block of the whole sequence."""
+def _cut(seg: Tuple[int, int], *xs: Tensor):
+    return tuple(x[:, seg[0]:seg[1]] for x in xs)
+
+
+def _joined(parts, single: bool):
+    return parts[0] if single else torch.cat(parts, dim=1)
+
+
+def lasp_forward(q_bshd, k_bshd, v_bshd, decay_h, ctx, chain: LaspChain,
+                 chunk_size=CHUNK_SIZE) -> Tuple[Tensor, Optional[Tensor]]:
+    """(o_bshd, state_in_bhkv or None where no state comes in) of this rank's block of the whole
+    sequence. The block is one segment without documents; with them, the first segment continues
+    state_in, the last one's S goes out, and the ones between are documents of their own."""
     check_inputs(q_bshd, k_bshd, v_bshd, decay_h)      # the same error on every rank, before any transfer
-    states = _exchange(ctx, q_bshd, v_bshd, decay_h)
-    fwd = forward_begin(q_bshd, k_bshd, v_bshd, decay_h, chunk_size)     # each chunk's k^T v
-    states.post_state(forward_states(fwd) if states.sends_local_state else None)   # S_r: their scan
+    states = _exchange(ctx, q_bshd, v_bshd, decay_h, chain)
+    segs = chain.segments[ctx.sp_rank]
+    single = len(segs) == 1
+    fwd = forward_begin(*_cut(segs[0], q_bshd, k_bshd, v_bshd), decay_h, chunk_size)   # each chunk's k^T v
+    fwd_last = fwd if single else forward_begin(*_cut(segs[-1], q_bshd, k_bshd, v_bshd), decay_h, chunk_size)
+    states.post_state(forward_states(fwd_last) if states.sends_local_state else None)   # S_r: their scan
+    outs = [None] * len(segs)
+    for i, seg in enumerate(segs[1:-1], start=1):      # documents inside the block: no state in or out
+        outs[i] = intra_forward(*_cut(seg, q_bshd, k_bshd, v_bshd), decay_h, chunk_size)[0]
+    if not single:
+        outs[-1] = forward_finish(fwd_last)
     state_in = None
     if states.receives_state:
         forward_diagonal(fwd)                           # the intra-chunk work, while states travel
         state_in = states.state_in()
         states.pass_on(forward_states(fwd, state_in))   # state_in joins the chunk-state scan
-    o_bshd = forward_finish(fwd)                        # q . (chunk states), state_in's share included
+    outs[0] = forward_finish(fwd)                       # q . (chunk states), state_in's share included
     states.finish()
-    return o_bshd, state_in
+    return _joined(outs, single), state_in
 
 
-def lasp_backward(do_bshd, q_bshd, k_bshd, v_bshd, state_in, decay_h, ctx, chunk_size=CHUNK_SIZE):
+def lasp_backward(do_bshd, q_bshd, k_bshd, v_bshd, state_in, decay_h, ctx, chain: LaspChain,
+                  chunk_size=CHUNK_SIZE):
     """(dq, dk, dv) of lasp_forward; dstates flow towards earlier ranks (see the module doc)."""
-    bwd = backward_begin(do_bshd.contiguous(), q_bshd, k_bshd, v_bshd, decay_h, chunk_size, state_in)
-    states = _exchange(ctx, q_bshd, v_bshd, decay_h)
-    states.post_dstate(bwd.dstate_in)                   # G_r: from q and do alone (None on rank 0)
+    segs = chain.segments[ctx.sp_rank]
+    single = len(segs) == 1
+    do_bshd = do_bshd.contiguous()
+    bwd = backward_begin(*_cut(segs[0], do_bshd, q_bshd, k_bshd, v_bshd), decay_h, chunk_size, state_in)
+    states = _exchange(ctx, q_bshd, v_bshd, decay_h, chain)
+    states.post_dstate(bwd.dstate_in)                   # G_r: from q and do alone (None without state_in)
     backward_local(bwd)                                 # the bulk, while dstates travel
-    dq, dk, dv = backward_finish(bwd, states.dstate_local(bwd.dstate_in))   # dS_r joins the reverse walk
+    if single:
+        grads = [backward_finish(bwd, states.dstate_local(bwd.dstate_in))]   # dS_r joins the reverse walk
+    else:
+        grads = [backward_finish(bwd)]
+        grads += [intra_backward(*_cut(seg, do_bshd, q_bshd, k_bshd, v_bshd), decay_h, chunk_size)
+                  for seg in segs[1:-1]]
+        last = backward_begin(*_cut(segs[-1], do_bshd, q_bshd, k_bshd, v_bshd), decay_h, chunk_size)
+        backward_local(last)
+        grads.append(backward_finish(last, states.dstate_local(bwd.dstate_in)))
     states.finish()
-    return dq, dk, dv
+    return tuple(_joined([g[i] for g in grads], single) for i in range(3))
 
 
 class LaspFunction(torch.autograd.Function):
     """Thin: save what backward needs, call the plain functions. decay gets no gradient."""
 
     @staticmethod
-    def forward(fctx, q_bshd, k_bshd, v_bshd, decay_h, ctx):
-        o_bshd, state_in = lasp_forward(q_bshd, k_bshd, v_bshd, decay_h, ctx)
+    def forward(fctx, q_bshd, k_bshd, v_bshd, decay_h, ctx, chain):
+        o_bshd, state_in = lasp_forward(q_bshd, k_bshd, v_bshd, decay_h, ctx, chain)
         fctx.save_for_backward(q_bshd, k_bshd, v_bshd, state_in)
-        fctx.decay_h, fctx.ctx = decay_h, ctx
+        fctx.decay_h, fctx.ctx, fctx.chain = decay_h, ctx, chain
         return o_bshd
 
     @staticmethod
     def backward(fctx, do_bshd):
         q_bshd, k_bshd, v_bshd, state_in = fctx.saved_tensors
-        dq, dk, dv = lasp_backward(do_bshd, q_bshd, k_bshd, v_bshd, state_in, fctx.decay_h, fctx.ctx)
-        return dq, dk, dv, None, None
+        dq, dk, dv = lasp_backward(do_bshd, q_bshd, k_bshd, v_bshd, state_in, fctx.decay_h, fctx.ctx, fctx.chain)
+        return dq, dk, dv, None, None, None
 
 
-def lasp_attention(q_bshd, k_bshd, v_bshd, decay_h, ctx) -> Tensor:
-    """Differentiable causal linear attention of this rank's block over the whole sequence."""
-    return LaspFunction.apply(q_bshd, k_bshd, v_bshd, decay_h, ctx)
+def lasp_attention(q_bshd, k_bshd, v_bshd, decay_h, ctx, docs=None) -> Tensor:
+    """Differentiable causal linear attention of this rank's block over the whole sequence; with
+    ``docs`` (packed documents) the state restarts at every document start."""
+    chain = LaspChain(ctx.sp_size, q_bshd.shape[1], docs)
+    return LaspFunction.apply(q_bshd, k_bshd, v_bshd, decay_h, ctx, chain)
 
 
 class LaspAttention(Strategy):
@@ -255,5 +319,5 @@ class LaspAttention(Strategy):
     name = "lasp"
     layout_name = "contiguous"
 
-    def linear_attention(self, q_bshd, k_bshd, v_bshd, decay: Optional[Tensor]) -> Tensor:
-        return lasp_attention(q_bshd, k_bshd, v_bshd, decay, self.ctx)
+    def linear_attention(self, q_bshd, k_bshd, v_bshd, decay: Optional[Tensor], docs=None) -> Tensor:
+        return lasp_attention(q_bshd, k_bshd, v_bshd, decay, self.ctx, docs)

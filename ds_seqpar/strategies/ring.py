@@ -25,6 +25,11 @@ Bytes sent per rank, one forward + backward, S_kv = elements of the local k (= o
 element size, e_acc = 4:
 
     S_kv * (P - 1) * (4*e + 2*e_acc)         (fp32: 48 * S_kv * (P - 1))
+
+Packed documents (cu_seqlens): the policy is varlen.DocumentBlocks on this layout; a document is a
+contiguous run of one or a few neighbouring ranks, so a block is needed only by the later ranks its
+last document reaches, and K/V travel only there (transport.DirectKV): documents that stay inside
+their shards send nothing at all. Balance follows where the long documents fall.
 """
 from __future__ import annotations
 

@@ -9,9 +9,10 @@ Legend (shapes on this rank; "n" is the ring shard this rank holds):
     out_acc_bshd [b, n, H, dv] fp32    lse_acc_bhs [b, H, n] fp32   (merge accumulators)
     dkv_acc      (dk, dv) fp32, shaped like kv_block: a block's gradient, travelling with it
 
-Three pieces, kept apart, so how K/V travels is separate from what is computed on it: ``_Ring``
-rotates same-shaped tensors around the ring through comm.p2p (double buffered), ``kernels.merge_``
-folds partial (out, lse) into fp32 accumulators, and a strategy's mask policy
+Three pieces, kept apart, so how K/V travels is separate from what is computed on it: transport.py
+moves K/V blocks and their dK/dV between ranks (the relay ring through comm.p2p, double buffered;
+or, for packed documents, direct sends to the ranks that need a block), ``kernels.merge_`` folds
+partial (out, lse) into fp32 accumulators, and a strategy's mask policy
 ``blocks(me, src, P, causal, n)`` says which sub-blocks of (my queries) x (src's keys) to compute:
 a list of ``SubBlock(q, k, causal)`` slices, [] to skip.
 ``causal`` on a sub-block means top-left on a square block, the only kind the kernels accept.
@@ -33,18 +34,24 @@ for one forward + backward are exactly
 
 with S_k, S_v the elements of the local k, v tensors, e their element size and e_acc = 4 (fp32
 accumulators). (Sending the own block's share around as well would cost S_kv*2*e_acc more.)
+
+Packed documents (cu_seqlens): the policy is varlen.DocumentBlocks, a function of the global
+document boundaries; blocks no query of mine shares a document with are skipped, and K/V go only
+where they are computed on (transport.DirectKV / DirectGrads): a rank sends its K/V to each rank
+that needs them and its dK/dV shares to each rank whose block it needed, instead of P-1 hops of
+each (closed_form.ring_document_bytes; the same bytes when every rank needs every block).
 """
 from __future__ import annotations
 
 import math
-from typing import Callable, List, NamedTuple, Optional, Sequence
+from typing import Callable, List, NamedTuple, Sequence
 
 import torch
 
-from .. import comm
 from ..kernels import empty_accumulators, merge_
 from ..sharding.padding import valid_prefix
 from .base import Strategy
+from .transport import DirectGrads, DirectKV, RelayGrads, RelayKV
 
 
 class SubBlock(NamedTuple):
@@ -63,75 +70,53 @@ SKIP: List[SubBlock] = []                   # nothing in this block is visible
 BlockPolicy = Callable[[int, int, int, bool, int], Sequence[SubBlock]]
 
 
-class _Ring:
-    """Rotates a tuple of same-shaped tensors one hop per call, ``shift`` ranks along the ring.
-
-    Double buffer: receives land in buffers this object owns; a buffer that was sent on becomes
-    free again once its transfer is waited for, so P steps use at most two buffer sets.
-    """
-
-    def __init__(self, ctx, shift: int, kind: str):
-        p, r = ctx.ring_size, ctx.ring_rank
-        self.dst, self.src = (r + shift) % p, (r - shift) % p
-        self.group, self.stats, self.kind = ctx.ring_group, ctx.stats, kind
-        self._free: List[List[torch.Tensor]] = []
-        self._pending: Optional[comm.PendingP2P] = None
-        self._sent_owned: Optional[List[torch.Tensor]] = None
-        self._received: Optional[List[torch.Tensor]] = None
-
-    def buffers(self, like: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        """A free buffer set shaped like ``like`` (contiguous), reused when one is available."""
-        if self._free:
-            return self._free.pop()
-        return [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in like]
-
-    def start(self, tensors: Sequence[torch.Tensor], owned: bool) -> None:
-        """Post: send ``tensors`` to dst, receive the next ones from src. ``owned``: the tensors
-        are buffers of this ring (reusable once sent), not the caller's inputs."""
-        recv = self.buffers(tensors)
-        self._pending = comm.p2p([(t, self.dst) for t in tensors], [(b, self.src) for b in recv],
-                                 self.group, self.stats, self.kind)
-        self._sent_owned = list(tensors) if owned else None
-        self._received = None
-
-    def finish(self) -> List[torch.Tensor]:
-        """Wait for the posted hop (idempotent); return the received tensors."""
-        if self._received is None:
-            self._received = self._pending.wait()
-            if self._sent_owned is not None:
-                self._free.append(self._sent_owned)
-            self._pending = self._sent_owned = None
-        return self._received
-
-
 # ---------------------------------------------------------------------------------------------
 # forward
+
+
+def _transports(ctx, blocks):
+    """(K/V schedule, dK/dV schedule) classes: direct for packed documents (the policy says who
+    needs which block), the relay ring otherwise (transport.py)."""
+    needs = getattr(blocks, "needs", None)
+    if needs is None:
+        return RelayKV, RelayGrads, ()
+    return DirectKV, DirectGrads, (needs,)
+
+
+class _FreshRows:
+    """Which query rows no sub-block has written yet: a first write is a copy, not a merge."""
+
+    def __init__(self, n: int):
+        self._seen = torch.zeros(n, dtype=torch.bool)
+
+    def take(self, rows: slice) -> bool:
+        fresh = not bool(self._seen[rows].any())
+        self._seen[rows] = True
+        return fresh
 
 
 def ring_forward(q_bshd, k_bshd, v_bshd, causal: bool, scale: float, ctx, blocks: BlockPolicy):
     """(out_bshd in q's dtype, lse_bhs fp32) of q against the whole ring's K/V."""
     p, me, n = ctx.ring_size, ctx.ring_rank, q_bshd.shape[1]
     out_acc_bshd, lse_acc_bhs = empty_accumulators(q_bshd, v_bshd.shape[-1])
-    ring = _Ring(ctx, shift=+1, kind="ring")
-    kv_block, fresh = (k_bshd, v_bshd), True
+    kv_cls, _, extra = _transports(ctx, blocks)
+    kv = kv_cls(ctx, +1, (k_bshd, v_bshd), *extra)
+    rows = _FreshRows(n)
     for step in range(p):
         src = (me - step) % p                      # forward walk: blocks arrive from me-1
-        more = step < p - 1
-        if more and ctx.overlap:
-            ring.start(kv_block, owned=step > 0)   # next block in flight during this compute
-        for sub in blocks(me, src, p, causal, n):
+        if ctx.overlap:
+            kv.post()                              # next block in flight during this compute
+        kv_block = kv.current
+        for sub in (blocks(me, src, p, causal, n) if kv_block is not None else ()):
             out_blk, lse_blk = ctx.kernel.forward(q_bshd[:, sub.q], kv_block[0][:, sub.k],
                                                   kv_block[1][:, sub.k], sub.causal, scale)
-            if fresh and sub.q == ALL:             # nothing merged yet: the block is the result
-                out_acc_bshd.copy_(out_blk)
-                lse_acc_bhs.copy_(lse_blk)
+            if rows.take(sub.q):                   # nothing merged into these rows yet
+                out_acc_bshd[:, sub.q].copy_(out_blk)
+                lse_acc_bhs[:, :, sub.q].copy_(lse_blk)
             else:
                 merge_(out_acc_bshd[:, sub.q], lse_acc_bhs[:, :, sub.q], out_blk, lse_blk)
-            fresh = False
-        if more:
-            if not ctx.overlap:
-                ring.start(kv_block, owned=step > 0)
-            kv_block = tuple(ring.finish())
+        if step < p - 1:
+            kv.advance()
     return out_acc_bshd.to(q_bshd.dtype), lse_acc_bhs
 
 
@@ -170,36 +155,27 @@ def ring_backward(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, causal: 
     """(dq, dk, dv) of this rank's shards; the ring is walked in reverse (see module doc)."""
     p, me, n = ctx.ring_size, ctx.ring_rank, q_bshd.shape[1]
     dout_bshd = dout_bshd.contiguous()
-    kv_ring = _Ring(ctx, shift=-1, kind="ring")
-    dkv_ring = _Ring(ctx, shift=-1, kind="ring_grad")
-    kv_block = (k_bshd, v_bshd)
+    kv_cls, grads_cls, extra = _transports(ctx, blocks)
+    kv = kv_cls(ctx, -1, (k_bshd, v_bshd), *extra)
     dq_acc_bshd = torch.empty(q_bshd.shape, dtype=torch.float32, device=q_bshd.device)
-    dkv_home = [torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in kv_block]
+    dkv_home = [torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (k_bshd, v_bshd)]
+    dkv_away = grads_cls(ctx, dkv_home, ctx.overlap, *extra)
     for step in range(p):
         src = (me + step) % p                      # reverse walk: blocks arrive from me+1
-        more = step < p - 1
-        if more and ctx.overlap:
-            kv_ring.start(kv_block, owned=step > 0)
-        grads = _block_grads(dout_bshd, q_bshd, kv_block, out_bshd, lse_bhs, blocks(me, src, p, causal, n),
-                             scale, ctx.kernel)
+        if ctx.overlap:
+            kv.post()
+        kv_block = kv.current
+        subs = blocks(me, src, p, causal, n) if kv_block is not None else ()
+        grads = _block_grads(dout_bshd, q_bshd, kv_block, out_bshd, lse_bhs, subs, scale, ctx.kernel)
         _sum_into(dq_acc_bshd, [(sub.q, dq) for sub, dq, _, _ in grads], fresh=step == 0)
         if step == 0:
             _sum_kv_into(dkv_home, grads, fresh=True)      # own block: its gradient never leaves
         else:
-            # step 1 starts src's travelling accumulator; later steps add to the one that arrived
-            dkv_acc = dkv_ring.buffers(dkv_home) if step == 1 else dkv_ring.finish()
-            _sum_kv_into(dkv_acc, grads, fresh=step == 1)
-            dkv_ring.start(dkv_acc, owned=True)
-            if not ctx.overlap:
-                dkv_ring.finish()
+            dkv_away.add(step, src, lambda acc, fresh, grads=grads: _sum_kv_into(acc, grads, fresh), dkv_home)
         del grads
-        if more:
-            if not ctx.overlap:
-                kv_ring.start(kv_block, owned=step > 0)
-            kv_block = tuple(kv_ring.finish())
-    if p > 1:
-        for home, arrived in zip(dkv_home, dkv_ring.finish()):   # own accumulator, back from me+1
-            home += arrived
+        if step < p - 1:
+            kv.advance()
+    dkv_away.land(dkv_home, p)
     return dq_acc_bshd.to(q_bshd.dtype), dkv_home[0].to(k_bshd.dtype), dkv_home[1].to(v_bshd.dtype)
 
 
@@ -257,14 +233,21 @@ class RingFamily(Strategy):
     def blocks(me: int, src: int, p: int, causal: bool, n: int) -> Sequence[SubBlock]:
         raise NotImplementedError
 
-    def attention(self, q_bshd, k_bshd, v_bshd, causal, scale, seq_len=None):
+    def attention(self, q_bshd, k_bshd, v_bshd, causal, scale, seq_len=None, docs=None):
         check_local_length(self.name, self.ctx, q_bshd.shape[1])
-        blocks = self.policy(causal, seq_len, q_bshd.shape[1])
+        blocks = self.policy(causal, seq_len, q_bshd.shape[1], docs, q_bshd.device)
         return ring_attention(q_bshd, k_bshd, v_bshd, causal, scale, self.ctx, blocks)
 
-    def policy(self, causal: bool, seq_len, n_ring: int) -> BlockPolicy:
+    def policy(self, causal: bool, seq_len, n_ring: int, docs=None, device="cpu") -> BlockPolicy:
         """The mask policy; with end padding (seq_len < padded length) non-causal blocks keep only
-        the real keys, a prefix of each block (padding.py). Causal blocks never see pads."""
+        the real keys, a prefix of each block (padding.py). Causal blocks never see pads. With
+        packed documents (``docs``, sharding/documents.py) the policy follows their boundaries
+        and leaves the pads out (varlen.py)."""
+        if docs is not None:
+            from .varlen import document_blocks
+            kernel = self.ctx.kernel        # how it wants document-sized causal squares cut (kernels/base.py)
+            return document_blocks(docs, self.ctx.layout.ring_layout, causal,
+                                   lambda size: kernel.causal_tile(size, device))
         padded = n_ring * self.ctx.ring_size
         if causal or seq_len is None or seq_len == padded:
             return self.blocks

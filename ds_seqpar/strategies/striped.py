@@ -26,6 +26,11 @@ Bytes sent per rank, one forward + backward, S_kv = elements of the local k (= o
 element size, e_acc = 4 (the same schedule as ring):
 
     S_kv * (P - 1) * (4*e + 2*e_acc)         (fp32: 48 * S_kv * (P - 1))
+
+Packed documents (cu_seqlens): a document [a, b) is a contiguous local range on every rank (slots
+ceil((a-r)/P) ..), so varlen.DocumentBlocks cuts each block into per-document causal squares, the
+higher-rank ones shifted by one exactly as above. Every document of >= P tokens is spread over all
+ranks: the best balance for mixed lengths, but every block is needed (the general bytes).
 """
 from __future__ import annotations
 

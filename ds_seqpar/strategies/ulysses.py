@@ -16,6 +16,10 @@ repeat_interleave's backward sums the copies' gradients back. Rank r then holds 
 Bytes per rank, one forward + backward, element size e: q, k, v, out forward and dout, dq, dk,
 dv backward, each sending (P-1)/P of its local tensor: 8*e*S*(P-1)/P for MHA, where S is the
 number of elements of one local full-head tensor.
+
+Packed documents (cu_seqlens): after the all-to-all every rank holds the whole sequence, so local
+attention is per document (varlen.py: a causal square per document, or a full one non-causal;
+end padding pairs with nothing); the bytes are unchanged.
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ from .. import comm
 from ..kernels import local_attention
 from ..kernels.base import check_head_groups
 from .base import Strategy
+from .ring_loop import ring_attention
+from .varlen import whole_sequence_blocks
 
 
 def kv_replication(num_heads: int, num_kv_heads: int, size: int) -> int:
@@ -70,10 +76,17 @@ class UlyssesAttention(Strategy):
     def check_heads(self, num_heads: int, num_kv_heads: int) -> None:
         check_ulysses_heads(num_heads, num_kv_heads, self.ctx.ulysses_size, "sequence_parallel.size")
 
-    def attention(self, q_bshd, k_bshd, v_bshd, causal, scale, seq_len=None):
+    def attention(self, q_bshd, k_bshd, v_bshd, causal, scale, seq_len=None, docs=None):
         ctx = self.ctx
         q_full, k_full, v_full = scatter_heads(q_bshd, k_bshd, v_bshd, ctx.ulysses_group, ctx.ulysses_size,
                                                ctx.stats)
+        if docs is not None:
+            # packed documents: the whole sequence is here, in global order; per-document sub-blocks
+            # through the ring loop's single step (one position, nothing travels; varlen.py)
+            tile = lambda size: ctx.kernel.causal_tile(size, q_full.device)  # noqa: E731
+            blocks = whole_sequence_blocks(docs, causal, tile)
+            out_full = ring_attention(q_full, k_full, v_full, causal, scale, ctx, blocks)
+            return heads_to_seq(out_full, ctx.ulysses_group, ctx.stats)
         if not causal and seq_len is not None and seq_len < k_full.shape[1]:
             # end padding (padding.py): the real keys are the first seq_len of the whole sequence
             k_full, v_full = k_full[:, :seq_len], v_full[:, :seq_len]

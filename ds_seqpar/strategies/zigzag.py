@@ -27,6 +27,10 @@ Bytes sent per rank, one forward + backward, S_kv = elements of the local k (= o
 element size, e_acc = 4 (the same schedule as ring; only the work per step differs):
 
     S_kv * (P - 1) * (4*e + 2*e_acc)         (fp32: 48 * S_kv * (P - 1))
+
+Packed documents (cu_seqlens): varlen.DocumentBlocks on the two chunks of each rank; documents
+shorter than a chunk mostly stay on one rank (nothing travels for them), a long document is
+balanced as above, and only blocks that share a document with my queries are computed or sent.
 """
 from __future__ import annotations
 
