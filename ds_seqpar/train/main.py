@@ -28,6 +28,7 @@ import torch
 
 from .. import comm
 from ..config import ConfigError, SequenceParallelConfig
+from ..memory import MemoryConfig, apply_memory_features
 from ..models import CausalLM, ModelConfig
 from ..sequence_parallel import SequenceParallel
 from ..zero import partition_for_zero3
@@ -42,6 +43,7 @@ def run_training(args: Mapping[str, Any]) -> Dict[str, Any]:
     opts = resolve_args(args)
     ds_config = build_ds_config(opts)
     sp_cfg = SequenceParallelConfig.from_ds_config(ds_config)
+    memory = MemoryConfig.from_ds_config(ds_config, sp_cfg)     # tiled loss/MLP, checkpointing
     _join_world(opts, sp_cfg.timeout_s)
     model_cfg = model_config(opts, sp_cfg)
     # checks size | world before building groups; takes the loss's ZeRO factor from the config
@@ -51,7 +53,9 @@ def run_training(args: Mapping[str, Any]) -> Dict[str, Any]:
     model_cfg.vocab_size = data.vocab_size_of(tokens, opts.vocab_size)
     _check_same_data(tokens, sp.mpu.get_sequence_data_parallel_group())
     torch.manual_seed(opts.seed)                       # same init everywhere; DeepSpeed broadcasts anyway
-    model = partition_for_zero3(CausalLM(model_cfg, sp).to(sp.device), ds_config, sp)
+    model = CausalLM(model_cfg, sp).to(sp.device)
+    apply_memory_features(model, memory)
+    model = partition_for_zero3(model, ds_config, sp)
     trainer = Trainer(opts, ds_config, sp, model, tokens)
     try:
         return trainer.train()
