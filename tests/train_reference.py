@@ -25,9 +25,10 @@ def plain_loss(model, batch):
                            ignore_index=data.IGNORE_INDEX)
 
 
-def reference_losses(args, dp_size):
+def reference_losses(args, dp_size, dtype=torch.float32):
     """(losses per replica per step, gradient norm per step) of plain data-parallel training over
-    ``dp_size`` replicas; the norm is the averaged gradient's, before clipping."""
+    ``dp_size`` replicas; the norm is the averaged gradient's, before clipping. ``dtype=float64``
+    gives the reference that derived tolerances measure errors against."""
     from deepspeed.runtime.lr_schedules import WarmupLR
     opts = resolve_args(args)
     ds = build_ds_config(opts)
@@ -35,7 +36,7 @@ def reference_losses(args, dp_size):
     tokens = load_tokens(opts)
     cfg.vocab_size = data.vocab_size_of(tokens, opts.vocab_size)
     torch.manual_seed(opts.seed)
-    model = CausalLM(cfg, sp=None)
+    model = CausalLM(cfg, sp=None).to(dtype)
     params = copy.deepcopy(ds["optimizer"]["params"])
     params.pop("torch_adam", None)
     assert ds["optimizer"]["type"] == "AdamW", ds["optimizer"]
