@@ -12,7 +12,8 @@ the ratios): fwd+bwd speedup over the single-process kernel, per-rank CPU time a
 total work, bytes per rank vs the closed form (bench_bytes.py), bytes saved for backward per
 rank and the longest sequence that fits a fixed per-rank budget, LASP-1/LASP-2 vs single-process
 linear attention, ours vs deepspeed.sequence.layer.DistributedAttention, and the whole training
-step of the small LM (ZeRO-2) at P ranks vs one. Writes <out>/<name>.json, <out>/<name>.md and
+step of the small LM (ZeRO-2) at P ranks vs one. ``ds-seqpar bench memory`` is the memory case
+(memory.py: peak memory per rank of a training step with and without the memory features). Writes <out>/<name>.json, <out>/<name>.md and
 <out>/<name>/*.png; with --wandb one wandb run per case, grouped by the bench name.
 """
 from __future__ import annotations
@@ -300,6 +301,9 @@ def render_saved(path: str) -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["memory"]:              # the memory case: its own options (memory.py)
+        from .memory import main as memory_main
+        return memory_main(argv[1:])
     if "--render" in argv:
         print(f"ds-seqpar bench: wrote {render_saved(build_parser().parse_args(argv).render)}")
         return 0
