@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -69,10 +69,7 @@ class SequenceParallelConfig(BaseModel):
             raise ConfigError(
                 f"{KEY}.ulysses_size={self.ulysses_size} combines only with a ring strategy "
                 f"({', '.join(RING_STRATEGIES)}); strategy={self.strategy!r} needs ulysses_size=1")
-        if self.size % self.ulysses_size != 0:
-            raise ConfigError(
-                f"{KEY}.ulysses_size={self.ulysses_size} must divide {KEY}.size={self.size}; "
-                f"valid ulysses_size values: {_divisors(self.size)}")
+        check_sizes(None, self.size, self.ulysses_size)
         if self.strategy == "ulysses" and self.ulysses_size not in (1, self.size):
             raise ConfigError(
                 f"{KEY}.ulysses_size={self.ulysses_size} with strategy='ulysses' must be 1 or "
@@ -95,11 +92,7 @@ class SequenceParallelConfig(BaseModel):
 
     def check_world(self, world_size: int) -> None:
         """``size`` must divide the world: world = data-parallel x sequence-parallel."""
-        if world_size % self.size != 0:
-            raise ConfigError(
-                f"{KEY}.size={self.size} does not divide the world size {world_size}; "
-                f"valid sizes for this world: {_divisors(world_size)} "
-                f"(or launch a multiple of {self.size} ranks)")
+        check_sizes(world_size, self.size, self.effective_ulysses_size)
 
     @classmethod
     def from_ds_config(cls, ds_config: Union[str, os.PathLike, Mapping[str, Any]]) -> "SequenceParallelConfig":
@@ -124,6 +117,23 @@ class SequenceParallelConfig(BaseModel):
             return cls(**dict(section))
         except ValidationError as err:
             raise ConfigError(_describe(err)) from None
+
+
+def check_sizes(world_size: Optional[int], size: int, ulysses_size: int = 1) -> None:
+    """world = data x sequence ranks and sequence = ring x Ulysses ranks: the one statement of these
+    divisibility rules (the config's validation, check_world and topology.ParallelDims call it).
+    ``world_size`` None: not known yet (validation before the world exists)."""
+    if size < 1 or ulysses_size < 1:
+        raise ConfigError(f"{KEY}.size={size} and {KEY}.ulysses_size={ulysses_size} must be >= 1")
+    if size % ulysses_size:
+        raise ConfigError(
+            f"{KEY}.ulysses_size={ulysses_size} must divide {KEY}.size={size}; "
+            f"valid ulysses_size values: {_divisors(size)}")
+    if world_size is not None and world_size % size:
+        raise ConfigError(
+            f"{KEY}.size={size} does not divide the world size {world_size}; "
+            f"valid sizes for this world: {_divisors(world_size)} "
+            f"(or launch a multiple of {size} ranks)")
 
 
 def _check_choice(field: str, value: str, valid: tuple) -> None:
@@ -161,4 +171,4 @@ def _describe(err: ValidationError) -> str:
     return "; ".join(lines)
 
 
-__all__ = ["SequenceParallelConfig", "ConfigError", "KEY", "STRATEGY_NAMES", "BACKENDS", "LASP_COMMS"]
+__all__ = ["SequenceParallelConfig", "ConfigError", "KEY", "STRATEGY_NAMES", "BACKENDS", "LASP_COMMS", "check_sizes"]

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from . import comm
+from .sharding.batch import IGNORE_INDEX
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -40,7 +41,7 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def local_loss_sum(logits_blv: torch.Tensor, labels_bl: torch.Tensor, ignore_index: int = -100):
+def local_loss_sum(logits_blv: torch.Tensor, labels_bl: torch.Tensor, ignore_index: int = IGNORE_INDEX):
     """(sum of token losses, number of valid tokens) of this rank's shard; fp32 math."""
     if logits_blv.shape[:-1] != labels_bl.shape:
         raise ValueError(f"logits {tuple(logits_blv.shape)} must be labels {tuple(labels_bl.shape)} plus a "
@@ -53,7 +54,7 @@ def local_loss_sum(logits_blv: torch.Tensor, labels_bl: torch.Tensor, ignore_ind
 
 
 def sequence_loss(logits_blv: torch.Tensor, labels_bl: torch.Tensor, group=None,
-                  ignore_index: int = -100, stats: Optional[comm.CommStats] = None,
+                  ignore_index: int = IGNORE_INDEX, stats: Optional[comm.CommStats] = None,
                   grad_scale: float = 1.0) -> torch.Tensor:
     """Mean token loss over the whole sequence held by ``group`` (None: this process alone).
 

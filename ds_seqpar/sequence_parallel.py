@@ -20,6 +20,7 @@ import torch
 from . import comm, strategies
 from .config import ConfigError, SequenceParallelConfig, load_ds_config
 from .kernels import get_kernel
+from .kernels.base import check_head_groups
 from .loss import sequence_loss
 from .memory.tiled_loss import sequence_loss_from_hidden
 from .sharding.batch import shard_batch
@@ -193,8 +194,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if k.shape[2] != v.shape[2] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"k and v must have the same heads and q, k the same head_dim; got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of k/v heads ({k.shape[2]}) for GQA")
+    check_head_groups(q.shape[2], k.shape[2])
 
 
 def _default_device() -> torch.device:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import List
 
 from . import comm
+from .config import check_sizes
 
 
 @dataclass(frozen=True)
@@ -31,12 +32,7 @@ class ParallelDims:
     ulysses_size: int = 1
 
     def __post_init__(self):
-        if self.sp_size < 1 or self.world_size % self.sp_size:
-            raise ValueError(f"sequence_parallel.size={self.sp_size} does not divide world size "
-                             f"{self.world_size}")
-        if self.sp_size % self.ulysses_size:
-            raise ValueError(f"sequence_parallel.ulysses_size={self.ulysses_size} does not divide "
-                             f"size={self.sp_size}")
+        check_sizes(self.world_size, self.sp_size, self.ulysses_size)      # ConfigError, a ValueError
 
     @property
     def dp_size(self) -> int:

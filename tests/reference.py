@@ -1,6 +1,6 @@
 """Single-process references and derived tolerances for the exactness tests.
 
-Derived tolerance (STYLE item 12): the fast path's error against a float64 reference may be at
+Derived tolerance (docs/design.md, section 5): the fast path's error against a float64 reference may be at
 most K times the error of a plain same-precision implementation against that reference, plus a
 floor far below any real bug (a wrong mask or a lost block moves results by O(1e-2) or more).
 """

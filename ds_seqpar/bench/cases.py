@@ -1,7 +1,7 @@
 """Rank-side measurements of ``ds-seqpar bench``: every case (the single-process kernels, each
-strategy, DeepSpeed's own Ulysses) timed side by side in interleaved rounds, plus the bytes each
-case saves for backward. Runs on every rank (RankPool or a launcher); bench.py drives it and
-bench_summary.py turns what it returns into ratios.
+strategy, DeepSpeed's own Ulysses, the no-communication "halves" bound) timed side by side in
+interleaved rounds, plus the bytes each case saves for backward. Runs on every rank (RankPool or a
+launcher); main.py drives it and summary.py turns what it returns into ratios.
 
 Round structure: for each sequence length, ``warmup + repeats`` rounds; each round runs every case
 once in a fixed order after a barrier (A B C A B C ...), so load from other processes hits all
@@ -21,13 +21,18 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from ..strategies import RING_STRATEGIES
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
 
 @dataclass(frozen=True)
 class Case:
     """One measured variant. runner: "single" (rank 0, whole sequence), "sp" (our strategy, with
-    these sequence_parallel keys), "deepspeed" (deepspeed.sequence.layer.DistributedAttention)."""
+    these sequence_parallel keys), "deepspeed" (deepspeed.sequence.layer.DistributedAttention),
+    "local" (every rank runs the single-process kernel on its own N/P tokens and exchanges nothing:
+    not attention over the sequence, but the bound no exact scheme beats on this machine, since
+    ranks running at once share caches and memory bandwidth)."""
 
     name: str
     attention: str                                   # softmax | linear
@@ -39,18 +44,19 @@ class Case:
         return dict(self.config).get("strategy")
 
 
+# one case per softmax strategy of the registry (Ulysses first, then the ring family), named after it
+SOFTMAX_STRATEGIES = ("ulysses",) + RING_STRATEGIES
+
 CASES: Dict[str, Case] = {c.name: c for c in (
     Case("single", "softmax", "single"),
-    Case("ulysses", "softmax", "sp", (("strategy", "ulysses"),)),
-    Case("ring", "softmax", "sp", (("strategy", "ring"),)),
-    Case("zigzag", "softmax", "sp", (("strategy", "zigzag"),)),
-    Case("striped", "softmax", "sp", (("strategy", "striped"),)),
+    *(Case(name, "softmax", "sp", (("strategy", name),)) for name in SOFTMAX_STRATEGIES),
     Case("zigzag_no_overlap", "softmax", "sp", (("strategy", "zigzag"), ("overlap", False))),
     Case("hybrid", "softmax", "sp", (("strategy", "zigzag"), ("ulysses_size", 2))),
     Case("ds_ulysses", "softmax", "deepspeed"),
     Case("single_linear", "linear", "single"),
     Case("lasp2", "linear", "sp", (("strategy", "lasp"), ("lasp_comm", "allgather"))),
     Case("lasp1", "linear", "sp", (("strategy", "lasp"), ("lasp_comm", "ring"))),
+    Case("halves", "linear", "local"),
 )}
 BASELINE = {"softmax": "single", "linear": "single_linear"}
 
@@ -72,10 +78,11 @@ class BenchSpec:
     decay: bool = True              # linear attention: the small LM's per-head decay
     warmup: int = 1
     repeats: int = 5
+    lasp_breakdown: bool = False    # kernel work per LASP rank position (lasp_pieces.py), rank 0 alone
 
 
 # ---------------------------------------------------------------------------------------------
-# timing helpers (bench_lasp imports _inputs, _fwd_bwd, _timed through bench_ring)
+# timing helpers (lasp_pieces.py and the tests use them too)
 
 
 def _inputs(seq, heads, head_dim, kv_heads=None, batch=1, dtype=torch.float32, device="cpu", seed=0):
@@ -137,6 +144,7 @@ class RankCases:
     def __init__(self, spec: BenchSpec):
         from .. import comm
         from ..kernels import get_kernel
+        from ..models.lm import head_decay
         from ..sequence_parallel import SequenceParallel
         self.spec, self.rank = spec, comm.global_rank()
         self.device = torch.device(spec.device, int(os.environ.get("LOCAL_RANK", 0))) \
@@ -144,8 +152,7 @@ class RankCases:
         self.dtype = DTYPES[spec.dtype]
         self.kernel = get_kernel(spec.backend, self.device)
         self.scale = spec.head_dim ** -0.5
-        self.decay = (1 - 2.0 ** (-5 - torch.arange(spec.heads, dtype=torch.float32))).to(self.device) \
-            if spec.decay else None
+        self.decay = head_decay(spec.heads, self.device) if spec.decay else None
         self.sps = {}
         for name in spec.cases:
             case = CASES[name]
@@ -179,7 +186,7 @@ class RankCases:
         if name == "single":
             from ..kernels import local_attention
             return lambda q, k, v: local_attention(q, k, v, self.kernel, causal, self.scale)
-        if name == "single_linear":
+        if name in ("single_linear", "halves"):
             from ..kernels.linear import linear_attention
             return lambda q, k, v: linear_attention(q, k, v, self.decay)
         if case.runner == "deepspeed":
@@ -199,7 +206,7 @@ class RankCases:
         # this rank's saved memory; a rank of a real run holds only its own tokens
         if name in self.sps:
             return [self.sps[name].shard(t).clone() for t in full]
-        return [t.chunk(s.world, dim=1)[self.rank].clone() for t in full]      # DeepSpeed: contiguous
+        return [t.chunk(s.world, dim=1)[self.rank].clone() for t in full]      # DeepSpeed, halves: contiguous
 
     def stats(self, name: str):
         return self.sps[name].stats if name in self.sps else None
@@ -215,6 +222,24 @@ def run_rank(spec: BenchSpec, seq_lens: List[int], budget_n: Optional[int]) -> D
     out = {"lengths": measure(cases, seq_lens)}
     if budget_n:
         out["max_seq"] = max_seq_search(cases, budget_n)
+    if spec.lasp_breakdown:
+        out["lasp_breakdown"] = lasp_breakdown(cases, max(seq_lens))
+    return out
+
+
+def lasp_breakdown(cases: "RankCases", seq: int) -> Optional[Dict[str, Any]]:
+    """Rank 0, alone on its share of the machine after the rounds: the kernel work of each LASP rank
+    position at the local length seq / P (lasp_pieces.py). None on the other ranks."""
+    from .. import comm
+    from .lasp_pieces import breakdown
+    spec, out = cases.spec, None
+    comm.barrier()
+    if cases.rank == 0:
+        local = seq // spec.world
+        q, k, v, dout = _inputs(local, spec.heads, spec.head_dim, spec.kv_heads, spec.batch, cases.dtype,
+                                cases.device)
+        out = {"local_len": local, "cpu_s": breakdown(q, k, v, dout, cases.decay, 3 * spec.repeats, spec.device)}
+    comm.barrier()
     return out
 
 
@@ -269,7 +294,7 @@ def max_seq_search(cases: RankCases, budget_n: int) -> Dict[str, Dict[str, int]]
     out = {}
     for name in spec.cases:
         budget = budgets.get(BASELINE[CASES[name].attention])
-        if budget is None or (CASES[name].runner == "single" and cases.rank != 0):
+        if budget is None or CASES[name].runner == "local" or (CASES[name].runner == "single" and cases.rank != 0):
             continue
         fits = lambda n, name=name, budget=budget: _probe(cases, name, n) <= budget  # noqa: E731
         out[name] = {"max_seq": _largest(fits, step, limit=4 * spec.world * budget_n), "budget_bytes": budget,
@@ -303,4 +328,4 @@ def _largest(fits: Callable[[int], bool], step: int, limit: int) -> int:
 
 
 __all__ = ["CASES", "BASELINE", "Case", "BenchSpec", "DTYPES", "RankCases", "run_rank", "measure",
-           "max_seq_search", "saved_bytes"]
+           "max_seq_search", "saved_bytes", "lasp_breakdown"]

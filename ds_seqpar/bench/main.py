@@ -1,20 +1,24 @@
 """``ds-seqpar bench``: every strategy, the single-process kernels and DeepSpeed's own Ulysses,
-measured side by side in one run, with the ratios DESIGN §7 sets targets for.
+measured side by side in one run, with the ratios docs/design.md sets targets for.
 
     ds-seqpar bench --preset quick                     # ~1 minute on 2 CPU cores
     ds-seqpar bench --preset full                      # P=2, N up to 8192, fp32, causal -> reports/cpu_full.md
+    ds-seqpar bench --preset ring                      # the ring family and Ulysses at N=8192, no training
+    ds-seqpar bench --preset lasp                      # LASP-1/LASP-2 vs the halves bound, per-piece kernel work
     ds-seqpar bench --strategies zigzag,lasp --P 4 --seq-lens 4096,8192 --no-causal --name mine
     torchrun --nproc_per_node 2 -m ds_seqpar.cli bench ...   # under a launcher (GPUs: --device cuda)
 
 Without a launcher the command starts P local CPU ranks itself (RankPool, one thread each, gloo).
-What it measures (bench_cases.py on the ranks, bench_train.py for training, bench_summary.py for
-the ratios): fwd+bwd speedup over the single-process kernel, per-rank CPU time and imbalance,
-total work, bytes per rank vs the closed form (bench_bytes.py), bytes saved for backward per
-rank and the longest sequence that fits a fixed per-rank budget, LASP-1/LASP-2 vs single-process
-linear attention, ours vs deepspeed.sequence.layer.DistributedAttention, and the whole training
-step of the small LM (ZeRO-2) at P ranks vs one. ``ds-seqpar bench memory`` is the memory case
-(memory.py: peak memory per rank of a training step with and without the memory features). Writes <out>/<name>.json, <out>/<name>.md and
-<out>/<name>/*.png; with --wandb one wandb run per case, grouped by the bench name.
+What it measures (cases.py on the ranks, train_step.py for training, summary.py for the ratios):
+fwd+bwd speedup over the single-process kernel, per-rank CPU time and imbalance, total work, bytes
+per rank vs the closed form (strategies/closed_form.py), bytes saved for backward per rank and the
+longest sequence that fits a fixed per-rank budget, LASP-1/LASP-2 vs single-process linear
+attention and vs the no-communication "halves" bound (with --lasp-breakdown, the kernel work of
+each LASP rank position: lasp_pieces.py), ours vs deepspeed.sequence.layer.DistributedAttention,
+and the whole training step of the small LM (ZeRO-2) at P ranks vs one. Writes <out>/<name>.json,
+<out>/<name>.md and <out>/<name>/*.png; with --wandb one wandb run per case, grouped by the bench name.
+``ds-seqpar bench memory`` is the memory case (memory.py: peak memory per rank of a training step
+with and without the long-context memory features).
 """
 from __future__ import annotations
 
@@ -27,16 +31,29 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
+from ..kernels.base import check_head_groups
+from ..report.plotting import require_matplotlib
+from ..strategies import STRATEGIES
 from .cases import BASELINE, CASES, DTYPES, BenchSpec
 
 ALIASES = {"lasp": ["lasp2", "lasp1"], "deepspeed": ["ds_ulysses"]}
+# every registered strategy (lasp: both exchanges) and DeepSpeed's Ulysses
+DEFAULT_STRATEGIES = ",".join(list(STRATEGIES) + ["ds_ulysses"])
+_SIZES = dict(P=2, heads=8, head_dim=64, warmup=1)
 PRESETS = {
-    "quick": dict(P=2, seq_lens=[512, 1024, 2048], heads=8, head_dim=64, repeats=5, warmup=1,
-                  mem_budget_n=1024, train_strategies="zigzag"),
-    "full": dict(P=2, seq_lens=[1024, 2048, 4096, 8192], heads=8, head_dim=64, repeats=5, warmup=1,
-                 mem_budget_n=2048, train_strategies="zigzag,ulysses,lasp"),
+    "quick": dict(_SIZES, seq_lens=[512, 1024, 2048], repeats=5, mem_budget_n=1024, strategies=DEFAULT_STRATEGIES,
+                  train_strategies="zigzag", train_preset="quick", lasp_breakdown=False),
+    "full": dict(_SIZES, seq_lens=[1024, 2048, 4096, 8192], repeats=5, mem_budget_n=2048,
+                 strategies=DEFAULT_STRATEGIES, train_strategies="zigzag,ulysses,lasp", train_preset="full",
+                 lasp_breakdown=False),
+    # the ring family against Ulysses and zigzag without overlap (formerly python -m ds_seqpar.bench_ring)
+    "ring": dict(_SIZES, seq_lens=[8192], repeats=5, mem_budget_n=0, strategies="ring,zigzag,striped,ulysses,"
+                 "zigzag_no_overlap", train_strategies="none", train_preset="full", lasp_breakdown=False),
+    # LASP-2 and LASP-1 against the halves bound, and where a LASP rank's time goes (formerly
+    # python -m ds_seqpar.bench_lasp)
+    "lasp": dict(_SIZES, seq_lens=[8192], repeats=7, mem_budget_n=0, strategies="lasp,halves",
+                 train_strategies="none", train_preset="full", lasp_breakdown=True),
 }
-DEFAULT_STRATEGIES = "ulysses,ring,zigzag,striped,lasp,ds_ulysses"
 
 
 class BenchError(ValueError):
@@ -48,13 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ds-seqpar bench", description="Benchmark every sequence-parallel strategy, the single-process kernels "
         "and DeepSpeed's Ulysses side by side in one run; write <out>/<name>.{md,json} and plots.",
         epilog="presets: " + "; ".join(f"{k}: P={v['P']}, N={','.join(map(str, v['seq_lens']))}, {v['heads']} heads x "
-                                      f"{v['head_dim']}, training {v['train_strategies']}" for k, v in PRESETS.items()))
+                                      f"{v['head_dim']}, cases {v['strategies']}, training {v['train_strategies']}"
+                                      for k, v in PRESETS.items()))
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     ap.add_argument("--preset", choices=sorted(PRESETS), default="quick",
-                    help="defaults for the options below (quick: ~1 minute on 2 cores)")
-    ap.add_argument("--strategies", default=DEFAULT_STRATEGIES,
-                    help=f"comma list of {', '.join(c for c in CASES if c not in BASELINE.values())}; "
-                         "lasp = lasp2,lasp1 (the single-process baselines are always measured)")
+                    help="defaults for the options below (quick: ~1 minute on 2 cores; ring, lasp: one family "
+                         "at N=8192)")
+    ap.add_argument("--strategies", help=f"comma list of {', '.join(c for c in CASES if c not in BASELINE.values())}; "
+                    f"lasp = lasp2,lasp1 (the single-process baselines are always measured); default: the "
+                    f"preset's ({DEFAULT_STRATEGIES} for quick and full)")
     ap.add_argument("--P", "--world", dest="P", type=int, help="ranks (sequence-parallel size = world)")
     ap.add_argument("--seq-lens", type=ints, help="global sequence lengths, comma separated")
     ap.add_argument("--heads", type=int)
@@ -72,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mem-budget-n", type=int, help="memory budget = what one process saves at this N (0: skip)")
     ap.add_argument("--train-strategies", help="training-step comparison, comma list ('none' to skip)")
     ap.add_argument("--train-seq-len", type=int, help="training sequence length (default: the preset's)")
+    ap.add_argument("--lasp-breakdown", action=argparse.BooleanOptionalAction, default=None,
+                    help="after the rounds, the kernel work of each LASP rank position at N/P on rank 0 "
+                         "(on in --preset lasp)")
     ap.add_argument("--out", default="reports", help="directory for <name>.md, <name>.json, <name>/*.png")
     ap.add_argument("--name", help="default: <device>_<preset>")
     ap.add_argument("--wandb", action="store_true", help="one wandb run per case (offline without credentials)")
@@ -85,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
     """Preset defaults under explicit options; then every check that can fail, before any rank starts."""
-    for key, value in PRESETS[args.preset].items():
+    preset = dict(PRESETS[args.preset])
+    args.train_preset = preset.pop("train_preset")            # the model the training comparison uses
+    for key, value in preset.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.kv_heads = args.kv_heads or args.heads
@@ -94,16 +118,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     args.cases = _cases(args.strategies)
     args.train = [] if args.train_strategies in ("", "none") else args.train_strategies.split(",")
     _check(args)
-    require_matplotlib()
+    require_matplotlib("the report's plots", BenchError)     # before measuring, not after
     return args
-
-
-def require_matplotlib() -> None:
-    """Checked before measuring: a missing plotting library must not cost a whole run's results."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise BenchError("the report's plots need matplotlib: pip install 'ds_seqpar[bench]'") from None
 
 
 def _device(args) -> str:
@@ -138,8 +154,10 @@ def _cases(strategies: str) -> List[str]:
 def _check(a) -> None:
     if a.P < 2:
         raise BenchError(f"--P {a.P}: a sequence-parallel benchmark needs at least 2 ranks")
-    if a.heads % a.kv_heads:
-        raise BenchError(f"--heads {a.heads} must be a multiple of --kv-heads {a.kv_heads}")
+    try:
+        check_head_groups(a.heads, a.kv_heads)
+    except ValueError as err:
+        raise BenchError(f"--heads {a.heads}, --kv-heads {a.kv_heads}: {err}") from None
     if any(c in a.cases for c in ("ulysses", "ds_ulysses", "hybrid")) and a.heads % a.P:
         raise BenchError(f"--heads {a.heads} is not divisible by --P {a.P}: Ulysses splits heads over ranks; "
                          f"drop ulysses/ds_ulysses from --strategies or pick --heads divisible by {a.P}")
@@ -197,7 +215,7 @@ def run(args: argparse.Namespace, argv: List[str], pools=None) -> Optional[Dict[
     spec = BenchSpec(world=args.P, cases=tuple(args.cases), batch=args.batch, heads=args.heads,
                      kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype, causal=args.causal,
                      backend=args.backend, device=args.device, decay=not args.no_decay, warmup=args.warmup,
-                     repeats=args.repeats)
+                     repeats=args.repeats, lasp_breakdown=args.lasp_breakdown)
     per_rank, train, skipped = _measure(args, spec, pools)
     if per_rank is None:
         return None
@@ -205,14 +223,15 @@ def run(args: argparse.Namespace, argv: List[str], pools=None) -> Optional[Dict[
                 else "gloo", dtype=args.dtype, causal=args.causal, batch=args.batch, heads=args.heads,
                 kv_heads=args.kv_heads, head_dim=args.head_dim, backend=args.backend, seq_lens=args.seq_lens,
                 warmup=args.warmup, repeats=args.repeats, cases=args.cases, mem_budget_n=args.mem_budget_n,
-                decay=not args.no_decay, preset=args.preset, notes=args.notes, command=_command(argv))
+                decay=not args.no_decay, preset=args.preset, notes=args.notes, command=_command(argv),
+                lasp_breakdown=args.lasp_breakdown)
     load_by_length = {str(n): per_rank[0]["lengths"][n]["load_1min"] for n in args.seq_lens}
     during = list(load_by_length.values()) + [x for t in train.values() for x in t["load_1min"]]
     res = {"meta": meta, "machine": machine(load_before, during), "elapsed_s": time.monotonic() - start,
            "attention": S.attention_rows(per_rank, meta), "max_seq": S.max_seq_rows(per_rank, meta),
            "train": S.train_rows(train, args.P) if train else {}, "train_skipped": skipped,
            "train_model": _train_model(args), "load_by_length": load_by_length,
-           "raw": {"ranks": per_rank, "train": train}}
+           "lasp_breakdown": per_rank[0].get("lasp_breakdown"), "raw": {"ranks": per_rank, "train": train}}
     res["checks"] = S.checks(res)
     _write(res, args)
     return res
@@ -220,7 +239,7 @@ def run(args: argparse.Namespace, argv: List[str], pools=None) -> Optional[Dict[
 
 def _train_model(args) -> Dict[str, Any]:
     from .train_step import TRAIN_PRESETS
-    model = dict(TRAIN_PRESETS[args.preset])
+    model = dict(TRAIN_PRESETS[args.train_preset])
     if args.train_seq_len:
         model["seq_len"] = args.train_seq_len
     return model

@@ -1,13 +1,12 @@
-"""The benchmark's markdown page and PNG plots, from the results dict bench.py writes as JSON
+"""The benchmark's markdown page and PNG plots, from the results dict main.py writes as JSON
 (so a saved JSON can be re-rendered: ``render_markdown(json.load(f))``)."""
 from __future__ import annotations
 
 import os
 from typing import Any, Dict, List
 
+from ..report.plotting import MIB
 from .cases import CASES
-
-MIB = 2 ** 20
 
 
 def _f(x, digits=2) -> str:
@@ -49,7 +48,7 @@ def _header(res: Dict[str, Any]) -> List[str]:
 
 
 def _checks_table(res: Dict[str, Any]) -> List[str]:
-    lines = [f"## Targets (DESIGN §7) at N={max(res['meta']['seq_lens'])}", "",
+    lines = [f"## Targets (docs/design.md) at N={max(res['meta']['seq_lens'])}", "",
              "| check | measured | bound | target | result | why, where short |", "|---|---|---|---|---|---|"]
     for c in res["checks"]:
         lines.append(f"| {c['what']} | {_f(c['measured'], 3)} | {_f(c['bound'])} | {c['target']} | "
@@ -122,14 +121,38 @@ def _peer_tables(res: Dict[str, Any]) -> List[str]:
                          f"{_spread(theirs['ours_over_theirs'], 3)} |")
         lines.append("")
     if "lasp1" in res["meta"]["cases"] and "lasp2" in res["meta"]["cases"]:
-        lines += ["## LASP-1 (ring) vs LASP-2 (all-gather)", "",
-                  "| N | LASP-2 speedup | LASP-1 speedup | LASP-1 / LASP-2 time |", "|---|---|---|---|"]
-        for n in seqs:
-            r1, r2 = res["attention"][str(n)]["lasp1"], res["attention"][str(n)]["lasp2"]
-            lines.append(f"| {n} | {_spread(r2['speedup'])} | {_spread(r1['speedup'])} | "
-                         f"{r1['time_s']['median'] / r2['time_s']['median']:.2f} |")
-        lines.append("")
+        lines += _lasp_table(res)
     return lines
+
+
+def _lasp_table(res: Dict[str, Any]) -> List[str]:
+    """LASP-1 against LASP-2 and, with the halves case, what the states cost over that bound."""
+    halves = "halves" in res["meta"]["cases"]
+    extra = " halves speedup | LASP-2 / halves time | LASP-1 / halves time |" if halves else ""
+    lines = ["## LASP-1 (ring) vs LASP-2 (all-gather)", "",
+             "| N | LASP-2 speedup | LASP-1 speedup | LASP-1 / LASP-2 time |" + extra,
+             "|---" * (7 if halves else 4) + "|"]
+    for n in res["meta"]["seq_lens"]:
+        rows = res["attention"][str(n)]
+        t1, t2 = rows["lasp1"]["time_s"]["median"], rows["lasp2"]["time_s"]["median"]
+        line = f"| {n} | {_spread(rows['lasp2']['speedup'])} | {_spread(rows['lasp1']['speedup'])} | {t1 / t2:.2f} |"
+        if halves:
+            th = rows["halves"]["time_s"]["median"]
+            line += f" {_spread(rows['halves']['speedup'])} | {t2 / th:.2f} | {t1 / th:.2f} |"
+        lines.append(line)
+    return lines + [""] + _lasp_breakdown_table(res)
+
+
+def _lasp_breakdown_table(res: Dict[str, Any]) -> List[str]:
+    found = res.get("lasp_breakdown")
+    if not found:
+        return []
+    base = next(iter(found["cpu_s"].values()))
+    lines = [f"Kernel work of one fwd+bwd at the local length N/P = {found['local_len']} (rank 0's process "
+             f"after the rounds, no transfers, median CPU s; extra = over the block with no states, which is "
+             f"what halves runs):", "", "| rank position | CPU s | extra |", "|---|---|---|"]
+    lines += [f"| {name} | {t:.4f} | {t / base - 1:+.1%} |" for name, t in found["cpu_s"].items()]
+    return lines + [""]
 
 
 def _train_table(res: Dict[str, Any]) -> List[str]:
@@ -163,8 +186,12 @@ DEFINITIONS = """## How to read it
   scheduling. imbalance = max/mean CPU over ranks (expected value in parentheses). work vs single
   = sum of per-rank CPU / baseline CPU (1.00: no work added by splitting).
 - comm wait: seconds a rank sat blocked in communication (CommStats); bytes: what CommStats
-  recorded per rank for one fwd+bwd, against `bench_bytes.closed_form_bytes`.
-- Targets are DESIGN §7's figures at P=2 taken as a fraction of each bound (see bench_summary.py).
+  recorded per rank for one fwd+bwd, against `strategies/closed_form.py`.
+- Targets are docs/design.md's figures at P=2 taken as a fraction of each bound (see bench/summary.py).
+"""
+HALVES = """- halves: every rank runs the single-process kernel on its own N/P tokens and exchanges
+  nothing: not attention over the sequence but the bound no exact scheme beats here (ranks
+  running at once share caches and memory bandwidth).
 """
 
 
@@ -172,6 +199,8 @@ def render_markdown(res: Dict[str, Any]) -> str:
     seq = max(res["meta"]["seq_lens"])
     parts = (_header(res) + _checks_table(res) + _attention_table(res, seq) + _sweep_table(res)
              + _memory_tables(res) + _peer_tables(res) + _train_table(res) + [DEFINITIONS])
+    if "halves" in res["meta"]["cases"]:
+        parts.append(HALVES)
     return "\n".join(parts)
 
 

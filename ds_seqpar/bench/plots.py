@@ -6,21 +6,11 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List
 
-MIB = 2 ** 20
-
-
-def _plt():
-    import matplotlib
-    matplotlib.use("Agg")          # no display on benchmark machines
-    import matplotlib.pyplot as plt
-    plt.rcParams.update({"font.size": 11, "axes.grid": True, "grid.alpha": 0.3})
-    return plt
+from ..report.plotting import MIB, colors as palette, log2_x, plain_log_y, pyplot, save
 
 
 def _colors(cases: List[str]) -> Dict[str, Any]:
-    import matplotlib
-    cmap = matplotlib.colormaps["tab10"]
-    return {c: cmap(i % 10) for i, c in enumerate(cases)}
+    return dict(zip(cases, palette(len(cases))))
 
 
 def _parallel_cases(res) -> List[str]:
@@ -37,23 +27,8 @@ def _merged(curves: Dict[str, List[float]]) -> List[tuple]:
     return [(" = ".join(cases), cases[0], list(ys)) for ys, cases in groups.items()]
 
 
-def _plain_log_axis(ax) -> None:
-    from matplotlib.ticker import FuncFormatter, LogLocator
-    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
-    ax.yaxis.set_minor_formatter(FuncFormatter(lambda y, _: ""))
-
-
-def _save(fig, path: str) -> str:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    import matplotlib.pyplot as plt
-    plt.close(fig)
-    return path
-
-
 def plot_speedup(res, path: str) -> str:
-    plt, m = _plt(), res["meta"]
+    plt, m = pyplot(), res["meta"]
     seqs, cases = m["seq_lens"], _parallel_cases(res)
     colors = _colors(m["cases"])
     fig, ax = plt.subplots(figsize=(10, 5))
@@ -66,8 +41,7 @@ def plot_speedup(res, path: str) -> str:
     if "ring" in cases and m["causal"]:
         bound = res["attention"][str(seqs[0])]["ring"]["bound"]
         ax.axhline(bound, color=colors["ring"], ls=":", lw=1, label=f"ring causal bound {bound:.2f}")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(seqs, [str(n) for n in seqs])
+    log2_x(ax, seqs)
     ax.set_xlabel("sequence length N (tokens)")
     ax.set_ylabel("speedup over one process (fwd+bwd)")
     top = max(res["attention"][str(n)][c]["speedup"]["max"] for n in seqs for c in cases)
@@ -75,14 +49,15 @@ def plot_speedup(res, path: str) -> str:
     ax.set_title(f"Speedup vs sequence length, P={m['world']} ({m['dtype']}, "
                  f"{'causal' if m['causal'] else 'non-causal'}); bars: min-max over rounds")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_bytes(res, path: str) -> str:
-    plt, m = _plt(), res["meta"]
+    plt, m = pyplot(), res["meta"]
     seqs, colors = m["seq_lens"], _colors(m["cases"])
     fig, ax = plt.subplots(figsize=(10, 5))
-    rows = {c: [res["attention"][str(n)][c] for n in seqs] for c in _parallel_cases(res)}
+    rows = {c: [res["attention"][str(n)][c] for n in seqs] for c in _parallel_cases(res)
+            if "bytes_form" in res["attention"][str(seqs[0])][c]}          # the cases that communicate
     forms = {c: [max(r["bytes_form"]) / MIB for r in rs] for c, rs in rows.items()}
     for label, case, form in _merged(forms):
         ax.plot(seqs, form, ls="--", color=colors[case], lw=1.5, label=f"{label}: closed form")
@@ -91,19 +66,17 @@ def plot_bytes(res, path: str) -> str:
             ax.plot(seqs, [max(r["bytes"]) / MIB for r in rs], marker="o", ms=8, ls="none", color=colors[case],
                     mfc="none", mew=1.5)
     ax.plot([], [], marker="o", ls="none", color="grey", mfc="none", label="measured (CommStats; not for ds_ulysses)")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    _plain_log_axis(ax)
-    ax.set_xticks(seqs, [str(n) for n in seqs])
+    log2_x(ax, seqs)
+    plain_log_y(ax)
     ax.set_xlabel("sequence length N (tokens)")
     ax.set_ylabel("MiB sent by the busiest rank, one fwd+bwd")
     ax.set_title("Bytes sent per rank: measured (circles) on the closed form (dashed)")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_memory(res, path: str) -> str:
-    plt, m = _plt(), res["meta"]
+    plt, m = pyplot(), res["meta"]
     seqs, colors = m["seq_lens"], _colors(m["cases"])
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5.5))
     curves = {c: [max(res["attention"][str(n)][c]["saved_bytes"]) / MIB for n in seqs] for c in m["cases"]}
@@ -112,10 +85,8 @@ def plot_memory(res, path: str) -> str:
         ax.plot(seqs, ys, marker="s" if single else "o", ls="-" if single else "--", lw=2.5 if single else 1.5,
                 color=("black" if case == "single" else "dimgrey") if single else colors[case],
                 label=f"{label} (one process)" if single else label)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    _plain_log_axis(ax)
-    ax.set_xticks(seqs, [str(n) for n in seqs])
+    log2_x(ax, seqs)
+    plain_log_y(ax)
     ax.set_xlabel("sequence length N (tokens)")
     ax.set_ylabel("MiB saved for backward, fullest rank")
     ax.set_title("Activation memory per rank")
@@ -135,11 +106,11 @@ def plot_memory(res, path: str) -> str:
     bx.set_ylabel("longest N in the budget: P ranks / one process")
     bx.set_title(f"Longest sequence in a fixed per-rank budget\n(budget: one process's saved bytes at "
                  f"N={m.get('mem_budget_n')})")
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_imbalance(res, path: str) -> str:
-    plt, m = _plt(), res["meta"]
+    plt, m = pyplot(), res["meta"]
     seq = max(m["seq_lens"])
     rows = res["attention"][str(seq)]
     cases = _parallel_cases(res)
@@ -156,7 +127,7 @@ def plot_imbalance(res, path: str) -> str:
     ax.set_ylabel("CPU seconds per rank (fwd+bwd)")
     ax.set_title(f"Per-rank compute at N={seq}; label: imbalance max/mean; dashed: single / P")
     ax.legend(fontsize=9)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def write_plots(res: Dict[str, Any], folder: str) -> List[str]:

@@ -1,11 +1,11 @@
-"""From what the ranks measured (bench_cases.run_rank, bench_train.measure_training) to rows of
-ratios, each beside its theoretical bound and the DESIGN §7 target, and the PASS/SHORT checks.
+"""From what the ranks measured (cases.run_rank, train_step.measure_training) to rows of ratios,
+each beside its theoretical bound and its target (docs/design.md), and the PASS/SHORT checks.
 
 Only ratios from the same run count: a speedup is the median over rounds of the per-round ratio
 baseline wall time / case wall time (a case's wall time in a round is its slowest rank's), with
 the min-max of those ratios as the spread.
 
-Targets. DESIGN §7 states them at P=2; here each is that figure as a fraction of the case's bound
+Targets. docs/design.md states them at P=2; here each is that figure as a fraction of the case's bound
 (ulysses 1.85/2, zigzag 1.80/2, striped 1.70/2, ring 0.9 of P^2/(2P-1), LASP-2 1.85/2, training
 1.8/2), so another P asks for the same efficiency. Exactness checks (bytes) PASS or FAIL;
 performance checks PASS or SHORT.
@@ -70,7 +70,7 @@ def case_row(per_rank: List[Dict[str, Any]], seq: int, case: str, meta: Dict[str
            "expected_imbalance": expected_imbalance(case, p, causal) if case != base else 1.0}
     if case in TARGET_FRACTION:
         row["target"] = TARGET_FRACTION[case] * row["bound"]
-    if CASES[case].runner != "single":
+    if CASES[case].runner in ("sp", "deepspeed"):        # the cases that communicate
         row["wait_s"] = _per_rank(per_rank, seq, case, "wait") if CASES[case].runner == "sp" else None
         row.update(_bytes_fields(per_rank, seq, case, meta))
     return row
@@ -134,13 +134,13 @@ def _check(what: str, measured: float, bound: Optional[float], target: str, ok: 
 
 
 def checks(results: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """The headline rows: at the longest measured length, every target DESIGN §7 names."""
+    """The headline rows: at the longest measured length, every target docs/design.md names."""
     meta = results["meta"]
     p, seq = meta["world"], max(meta["seq_lens"])
     rows = results["attention"][str(seq)]
     out = []
     for case, r in rows.items():
-        if r["baseline"] == case:
+        if r["baseline"] == case or CASES[case].runner == "local":       # references, not strategies
             continue
         if "target" in r:
             out.append(_check(f"{case} speedup, N={seq}", r["speedup"]["median"], r["bound"],

@@ -6,9 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any, Dict
 
-
-def _mode() -> str:
-    return os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+from ..train.runlog import wandb_mode
 
 
 def _case_metrics(row: Dict[str, Any]) -> Dict[str, float]:
@@ -30,7 +28,7 @@ def log_bench(res: Dict[str, Any], run_dir: str, project: str) -> None:
     import wandb
     meta = res["meta"]
     os.makedirs(run_dir, exist_ok=True)
-    common = dict(project=project, group=meta["name"], dir=os.path.abspath(run_dir), mode=_mode(),
+    common = dict(project=project, group=meta["name"], dir=os.path.abspath(run_dir), mode=wandb_mode(),
                   job_type="bench", tags=[meta["device"], f"P{meta['world']}", meta["dtype"]])
     for case in meta["cases"]:
         run = wandb.init(name=f"{meta['name']}/{case}", config=dict(meta, case=case, machine=res["machine"]), **common)

@@ -33,12 +33,18 @@ class AttentionKernel:
         raise NotImplementedError
 
 
+def check_head_groups(num_heads: int, num_kv_heads: int, where: str = "") -> None:
+    """GQA: every k/v head serves the same number of q heads. The one statement of that rule:
+    SequenceParallel's input checks, the kernels, Ulysses and the benchmark's options call it."""
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"{where}q heads ({num_heads}) must be a multiple of k/v heads ({num_kv_heads})")
+
+
 def check_block(q_bshd, k_bshd, v_bshd, causal: bool) -> None:
     if q_bshd.dim() != 4 or k_bshd.dim() != 4 or v_bshd.dim() != 4:
         raise ValueError(f"attention expects [batch, seq, heads, head_dim] tensors, got q {tuple(q_bshd.shape)}, "
                          f"k {tuple(k_bshd.shape)}, v {tuple(v_bshd.shape)}")
-    if q_bshd.shape[2] % k_bshd.shape[2]:
-        raise ValueError(f"q heads ({q_bshd.shape[2]}) must be a multiple of k/v heads ({k_bshd.shape[2]})")
+    check_head_groups(q_bshd.shape[2], k_bshd.shape[2])
     if causal and q_bshd.shape[1] != k_bshd.shape[1]:
         raise ValueError(f"causal block must be square, got seq_q={q_bshd.shape[1]}, seq_k={k_bshd.shape[1]}")
 

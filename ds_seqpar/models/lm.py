@@ -71,6 +71,12 @@ def rope(x_blhd: torch.Tensor, pos_bl: torch.Tensor, theta: float) -> torch.Tens
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x_blhd.dtype)
 
 
+def head_decay(n_heads: int, device=None) -> torch.Tensor:
+    """The linear-attention decay per head, lambda_h = 1 - 2^-(5+h), fp32 [n_heads] (the benchmark
+    times LASP with it too)."""
+    return 1 - 2.0 ** (-5 - torch.arange(n_heads, dtype=torch.float32, device=device))
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, sp=None):
         super().__init__()
@@ -86,7 +92,7 @@ class Attention(nn.Module):
         """Fixed, not learned (part of the architecture, like RetNet's gammas), and built in fp32 at
         each call rather than held as a buffer: module.bfloat16() would round 1 - 2^-9 and closer
         decays to exactly 1.0."""
-        return 1 - 2.0 ** (-5 - torch.arange(self.cfg.n_heads, dtype=torch.float32, device=self.wq.weight.device))
+        return head_decay(self.cfg.n_heads, self.wq.weight.device)
 
     def forward(self, x_bld: torch.Tensor, pos_bl: torch.Tensor) -> torch.Tensor:
         b, l, _ = x_bld.shape

@@ -17,7 +17,8 @@ import statistics
 import sys
 from typing import Any, Dict, List, Optional
 
-MIB = 2 ** 20
+from .plotting import MIB, require_matplotlib
+
 COMPARED = ("seq_len", "micro_batch", "grad_accum", "world_size", "zero_stage", "model")
 
 
@@ -37,13 +38,6 @@ def load_run(path: str) -> Dict[str, Any]:
     if not steps:
         raise ReportError(f"{metrics_path!r} has no steps yet")
     return {"path": path, "config": config, "steps": steps}
-
-
-def _require_matplotlib() -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise ReportError("the plots need matplotlib: pip install 'ds_seqpar[bench]'") from None
 
 
 def _labels(runs: List[Dict[str, Any]]) -> List[str]:
@@ -104,7 +98,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = ap.parse_args(argv)
     try:
         runs = [load_run(p) for p in args.runs]
-        _require_matplotlib()
+        require_matplotlib("the plots", ReportError)
     except ReportError as err:
         print(f"ds-seqpar report: error: {err}", file=sys.stderr)
         return 2

@@ -11,7 +11,7 @@ import torch
 
 from .padding import pad_to
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = -100          # labels the loss leaves out (Hugging Face's and torch's convention)
 
 
 def shift_labels(labels_bn: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:

@@ -38,7 +38,7 @@ def _normalize_dim(x: torch.Tensor, dim: int) -> int:
 
 
 class Layout:
-    """Base class; the contract every layout keeps (tests/test_layouts.py checks it for each):
+    """Base class; the contract every layout keeps (tests/unit/test_layouts.py checks it for each):
 
     * `size` ranks, each holding exactly L = N // size tokens. `validate(N)` returns N when it is
       a positive multiple of `required_multiple`, else raises ValueError naming the length, the

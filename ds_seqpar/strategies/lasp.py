@@ -9,10 +9,10 @@ without). States are [B, H, Dk, Dv] in fp32 (fp64 for fp64 inputs), one per q he
     state_in_r = sum_{r'<r} lambda^(L (r-1-r')) S_r'                    (0 on rank 0)
                = lambda^L state_in_{r-1} + S_{r-1}                      the ring recurrence
 
-Math -> code (kernel phases in linear_attention.py; they know nothing of ranks). Inside a block the
-kernel needs every chunk's own k^T v and their prefix scan anyway; S_r is the scan's end, and a
-state_in starts the scan, so its share of o rides on the q . (chunk state) product the kernel has
-for every chunk. Backward mirrors it: G_r is the reverse scan of the per-chunk q^T do products at
+Math -> code (kernel phases in kernels/linear/forward.py and backward.py; they know nothing of
+ranks). Inside a block the kernel needs every chunk's own k^T v and their prefix scan anyway; S_r is
+the scan's end, and a state_in starts the scan, so its share of o rides on the q . (chunk state)
+product the kernel has for every chunk. Backward mirrors it: G_r is the reverse scan of the per-chunk q^T do products at
 the block start, and dS_r starts the reverse scan, so dk, dv through the chunk states take it along.
 
     S_r        = forward_states(fwd)                      after forward_begin's chunk products

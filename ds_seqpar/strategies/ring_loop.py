@@ -9,10 +9,11 @@ Legend (shapes on this rank; "n" is the ring shard this rank holds):
     out_acc_bshd [b, n, H, dv] fp32    lse_acc_bhs [b, H, n] fp32   (merge accumulators)
     dkv_acc      (dk, dv) fp32, shaped like kv_block: a block's gradient, travelling with it
 
-Three pieces, kept apart (STYLE 11): ``_Ring`` rotates same-shaped tensors around the ring through
-comm.p2p (double buffered), ``kernels.merge_`` folds partial (out, lse) into fp32 accumulators,
-and a strategy's mask policy ``blocks(me, src, P, causal, n)`` says which sub-blocks of (my
-queries) x (src's keys) to compute: a list of ``SubBlock(q, k, causal)`` slices, [] to skip.
+Three pieces, kept apart, so how K/V travels is separate from what is computed on it: ``_Ring``
+rotates same-shaped tensors around the ring through comm.p2p (double buffered), ``kernels.merge_``
+folds partial (out, lse) into fp32 accumulators, and a strategy's mask policy
+``blocks(me, src, P, causal, n)`` says which sub-blocks of (my queries) x (src's keys) to compute:
+a list of ``SubBlock(q, k, causal)`` slices, [] to skip.
 ``causal`` on a sub-block means top-left on a square block, the only kind the kernels accept.
 
 Forward walks the ring forward: send to me+1, receive from me-1, so step s holds src = me - s.

@@ -25,6 +25,7 @@ import torch
 
 from .. import comm
 from ..kernels import local_attention
+from ..kernels.base import check_head_groups
 from .base import Strategy
 
 
@@ -39,8 +40,7 @@ def check_ulysses_heads(num_heads: int, num_kv_heads: int, size: int, key: str) 
         raise ValueError(f"{key}={size}: Ulysses splits attention heads over ranks, and {num_heads} q heads "
                          f"are not divisible by {size}; use a {key} that divides {num_heads} "
                          f"({', '.join(map(str, valid))}) or a ring strategy (ring, zigzag, striped)")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"q heads ({num_heads}) must be a multiple of k/v heads ({num_kv_heads})")
+    check_head_groups(num_heads, num_kv_heads)
 
 
 def seq_to_heads(x_bshd: torch.Tensor, group, stats, kind="all_to_all") -> torch.Tensor:

@@ -8,7 +8,7 @@ from typing import Any, Mapping
 from ..config import ConfigError
 
 # What `python -m ds_seqpar.train` uses without --deepspeed_config: configs/zigzag_zero2.json
-# (kept identical; tests/test_train_configs.py checks). Built in so an installed package runs too.
+# (kept identical; tests/unit/test_train_units.py checks). Built in so an installed package runs too.
 DEFAULT_DS_CONFIG = {
     "train_micro_batch_size_per_gpu": 2,
     "gradient_accumulation_steps": 1,

@@ -31,7 +31,7 @@ def stdlib_corpus(num_bytes: int = CORPUS_BYTES) -> np.ndarray:
     """Byte-level corpus (vocab 256) from this Python's own standard-library sources.
 
     Deterministic: sorted file list, files concatenated until ``num_bytes``. Machines with the
-    same Python version build the same corpus; train.py checks that all ranks agree."""
+    same Python version build the same corpus; train/main.py checks that all ranks agree."""
     root = sysconfig.get_paths()["stdlib"]
     files = []
     for dirpath, dirnames, filenames in os.walk(root):

@@ -58,6 +58,12 @@ class RunLog:
                 f.write(json.dumps(record, sort_keys=True) + "\n")
 
 
+def wandb_mode() -> str:
+    """WANDB_MODE when set; else online with credentials in the environment, offline without them
+    (no credentials, or no network: log locally, `wandb sync` later). The benchmark uses it too."""
+    return os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+
+
 @contextmanager
 def wandb_env(enabled: bool, name: str, group: str, tags: list, run_dir: Optional[str]):
     """Environment that names DeepSpeed's wandb.init; restored on exit."""
@@ -67,8 +73,7 @@ def wandb_env(enabled: bool, name: str, group: str, tags: list, run_dir: Optiona
         if enabled and run_dir:
             os.environ.update(WANDB_NAME=name, WANDB_DIR=os.path.abspath(run_dir), WANDB_TAGS=",".join(tags))
             os.environ.setdefault("WANDB_RUN_GROUP", group)   # the config's "group" wins when given
-            if "WANDB_MODE" not in os.environ and not os.environ.get("WANDB_API_KEY"):
-                # no credentials in the environment (or no network): log locally, `wandb sync` later
+            if wandb_mode() == "offline":
                 os.environ["WANDB_MODE"] = "offline"
         yield
     finally:

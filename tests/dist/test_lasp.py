@@ -10,6 +10,7 @@ import torch
 from ds_seqpar import SequenceParallel
 from ds_seqpar.kernels.linear import forward_begin, forward_states, intra_forward, linear_attention_reference
 from ds_seqpar.models.lm import Attention, ModelConfig
+from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind
 
 from ..reference import assert_derived_close
 
@@ -80,13 +81,6 @@ def test_lasp_matches_single_process(pool, size):
 # -- bytes ------------------------------------------------------------------------------------
 
 
-def lasp_closed_form(mode, p, rank, state_bytes):
-    """Bytes one rank sends for one forward + backward (see strategies/lasp.py)."""
-    if mode == "ring":   # one state to rank+1 (not the last), one dstate to rank-1 (not the first)
-        return {"lasp_state": state_bytes * (rank < p - 1), "lasp_dstate": state_bytes * (rank > 0)}
-    return {"lasp_state": (p - 1) * state_bytes, "lasp_dstate": (p - 1) * state_bytes}
-
-
 def _bytes_sent(size, heads, kv_heads):
     """{(mode, seq_len): bytes per kind} on this rank, at SEQ and 2*SEQ."""
     out = {}
@@ -103,11 +97,11 @@ def _bytes_sent(size, heads, kv_heads):
 @pytest.mark.parametrize("size", [2, 4])
 def test_lasp_bytes_match_closed_form_and_do_not_grow_with_length(pool, size):
     heads = 4
-    state_bytes = BATCH * heads * DK * DV * 4                  # fp32 states, one per q head
-    for kv_heads in (4, 1):
+    for kv_heads in (4, 1):                  # states are per q head: GQA sends as much as MHA
         for rank, sent in pool.run(_bytes_sent, size, heads, kv_heads):
             for mode in MODES:
-                want = {k: b for k, b in lasp_closed_form(mode, size, rank, state_bytes).items() if b}
+                want = closed_form_by_kind("lasp", size, Shapes(BATCH, SEQ, heads, kv_heads, DK, 4, v_head_dim=DV),
+                                           rank=rank, lasp_comm=mode)
                 what = f"lasp {mode} size={size} kv_heads={kv_heads} sp_rank {rank}"
                 assert sent[mode, SEQ] == want, f"{what}: sent {sent[mode, SEQ]}, closed form {want}"
                 assert sent[mode, 2 * SEQ] == sent[mode, SEQ], \

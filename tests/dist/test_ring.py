@@ -8,11 +8,12 @@ import torch
 
 from ds_seqpar import SequenceParallel
 from ds_seqpar.kernels import AttentionKernel
+from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind
 
 from ..dist_checks import HEAD_CASES, check_attention_exact, global_inputs, sharded_attention_grads
 
 RING_STRATEGIES = ("ring", "zigzag", "striped")
-SEQ, BATCH, HEAD_DIM, E, E_ACC = 64, 2, 16, 4, 4
+SEQ, BATCH, HEAD_DIM, E = 64, 2, 16, 4
 
 
 def _check_many(cfgs):
@@ -58,46 +59,39 @@ def test_hybrid_uses_the_ring_strategy_layout(pool, ring):
 
 
 def _bytes_per_kind(cfgs, heads, kv_heads):
+    """Per config and causal flag: the bytes per CommStats kind of one fwd+bwd on this rank."""
     out = []
     for cfg in cfgs:
         sp = SequenceParallel(cfg)
         q, k, v, dout = global_inputs(2, BATCH, SEQ, heads, kv_heads, HEAD_DIM)
-        sp.stats.reset()
-        sharded_attention_grads(sp, q, k, v, dout, True)
-        out.append(dict(sp.stats.bytes))
+        for causal in (True, False):                 # causal blocks are skipped, never their transfers
+            sp.stats.reset()
+            sharded_attention_grads(sp, q, k, v, dout, causal)
+            out.append((cfg, causal, {kind: n for kind, n in sp.stats.bytes.items() if n}))
     return out
 
 
-def ring_closed_form(p, s_kv, e=E, e_acc=E_ACC):
-    """Per rank, one forward + backward: K/V P-1 hops each way, dK/dV P-1 hops in fp32."""
-    return {"ring": s_kv * (p - 1) * 4 * e, "ring_grad": s_kv * (p - 1) * 2 * e_acc}
+def _assert_bytes_match_closed_form(pool, cfgs, head_cases):
+    for heads, kv_heads in head_cases:
+        for rank, per_cfg in enumerate(pool.run(_bytes_per_kind, cfgs, heads, kv_heads)):
+            for cfg, causal, sent in per_cfg:
+                shapes = Shapes(BATCH, SEQ, heads, kv_heads, HEAD_DIM, E)
+                want = closed_form_by_kind(cfg["strategy"], cfg["size"], shapes, ulysses_size=cfg.get("ulysses_size", 1))
+                assert sent == want, (f"{cfg} causal={causal} heads={heads} kv_heads={kv_heads} rank {rank}: "
+                                      f"sent {sent}, closed form {want}")
 
 
 @pytest.mark.parametrize("size", [2, 4])
 def test_ring_bytes_match_closed_form(pool, size):
-    cases = [(4, 4), (4, 2), (4, 1)]                  # MHA and GQA: bytes scale with kv heads
-    cfgs = [{"strategy": s, "size": size} for s in RING_STRATEGIES]
-    for heads, kv_heads in cases:
-        s_kv = BATCH * (SEQ // size) * kv_heads * HEAD_DIM
-        expected = ring_closed_form(size, s_kv)
-        total = s_kv * (size - 1) * (4 * E + 2 * E_ACC)
-        for rank, per_cfg in enumerate(pool.run(_bytes_per_kind, cfgs, heads, kv_heads)):
-            for cfg, got in zip(cfgs, per_cfg):
-                assert got == expected and sum(got.values()) == total, \
-                    f"{cfg} heads={heads} kv_heads={kv_heads} rank {rank}: sent {got}, closed form {expected}"
+    # MHA and GQA: bytes scale with the kv heads, which travel unrepeated
+    _assert_bytes_match_closed_form(pool, [{"strategy": s, "size": size} for s in RING_STRATEGIES],
+                                    [(4, 4), (4, 2), (4, 1)])
 
 
 def test_hybrid_bytes_match_closed_form(pool):
-    u, r, heads = 2, 2, 4
-    for kv_heads, f in ((4, 1), (2, 1), (1, 2)):      # f: k/v head repeat so that U splits them
-        n = SEQ // (u * r)
-        s, s_kv = BATCH * n * heads * HEAD_DIM, BATCH * n * kv_heads * HEAD_DIM
-        expected = ring_closed_form(r, f * s_kv)
-        expected["all_to_all"] = (u - 1) * E * (4 * s + 4 * f * s_kv) // u
-        cfgs = [{"strategy": st, "size": 4, "ulysses_size": u} for st in RING_STRATEGIES]
-        for rank, per_cfg in enumerate(pool.run(_bytes_per_kind, cfgs, heads, kv_heads)):
-            for cfg, got in zip(cfgs, per_cfg):
-                assert got == expected, f"{cfg} kv_heads={kv_heads} rank {rank}: sent {got}, closed form {expected}"
+    # kv heads 4 and 2 split over U=2; 1 is repeated f=2 times before the all-to-all and the ring
+    _assert_bytes_match_closed_form(pool, [{"strategy": s, "size": 4, "ulysses_size": 2} for s in RING_STRATEGIES],
+                                    [(4, 4), (4, 2), (4, 1)])
 
 
 # -- causal skipping --------------------------------------------------------------------------

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from ds_seqpar import SequenceParallel
+from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind
 
 from ..dist_checks import HEAD_CASES, check_attention_exact, global_inputs, sharded_attention_grads
 
@@ -41,31 +42,31 @@ def test_ulysses_matches_deepspeed_distributed_attention(pool, size, causal):
     assert all(pool.run(_vs_deepspeed, size, causal))
 
 
-def _bytes_one_step(size, heads, kv_heads, seq_len=64, head_dim=16, batch=2):
+def _bytes_one_step(size, head_cases, seq_len=64, head_dim=16, batch=2):
+    """Per (heads, kv_heads): the bytes per CommStats kind and the calls of one fwd+bwd on this rank."""
     sp = SequenceParallel({"strategy": "ulysses", "size": size})
-    q, k, v, dout = global_inputs(2, batch, seq_len, heads, kv_heads, head_dim)
-    sp.stats.reset()
-    sharded_attention_grads(sp, q, k, v, dout, True)
-    return sp.stats.total_bytes, dict(sp.stats.calls)
+    out = []
+    for heads, kv_heads in head_cases:
+        q, k, v, dout = global_inputs(2, batch, seq_len, heads, kv_heads, head_dim)
+        sp.stats.reset()
+        sharded_attention_grads(sp, q, k, v, dout, True)
+        out.append(({kind: n for kind, n in sp.stats.bytes.items() if n}, dict(sp.stats.calls)))
+    return out
+
+
+# MHA, and GQA where the kv heads split over the ranks (size 2, kv 2) or must be repeated (f > 1)
+ULYSSES_HEADS = [(4, 4), (4, 2), (4, 1)]
 
 
 @pytest.mark.parametrize("size", [2, 4])
 def test_ulysses_bytes_match_closed_form(pool, size):
-    e, batch, seq_len, heads, head_dim = 4, 2, 64, 4, 16
-    s_elems = batch * (seq_len // size) * heads * head_dim      # one local full-head tensor
-    expected = 8 * e * s_elems * (size - 1) // size
-    for sent, calls in pool.run(_bytes_one_step, size, heads, heads):
-        assert sent == expected, f"bytes sent {sent} != closed form 8*e*S*(P-1)/P = {expected}"
-        assert calls == {"all_to_all": 8}, calls
-
-
-def test_ulysses_gqa_bytes_scale_with_kv_heads(pool):
-    # size 2, kv heads 2: k and v travel with 2 heads each, never repeated to 4
-    e, batch, seq_len, head_dim, size = 4, 2, 64, 16, 2
-    per_head = batch * (seq_len // size) * head_dim * e * (size - 1) // size
-    expected = 4 * 4 * per_head + 4 * 2 * per_head   # q, out, dout, dq: 4 heads; k, v, dk, dv: 2 heads
-    for sent, _ in pool.run(_bytes_one_step, size, 4, 2):
-        assert sent == expected, f"GQA bytes {sent} != {expected}"
+    for per_case in pool.run(_bytes_one_step, size, ULYSSES_HEADS):
+        for (heads, kv_heads), (sent, calls) in zip(ULYSSES_HEADS, per_case):
+            want = closed_form_by_kind("ulysses", size, Shapes(2, 64, heads, kv_heads, 16, 4))
+            assert sent == want, f"size {size} heads {heads} kv_heads {kv_heads}: sent {sent}, closed form {want}"
+            assert calls == {"all_to_all": 8}, calls
+        if size == 2:       # kv heads travel as they are: GQA sends less than MHA, never repeated to H
+            assert per_case[1][0]["all_to_all"] < per_case[0][0]["all_to_all"], per_case
 
 
 def _roundtrip(size):

@@ -1,4 +1,4 @@
-"""Layouts are pure arithmetic: checked here without processes (DESIGN.md §4, STYLE.md 9, 10)."""
+"""Layouts are pure arithmetic: checked here without processes (docs/design.md, section 1)."""
 import pytest
 import torch
 

@@ -1,6 +1,6 @@
-"""Single-process tests of the chunked linear-attention kernel (ds_seqpar/linear_attention.py).
+"""Single-process tests of the chunked linear-attention kernel (ds_seqpar/kernels/linear/).
 
-Tolerances are derived, not guessed (STYLE 12): the fp32 fast path's max error against the float64
+Tolerances are derived, not guessed (tests/reference.py): the fp32 fast path's max error against the float64
 reference may be at most K_TOL times the error of the plain fp32 reference against the same float64
 reference, plus a floor of a few fp32 ulps of the result's scale (for results that come out exact).
 """
@@ -313,7 +313,7 @@ def test_strong_decay_is_finite():
 
 
 @pytest.mark.parametrize("bad,match", [
-    (dict(k=torch.zeros(1, 5, 3, 4), v=torch.zeros(1, 5, 3, 4)), "multiple of kv heads"),
+    (dict(k=torch.zeros(1, 5, 3, 4), v=torch.zeros(1, 5, 3, 4)), "multiple of k/v heads"),
     (dict(v=torch.zeros(1, 6, 2, 4)), "k must be"),
     (dict(decay=torch.tensor([0.5, 1.5, 0.5, 0.5])), r"lie in \(0, 1\]"),
     (dict(decay=torch.tensor([0.0, 0.5, 0.5, 0.5])), r"lie in \(0, 1\]"),

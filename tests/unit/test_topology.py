@@ -36,8 +36,9 @@ def test_ulysses_groups_are_neighbouring_ranks():
     assert dims.ulysses_group_ranks()[:2] == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
-@pytest.mark.parametrize("world,sp,u,needle", [(4, 3, 1, "size=3 does not divide world size 4"),
-                                               (8, 4, 3, "ulysses_size=3 does not divide size=4")])
+@pytest.mark.parametrize("world,sp,u,needle", [(4, 3, 1, r"size=3 does not divide the world size 4; valid sizes "
+                                                         r"for this world: \[1, 2, 4\]"),
+                                               (8, 4, 3, "ulysses_size=3 must divide sequence_parallel.size=4")])
 def test_bad_dims(world, sp, u, needle):
     with pytest.raises(ValueError, match=needle):
         ParallelDims(world, sp, u)

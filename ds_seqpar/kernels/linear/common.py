@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..base import check_head_groups
+
 
 # ----------------------------------------------------------------------------- checks and decay tables
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -40,8 +42,7 @@ def check_inputs(q_bshd: Tensor, k_bshd: Tensor, v_bshd: Tensor, decay_h: Option
     if k_bshd.shape[:2] != (b, s) or k_bshd.shape[3] != dk or v_bshd.shape[:3] != k_bshd.shape[:3]:
         raise ValueError(f"linear attention: k must be [{b}, {s}, kv_heads, {dk}] and v [{b}, {s}, kv_heads, dv];"
                          f" got k {tuple(k_bshd.shape)}, v {tuple(v_bshd.shape)}")
-    if h % k_bshd.shape[2]:
-        raise ValueError(f"linear attention: q heads ({h}) must be a multiple of kv heads ({k_bshd.shape[2]})")
+    check_head_groups(h, k_bshd.shape[2], "linear attention: ")
     if not (q_bshd.dtype == k_bshd.dtype == v_bshd.dtype) or not q_bshd.is_floating_point():
         raise ValueError(f"linear attention: q, k, v must share one floating dtype; got "
                          f"{q_bshd.dtype}, {k_bshd.dtype}, {v_bshd.dtype}")

@@ -1,0 +1,86 @@
+"""A tiny ``ds-seqpar bench`` run end to end on the session's 4-rank pool (the bench's world is its P,
+so P=4 here): every field of the results JSON, exact byte ratios against the closed form, the
+longest-sequence search, the training-step comparison, the LASP halves bound and per-piece table,
+the markdown rows, the plots, and re-rendering from the JSON. Sizes are the smallest that still
+exercise all of it; what costs time is starting ranks, so the run reuses the session pool and
+starts only the 1-rank pool the training comparison needs."""
+import json
+
+import pytest
+
+P = 4
+
+
+@pytest.fixture(scope="module")
+def solo():
+    from ds_seqpar.launch.rankpool import RankPool
+    pool = RankPool(1, timeout_s=300.0).start()
+    yield pool
+    pool.close()
+
+
+# two lengths (a sweep), one measured round, the budget search at the shortest length
+TINY = ["--P", str(P), "--seq-lens", "64,128", "--heads", "4", "--head-dim", "16", "--repeats", "1", "--warmup", "0",
+        "--strategies", "zigzag,lasp,halves", "--lasp-breakdown", "--mem-budget-n", "64",
+        "--train-strategies", "zigzag", "--train-seq-len", "64", "--name", "tiny"]
+# the training comparison's model: one layer, two steps (the first is the run's warm-up)
+TINY_MODEL = dict(dim=32, n_layers=1, n_heads=4, seq_len=64, micro_batch=1, steps=2)
+
+
+def test_tiny_bench_writes_json_markdown_and_plots(pool, solo, tmp_path, capsys, monkeypatch):
+    from ds_seqpar.bench import train_step
+    from ds_seqpar.bench.main import build_parser, resolve, run
+    monkeypatch.setitem(train_step.TRAIN_PRESETS, "quick", TINY_MODEL)
+    argv = TINY + ["--out", str(tmp_path)]
+    res = run(resolve(build_parser().parse_args(argv)), argv, pools=(pool, solo))
+    with open(tmp_path / "tiny.json") as f:
+        saved = json.load(f)
+    assert saved["meta"]["cases"] == ["single", "zigzag", "single_linear", "lasp2", "lasp1", "halves"], saved["meta"]
+    for key in ("meta", "machine", "attention", "max_seq", "train", "checks", "elapsed_s", "load_by_length",
+                "lasp_breakdown", "raw"):
+        assert key in saved, f"results JSON lacks {key!r}"
+    for n in ("64", "128"):
+        for case, row in saved["attention"][n].items():
+            assert row["time_s"]["min"] > 0 and row["speedup"]["median"] > 0, (n, case, row)
+            assert all(c > 0 for c in row["cpu_s"]) and row["mem_ratio"] > 0, (n, case, row)
+            if case in ("zigzag", "lasp2", "lasp1"):
+                assert row["bytes_ratio"] == [1.0] * P, f"N={n} {case}: bytes vs closed form {row['bytes_ratio']}"
+                assert len(row["cpu_s"]) == P and row["imbalance"] >= 1.0, row
+        assert "bytes" not in saved["attention"][n]["halves"], "halves exchanges nothing"
+    assert saved["max_seq"]["zigzag"]["ratio"] == P, saved["max_seq"]        # exactly 1/P of the saved bytes
+    assert "halves" not in saved["max_seq"], saved["max_seq"]
+    train = saved["train"]["zigzag"]
+    assert train["speedup"]["median"] > 0 and train["loss_rel_diff"] < 1e-4, train
+    pieces = saved["lasp_breakdown"]
+    assert pieces["local_len"] == 128 // P and len(pieces["cpu_s"]) == 4 and min(pieces["cpu_s"].values()) > 0, pieces
+    assert {c["result"] for c in saved["checks"]} <= {"PASS", "SHORT", "FAIL"}
+    assert not [c for c in saved["checks"] if c["result"] == "FAIL"], saved["checks"]
+    assert not [c for c in saved["checks"] if c["what"].startswith("halves")], "halves is a bound, not checked"
+    md = (tmp_path / "tiny.md").read_text()
+    for row in ("| zigzag bytes per rank / closed form | 1.000 |", "| lasp2 |", "| lasp1 |", "| single |",
+                "| halves |", "LASP-2 / halves time", "| last rank (state_in in, dstate_in out) |",
+                "## Whole training step", "Machine: ", "load average before", "Command: `ds-seqpar bench "):
+        assert row in md, f"{row!r} missing from the markdown:\n{md}"
+    for png in ("speedup", "bytes", "memory", "imbalance"):
+        path = tmp_path / "tiny" / f"{png}.png"
+        assert path.exists() and path.stat().st_size > 10_000, f"{path} missing or empty"
+        assert f"(tiny/{png}.png)" in md
+    assert res["meta"] == saved["meta"]
+    assert "PASS" in capsys.readouterr().out
+    # a saved results file re-renders without measuring anything
+    from ds_seqpar.bench.main import main
+    (tmp_path / "tiny.md").unlink()
+    assert main(["--render", str(tmp_path / "tiny.json")]) == 0
+    assert (tmp_path / "tiny.md").read_text() == md
+
+
+def _ours_vs_deepspeed():
+    from ds_seqpar.bench.cases import BenchSpec, RankCases
+    cases = RankCases(BenchSpec(world=P, cases=("ulysses", "ds_ulysses"), heads=8, kv_heads=4, head_dim=16))
+    ours, theirs = (cases.attend(n)(*cases.inputs(n, 128)[:3]) for n in ("ulysses", "ds_ulysses"))
+    return (ours - theirs).abs().max().item()
+
+
+def test_deepspeed_ulysses_peer_computes_the_same_attention(pool):
+    # the ours/theirs time ratio means something only if both compute the same thing on the same shards
+    assert pool.run(_ours_vs_deepspeed) == [0.0] * P

@@ -1,0 +1,220 @@
+"""The layer rule, read from the source with ``ast`` (nothing is imported):
+
+- the core (config, sequence_parallel, topology, comm, loss, zero, sharding, strategies, kernels,
+  memory) imports nothing from models, launch, train, bench, report, hf;
+- models, launch and hf import the core only; train the core, models, launch and hf; bench those,
+  train (it times the training step through train.run_training) and report's plotting helper;
+  report the core only (nothing of train or bench);
+- only comm.py talks to torch.distributed (launch/ and train/, which start the world, may too);
+- every folder of the package is a package (has __init__.py), so an install ships it.
+
+docs/design.md states the rule; a new top-level module or folder must be given a layer here.
+"""
+from __future__ import annotations
+
+import ast
+import os
+from typing import Dict, List, Optional, Set, Tuple
+
+import ds_seqpar
+
+PACKAGE = "ds_seqpar"
+CORE = frozenset({"config", "sequence_parallel", "topology", "comm", "loss", "zero", "sharding", "strategies",
+                  "kernels", "memory"})
+TOOLS = frozenset({"models", "launch", "train", "bench", "report", "hf"})
+# layer -> the layers it may import besides itself ("report.plotting": that one module of report)
+ALLOWED = {
+    "core": {"core"},
+    "models": {"core"},
+    "launch": {"core"},
+    "hf": {"core"},
+    "train": {"core", "models", "launch", "hf"},
+    "bench": {"core", "models", "launch", "hf", "train", "report.plotting"},
+    "report": {"core"},
+    "root": {"core"},                       # ds_seqpar/__init__.py: the public API is the core's
+    "cli": {"core", "models", "launch", "hf", "train", "bench", "report"},     # the entry point over all commands
+}
+DIST_ALLOWED = ("comm", "launch", "train")  # may call torch.distributed
+DIST = "torch.distributed"
+
+
+def layer_of(module: str) -> Optional[str]:
+    """ds_seqpar.strategies.ring -> "core"; ds_seqpar.bench.main -> "bench"; None: no layer given."""
+    parts = module.split(".")
+    if parts == [PACKAGE]:
+        return "root"
+    top = parts[1]
+    if top in CORE:
+        return "core"
+    if top in TOOLS or top == "cli":
+        return top
+    return None
+
+
+def _allowed(importer: str, imported: str) -> bool:
+    mine, theirs = layer_of(importer), layer_of(imported)
+    theirs = "core" if theirs == "root" else theirs          # ds_seqpar itself re-exports the core
+    if mine == theirs:
+        return True
+    ok = ALLOWED.get(mine, set())
+    return theirs in ok or any(imported == f"{PACKAGE}.{x}" or imported.startswith(f"{PACKAGE}.{x}.")
+                               for x in ok if "." in x)
+
+
+# ---------------------------------------------------------------------------------------------
+# reading the source
+
+
+def modules(root: str) -> Dict[str, str]:
+    """{dotted module name: file path} of every .py file under the package folder ``root``."""
+    base = os.path.dirname(root)
+    out = {}
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for f in files:
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(folder, f), base)[:-3].split(os.sep)
+                name = ".".join(rel[:-1] if rel[-1] == "__init__" else rel)
+                out[name] = os.path.join(folder, f)
+    return out
+
+
+def _resolve(module: str, is_package: bool, level: int, target: Optional[str]) -> str:
+    """The absolute name of ``from <.. level><target> import ...`` written in ``module``."""
+    if level == 0:
+        return target or ""
+    parts = module.split(".") if is_package else module.split(".")[:-1]
+    parts = parts[:len(parts) - (level - 1)]
+    return ".".join(parts + ([target] if target else []))
+
+
+def imports_of(module: str, path: str, known: Set[str]) -> Tuple[Set[str], List[str]]:
+    """(the package modules ``module`` imports, its uses of torch.distributed as 'line N: what'),
+    from the file's syntax tree; imports inside functions count too."""
+    tree = ast.parse(open(path).read(), path)
+    is_package = os.path.basename(path) == "__init__.py"
+    found: Set[str] = set()
+    dist_uses: List[str] = []
+    dist_names: Set[str] = set()            # local names bound to torch.distributed
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                found.add(alias.name)
+                if alias.name == DIST or alias.name.startswith(DIST + "."):
+                    dist_uses.append(f"line {node.lineno}: import {alias.name}")
+                    dist_names.add(alias.asname or alias.name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(module, is_package, node.level, node.module)
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                # ``from . import comm`` imports the module ds_seqpar.comm; ``from .x import name``, x
+                found.add(full if full in known else base)
+                if base == DIST or base.startswith(DIST + ".") or full == DIST:
+                    dist_uses.append(f"line {node.lineno}: from {base} import {alias.name}")
+                    if full == DIST:
+                        dist_names.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            if node.value.id == "torch" and node.attr == "distributed":
+                dist_uses.append(f"line {node.lineno}: torch.distributed")
+    for node in ast.walk(tree):             # calls through an alias: dist.all_reduce(...)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in dist_names \
+                and node.value.id != "torch":
+            dist_uses.append(f"line {node.lineno}: {node.value.id}.{node.attr}")
+    return {m for m in found if m == PACKAGE or m.startswith(PACKAGE + ".")}, dist_uses
+
+
+def violations(root: str) -> List[str]:
+    """Every break of the layer rule in the package folder ``root``, one line each ([] when none)."""
+    found = modules(root)
+    known = set(found)
+    out = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        if any(f.endswith(".py") for f in files) and "__init__.py" not in files:
+            out.append(f"{os.path.relpath(folder, os.path.dirname(root))}/ has no __init__.py: an install "
+                       f"(packages = find:) would leave it out")
+    for module, path in sorted(found.items()):
+        layer = layer_of(module)
+        if layer is None:
+            out.append(f"{module}: in no layer; give it one in tests/unit/test_layers.py and docs/design.md")
+            continue
+        imported, dist_uses = imports_of(module, path, known)
+        for target in sorted(imported):
+            if layer_of(target) is not None and not _allowed(module, target):
+                out.append(f"{module} ({layer}) imports {target} ({layer_of(target)})")
+        top = module.split(".")[1] if "." in module else ""
+        if top not in DIST_ALLOWED:
+            out += [f"{module} uses torch.distributed ({use}); go through ds_seqpar.comm" for use in dist_uses]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the rule holds for the package, and the checker catches each kind of break
+
+
+def test_the_package_keeps_the_layer_rule():
+    root = os.path.dirname(ds_seqpar.__file__)
+    broken = violations(root)
+    assert not broken, "layer rule broken (docs/design.md):\n" + "\n".join(broken)
+
+
+def test_every_module_was_read():
+    # a checker that reads nothing passes everything: the core and the tools must be there
+    found = modules(os.path.dirname(ds_seqpar.__file__))
+    for name in ("ds_seqpar.comm", "ds_seqpar.strategies.ring_loop", "ds_seqpar.kernels.linear.forward",
+                 "ds_seqpar.bench.main", "ds_seqpar.train.trainer", "ds_seqpar.report.plotting"):
+        assert name in found, sorted(found)
+    imported, _ = imports_of("ds_seqpar.sequence_parallel", found["ds_seqpar.sequence_parallel"], set(found))
+    assert {"ds_seqpar.comm", "ds_seqpar.strategies", "ds_seqpar.sharding.layouts"} <= imported, imported
+
+
+FAKE = {
+    "__init__.py": "from .config import X\n",
+    "config.py": "X = 1\n",
+    "comm.py": "import torch.distributed as dist\n\ndef f():\n    return dist.get_rank()\n",
+    "loss.py": "def f():\n    from .train import main   # a lazy import still counts\n",
+    "kernels/__init__.py": "",
+    "kernels/base.py": "from ..bench import cases\nfrom .. import models\n",
+    "kernels/fine.py": "from . import base\nfrom ..config import X\n",
+    "models/__init__.py": "import torch\n\ndef f(x):\n    return torch.distributed.all_reduce(x)\n",
+    "train/__init__.py": "from ..models import f\nfrom ..launch import g\nimport torch.distributed\n",
+    "launch/__init__.py": "def g():\n    pass\n",
+    "bench/__init__.py": "",
+    "bench/cases.py": "from ..train import f\nfrom ..report.plotting import save\nfrom ..report import main\n",
+    "report/__init__.py": "",
+    "report/plotting.py": "def save():\n    pass\n",
+    "report/main.py": "from ..bench.cases import x\nfrom torch import distributed\n",
+    "stray.py": "",
+    "sharding/layouts.py": "",
+}
+
+
+def _fake_package(tmp_path) -> str:
+    root = tmp_path / PACKAGE
+    for rel, text in FAKE.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return str(root)
+
+
+def test_checker_finds_every_kind_of_break_in_a_fake_package(tmp_path):
+    got = violations(_fake_package(tmp_path))
+    assert got == [
+        "ds_seqpar/sharding/ has no __init__.py: an install (packages = find:) would leave it out",
+        "ds_seqpar.bench.cases (bench) imports ds_seqpar.report.main (report)",
+        "ds_seqpar.kernels.base (core) imports ds_seqpar.bench.cases (bench)",
+        "ds_seqpar.kernels.base (core) imports ds_seqpar.models (models)",
+        "ds_seqpar.loss (core) imports ds_seqpar.train (train)",
+        "ds_seqpar.models uses torch.distributed (line 4: torch.distributed); go through ds_seqpar.comm",
+        "ds_seqpar.report.main (report) imports ds_seqpar.bench.cases (bench)",
+        "ds_seqpar.report.main uses torch.distributed (line 2: from torch import distributed); go through "
+        "ds_seqpar.comm",
+        "ds_seqpar.stray: in no layer; give it one in tests/unit/test_layers.py and docs/design.md",
+    ], "\n".join(got)
+
+
+def test_relative_imports_resolve_against_the_importing_module():
+    assert _resolve("ds_seqpar.kernels.base", False, 2, "bench") == "ds_seqpar.bench"
+    assert _resolve("ds_seqpar.kernels", True, 1, "base") == "ds_seqpar.kernels.base"        # in __init__.py
+    assert _resolve("ds_seqpar.kernels.linear.forward", False, 3, None) == "ds_seqpar"
+    assert _resolve("ds_seqpar.comm", False, 0, "torch.distributed") == "torch.distributed"
