@@ -30,6 +30,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
+from ..report.plotting import require_matplotlib
 from .memory_step import MemorySpec, measure_peak, time_steps
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -221,9 +222,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     try:
         plan(args)
-        from .main import require_matplotlib
-        require_matplotlib()
-    except (MemoryBenchError, ValueError) as err:
+        require_matplotlib("the report's plots", MemoryBenchError)     # before measuring, not after
+    except MemoryBenchError as err:
         print(f"ds-seqpar bench memory: error: {err}", file=sys.stderr)
         return 2
     run(args, argv)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List
 
-from .memory_summary import KIB, MIB, max_tokens, predict_peak
+from ..report.plotting import colors, pyplot, save
+from .memory_summary import KIB, MIB, predict_peak
 
 PHASE_NOTE = ("forward; loss backward (fused head + loss, final norm); layers backward (recompute + backward of "
               "every layer); end of backward (embedding, DeepSpeed's last reductions); optimizer step")
@@ -121,26 +122,17 @@ def render_markdown(res: Dict[str, Any], plots: List[str]) -> str:
     return "\n".join(lines)
 
 
-def _plt():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    plt.rcParams.update({"font.size": 11, "axes.grid": True, "grid.alpha": 0.3})
-    return plt
-
-
 def plot_bytes_per_token(res, path: str) -> str:
     """Bytes per token per rank above static vs tokens per rank: measured points, the phase model's
     curve out to the budget, with and without the features; the floor drawn."""
-    import matplotlib
-    plt = _plt()
+    plt = pyplot()
     floor = res["meta"]["layers"] * res["meta"]["hidden"] * 4
     models = sorted({v["model"] for v in res["variants"].values()})
     fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 5.5), squeeze=False)
-    colors = {p: matplotlib.colormaps["tab10"](i) for i, p in enumerate((1, 2, 4, 8))}
+    by_world = dict(zip((1, 2, 4, 8), colors(4)))
     for ax, model in zip(axes[0], models):
         for v in (v for v in res["variants"].values() if v["model"] == model):
-            c, style = colors.get(v["world"], "k"), "-" if v["features"] else "--"
+            c, style = by_world.get(v["world"], "k"), "-" if v["features"] else "--"
             static = v["rows"][0]["resident_bytes"]
             xs = [r["tokens_per_rank"] for r in v["rows"]]
             ax.plot(xs, [r["above_static_per_token"] / KIB for r in v["rows"]], "o", color=c)
@@ -148,7 +140,7 @@ def plot_bytes_per_token(res, path: str) -> str:
             grid = [min(xs) * (top / min(xs)) ** (i / 60) for i in range(61)]
             ax.plot(grid, [(predict_peak(v["phase_model"], n) - static) / n / KIB for n in grid], style, color=c,
                     label=f"P={v['world']} {'with' if v['features'] else 'without'} features")
-        ax.axhline(floor / KIB, color="k", lw=1.5, ls=":", label=f"floor layers x hidden x 4 B = {floor / KIB:.0f} KiB")
+        ax.axhline(floor / KIB, color="k", lw=1.5, ls=":", label=f"floor layers x hidden x 4 B = {floor / KIB:g} KiB")
         ax.axhline(3 * floor / KIB, color="grey", lw=1, ls=":", label="3 x floor")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -156,37 +148,28 @@ def plot_bytes_per_token(res, path: str) -> str:
         ax.set_ylabel("KiB per token per rank above static")
         ax.set_title(f"{model}: points measured, lines = phase model up to the budget")
         ax.legend(fontsize=9)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_peak(res, path: str) -> str:
-    import matplotlib
-    plt = _plt()
+    plt = pyplot()
     budget = res["meta"]["budget_bytes"]
     fig, ax = plt.subplots(figsize=(10, 5.5))
-    cmap = matplotlib.colormaps["tab10"]
+    palette = colors(len(res["variants"]))
     for i, v in enumerate(res["variants"].values()):
         xs = [r["tokens_per_rank"] for r in v["rows"]]
         top = max(xs + [max(0, v["max_tokens_per_rank"])])
         grid = [min(xs) * (top / min(xs)) ** (j / 60) for j in range(61)]
-        ax.plot(xs, [r["peak_bytes"] / MIB for r in v["rows"]], "o", color=cmap(i % 10))
+        ax.plot(xs, [r["peak_bytes"] / MIB for r in v["rows"]], "o", color=palette[i])
         ax.plot(grid, [predict_peak(v["phase_model"], n) / MIB for n in grid], "-" if v["features"] else "--",
-                color=cmap(i % 10), label=_label(v))
+                color=palette[i], label=_label(v))
     ax.axhline(budget / MIB, color="k", ls=":", label=f"budget {budget / 2 ** 30:.2f} GiB")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens per rank")
     ax.set_ylabel("peak MiB per rank (whole step)")
     ax.set_title("Peak memory per rank: measured points, phase model lines")
     ax.legend(fontsize=8, ncol=2)
-    return _save(fig, path)
-
-
-def _save(fig, path: str) -> str:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    import matplotlib.pyplot as plt
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def write_report(res: Dict[str, Any], out: str) -> str:
@@ -202,4 +185,4 @@ def write_report(res: Dict[str, Any], out: str) -> str:
     return path
 
 
-__all__ = ["write_report", "render_markdown", "max_tokens"]
+__all__ = ["write_report", "render_markdown"]

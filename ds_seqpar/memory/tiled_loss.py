@@ -68,8 +68,10 @@ def backward(grad, hidden_nh, weight_vh, bias_v, target_n, valid_n, lse_n, chunk
         dz_cv = p_cv.mul_((valid_n[rows] * g)[:, None]).to(weight_vh.dtype)                  # [C, V]
         if d_hidden is not None:
             torch.mm(dz_cv, weight_vh, out=d_hidden[rows])                                   # [C, H]
-        if d_weight is not None:
-            d_weight.add_(dz_cv.t() @ h_ch)                                                  # [V, H]
+        if d_weight is not None and d_weight.dtype == dz_cv.dtype:
+            d_weight.addmm_(dz_cv.t(), h_ch)                                                 # [V, H], in place
+        elif d_weight is not None:
+            d_weight.add_(dz_cv.t() @ h_ch)
         if d_bias is not None:
             d_bias.add_(dz_cv.sum(0))
     d_weight = d_weight.to(weight_vh.dtype) if d_weight is not None else None
