@@ -29,8 +29,11 @@ def apply_memory_features(model: nn.Module, memory: MemoryConfig, mlp_attr: str 
         enable_checkpointing(model)
         done["checkpointing"] = [type(model).__name__]
     if memory.cpu_checkpointing:
-        attach_offload(model)
-        done["cpu_checkpointing"] = [type(model).__name__]
+        # the decoder stack: a Hugging Face model's base model (callers of the fused loss call it
+        # directly for hidden states), the whole model otherwise
+        stack = getattr(model, "base_model", model)
+        attach_offload(stack)
+        done["cpu_checkpointing"] = [type(stack).__name__]
     return done
 
 

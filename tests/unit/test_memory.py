@@ -153,8 +153,9 @@ def _hf_run(dtype, memory: MemoryConfig, fused: bool):
     cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
     model = LlamaForCausalLM(cfg).to(dtype).train()
-    apply_memory_features(model, memory)
+    done = apply_memory_features(model, memory)
     assert all(layer.gradient_checkpointing == memory.checkpointing for layer in model.model.layers)
+    assert done.get("cpu_checkpointing", ["LlamaModel"]) == ["LlamaModel"], done      # the decoder stack
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, V, (B, N), generator=g)
     if fused:
