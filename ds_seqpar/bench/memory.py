@@ -35,7 +35,7 @@ from .memory_step import MemorySpec, measure_peak, time_steps
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 PRESET = {"models": "llama,lm", "P": "1,2,4", "budget_gib": 2.0,
-          "on_tokens": {1: [2048, 8192, 16384], 2: [2048, 8192], 4: [1024, 4096]},
+          "on_tokens": {1: [2048, 8192, 16384], 2: [2048, 8192], 4: [2048, 4096]},
           "off_tokens": {1: [1024, 2048], 2: [1024, 2048], 4: [1024, 2048]},
           "timing_tokens": 1024, "timing_rounds": 3, "timing_steps": 2}
 

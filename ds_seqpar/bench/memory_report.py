@@ -82,13 +82,16 @@ def _variants(res) -> List[str]:
 def _points(res) -> List[str]:
     lines = ["## Every measurement", "",
              "Peak per rank of the whole step; above static per token = (peak - static) / N; marginal = the peak's "
-             "rise per token from the previous length.", "",
-             "| model | P | features | tokens/rank | static (MiB) | peak (MiB) | peak phase | above static / token "
-             "(KiB) | marginal / token (KiB) | step (s) |", "|---|---:|---|---:|---:|---:|---|---:|---:|---:|"]
+             "rise per token from the previous length; fwd+bwd above static = the highest forward or backward phase "
+             "minus static (what the tokens cost, the optimizer step left out).", "",
+             "| model | P | features | tokens/rank | static (MiB) | peak (MiB) | peak phase | fwd+bwd above static "
+             "(MiB) | above static / token (KiB) | marginal / token (KiB) | step (s) |",
+             "|---|---:|---|---:|---:|---:|---|---:|---:|---:|---:|"]
     for v in res["variants"].values():
         for r in v["rows"]:
             lines.append(f"| {v['model']} | {v['world']} | {'on' if v['features'] else 'off'} | {r['tokens_per_rank']:,} "
                          f"| {_mib(r['resident_bytes'])} | {_mib(r['peak_bytes'])} | {r['peak_phase']} | "
+                         f"{_mib(r['activation_bytes'])} | "
                          f"{_kib(r['above_static_per_token'])} | {_kib(r['marginal_per_token'])} | {r['step_s']:.1f} |")
     lines += ["", "Bytes per token of each phase (KiB, fitted slope):", ""]
     phases = list(next(iter(res["variants"].values()))["phase_model"])
