@@ -83,8 +83,9 @@ def plan(args) -> List[MemorySpec]:
 
 
 def hf_available() -> bool:
-    import importlib.util
-    return importlib.util.find_spec("ds_seqpar.hf") is not None
+    """ds_seqpar.hf in THIS package (an editable install's finder may resolve it elsewhere)."""
+    import ds_seqpar
+    return os.path.exists(os.path.join(os.path.dirname(ds_seqpar.__file__), "hf", "__init__.py"))
 
 
 def _pool(world: int, malloc: str):

@@ -90,14 +90,20 @@ def reset_peak() -> None:
         f.write("5")
 
 
-def build_model(spec: MemorySpec, sp) -> torch.nn.Module:
+def build_model(spec: MemorySpec, sp, memory) -> torch.nn.Module:
+    """The model with the memory features applied, answering ``(input_ids, position_ids, labels)``
+    with the loss (the HF model through the main job's adapter, train/hf_model.py)."""
+    from ..memory import apply_memory_features
     torch.manual_seed(spec.seed)
     if spec.model == "lm":
         from ..models import CausalLM, ModelConfig
         cfg = ModelConfig(vocab_size=spec.vocab, dim=spec.hidden, n_layers=spec.layers, n_heads=spec.heads,
                           n_kv_heads=spec.kv_heads, mlp_hidden=spec.intermediate, tie_embeddings=False)
-        return CausalLM(cfg, sp)
+        model = CausalLM(cfg, sp)
+        apply_memory_features(model, memory)
+        return model
     from transformers import LlamaConfig, LlamaForCausalLM
+    from ..train.hf_model import HFCausalLM
     cfg = LlamaConfig(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
                       num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
                       num_key_value_heads=spec.kv_heads, max_position_embeddings=1 << 20,
@@ -106,17 +112,13 @@ def build_model(spec: MemorySpec, sp) -> torch.nn.Module:
     if spec.world > 1:
         from ..hf import apply_sequence_parallel      # the Hugging Face attention integration
         apply_sequence_parallel(model, sp)
-    return model
+    apply_memory_features(model, memory)
+    return HFCausalLM(model, "LlamaConfig (random init)", False, sp)
 
 
 def loss_of(spec: MemorySpec, engine, sp, local: Dict[str, torch.Tensor]) -> torch.Tensor:
-    ids, pos, labels = local["input_ids"], local["position_ids"], local["labels"]
-    if spec.model == "lm":
-        return engine(ids, pos, labels=labels)
-    if spec.features:                       # hidden states from the decoder, fused tiled head + loss
-        hidden = engine.module.model(input_ids=ids, position_ids=pos).last_hidden_state
-        return sp.loss_from_hidden(hidden, engine.module.lm_head, labels)
-    return sp.loss(engine(input_ids=ids, position_ids=pos).logits, labels)
+    """sp.loss on the logits, or the fused tiled head + loss with the features (both models)."""
+    return engine(local["input_ids"], local["position_ids"], labels=local["labels"])
 
 
 def _batch(spec: MemorySpec, sp, tokens_per_rank: int, step: int):
@@ -128,7 +130,7 @@ def _batch(spec: MemorySpec, sp, tokens_per_rank: int, step: int):
 def measure_peak(spec: MemorySpec) -> Dict[str, Any]:
     """On every rank of a fresh P-rank pool: warm-up step, measured step(s); peak memory and times."""
     import deepspeed
-    from ..memory import MemoryConfig, apply_memory_features
+    from ..memory import MemoryConfig
     from ..sequence_parallel import SequenceParallel
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -136,8 +138,7 @@ def measure_peak(spec: MemorySpec) -> Dict[str, Any]:
     memory = MemoryConfig.from_ds_config(ds)
     deepspeed.init_distributed(dist_backend="gloo")
     sp = SequenceParallel.from_ds_config(ds)
-    model = build_model(spec, sp)
-    apply_memory_features(model, memory)
+    model = build_model(spec, sp, memory)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds, mpu=sp.mpu)
     after_setup = peak_rss_bytes()
     _step(spec, engine, sp, _batch(spec, sp, spec.warmup_tokens, 0))       # buffers, Adam's moments
@@ -159,7 +160,7 @@ class PhasePeaks:
     def __init__(self, model: torch.nn.Module, spec: MemorySpec):
         self.peaks: Dict[str, int] = {}
         self.current = None
-        inner = model.model if spec.model == "llama" else model
+        inner = model.model.model if spec.model == "llama" else model       # HFCausalLM -> Llama -> decoder
         layers = inner.layers if spec.model == "llama" else inner.blocks
         embed = inner.embed_tokens if spec.model == "llama" else inner.embed
         self.handles = [self._on_output_grad(layers[-1], "layers_backward"),
@@ -203,7 +204,7 @@ def time_steps(off: MemorySpec, on: MemorySpec, rounds: int) -> Dict[str, Any]:
     """Step seconds without and with the features, in alternating rounds inside one process (load
     from other processes then hits both alike); each round runs ``steps`` steps of each."""
     import deepspeed
-    from ..memory import MemoryConfig, apply_memory_features
+    from ..memory import MemoryConfig
     from ..sequence_parallel import SequenceParallel
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
@@ -211,8 +212,7 @@ def time_steps(off: MemorySpec, on: MemorySpec, rounds: int) -> Dict[str, Any]:
     for spec in (off, on):
         ds = ds_config(spec)
         sp = SequenceParallel.from_ds_config(ds)
-        model = build_model(spec, sp)
-        apply_memory_features(model, MemoryConfig.from_ds_config(ds))
+        model = build_model(spec, sp, MemoryConfig.from_ds_config(ds))
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds, mpu=sp.mpu)
         _timed_step(spec, engine, sp, 0)                    # warm-up: buffers, Adam's moments
         runs.append((spec, engine, sp))
