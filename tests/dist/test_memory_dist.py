@@ -55,13 +55,15 @@ def test_loss_from_hidden_keeps_the_loss_contract(pool, size, chunk, grad_scale)
 
 def _counted_step(sp, model, batch, checkpointing):
     """Per-kind (calls, bytes) of the forward and of the backward, and the parameter gradients."""
+    from ds_seqpar.memory import enable_checkpointing
     model.zero_grad()
     if checkpointing:
-        model.activation_checkpointing_enable()
+        enable_checkpointing(model)         # the project's LM and transformers models alike
     else:
         model.activation_checkpointing_disable()
     sp.stats.reset()
-    logits = model(batch["input_ids"], batch["position_ids"])
+    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+    logits = getattr(out, "logits", out)
     fwd = {k: (sp.stats.calls[k], sp.stats.bytes[k]) for k in sp.stats.calls}
     sp.stats.reset()
     logits.square().mean().backward()           # no loss collective: only the layers communicate
@@ -69,20 +71,31 @@ def _counted_step(sp, model, batch, checkpointing):
     return fwd, bwd, [p.grad.clone() for p in model.parameters()]
 
 
+def _model(kind, section, sp):
+    torch.manual_seed(0)
+    if kind == "llama":                     # a transformers model on ds_seqpar attention
+        from ds_seqpar.hf import apply_sequence_parallel
+        from ..hf_models import tiny_model
+        return apply_sequence_parallel(tiny_model("llama", vocab_size=V), sp)
+    attention = "linear" if section["strategy"] == "lasp" else "softmax"
+    return CausalLM(ModelConfig(vocab_size=V, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, attention=attention),
+                    sp).train()
+
+
+CASES = [("lm", name) for name in SHIPPED] + [("llama", "zigzag"), ("llama", "ulysses")]
+
+
 def _checkpoint_stats_case():
     checked = []
-    for name in SHIPPED:
+    for kind, name in CASES:
         section = shipped_config(name)["sequence_parallel"]
         sp = SequenceParallel(section)
-        attention = "linear" if section["strategy"] == "lasp" else "softmax"
-        torch.manual_seed(0)
-        model = CausalLM(ModelConfig(vocab_size=V, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                                     attention=attention), sp).train()
+        model = _model(kind, section, sp)
         ids = torch.randint(0, V, (1, 32), generator=torch.Generator().manual_seed(5))
         batch = sp.shard_batch({"input_ids": ids})
         fwd0, bwd0, grads0 = _counted_step(sp, model, batch, checkpointing=False)
         fwd1, bwd1, grads1 = _counted_step(sp, model, batch, checkpointing=True)
-        case = f"{name} sp_rank={sp.rank}"
+        case = f"{kind} {name} sp_rank={sp.rank}"
         assert fwd0 and fwd1 == fwd0, f"{case}: checkpointing changed the forward's collectives {fwd0} -> {fwd1}"
         want = {k: (bwd0.get(k, (0, 0))[0] + fwd0.get(k, (0, 0))[0], bwd0.get(k, (0, 0))[1] + fwd0.get(k, (0, 0))[1])
                 for k in set(bwd0) | set(fwd0)}
@@ -91,10 +104,11 @@ def _checkpoint_stats_case():
         for i, (a, b) in enumerate(zip(grads1, grads0)):
             # the recompute sees the same inputs and runs the same kernels: the same gradients
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9, msg=lambda m: f"{case} parameter {i}: {m}")
-        checked.append(name)
+        checked.append((kind, name))
     return checked
 
 
 def test_checkpointing_repeats_the_forward_collectives_once(pool):
+    """Every strategy on the project's LM, and a transformers Llama on ds_seqpar attention."""
     results = pool.run(_checkpoint_stats_case)
-    assert all(r == SHIPPED for r in results), results
+    assert all(r == CASES for r in results), results

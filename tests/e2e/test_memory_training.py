@@ -1,7 +1,8 @@
 """End to end: training with every memory feature on (fused tiled loss, tiled MLP, checkpointing
 of every layer with host offload) under every strategy at dp 2 x sp 2, ZeRO-2 and ZeRO-3, gives
-the losses and gradient norms of plain data-parallel training; the shipped long_context.json
-trains; an unsupported activation_checkpointing key stops every rank with one message.
+the losses and gradient norms of plain data-parallel training, for the project's LM and for a
+transformers Llama (--model); the shipped long_context.json trains; an unsupported
+activation_checkpointing key stops every rank with one message.
 
 Derived tolerance: a run's error against the float64 plain reference may be at most K times the
 error of the float32 plain reference (plus a floor of 1e-7 relative, far below what a lost chunk,
@@ -73,6 +74,34 @@ def test_memory_features_train_like_plain_data_parallel(pool, tmp_path, name, st
     ds["zero_optimization"]["stage"] = stage
     results = pool.run(_train, dict(TINY, deepspeed_config=ds, run_dir=str(tmp_path)))
     check_against_reference(results, name, ds["sequence_parallel"]["size"], f"{name} ZeRO-{stage} + memory")
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    from ..hf_models import save_tiny
+    return save_tiny(tmp_path_factory.mktemp("hf_models") / "llama", "llama", seed=5, vocab_size=256)
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_references(model_dir, name, dp_size):
+    args = dict(TINY, model=model_dir, deepspeed_config=shipped_config(name))
+    return reference_losses(args, dp_size, torch.float64), reference_losses(args, dp_size, torch.float32)
+
+
+@pytest.mark.parametrize("name,stage", [("ulysses", 2), ("ring", 3), ("zigzag", 2), ("zigzag", 3), ("striped", 2),
+                                        ("hybrid", 3)])
+def test_hf_llama_with_memory_features_trains_like_plain_data_parallel(pool, tmp_path, llama_dir, name, stage):
+    """--model: a transformers Llama with ds_seqpar attention, its MLPs tiled, its layers checkpointed
+    through activation_checkpointing_enable, the fused tiled loss; every strategy, ZeRO-2 and ZeRO-3."""
+    from .test_hf_train import HF_TINY
+    ds = with_memory_features(shipped_config(name))
+    ds["zero_optimization"]["stage"] = stage
+    results = pool.run(_train, dict(HF_TINY, model=llama_dir, deepspeed_config=ds, run_dir=str(tmp_path)))
+    (loss64, norm64), (loss32, norm32) = _hf_references(llama_dir, name, len(results) // ds["sequence_parallel"]["size"])
+    for r in results:
+        who = f"--model llama {name} ZeRO-{stage} + memory rank {r['rank']} (dp_rank {r['dp_rank']})"
+        assert_derived(r["losses"], loss64[r["dp_rank"]], loss32[r["dp_rank"]], who, "loss")
+        assert_derived(r["grad_norms"], norm64, norm32, who, "gradient norm")
 
 
 def test_shipped_long_context_config_trains(pool, tmp_path):
