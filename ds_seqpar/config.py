@@ -61,6 +61,14 @@ class SequenceParallelConfig(BaseModel):
     Merges, the ring's dK/dV accumulators and LASP states stay fp32 in every case. DeepSpeed's
     seq_parallel_communication_data_type, when present, sets it."""
 
+    tiled_loss_tokens: int = Field(default=0, ge=0)
+    """> 0: the LM head and the loss run fused over chunks of this many local tokens, so the
+    [tokens, vocab] logits never exist at once (sp.loss_from_hidden); exact. 0 = off."""
+
+    tiled_mlp_tokens: int = Field(default=0, ge=0)
+    """> 0: every decoder layer's MLP runs over chunks of this many local tokens in forward and
+    backward (memory.tile_mlps); exact. 0 = off."""
+
     @model_validator(mode="after")
     def _check_choices(self) -> "SequenceParallelConfig":
         _check_choice("strategy", self.strategy, STRATEGY_NAMES)

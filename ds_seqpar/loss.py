@@ -58,6 +58,13 @@ def sequence_loss(logits_blv: torch.Tensor, labels_bl: torch.Tensor, group=None,
     batch with no valid token gives 0 with zero gradients instead of 0/0 = NaN.
     """
     loss_sum, count = local_loss_sum(logits_blv, labels_bl, ignore_index)
+    return global_mean(loss_sum, count, group, stats, grad_scale)
+
+
+def global_mean(loss_sum: torch.Tensor, count: torch.Tensor, group=None, stats: Optional[comm.CommStats] = None,
+                grad_scale: float = 1.0) -> torch.Tensor:
+    """(this rank's loss sum, valid count) -> the sequence group's mean, with the backward above.
+    Shared by sequence_loss and the fused head + loss (memory/tiled_loss.py)."""
     if grad_scale != 1.0:
         loss_sum = _ScaleGrad.apply(loss_sum, float(grad_scale))
     pair = torch.stack([loss_sum.double(), count.detach().double()])        # [2]
@@ -66,4 +73,4 @@ def sequence_loss(logits_blv: torch.Tensor, labels_bl: torch.Tensor, group=None,
     return (pair[0] / pair[1].clamp(min=1.0)).to(loss_sum.dtype)
 
 
-__all__ = ["sequence_loss", "local_loss_sum"]
+__all__ = ["sequence_loss", "local_loss_sum", "global_mean"]

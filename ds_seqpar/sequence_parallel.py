@@ -23,6 +23,7 @@ from .config import ConfigError, SequenceParallelConfig, load_ds_config
 from .kernels import get_kernel
 from .kernels.base import check_head_groups
 from .loss import sequence_loss
+from .memory.tiled_loss import sequence_loss_from_hidden
 from .sharding.agreement import check_same_on_ranks
 from .sharding.batch import shard_batch
 from .sharding.documents import Documents, as_boundaries, check_documents
@@ -212,6 +213,18 @@ class SequenceParallel:
         ZeRO stage (zero.py)."""
         scale = self.loss_grad_scale if grad_scale is None else grad_scale
         return sequence_loss(logits, labels, self.group, ignore_index, self.stats, scale)
+
+    def loss_from_hidden(self, hidden, lm_head, labels, bias=None, chunk_tokens: Optional[int] = None,
+                         ignore_index: int = -100, grad_scale: Optional[float] = None):
+        """``sp.loss(lm_head(hidden), labels)`` with the head's matmul fused into the loss over chunks of
+        ``chunk_tokens`` local tokens (default ``sequence_parallel.tiled_loss_tokens``; 0 = all at once):
+        the [tokens, vocab] logits never exist; same value and gradients, same contract as loss.
+        ``lm_head``: the head module (needed under ZeRO-3: it gathers the weight around the call) or
+        its weight [vocab, hidden], with ``bias``."""
+        scale = self.loss_grad_scale if grad_scale is None else grad_scale
+        chunk = self.config.tiled_loss_tokens if chunk_tokens is None else chunk_tokens
+        return sequence_loss_from_hidden(hidden, lm_head, labels, self.group, bias, chunk, ignore_index,
+                                         self.stats, scale)
 
     def __repr__(self) -> str:
         return (f"SequenceParallel(strategy={self.strategy_name!r}, size={self.size}, rank={self.rank}, "

@@ -24,14 +24,16 @@ from ds_seqpar.train.args import resolve_args
 def plain_loss(model, batch):
     ids = batch["input_ids"]
     pos = torch.arange(ids.shape[1]).expand_as(ids)
-    logits = model(ids, pos).float()
+    logits = model(ids, pos)
+    logits = logits if logits.dtype == torch.float64 else logits.float()     # float64: the exact reference
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch["labels"][:, 1:].reshape(-1),
                            ignore_index=data.IGNORE_INDEX)
 
 
 def reference_losses(args, dp_size, dtype=torch.float32):
     """(losses per replica per step, gradient norm per step) of plain data-parallel training over
-    ``dp_size`` replicas; the norm is the averaged gradient's, before clipping."""
+    ``dp_size`` replicas; the norm is the averaged gradient's, before clipping. ``dtype=float64``
+    gives the reference that derived tolerances measure errors against."""
     from deepspeed.runtime.lr_schedules import WarmupLR
     opts = resolve_args(args)
     ds = build_ds_config(opts)
@@ -41,7 +43,9 @@ def reference_losses(args, dp_size, dtype=torch.float32):
     tokens = load_tokens(opts)
     torch.manual_seed(opts.seed)
     model = build_model(opts, cfg, hf_config, data.vocab_size_of(tokens, opts.vocab_size), sp=None)  # fp32 master
-    work = copy.deepcopy(model).to(dtype) if dtype != torch.float32 else model
+    if dtype == torch.float64:
+        model = model.to(dtype)         # the float64 reference of derived tolerances: no fp32 master
+    work = copy.deepcopy(model).to(dtype) if dtype in (torch.bfloat16, torch.float16) else model
     params = copy.deepcopy(ds["optimizer"]["params"])
     params.pop("torch_adam", None)
     assert ds["optimizer"]["type"] == "AdamW", ds["optimizer"]

@@ -18,6 +18,8 @@ attention and vs the no-communication "halves" bound (with --lasp-breakdown, the
 each LASP rank position: lasp_pieces.py), ours vs deepspeed.sequence.layer.DistributedAttention,
 and the whole training step of the small LM (ZeRO-2) at P ranks vs one. Writes <out>/<name>.json,
 <out>/<name>.md and <out>/<name>/*.png; with --wandb one wandb run per case, grouped by the bench name.
+``ds-seqpar bench memory`` is the memory case (memory.py: peak memory per rank of a training step
+with and without the long-context memory features).
 """
 from __future__ import annotations
 
@@ -337,6 +339,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if "--packed" in argv:               # packed documents vs one document: its own options and page
         from .packed import main as packed_main
         return packed_main([a for a in argv if a != "--packed"])
+    if argv[:1] == ["memory"]:              # the memory case: its own options (memory.py)
+        from .memory import main as memory_main
+        return memory_main(argv[1:])
     if "--render" in argv:
         print(f"ds-seqpar bench: wrote {render_saved(build_parser().parse_args(argv).render)}")
         return 0

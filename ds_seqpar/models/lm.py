@@ -25,6 +25,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..kernels.linear import linear_attention as local_linear_attention
+from ..loss import sequence_loss
+from ..memory.checkpointing import CHECKPOINT_KWARGS, checkpoint_layer
 
 
 @dataclass
@@ -168,7 +170,8 @@ class CausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, sp=None):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.sp = cfg, sp
+        self.checkpoint_kwargs = None       # activation_checkpointing_enable sets them
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.blocks = nn.ModuleList(Block(cfg, sp) for _ in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
@@ -187,13 +190,32 @@ class CausalLM(nn.Module):
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
-        """``cu_seqlens``: packed documents (sp.shard_batch's), passed to every attention layer."""
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                labels: Optional[torch.Tensor] = None, cu_seqlens=None) -> torch.Tensor:
+        """Logits [B, L, V]; with ``labels`` (from sp.shard_batch) the loss instead: sp.loss, or the
+        fused tiled head + loss when sequence_parallel.tiled_loss_tokens > 0 (no [B, L, V] tensor).
+        ``cu_seqlens``: packed documents (sp.shard_batch's), passed to every attention layer."""
         x = self.embed(input_ids)                                           # [B, L, dim]
+        checkpointing = self.checkpoint_kwargs is not None and self.training and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x, position_ids, cu_seqlens)
+            x = checkpoint_layer(block, x, position_ids, cu_seqlens, **self.checkpoint_kwargs) if checkpointing \
+                else block(x, position_ids, cu_seqlens)
         x = self.norm(x)
-        return self.lm_head(x)                                              # [B, L, V]
+        if labels is None:
+            return self.lm_head(x)                                          # [B, L, V]
+        if self.sp is None:
+            return sequence_loss(self.lm_head(x), labels)
+        if self.sp.config.tiled_loss_tokens:
+            return self.sp.loss_from_hidden(x, self.lm_head, labels)
+        return self.sp.loss(self.lm_head(x), labels)
+
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: Optional[dict] = None) -> None:
+        """Checkpoint every block in training (the Hugging Face switch's name and argument): the
+        forward keeps each block's input only, the backward recomputes the block."""
+        self.checkpoint_kwargs = dict(activation_checkpointing_kwargs or CHECKPOINT_KWARGS)
+
+    def activation_checkpointing_disable(self) -> None:
+        self.checkpoint_kwargs = None
 
     def num_params(self) -> int:
         # ZeRO-3 leaves each rank a slice; ds_numel is the full size

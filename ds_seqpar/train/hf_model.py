@@ -1,28 +1,41 @@
 """``--model PATH``: the main job trains a local Hugging Face causal LM instead of its own.
 
-The trainer calls ``engine(input_ids, position_ids)`` and ``sp.loss`` on the logits, as for the own
+The trainer calls ``engine(input_ids, position_ids, labels=labels)`` for the loss, as for the own
 LM; ``HFCausalLM`` is the thin adapter that makes a transformers model answer that call (its
 positional signature is (input_ids, attention_mask, position_ids, ...), so the ids are passed by
 name). Everything that can be refused is refused before weights are loaded, on every rank alike.
 """
 from __future__ import annotations
 
+import inspect
+from typing import Optional
+
 import torch
 import torch.nn as nn
 
+from ..loss import sequence_loss
 from .args import TrainConfigError
 
 
 class HFCausalLM(nn.Module):
-    """``forward(input_ids [B, L], position_ids [B, L]) -> logits [B, L, V]``, as models.CausalLM."""
+    """``forward(input_ids [B, L], position_ids [B, L]) -> logits [B, L, V]``, as models.CausalLM;
+    with ``labels`` the loss instead: sp.loss, or the fused tiled head + loss when
+    sequence_parallel.tiled_loss_tokens > 0 (the model then computes one token's logits only)."""
 
-    def __init__(self, model: nn.Module, path: str, loaded_weights: bool):
+    def __init__(self, model: nn.Module, path: str, loaded_weights: bool, sp=None):
         super().__init__()
-        self.model = model
+        self.model, self.sp = model, sp
         self.cfg = HFModelInfo(model.config, path, loaded_weights)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, position_ids=position_ids).logits
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if labels is None or self.sp is None or not self.sp.config.tiled_loss_tokens:
+            logits = self.model(input_ids=input_ids, position_ids=position_ids).logits
+            return logits if labels is None else (self.sp.loss(logits, labels) if self.sp else sequence_loss(
+                logits, labels))
+        # the decoder's last (normed) hidden states, through the model's own call and hooks
+        out = self.model(input_ids=input_ids, position_ids=position_ids, output_hidden_states=True, logits_to_keep=1)
+        return self.sp.loss_from_hidden(out.hidden_states[-1], self.model.get_output_embeddings(), labels)
 
     def num_params(self) -> int:
         # ZeRO-3 leaves each rank a slice; ds_numel is the full size
@@ -80,7 +93,11 @@ def build(opts, config, sp=None) -> HFCausalLM:
     model.train()
     if sp is not None:
         apply_sequence_parallel(model, sp)
-    return HFCausalLM(model, opts.model, loaded)
+        if sp.config.tiled_loss_tokens and "logits_to_keep" not in inspect.signature(model.forward).parameters:
+            raise TrainConfigError(f"sequence_parallel.tiled_loss_tokens={sp.config.tiled_loss_tokens} with --model "
+                                   f"{opts.model!r}: {type(model).__name__}.forward takes no logits_to_keep, so it "
+                                   f"would compute every token's logits anyway; set tiled_loss_tokens to 0")
+    return HFCausalLM(model, opts.model, loaded, sp)
 
 
 __all__ = ["HFCausalLM", "build", "check_options", "check_run", "load_config"]

@@ -32,6 +32,7 @@ import torch
 
 from .. import comm
 from ..config import ConfigError, SequenceParallelConfig
+from ..memory import MemoryConfig, apply_memory_features
 from ..models import CausalLM, ModelConfig
 from ..sequence_parallel import SequenceParallel
 from . import data, hf_model
@@ -47,6 +48,7 @@ def run_training(args: Mapping[str, Any], model_factory: Optional[Callable] = No
     opts = resolve_args(args)
     ds_config = build_ds_config(opts)
     sp_cfg = SequenceParallelConfig.from_ds_config(ds_config)
+    memory = MemoryConfig.from_ds_config(ds_config, sp_cfg)     # tiled loss/MLP, checkpointing
     _join_world(opts, sp_cfg.timeout_s)
     hf_config = load_hf_config(opts, sp_cfg, ds_config)        # --model: options checked, no weights yet
     model_cfg = None if hf_config is not None else model_config(opts, sp_cfg)
@@ -66,6 +68,8 @@ def run_training(args: Mapping[str, Any], model_factory: Optional[Callable] = No
         # built whole on every rank; under ZeRO-3 deepspeed.initialize partitions it over sp.mpu's
         # data-parallel group, which is every rank (topology.py)
         model = build_model(opts, model_cfg, hf_config, vocab_size, sp).to(sp.device)
+    # tiled MLPs, per-layer checkpointing, host offload: on the transformers model itself for --model
+    apply_memory_features(model.model if hf_config is not None else model, memory)
     trainer = Trainer(opts, ds_config, sp, model, tokens)
     try:
         return trainer.train()

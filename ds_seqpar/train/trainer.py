@@ -97,8 +97,8 @@ class Trainer:
                                         o.seq_len, o.seed, o.ignore_frac)
             local = {k: v.to(eng.device) for k, v in sp.shard_batch(batch).items()}
             c0 = m.clock()
-            logits = eng(local["input_ids"], local["position_ids"])
-            loss = sp.loss(logits, local["labels"])
+            # the model computes the loss: sp.loss, or the fused tiled head + loss (tiled_loss_tokens)
+            loss = eng(local["input_ids"], local["position_ids"], labels=local["labels"])
             eng.backward(loss)
             compute_s += m.clock() - c0
             loss_sum += loss.item()

@@ -1,0 +1,234 @@
+"""``ds-seqpar bench memory``: peak memory per rank of a full training step (forward, backward,
+optimizer step) at several tokens per rank, with and without the long-context memory features
+(fused tiled loss, tiled MLP, checkpointing of every layer with host offload), at P = 1, 2, 4;
+and the step-time cost of the features at a short sequence.
+
+    ds-seqpar bench memory                                   # the preset -> reports/memory_cpu.{md,json,/}
+    ds-seqpar bench memory --models lm --P 1,2 --on-tokens 2048,8192 --name mine
+    ds-seqpar bench memory --resume                          # keep the measurements already in the JSON
+    ds-seqpar bench memory --render reports/memory_cpu.json  # re-render page and plots only
+
+Models: an HF Llama-architecture config (LlamaForCausalLM from LlamaConfig, vocab 32000, hidden
+256, 8 layers, 8 heads, 2 k/v heads, random init; at P > 1 its attention goes through
+ds_seqpar.hf) and the project's LM with the same sizes. DeepSpeed ZeRO-2, fp32, AdamW, zigzag.
+
+How memory is measured: every measurement runs in fresh processes (a new P-rank pool), which
+read the kernel's high-water mark of their resident set (VmHWM in /proc/self/status, reset per
+phase through /proc/self/clear_refs): the real peak of the process, whoever allocated. glibc's
+malloc keeps freed blocks below its dynamic mmap threshold (up to 32 MB) in the heap, where they
+inflate the resident set by whatever the step freed last; the pools therefore run with
+MALLOC_MMAP_THRESHOLD_=65536 (tensors are mapped and unmapped, so resident memory follows live
+tensors). ``--malloc default`` measures with glibc's defaults instead. See memory_step.py for a
+step's phases and memory_summary.py for the arithmetic.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+from ..report.plotting import require_matplotlib
+from .memory_step import MemorySpec, measure_peak, time_steps
+
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+PRESET = {"models": "llama,lm", "P": "1,2,4", "budget_gib": 2.0,
+          "on_tokens": {1: [2048, 8192, 16384], 2: [2048, 8192], 4: [2048, 4096]},
+          "off_tokens": {1: [1024, 2048], 2: [1024, 2048], 4: [1024, 2048]},
+          "timing_tokens": 1024, "timing_rounds": 3, "timing_steps": 2}
+
+
+class MemoryBenchError(ValueError):
+    """A bad option, found before any rank starts."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    ap = argparse.ArgumentParser(prog="ds-seqpar bench memory", description="Peak memory per rank of a full "
+                                 "training step with and without the long-context memory features.")
+    ap.add_argument("--models", default=PRESET["models"], help="comma list of llama, lm")
+    ap.add_argument("--P", type=ints, default=ints(PRESET["P"]), help="sequence-parallel sizes (ranks)")
+    ap.add_argument("--on-tokens", type=ints, help="tokens per rank with the features (default: the preset's per P)")
+    ap.add_argument("--off-tokens", type=ints, help="tokens per rank without them (default: the preset's per P)")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--budget-gib", type=float, default=PRESET["budget_gib"], help="per-rank memory budget")
+    ap.add_argument("--timing-tokens", type=int, default=PRESET["timing_tokens"],
+                    help="tokens per rank of the step-time comparison (0: skip it)")
+    ap.add_argument("--timing-rounds", type=int, default=PRESET["timing_rounds"])
+    ap.add_argument("--malloc", choices=("mmap", "default"), default="mmap", help="glibc malloc setting of the ranks")
+    ap.add_argument("--out", default="reports")
+    ap.add_argument("--name", default="memory_cpu")
+    ap.add_argument("--resume", action="store_true", help="reuse the measurements already in <out>/<name>.json")
+    ap.add_argument("--render", metavar="JSON", help="measure nothing: rewrite the page and plots of a results file")
+    return ap
+
+
+def plan(args) -> List[MemorySpec]:
+    """Every peak measurement, in a fixed order (model, P, without before with, short before long)."""
+    specs = []
+    for model in args.models.split(","):
+        if model not in ("llama", "lm"):
+            raise MemoryBenchError(f"--models: unknown model {model!r}; choose llama, lm")
+        for world in args.P:
+            for features in (False, True):
+                table = PRESET["on_tokens" if features else "off_tokens"]
+                given = args.on_tokens if features else args.off_tokens
+                for n in given or table.get(world, table[max(table)]):
+                    specs.append(MemorySpec(model=model, world=world, tokens_per_rank=n, features=features,
+                                            hidden=args.hidden, layers=args.layers))
+    return specs
+
+
+def hf_available() -> bool:
+    """ds_seqpar.hf in THIS package (an editable install's finder may resolve it elsewhere)."""
+    import ds_seqpar
+    return os.path.exists(os.path.join(os.path.dirname(ds_seqpar.__file__), "hf", "__init__.py"))
+
+
+def _pool(world: int, malloc: str):
+    """A fresh pool of ``world`` one-thread ranks, started with the measurement's malloc setting."""
+    from ..launch.rankpool import RankPool
+    saved = {k: os.environ.get(k) for k in MALLOC_ENV}
+    if malloc == "mmap":
+        os.environ.update(MALLOC_ENV)
+    try:
+        return RankPool(world, timeout_s=7200.0, threads_per_rank=1).start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def measure_one(spec: MemorySpec, malloc: str) -> Dict[str, Any]:
+    pool = _pool(spec.world, malloc)
+    try:
+        ranks = pool.run(measure_peak, spec, timeout=7200.0)
+    finally:
+        pool.close()
+    top = max(ranks, key=lambda r: r["peak_bytes"])          # the per-rank figure is the largest rank's
+    phases = {p: max(r["phase_peak_bytes"][p] for r in ranks) for p in ranks[0]["phase_peak_bytes"]}
+    return dict(spec.as_dict(), ranks=ranks, peak_bytes=top["peak_bytes"], resident_bytes=top["resident_bytes"],
+                phase_peak_bytes=phases, step_s=top["step_s"])
+
+
+def measure_timing(model: str, world: int, args) -> Dict[str, Any]:
+    base = dict(model=model, world=world, tokens_per_rank=args.timing_tokens, hidden=args.hidden,
+                layers=args.layers, steps=PRESET["timing_steps"])
+    pool = _pool(world, "default")
+    try:
+        ranks = pool.run(time_steps, MemorySpec(features=False, **base), MemorySpec(features=True, **base),
+                         args.timing_rounds, timeout=7200.0)
+    finally:
+        pool.close()
+    # a step ends when its slowest rank ends: per round the largest rank's time
+    return {"tokens_per_rank": args.timing_tokens, "load_1min": os.getloadavg()[0],
+            "off_s": [max(r["off_s"][i] for r in ranks) for i in range(args.timing_rounds)],
+            "on_s": [max(r["on_s"][i] for r in ranks) for i in range(args.timing_rounds)]}
+
+
+def _spec_id(m: Dict[str, Any]) -> tuple:
+    return (m["model"], m["world"], m["features"], m["tokens_per_rank"], m["hidden"], m["layers"])
+
+
+def run(args, argv: List[str]) -> Dict[str, Any]:
+    path = os.path.join(args.out, f"{args.name}.json")
+    res = _load(path) if args.resume and os.path.exists(path) else {"measurements": [], "timing": {}, "skipped": []}
+    res["meta"] = {"name": args.name, "command": "ds-seqpar bench memory " + " ".join(argv), "malloc": args.malloc,
+                   "budget_bytes": int(args.budget_gib * 2 ** 30), "hidden": args.hidden, "layers": args.layers,
+                   "vocab": MemorySpec.vocab, "heads": MemorySpec.heads, "kv_heads": MemorySpec.kv_heads,
+                   "intermediate": MemorySpec.intermediate, "tiled_loss_tokens": MemorySpec.tiled_loss_tokens,
+                   "tiled_mlp_tokens": MemorySpec.tiled_mlp_tokens, "strategy": MemorySpec.strategy}
+    done = {_spec_id(m) for m in res["measurements"]}
+    start = time.monotonic()
+    for spec in plan(args):
+        if spec.model == "llama" and spec.world > 1 and not hf_available():
+            why = "HF Llama at P>1 needs ds_seqpar.hf (the Hugging Face attention integration), not in this build"
+            if why not in res["skipped"]:
+                res["skipped"].append(why)
+            continue
+        if _spec_id(spec.as_dict()) in done:
+            continue
+        print(f"ds-seqpar bench memory: {spec.model} P={spec.world} features={spec.features} "
+              f"{spec.tokens_per_rank} tokens/rank ...", flush=True)
+        res["measurements"].append(measure_one(spec, args.malloc))
+        _save(res, path)
+    if args.timing_tokens:
+        for model in args.models.split(","):
+            for world in [p for p in args.P if p <= 2]:
+                k = f"{model}/P{world}"
+                if k in res["timing"] or (model == "llama" and world > 1 and not hf_available()):
+                    continue
+                print(f"ds-seqpar bench memory: step time {k} ...", flush=True)
+                res["timing"][k] = measure_timing(model, world, args)
+                _save(res, path)
+    res["elapsed_s"] = res.get("elapsed_s", 0.0) + time.monotonic() - start
+    return finish(res, args.out)
+
+
+def finish(res: Dict[str, Any], out: str) -> Dict[str, Any]:
+    """Summaries, checks, machine facts; JSON, markdown and plots."""
+    from . import memory_summary as S
+    from .memory_report import write_report
+    floor = res["meta"]["layers"] * res["meta"]["hidden"] * 4
+    res["variants"] = S.summarize(res["measurements"], floor, res["meta"]["budget_bytes"])
+    res["checks"] = S.checks(res["variants"], floor)
+    res["timing_rows"] = S.timing_rows(res["timing"])
+    res.setdefault("machine", _machine())
+    _save(res, os.path.join(out, f"{res['meta']['name']}.json"))
+    md = write_report(res, out)
+    width = max([len(c["what"]) for c in res["checks"]] or [0])
+    print("\n".join(f"{c['what']:<{width}}  {c['measured']:8.3f}  {c['target']:>9}  {c['result']}" for c in res["checks"]))
+    print(f"ds-seqpar bench memory: wrote {md}")
+    return res
+
+
+def _machine() -> Dict[str, Any]:
+    import platform
+    import deepspeed
+    import torch
+    model = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu_model": model, "cpus": os.cpu_count(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+            "python": platform.python_version(), "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg())}
+
+
+def _load(path: str) -> Dict[str, Any]:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _save(res: Dict[str, Any], path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.render:
+        res = _load(args.render)
+        finish(res, os.path.dirname(args.render) or ".")
+        return 0
+    try:
+        plan(args)
+        require_matplotlib("the report's plots", MemoryBenchError)     # before measuring, not after
+    except MemoryBenchError as err:
+        print(f"ds-seqpar bench memory: error: {err}", file=sys.stderr)
+        return 2
+    run(args, argv)
+    return 0
+
+
+__all__ = ["main", "run", "plan", "measure_one", "PRESET"]

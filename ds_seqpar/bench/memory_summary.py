@@ -1,0 +1,150 @@
+"""Pure arithmetic of ``ds-seqpar bench memory``: from measured peaks to bytes per token, the phase
+model of a step's peak, the longest sequence in a budget, and the checks against the goals.
+
+A step's peak is the largest of its phases' peaks (forward, loss backward, layers backward, end of
+backward, optimizer step). Each phase's peak is affine in the tokens per rank N: a fixed part
+(weights, gradient buffers, optimizer state, runtime, and fixed-size buffers such as one chunk of
+logits) plus bytes per token times N. Fitting every phase over the measured lengths gives
+
+    peak(N) = max_phase (a_phase + b_phase * N)
+
+whose largest slope is the step's bytes per token per rank at long sequence (the asymptote the
+shorter measurements approach), and whose inverse at a budget is the longest sequence that fits.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+KIB, MIB, GIB = 1024, 2 ** 20, 2 ** 30
+GOALS = {"features_vs_plain": 1 / 8, "features_vs_floor": 3.0, "p2_peak_vs_p1": 1.10, "max_seq_p2_vs_p1": 1.95}
+
+
+def key(model: str, world: int, features: bool) -> str:
+    return f"{model}/P{world}/{'on' if features else 'off'}"
+
+
+def fit_line(xs: List[float], ys: List[float]) -> Dict[str, float]:
+    """Least-squares y = a + b x (b = 0 with one point), and the largest residual."""
+    n = len(xs)
+    if n == 1:
+        return {"a": ys[0], "b": 0.0, "max_residual": 0.0}
+    mx, my = sum(xs) / n, sum(ys) / n
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    a = my - b * mx
+    return {"a": a, "b": b, "max_residual": max(abs(a + b * x - y) for x, y in zip(xs, ys))}
+
+
+def phase_model(points: List[Dict[str, Any]]) -> Dict[str, Dict[str, float]]:
+    """phase -> fitted line of its peak (bytes) against tokens per rank."""
+    phases = points[0]["phase_peak_bytes"]
+    return {p: fit_line([pt["tokens_per_rank"] for pt in points], [pt["phase_peak_bytes"][p] for pt in points])
+            for p in phases}
+
+
+def predict_peak(model: Dict[str, Dict[str, float]], n: float) -> float:
+    return max(line["a"] + line["b"] * n for line in model.values())
+
+
+def max_tokens(model: Dict[str, Dict[str, float]], budget: float) -> int:
+    """The most tokens per rank whose predicted step peak stays within ``budget`` bytes."""
+    limit = float("inf")
+    for line in model.values():
+        if line["b"] <= 0:
+            if line["a"] > budget:
+                return 0
+            continue
+        limit = min(limit, (budget - line["a"]) / line["b"])
+    return max(0, int(limit)) if limit != float("inf") else -1
+
+
+def summarize_variant(points: List[Dict[str, Any]], floor: int, budget: float, world: int) -> Dict[str, Any]:
+    """Rows per measured length plus the phase model's slope, dominant phase and longest sequence."""
+    points = sorted(points, key=lambda p: p["tokens_per_rank"])
+    model = phase_model(points)
+    dominant = max(model, key=lambda p: model[p]["b"])
+    rows, prev = [], None
+    for pt in points:
+        n, peak = pt["tokens_per_rank"], pt["peak_bytes"]
+        activation = max(v for p, v in pt["phase_peak_bytes"].items() if p != "optimizer") - pt["resident_bytes"]
+        row = {"tokens_per_rank": n, "resident_bytes": pt["resident_bytes"], "peak_bytes": peak,
+               "activation_bytes": activation,
+               "above_static_per_token": (peak - pt["resident_bytes"]) / n,
+               "peak_phase": max(pt["phase_peak_bytes"], key=pt["phase_peak_bytes"].get),
+               "marginal_per_token": None if prev is None else (peak - prev[1]) / (n - prev[0]),
+               "step_s": pt["step_s"][-1]}
+        rows.append(row)
+        prev = (n, peak)
+    n_max = max_tokens(model, budget)
+    return {"rows": rows, "phase_model": model, "bytes_per_token": model[dominant]["b"], "dominant_phase": dominant,
+            "floor_ratio": model[dominant]["b"] / floor, "fit_max_residual": max(m["max_residual"] for m in model.values()),
+            "max_tokens_per_rank": n_max, "max_seq_len": world * n_max if n_max >= 0 else None}
+
+
+def summarize(measurements: List[Dict[str, Any]], floor: int, budget: float) -> Dict[str, Dict[str, Any]]:
+    groups: Dict[str, List[Dict[str, Any]]] = {}
+    for m in measurements:
+        groups.setdefault(key(m["model"], m["world"], m["features"]), []).append(m)
+    out = {}
+    for k, pts in sorted(groups.items()):
+        out[k] = summarize_variant(pts, floor, budget, pts[0]["world"])
+        out[k].update(model=pts[0]["model"], world=pts[0]["world"], features=pts[0]["features"])
+    return out
+
+
+def _check(what: str, measured: Optional[float], target: str, ok: Optional[bool]) -> Dict[str, Any]:
+    result = "n/a" if ok is None else ("PASS" if ok else "FAIL")
+    return {"what": what, "measured": measured, "target": target, "result": result}
+
+
+def checks(variants: Dict[str, Dict[str, Any]], floor: int) -> List[Dict[str, Any]]:
+    """The goals, per model: features vs plain and vs the floor at every P measured, P=2 vs P=1."""
+    out = []
+    models = sorted({v["model"] for v in variants.values()})
+    for model in models:
+        worlds = sorted({v["world"] for v in variants.values() if v["model"] == model})
+        for p in worlds:
+            on, off = variants.get(key(model, p, True)), variants.get(key(model, p, False))
+            if on and off:
+                r = on["bytes_per_token"] / off["bytes_per_token"]
+                out.append(_check(f"{model} P={p}: bytes/token with features / without", r, "<= 0.125",
+                                  r <= GOALS["features_vs_plain"]))
+            if on:
+                out.append(_check(f"{model} P={p}: bytes/token with features / floor", on["floor_ratio"], "<= 3",
+                                  on["floor_ratio"] <= GOALS["features_vs_floor"]))
+        for features in (True, False):
+            one, two = variants.get(key(model, 1, features)), variants.get(key(model, 2, features))
+            if not (one and two):
+                continue
+            common = sorted({r["tokens_per_rank"] for r in one["rows"]} & {r["tokens_per_rank"] for r in two["rows"]})
+            tag = "with" if features else "without"
+            for n in common:
+                r1 = next(r for r in one["rows"] if r["tokens_per_rank"] == n)
+                r2 = next(r for r in two["rows"] if r["tokens_per_rank"] == n)
+                ratio = r2["peak_bytes"] / r1["peak_bytes"]
+                out.append(_check(f"{model} {tag} features, {n} tokens/rank: step peak per rank P=2 / P=1", ratio,
+                                  "<= 1.10", ratio <= GOALS["p2_peak_vs_p1"]))
+                # what the tokens cost, without the static part (ZeRO shards the optimizer over P)
+                ratio = r2["activation_bytes"] / r1["activation_bytes"]
+                out.append(_check(f"{model} {tag} features, {n} tokens/rank: forward+backward peak above static "
+                                  f"P=2 / P=1", ratio, "0.90-1.10", abs(ratio - 1) <= GOALS["p2_peak_vs_p1"] - 1))
+            if features and one["max_seq_len"] and two["max_seq_len"]:
+                r = two["max_seq_len"] / one["max_seq_len"]
+                out.append(_check(f"{model} with features: longest sequence in the budget, P=2 / P=1", r, ">= 1.95",
+                                  r >= GOALS["max_seq_p2_vs_p1"]))
+    return out
+
+
+def timing_rows(timing: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Per (model, P): median step seconds without / with the features and their ratio per round."""
+    import statistics
+    rows = []
+    for k, t in sorted(timing.items()):
+        ratios = [on / off for on, off in zip(t["on_s"], t["off_s"])]
+        rows.append({"case": k, "tokens_per_rank": t["tokens_per_rank"], "off_s": statistics.median(t["off_s"]),
+                     "on_s": statistics.median(t["on_s"]), "ratio": statistics.median(ratios),
+                     "ratio_min": min(ratios), "ratio_max": max(ratios), "rounds": len(ratios)})
+    return rows
+
+
+__all__ = ["summarize", "checks", "timing_rows", "fit_line", "phase_model", "predict_peak", "max_tokens", "key",
+           "GOALS", "KIB", "MIB", "GIB"]

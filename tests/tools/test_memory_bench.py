@@ -1,0 +1,91 @@
+"""``ds-seqpar bench memory``: the phase model's arithmetic and checks (no ranks), one measured
+step on the session pool (every phase reported, the features leave the loss unchanged), and the
+committed report re-rendered from its JSON."""
+import json
+import os
+
+import pytest
+
+from ds_seqpar.bench import memory_summary as S
+from ds_seqpar.bench.memory import build_parser, plan
+from ds_seqpar.bench.memory_step import PHASES, MemorySpec, measure_peak
+
+REPORTS = os.path.join(os.path.dirname(__file__), "..", "..", "reports")
+MIB, KIB = 2 ** 20, 1024
+
+
+def _measurement(model, world, features, n, lines, resident=500 * MIB):
+    """A synthetic point whose phases follow ``lines`` = {phase: (a, b)} exactly."""
+    phases = {p: a + b * n for p, (a, b) in lines.items()}
+    return {"model": model, "world": world, "features": features, "tokens_per_rank": n, "resident_bytes": resident,
+            "phase_peak_bytes": phases, "peak_bytes": max(phases.values()), "step_s": [1.0]}
+
+
+ON = {"forward": (560 * MIB, 10 * KIB), "layers_backward": (540 * MIB, 16 * KIB), "optimizer": (760 * MIB, 0)}
+OFF = {"forward": (560 * MIB, 300 * KIB), "loss_backward": (600 * MIB, 500 * KIB), "optimizer": (760 * MIB, 0)}
+
+
+def test_phase_model_recovers_slopes_and_the_longest_sequence():
+    pts = [_measurement("lm", 1, True, n, ON) for n in (2048, 4096, 8192)]
+    v = S.summarize_variant(pts, floor=8 * KIB, budget=2 ** 30, world=1)
+    assert v["dominant_phase"] == "layers_backward" and v["bytes_per_token"] == pytest.approx(16 * KIB)
+    assert v["floor_ratio"] == pytest.approx(2.0) and v["fit_max_residual"] < 1e-3
+    # the optimizer's fixed peak holds the step's peak at these lengths: no marginal growth yet
+    assert [r["peak_phase"] for r in v["rows"]] == ["optimizer"] * 3 and v["rows"][1]["marginal_per_token"] == 0
+    want = int((2 ** 30 - 540 * MIB) / (16 * KIB))
+    assert v["max_tokens_per_rank"] == want and v["max_seq_len"] == want
+    assert S.max_tokens({"optimizer": {"a": 2.0 ** 31, "b": 0.0}}, 2 ** 30) == 0
+
+
+def test_checks_compare_features_floor_and_ranks():
+    ms = [_measurement("lm", p, f, n, ON if f else OFF, resident=(500 if p == 1 else 450) * MIB)
+          for p in (1, 2) for f in (True, False) for n in (1024, 4096)]
+    variants = S.summarize(ms, floor=8 * KIB, budget=2 ** 30)
+    assert set(variants) == {"lm/P1/on", "lm/P1/off", "lm/P2/on", "lm/P2/off"}
+    results = {c["what"]: c for c in S.checks(variants, floor=8 * KIB)}
+    ratio = results["lm P=1: bytes/token with features / without"]
+    assert ratio["measured"] == pytest.approx(16 / 500) and ratio["result"] == "PASS"
+    assert results["lm P=1: bytes/token with features / floor"]["result"] == "PASS"
+    longest = results["lm with features: longest sequence in the budget, P=2 / P=1"]
+    assert longest["measured"] == pytest.approx(2.0, rel=1e-3) and longest["result"] == "PASS"
+    fat = {"layers_backward": (540 * MIB, 40 * KIB), "optimizer": (760 * MIB, 0)}
+    bad = S.summarize([_measurement("lm", 1, True, n, fat) for n in (1024, 4096)], 8 * KIB, 2 ** 30)
+    assert S.checks(bad, 8 * KIB)[0]["result"] == "FAIL"
+
+
+def test_plan_follows_the_preset_and_rejects_unknown_models():
+    specs = plan(build_parser().parse_args(["--models", "lm", "--P", "1,4"]))
+    assert [(s.world, s.features, s.tokens_per_rank) for s in specs] == [
+        (1, False, 1024), (1, False, 2048), (1, True, 2048), (1, True, 8192), (1, True, 16384),
+        (4, False, 1024), (4, False, 2048), (4, True, 2048), (4, True, 4096)]
+    with pytest.raises(ValueError, match="unknown model 'gpt'"):
+        plan(build_parser().parse_args(["--models", "gpt"]))
+
+
+TINY = dict(model="lm", world=2, tokens_per_rank=256, hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64,
+            tiled_loss_tokens=64, tiled_mlp_tokens=64, warmup_tokens=64)
+
+
+def _both(spec_args):
+    return measure_peak(MemorySpec(features=False, **spec_args)), measure_peak(MemorySpec(features=True, **spec_args))
+
+
+def test_measured_step_reports_every_phase_and_features_keep_the_loss(pool):
+    for off, on in pool.run(_both, TINY):
+        for r in (off, on):
+            assert set(r["phase_peak_bytes"]) == set(PHASES), r["phase_peak_bytes"]
+            assert r["peak_bytes"] == max(r["phase_peak_bytes"].values()) >= r["resident_bytes"] > 0
+        assert on["losses"][0] == pytest.approx(off["losses"][0], rel=1e-5), (on["losses"], off["losses"])
+
+
+def test_committed_report_renders_from_its_json(tmp_path):
+    path = os.path.join(REPORTS, "memory_cpu.json")
+    if not os.path.exists(path):
+        pytest.skip("reports/memory_cpu.json not generated yet")
+    from ds_seqpar.bench.memory_report import render_markdown
+    with open(path) as f:
+        res = json.load(f)
+    with open(os.path.join(REPORTS, "memory_cpu.md")) as f:
+        committed = f.read()
+    plots = [os.path.join(REPORTS, "memory_cpu", p) for p in ("bytes_per_token.png", "peak_per_rank.png")]
+    assert render_markdown(res, plots) == committed, "reports/memory_cpu.md differs from its JSON's rendering"
