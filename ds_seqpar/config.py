@@ -18,6 +18,8 @@ from .strategies import RING_STRATEGIES, STRATEGIES
 KEY = "sequence_parallel"
 STRATEGY_NAMES = tuple(STRATEGIES)          # the registry is the one list of strategies
 LASP_COMMS = ("allgather", "ring")
+COMM_DTYPES = ("auto", "fp32", "bf16", "fp16")
+DS_COMM_DTYPE_KEY = "seq_parallel_communication_data_type"     # DeepSpeed's own key, same values
 
 
 class ConfigError(ValueError):
@@ -52,11 +54,19 @@ class SequenceParallelConfig(BaseModel):
     timeout_s: float = Field(default=600.0, gt=0)
     """Seconds a collective may wait for a peer before the run stops with an error."""
 
+    comm_dtype: str = "auto"
+    """dtype q, k, v and the attention output travel in between ranks: auto (the dtype the model
+    gives them: bf16 in a bf16 run, half the bytes of fp32) | fp32 | bf16 | fp16. Otherwise they
+    are cast to it for the sequence-parallel attention, whose local kernel then computes in it too.
+    Merges, the ring's dK/dV accumulators and LASP states stay fp32 in every case. DeepSpeed's
+    seq_parallel_communication_data_type, when present, sets it."""
+
     @model_validator(mode="after")
     def _check_choices(self) -> "SequenceParallelConfig":
         _check_choice("strategy", self.strategy, STRATEGY_NAMES)
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("lasp_comm", self.lasp_comm, LASP_COMMS)
+        _check_choice("comm_dtype", self.comm_dtype, COMM_DTYPES)
         if self.ulysses_size > 1 and self.strategy not in RING_STRATEGIES + ("ulysses",):
             raise ConfigError(
                 f"{KEY}.ulysses_size={self.ulysses_size} combines only with a ring strategy "
@@ -94,7 +104,7 @@ class SequenceParallelConfig(BaseModel):
         if not isinstance(section, Mapping):
             raise ConfigError(f"{KEY} must be an object like {{\"strategy\": \"ulysses\", \"size\": 2}}, "
                               f"got {section!r}")
-        cfg = cls.parse(section)
+        cfg = cls.parse(_with_deepspeed_comm_dtype(section, ds))
         ds_size = ds.get("sequence_parallel_size")
         if ds_size is not None and int(ds_size) != cfg.size:
             raise ConfigError(
@@ -126,6 +136,19 @@ def check_sizes(world_size: Optional[int], size: int, ulysses_size: int = 1) -> 
             f"{KEY}.size={size} does not divide the world size {world_size}; "
             f"valid sizes for this world: {_divisors(world_size)} "
             f"(or launch a multiple of {size} ranks)")
+
+
+def _with_deepspeed_comm_dtype(section: Mapping[str, Any], ds: Mapping[str, Any]) -> Mapping[str, Any]:
+    """DeepSpeed's seq_parallel_communication_data_type decides comm_dtype unless the section
+    sets it; both set must agree (DeepSpeed's default, fp32, is not applied: see comm_dtype)."""
+    theirs = ds.get(DS_COMM_DTYPE_KEY)
+    if theirs is None:
+        return section
+    ours = section.get("comm_dtype")
+    if ours is not None and ours != theirs:
+        raise ConfigError(f"DeepSpeed's {DS_COMM_DTYPE_KEY}={theirs!r} disagrees with {KEY}.comm_dtype={ours!r}; "
+                          f"set both to the same value or keep one")
+    return dict(section, comm_dtype=theirs)
 
 
 def _check_choice(field: str, value: str, valid: tuple) -> None:
@@ -163,4 +186,5 @@ def _describe(err: ValidationError) -> str:
     return "; ".join(lines)
 
 
-__all__ = ["SequenceParallelConfig", "ConfigError", "KEY", "STRATEGY_NAMES", "BACKENDS", "LASP_COMMS", "check_sizes"]
+__all__ = ["SequenceParallelConfig", "ConfigError", "KEY", "STRATEGY_NAMES", "BACKENDS", "LASP_COMMS", "COMM_DTYPES",
+           "check_sizes"]

@@ -1,19 +1,15 @@
 """Cross-entropy over a sequence sharded across ranks: the mean over every non-ignored token of
 the whole sequence, identical on every rank of the sequence group.
 
-Why the backward needs no extra factor: with an mpu that reports sequence-parallel size P,
-DeepSpeed sums gradients over the P ranks of a sequence and averages over the dp replicas
-(stage_1_and_2.py divides by seq_data_world / P). Rank r's loss is
+Backward: rank r's loss is
 
     L = (sum_r s_r) / C        s_r = sum of this rank's token losses, C = global valid count
 
 and dL/d(logits_r) = (d s_r / d logits_r) / C: exactly the gradient of this rank's share. The
-all-reduce of s_r therefore back-propagates as the identity (comm.all_reduce_sum), and the sum
-DeepSpeed takes over the P ranks rebuilds the full-sequence gradient of L.
-
-ZeRO-3 is the exception: its default reduce-scatter AVERAGES over all seq x data ranks, so each
-rank's share must be P times larger there; ``grad_scale`` (see zero.deepspeed_grad_scale)
-multiplies the backward only, never the value.
+all-reduce of s_r therefore back-propagates as the identity (comm.all_reduce_sum), and the sum of
+the P ranks' gradients is the full-sequence gradient of L. Under DeepSpeed, which averages over
+all data x sequence ranks at every ZeRO stage, ``grad_scale`` = P turns that average into plain
+data parallelism's (zero.py); it multiplies the backward only, never the value.
 
 Legend: B = batch, L = local tokens, V = vocabulary.
 """

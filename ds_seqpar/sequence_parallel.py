@@ -30,7 +30,7 @@ from .sharding.layouts import make_layout
 from .sharding.padding import check_seq_len, pad_to, padded_len
 from .strategies import StrategyContext, get_strategy
 from .topology import ParallelDims, ProcessGroups, SequenceParallelMPU
-from .zero import deepspeed_grad_scale
+from .zero import check_ds_config, loss_grad_scale
 
 
 class SequenceParallel:
@@ -38,9 +38,7 @@ class SequenceParallel:
                  device: Optional[Union[str, torch.device]] = None):
         if not isinstance(config, SequenceParallelConfig):
             config = SequenceParallelConfig.parse(config)
-        if not comm.is_initialized():
-            raise RuntimeError("SequenceParallel needs torch.distributed: call deepspeed.init_distributed() "
-                               "(or torch.distributed.init_process_group) first")
+        _require_distributed()
         self.config = config
         # 1. validation that needs only the world size: identical on every rank, before any collective
         world = comm.world_size()
@@ -56,7 +54,6 @@ class SequenceParallel:
         layout_name = get_strategy(config.strategy).layout_name
         self.layout = make_layout(layout_name, self.dims.ring_size, self.dims.ulysses_size)
         self.stats = comm.CommStats()
-        self.loss_grad_scale = 1.0     # from_ds_config sets what the ZeRO stage needs
         self._verified_cu = None       # (weakref, version, bounds) of the cu_seqlens shard_batch checked
         c = self.groups.coords
         self.strategy = strategies.build(config, StrategyContext(
@@ -68,11 +65,21 @@ class SequenceParallel:
 
     @classmethod
     def from_ds_config(cls, ds_config, device=None) -> "SequenceParallel":
-        """Build from a DeepSpeed config (dict or JSON path). The ZeRO stage found there sets the
-        factor sp.loss's backward needs (see zero.py), so the training script need not."""
-        sp = cls(SequenceParallelConfig.from_ds_config(ds_config), device=device)
-        sp.loss_grad_scale = deepspeed_grad_scale(load_ds_config(ds_config), sp.size)
-        return sp
+        """Build from a DeepSpeed config (dict or JSON path); also checks the settings DeepSpeed
+        would get wrong with sequence parallelism (zero.py), before any communication."""
+        ds = load_ds_config(ds_config)
+        cfg = SequenceParallelConfig.from_ds_config(ds)
+        _require_distributed()
+        world = comm.world_size()
+        cfg.check_world(world)
+        check_ds_config(ds, cfg.size, world // cfg.size)
+        return cls(cfg, device=device)
+
+    @property
+    def loss_grad_scale(self) -> float:
+        """Factor on sp.loss's backward: P once DeepSpeed reduces this run's gradients (it then
+        averages over every rank, deepspeed.initialize(mpu=sp.mpu)), else 1; see zero.py."""
+        return loss_grad_scale(self.mpu)
 
     # -- topology ------------------------------------------------------------------------------
     @property
@@ -146,7 +153,11 @@ class SequenceParallel:
             check_seq_len(seq_len, q.shape[1] * self.size, self.layout.required_multiple)
         docs = None if cu_seqlens is None else self._documents(cu_seqlens, q, seq_len)
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        return self.strategy.attention(q, k, v, causal, scale, seq_len, docs=docs)
+        wire = self._comm_dtype(q.dtype)
+        if wire == q.dtype:
+            return self.strategy.attention(q, k, v, causal, scale, seq_len, docs=docs)
+        return self.strategy.attention(q.to(wire), k.to(wire), v.to(wire), causal, scale, seq_len,
+                                       docs=docs).to(q.dtype)
 
     def linear_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          decay: Optional[torch.Tensor] = None, cu_seqlens=None) -> torch.Tensor:
@@ -154,7 +165,14 @@ class SequenceParallel:
         (as in attention) the state restarts at every document start."""
         check_qkv(q, k, v)
         docs = None if cu_seqlens is None else self._documents(cu_seqlens, q)
-        return self.strategy.linear_attention(q, k, v, decay, docs=docs)
+        wire = self._comm_dtype(q.dtype)
+        if wire == q.dtype:
+            return self.strategy.linear_attention(q, k, v, decay, docs=docs)
+        return self.strategy.linear_attention(q.to(wire), k.to(wire), v.to(wire), decay, docs=docs).to(q.dtype)
+
+    def _comm_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """sequence_parallel.comm_dtype: auto keeps the model's dtype (config.py)."""
+        return _COMM_DTYPES.get(self.config.comm_dtype, dtype)
 
     def _documents(self, cu_seqlens, q: torch.Tensor, seq_len: Optional[int] = None) -> Documents:
         """Validated packed-document boundaries for shards shaped like ``q``: local checks, then one
@@ -189,9 +207,9 @@ class SequenceParallel:
 
     def loss(self, logits, labels, ignore_index: int = -100, grad_scale: Optional[float] = None):
         """Mean over the non-ignored tokens of the whole sequence, same on every rank; backward
-        gives this rank's share (see loss.py for why DeepSpeed's reduction then matches DP).
-        ``grad_scale`` defaults to what the DeepSpeed config needs (P under ZeRO-3, else 1) when
-        this object was built with ``from_ds_config``."""
+        gives this rank's share, times ``grad_scale``: by default P once DeepSpeed reduces the
+        gradients (it averages over all ranks), else 1, so plain data parallelism results at every
+        ZeRO stage (zero.py)."""
         scale = self.loss_grad_scale if grad_scale is None else grad_scale
         return sequence_loss(logits, labels, self.group, ignore_index, self.stats, scale)
 
@@ -217,6 +235,15 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"k and v must have the same heads and q, k the same head_dim; got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
     check_head_groups(q.shape[2], k.shape[2])
+
+
+_COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _require_distributed() -> None:
+    if not comm.is_initialized():
+        raise RuntimeError("SequenceParallel needs torch.distributed: call deepspeed.init_distributed() "
+                           "(or torch.distributed.init_process_group) first")
 
 
 def _default_device() -> torch.device:

@@ -114,17 +114,39 @@ class ProcessGroups:
 class SequenceParallelMPU:
     """What ``deepspeed.initialize(mpu=...)`` queries (see deepspeed/utils/groups.py).
 
-    ZeRO partitions and reduces over the sequence x data group, and divides the summed gradient
-    by (seq_data_world / sequence_parallel_world) = dp_size: gradients are summed over the ranks
-    of one sequence and averaged over replicas. There is no tensor/model parallelism here.
+    DeepSpeed is shown plain data parallelism over every rank (the sequence x data group), with
+    the replica count for batch arithmetic:
+
+      * ``get_data_parallel_group`` / ``get_sequence_data_parallel_group``: the sequence x data
+        group. ZeRO reduces gradients and shards optimizer state over it, and ZeRO-3 partitions a
+        model not built under ``zero.Init`` over ``get_data_parallel_group()``; a narrower group
+        would leave the ranks of one sequence with unsynchronised weights.
+      * ``get_data_parallel_world_size`` / ``_rank``: replicas (world / sequence size), what
+        train_batch_size and samplers count: the ranks of one sequence share its samples.
+      * no ``get_sequence_parallel_*``: DeepSpeed then averages gradients over all ranks at every
+        ZeRO stage and on every reduction path (stage 3's reduce-scatter has no sequence term
+        while stages 0-2 have one, so reporting the sequence size would make the right loss
+        factor depend on the stage). sp.loss scales its backward by P to match (zero.py).
+      * model / tensor parallelism: one rank (norms are not summed twice; checkpoints record
+        tensor-parallel degree 1, which ds_to_universal needs).
+
+    DeepSpeed asking for the group it reduces over is how the mpu learns that DeepSpeed averages
+    this run's gradients: ``handed_to_deepspeed`` turns true and stays true.
     """
 
     def __init__(self, groups: ProcessGroups):
         self._g = groups
+        self.handed_to_deepspeed = False
 
-    # data parallel (replicas of the same sequence shard)
+    @property
+    def sequence_size(self) -> int:
+        """Ranks per sequence (P): the factor sp.loss needs once DeepSpeed averages over all ranks."""
+        return self._g.dims.sp_size
+
+    # data parallel as DeepSpeed sees it: the group is every rank, the size counts replicas
     def get_data_parallel_group(self):
-        return self._g.dp_group
+        self.handed_to_deepspeed = True
+        return self._g.seq_data_group
 
     def get_data_parallel_world_size(self) -> int:
         return self._g.dims.dp_size
@@ -133,20 +155,11 @@ class SequenceParallelMPU:
         return self._g.coords.dp_rank
 
     def get_data_parallel_group_ranks(self) -> List[int]:
-        return list(self._g.dp_ranks)
-
-    # sequence parallel
-    def get_sequence_parallel_group(self):
-        return self._g.sp_group
-
-    def get_sequence_parallel_world_size(self) -> int:
-        return self._g.dims.sp_size
-
-    def get_sequence_parallel_rank(self) -> int:
-        return self._g.coords.sp_rank
+        return list(self._g.seq_data_ranks)
 
     # sequence x data: where ZeRO shards optimizer state and reduces gradients
     def get_sequence_data_parallel_group(self):
+        self.handed_to_deepspeed = True
         return self._g.seq_data_group
 
     def get_sequence_data_parallel_world_size(self) -> int:

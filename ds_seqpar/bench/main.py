@@ -93,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--lasp-breakdown", action=argparse.BooleanOptionalAction, default=None,
                     help="after the rounds, the kernel work of each LASP rank position at N/P on rank 0 "
                          "(on in --preset lasp)")
+    ap.add_argument("--model", metavar="PATH", help="the training-step case trains this local Hugging Face model "
+                    "(a model directory or a config JSON, as `ds_seqpar.train --model`) instead of the small LM")
     ap.add_argument("--out", default="reports", help="directory for <name>.md, <name>.json, <name>/*.png")
     ap.add_argument("--name", help="default: <device>_<preset>")
     ap.add_argument("--wandb", action="store_true", help="one wandb run per case (offline without credentials)")
@@ -167,6 +169,11 @@ def _check(a) -> None:
     if bad or not a.seq_lens:
         raise BenchError(f"--seq-lens {bad or a.seq_lens}: every length must be a positive multiple of {multiple} "
                          f"(zigzag's 2P chunks)")
+    if a.model and "lasp" in a.train:
+        raise BenchError(f"--model {a.model!r} with --train-strategies lasp: Hugging Face models use softmax "
+                         f"attention; choose from ulysses, ring, zigzag, striped")
+    if a.model and not os.path.exists(a.model):
+        raise BenchError(f"--model {a.model!r} does not exist: pass a local model directory or config JSON")
     if a.repeats < 1 or a.warmup < 0:
         raise BenchError(f"--repeats {a.repeats} must be >= 1 and --warmup {a.warmup} >= 0")
 
@@ -241,6 +248,10 @@ def _train_model(args) -> Dict[str, Any]:
     model = dict(TRAIN_PRESETS[args.train_preset])
     if args.train_seq_len:
         model["seq_len"] = args.train_seq_len
+    if getattr(args, "model", None):
+        # the Hugging Face model replaces the small LM's sizes; ranks may run elsewhere: absolute path
+        model = {k: v for k, v in model.items() if k in ("seq_len", "micro_batch", "steps")}
+        model["model"] = os.path.abspath(args.model)
     return model
 
 
@@ -272,11 +283,15 @@ def _measure(args, spec: BenchSpec, pools=None):
 def _measure_under_launcher(args, spec: BenchSpec):
     import deepspeed
     from .. import comm
+    from ..launch.env import launch_env, local_device
     from .cases import run_rank
+    # rank, local rank and rendezvous as the launcher gave them (Open MPI's local rank is not the
+    # rank): with every env:// variable set, DeepSpeed runs no MPI discovery of its own
+    os.environ.update(launch_env(os.environ))
     if args.device == "cuda":
         import torch
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))   # nccl object collectives use it
-    deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
+        torch.cuda.set_device(local_device(os.environ, torch.cuda.device_count()))   # nccl object collectives use it
+    deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo", auto_mpi_discovery=False)
     if args.device == "cpu":
         import torch
         torch.set_num_threads(1)        # the comparison is one thread per rank, as with RankPool

@@ -160,8 +160,11 @@ def _train_table(res: Dict[str, Any]) -> List[str]:
         return [f"## Training step\n\n{res.get('train_skipped', 'not measured')}\n"]
     t = res["train_model"]
     p = res["meta"]["world"]
-    lines = ["## Whole training step, small LM, ZeRO-2 (sp=P, dp=1 vs one rank)", "",
-             f"Model dim {t['dim']}, {t['n_layers']} layers, {t['n_heads']} heads, sequence {t['seq_len']}, "
+    what = (f"Hugging Face model `{os.path.basename(t['model'])}`" if t.get("model") else
+            f"Model dim {t['dim']}, {t['n_layers']} layers, {t['n_heads']} heads")
+    lines = [f"## Whole training step, {'Hugging Face model' if t.get('model') else 'small LM'}, ZeRO-2 "
+             f"(sp=P, dp=1 vs one rank)", "",
+             f"{what}, sequence {t['seq_len']}, "
              f"micro-batch {t['micro_batch']}, {t['steps']} steps per run (the first is warm-up), through "
              f"train.run_training; rounds alternate the 1-rank and the {p}-rank run. Compute speedup: the "
              f"busiest rank's fwd+bwd process CPU time (compute_s_max), 1 rank over {p}. Highest 1-minute load "

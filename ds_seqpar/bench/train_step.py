@@ -1,6 +1,6 @@
-"""Whole training-step speedup of the small LM under ZeRO-2: sp=P, dp=1 on P ranks against the same
-run on one rank (same global batch, sequence, model and data), measured through
-``train.run_training`` itself, so what is timed is exactly the main job.
+"""Whole training-step speedup of the small LM (or a ``--model`` Hugging Face model) under ZeRO-2:
+sp=P, dp=1 on P ranks against the same run on one rank (same global batch, sequence, model and
+data), measured through ``train.run_training`` itself, so what is timed is exactly the main job.
 
 Two pools: the benchmark's P-rank pool and a 1-rank pool, both one thread per rank. Rounds
 alternate (1-rank run, P-rank run, per strategy), so load from other processes hits both alike;

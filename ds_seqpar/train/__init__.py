@@ -4,6 +4,7 @@ sequence-parallel strategy and ZeRO.
     main.py        entry: command line, joining the world, config, model, then the Trainer
     trainer.py     the loop: load, step, save, log
     args.py        the command line and its checks
+    hf_model.py    --model PATH: a local Hugging Face model behind the trainer's (ids, positions) -> logits call
     data.py        the embedded corpus, token files and the batch of each step
     checkpoint.py  DeepSpeed checkpoints and resume
     metrics.py     per-step measurements, their cross-rank reduction and the loggers

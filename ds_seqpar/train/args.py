@@ -42,12 +42,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr", type=float, default=None, help="override the optimizer's lr")
     g.add_argument("--nprocs", type=int, default=4, help="ranks to start when no launcher started this "
                    "command (ignored under deepspeed/torchrun/mpirun)")
-    g.add_argument("--master_port", type=int, default=29500, help="rendezvous port for MPI discovery and "
-                   "single-process runs")
+    g.add_argument("--master_port", type=int, default=29500, help="rendezvous port where the launcher sets "
+                   "no MASTER_PORT (mpirun, srun, one process)")
     # what the deepspeed launcher and deepspeed-style scripts pass; the environment carries the rank
     g.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     g.add_argument("--deepspeed", action="store_true", help=argparse.SUPPRESS)
     m = p.add_argument_group("model")
+    m.add_argument("--model", default=None, metavar="PATH", help="train a local Hugging Face causal LM instead of "
+                   "the built-in one: a model directory (config.json + weights: from_pretrained) or a config JSON / "
+                   "directory without weights (random init); the options below are then ignored")
     m.add_argument("--dim", type=int, default=128)
     m.add_argument("--n_layers", type=int, default=4)
     m.add_argument("--n_heads", type=int, default=4)
@@ -77,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--save_interval", type=int, default=0, help="save every K steps (0: never)")
     lg.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save_dir")
     lg.add_argument("--resume_tag", default=None, help="continue from this tag (e.g. step20) in --save_dir")
+    lg.add_argument("--resume_universal", action="store_true", help="continue from the latest (or --resume_tag) "
+                    "checkpoint at another shape: other data-parallel or sequence-parallel size or strategy, "
+                    "same ZeRO stage (converted once to DeepSpeed's universal checkpoint, <tag>_universal)")
     return p
 
 

@@ -1,15 +1,17 @@
-"""The main job: train a small causal LM with any sequence-parallel strategy and ZeRO.
+"""The main job: train a small causal LM (or a local Hugging Face model, ``--model PATH``) with any
+sequence-parallel strategy and ZeRO.
 
     python -m ds_seqpar.train                       # 4 local CPU ranks: 2 data x 2 sequence, ZeRO-2
     deepspeed --num_gpus 4 --module ds_seqpar.train --deepspeed_config configs/zigzag_zero2.json
-    mpirun -np 4 python -m ds_seqpar.train ...      # MPI discovery through mpi4py
+    mpirun -np 4 python -m ds_seqpar.train ...      # also srun, torchrun; launch/env.py reads each
     torchrun --nproc_per_node 4 -m ds_seqpar.train ...
+    python -m ds_seqpar.train --model configs/models/llama_small.json --deepspeed_config configs/zigzag_zero2.json
 
 The same code runs gloo on CPU and nccl on GPU. ``run_training(dict)`` is what the command line
 and the tests call. Order of work (every check that can fail runs before training starts and
 fails on every rank with the same message):
 
-  1. join torch.distributed (launcher env, or MPI discovery)
+  1. join torch.distributed as the launcher placed this rank (launch/env.py), on its device
   2. read the DeepSpeed config, apply command-line overrides, validate model x strategy
   3. SequenceParallel: world check, groups, layout; then sequence length and head checks
   4. data (all ranks must hold the same corpus), model, deepspeed.initialize(mpu=sp.mpu)
@@ -22,7 +24,9 @@ import copy
 import json
 import os
 import sys
-from typing import Any, Dict, Mapping, Optional
+import time
+import traceback
+from typing import Any, Callable, Dict, Mapping, Optional
 
 import torch
 
@@ -30,28 +34,38 @@ from .. import comm
 from ..config import ConfigError, SequenceParallelConfig
 from ..models import CausalLM, ModelConfig
 from ..sequence_parallel import SequenceParallel
-from ..zero import partition_for_zero3
-from . import data
+from . import data, hf_model
 from .args import DEFAULT_DS_CONFIG, TrainConfigError, build_parser, resolve_args
 from .trainer import Trainer
 
 
-def run_training(args: Mapping[str, Any]) -> Dict[str, Any]:
+def run_training(args: Mapping[str, Any], model_factory: Optional[Callable] = None) -> Dict[str, Any]:
     """Train as the command line would with these options; return this rank's summary:
-    ``losses`` (this replica's loss per step run), ``mean_losses`` (over replicas), ranks, paths."""
+    ``losses`` (this replica's loss per step run), ``mean_losses`` (over replicas), ranks, paths.
+    ``model_factory(model_cfg, sp, ds_config)``: another way to build the (seeded) own LM, e.g.
+    under deepspeed.zero.Init; it goes to deepspeed.initialize as it comes back."""
     opts = resolve_args(args)
     ds_config = build_ds_config(opts)
     sp_cfg = SequenceParallelConfig.from_ds_config(ds_config)
     _join_world(opts, sp_cfg.timeout_s)
-    model_cfg = model_config(opts, sp_cfg)
+    hf_config = load_hf_config(opts, sp_cfg, ds_config)        # --model: options checked, no weights yet
+    model_cfg = None if hf_config is not None else model_config(opts, sp_cfg)
     # checks size | world before building groups; takes the loss's ZeRO factor from the config
     sp = SequenceParallel.from_ds_config(ds_config)
     check_run(sp, opts, model_cfg)
     tokens = load_tokens(opts)
-    model_cfg.vocab_size = data.vocab_size_of(tokens, opts.vocab_size)
-    _check_same_data(tokens, sp.mpu.get_sequence_data_parallel_group())
+    vocab_size = data.vocab_size_of(tokens, opts.vocab_size)
+    if hf_config is not None:
+        hf_model.check_run(sp, opts, hf_config, vocab_size)
+    _check_same_data(tokens, sp.groups.seq_data_group)
     torch.manual_seed(opts.seed)                       # same init everywhere; DeepSpeed broadcasts anyway
-    model = partition_for_zero3(CausalLM(model_cfg, sp).to(sp.device), ds_config, sp)
+    if model_factory is not None:
+        model_cfg.vocab_size = vocab_size
+        model = model_factory(model_cfg, sp, ds_config)
+    else:
+        # built whole on every rank; under ZeRO-3 deepspeed.initialize partitions it over sp.mpu's
+        # data-parallel group, which is every rank (topology.py)
+        model = build_model(opts, model_cfg, hf_config, vocab_size, sp).to(sp.device)
     trainer = Trainer(opts, ds_config, sp, model, tokens)
     try:
         return trainer.train()
@@ -64,19 +78,27 @@ def run_training(args: Mapping[str, Any]) -> Dict[str, Any]:
 
 
 def _join_world(opts, timeout_s: float) -> None:
+    """Join torch.distributed as the launcher placed this process (launch/env.py reads torchrun,
+    deepspeed, Open MPI, MPICH/Intel MPI, MVAPICH and Slurm), on the launcher's device."""
     import datetime
     import deepspeed
-    if not comm.is_initialized():
+    from ..launch.env import launch_env, local_device
+    fresh = not comm.is_initialized()
+    if fresh:
+        os.environ.update(launch_env(os.environ, opts.master_port, opts.local_rank))
+    if torch.cuda.is_available():
+        # before the process group: NCCL binds its communicator to the current device
+        torch.cuda.set_device(local_device(os.environ, torch.cuda.device_count()))
+    if fresh:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        # the world group's collectives (DeepSpeed's own) get the same timeout as ours
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=True,
-                                   distributed_port=opts.master_port,
+        # every env:// variable is set, so DeepSpeed runs no MPI discovery of its own (which would
+        # take the local rank from host names and disagree with Open MPI's); the world group's
+        # collectives (DeepSpeed's own) get the same timeout as ours
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
                                    timeout=datetime.timedelta(seconds=timeout_s))
     else:
         deepspeed.init_distributed(dist_backend=comm.backend_name())   # adopt the existing world
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    elif "OMP_NUM_THREADS" not in os.environ:
+    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
         # ranks share the machine's cores; oversubscribed intra-op threads only thrash
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", comm.world_size()))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
@@ -108,7 +130,26 @@ def build_ds_config(opts) -> dict:
         ds.setdefault("optimizer", {}).setdefault("params", {})["lr"] = opts.lr
     if opts.no_wandb:
         ds.pop("wandb", None)
+    if opts.resume_universal:
+        ds["checkpoint"] = dict(ds.get("checkpoint", {}), load_universal=True)
     return ds
+
+
+def load_hf_config(opts, sp_cfg: SequenceParallelConfig, ds_config):
+    """--model PATH: the Hugging Face config (None without --model), after the options that do not
+    go with it are refused."""
+    if not opts.model:
+        return None
+    hf_model.check_options(opts, sp_cfg.strategy)
+    return hf_model.load_config(opts)
+
+
+def build_model(opts, model_cfg: Optional[ModelConfig], hf_config, vocab_size: int, sp=None):
+    """The own LM, or the --model one; ``sp=None``: the plain single-process model (the reference)."""
+    if hf_config is not None:
+        return hf_model.build(opts, hf_config, sp)
+    model_cfg.vocab_size = vocab_size
+    return CausalLM(model_cfg, sp)
 
 
 def model_config(opts, sp_cfg: SequenceParallelConfig) -> ModelConfig:
@@ -128,13 +169,13 @@ def model_config(opts, sp_cfg: SequenceParallelConfig) -> ModelConfig:
         raise TrainConfigError(str(err)) from None
 
 
-def check_run(sp, opts, model_cfg: ModelConfig) -> None:
+def check_run(sp, opts, model_cfg: Optional[ModelConfig]) -> None:
     """Heads against the strategy: same message on every rank. Any sequence length works (the
     layout pads at the end, padding.py)."""
     if opts.steps < 0 or opts.seq_len < 2:
         raise TrainConfigError(f"--steps={opts.steps} must be >= 0 and --seq_len={opts.seq_len} >= 2")
     try:
-        if model_cfg.attention == "softmax":
+        if model_cfg is not None and model_cfg.attention == "softmax":
             sp.strategy.check_heads(model_cfg.n_heads, model_cfg.n_kv_heads)
     except ValueError as err:
         raise TrainConfigError(f"{err} (--seq_len={opts.seq_len}, --n_heads={model_cfg.n_heads}, "
@@ -173,28 +214,46 @@ def main(argv: Optional[list] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     opts = build_parser().parse_args(argv)
     from ..launch.spawn import spawn_local, under_launcher
-    if not under_launcher() and opts.nprocs > 1:
+    try:
+        launched = under_launcher()
+    except ConfigError as err:
+        return _fail(2, f"ds_seqpar.train: error: {err}")
+    if not launched and opts.nprocs > 1:
         return spawn_local("ds_seqpar.train", argv, opts.nprocs)
-    if not under_launcher():
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(opts.master_port))
     if opts.quiet or not opts.verbose:
         _quiet_deepspeed()
     try:
         run_training(vars(opts))
     except (TrainConfigError, ConfigError) as err:
-        # every rank raises the same message before training; each says it, as one write so the
-        # ranks' lines do not interleave, without a traceback
-        sys.stderr.flush()
-        os.write(2, f"ds_seqpar.train: error: {err}\n".encode())
-        return 2
-    except Exception as err:  # noqa: BLE001 - say which rank failed, then fail the launcher
+        # every rank raises the same message before training; each says it, without a traceback
+        return _fail(2, f"ds_seqpar.train: error: {err}")
+    except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - say which rank failed, then end the job
         rank = os.environ.get("RANK", "?")
         hint = _comm_failure_hint() if _is_comm_error(err) else ""
-        sys.stderr.flush()
-        os.write(2, f"ds_seqpar.train: rank {rank} failed: {type(err).__name__}: {err}{hint}\n".encode())
-        return 1
+        # a peer's failed collective is explained by the hint; this rank's own error by its traceback
+        detail = "" if hint or isinstance(err, KeyboardInterrupt) else traceback.format_exc()
+        # rank 0 names the unresponsive ranks (it ran the monitored barrier): a peer leaving first
+        # could get it stopped by the launcher before it says so
+        what = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+        return _fail(130 if isinstance(err, KeyboardInterrupt) else 1,
+                     f"{detail}ds_seqpar.train: rank {rank} failed: {what}{hint}",
+                     linger_s=1.0 if hint and rank != "0" else 0.0)
     return 0
+
+
+def _fail(code: int, message: str, linger_s: float = 0.0) -> int:
+    """Say the error as one write (so ranks' lines do not interleave), then leave. One rank of
+    several leaves at once with os._exit: its peers may be blocked in a collective with it, an MPI
+    runtime would hold a normal exit in MPI_Finalize until they time out, and interpreter shutdown
+    with live gloo threads can abort; the launcher (mpirun, torchrun, deepspeed, spawn_local) sees
+    the exit within a second or two and stops the other ranks."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.write(2, f"{message}\n".encode())
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        time.sleep(linger_s)
+        os._exit(code)
+    return code
 
 
 def _comm_failure_hint() -> str:

@@ -44,7 +44,7 @@ class StepMetrics:
         """Gather every rank's numbers into the step's record; ``tokens`` trained this step."""
         sp, keys = self.sp, list(local)
         mine = torch.tensor([[local[k] for k in keys]], dtype=torch.float64)
-        every = comm.all_gather_nograd(mine, 0, sp.mpu.get_sequence_data_parallel_group())  # [world, keys]
+        every = comm.all_gather_nograd(mine, 0, sp.groups.seq_data_group)             # [world, keys]
         col = {k: every[:, i] for i, k in enumerate(keys)}
         compute_gp = col["compute_s"].view(sp.dp_size, sp.size)     # [dp groups, sp ranks]
         imbalance = (compute_gp.max(1).values / compute_gp.mean(1).clamp(min=1e-12)).max().item()

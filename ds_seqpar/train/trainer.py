@@ -113,6 +113,10 @@ class Trainer:
     def close(self) -> None:
         if self.is_writer:
             runlog.wandb_finish()
+        # DeepSpeed's optimizer holds a hook bound to the engine that gc never frees: without this, a
+        # process that trains several times (test and benchmark pools) keeps every run's model,
+        # gradients and optimizer state
+        self.engine.destroy()
 
 
 __all__ = ["Trainer"]

@@ -57,3 +57,30 @@ def _large_logits_case(cfg):
 @pytest.mark.parametrize("cfg", STRATEGY_CFGS, ids=[f"{c['strategy']}-u{c.get('ulysses_size', 1)}" for c in STRATEGY_CFGS])
 def test_large_logits_stay_finite_and_exact(pool, cfg):
     assert all(pool.run(_large_logits_case, cfg))
+
+
+def _comm_dtype_case(cfg):
+    """fp32 inputs, comm_dtype bf16: q/k/v travel (and are attended) in bf16, the output and the
+    gradients come back fp32 within the bf16 tolerance, and the payload bytes halve."""
+    sent = {}
+    for comm_dtype in ("auto", "bf16"):
+        sp = SequenceParallel(dict(cfg, comm_dtype=comm_dtype))
+        q, k, v, dout = global_inputs(9, 1, 128, 4, 2, 32)
+        scale = 32 ** -0.5
+        sp.stats.reset()
+        got = sharded_attention_grads(sp, q, k, v, dout, True)
+        sent[comm_dtype] = dict(sp.stats.bytes)
+    ref64 = attention_with_grads(q, k, v, dout, True, scale, torch.float64)
+    plain = _plain_bf16(q, k, v, dout, True, scale)
+    for name, g, r, p in zip(("out", "dq", "dk", "dv"), got, ref64, plain):
+        assert g.dtype == torch.float32, f"{cfg} {name}: {g.dtype}, want the caller's fp32"
+        assert_derived_close(f"{cfg} comm_dtype=bf16 {name}", g, sp.shard(r), sp.shard(p), k=2.0)
+    for kind, nbytes in sent["auto"].items():
+        want = nbytes if kind == "ring_grad" else nbytes // 2      # dK/dV accumulators stay fp32
+        assert sent["bf16"][kind] == want, f"{cfg} {kind}: {sent['bf16'][kind]} bytes in bf16, fp32 {nbytes}"
+    return True
+
+
+@pytest.mark.parametrize("cfg", STRATEGY_CFGS[:2], ids=["ulysses", "ring"])
+def test_comm_dtype_bf16_halves_payload_bytes_within_bf16_tolerance(pool, cfg):
+    assert all(pool.run(_comm_dtype_case, cfg))

@@ -1,68 +1,45 @@
-"""A rank that raises, dies or hangs mid-step stops the whole run, non-zero, within the collective
-timeout, with a message naming the failing rank: under the deepspeed launcher and under mpirun.
-(Subprocess tests: deselect with -m "not launcher".)"""
-import json
-import os
-import sys
-import time
+"""A rank killed (SIGKILL) ends the job within seconds; a hung rank ends it within the collective
+timeout, named in the message. (Raising ranks under each launcher: test_launchers.py.
+Subprocess tests: deselect with -m "not launcher".)"""
+import re
 
 import pytest
 
 from ds_seqpar.train import faults
-from ds_seqpar.launch.env import free_port
 
-from .test_launchers import ROOT, run
+from .test_launchers import FAST_EXIT_S, LAUNCH, MATRIX, TINY, config, run_with_fault
 
-pytestmark = pytest.mark.launcher
-TIMEOUT_S = 10
-ARGS = ["--steps", "3", "--seq_len", "64", "--dim", "32", "--n_layers", "2", "--corpus_bytes", "262144",
-        "--no_progress", "--no_wandb"]
+HANG_TIMEOUT_S = 10
 
 
-def _config(tmp_path):
-    with open(os.path.join(ROOT, "configs", "ulysses_zero2.json")) as f:
-        ds = json.load(f)
-    ds["sequence_parallel"]["timeout_s"] = TIMEOUT_S
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps(ds))
-    return str(path)
-
-
-def _deepspeed(tmp_path, fault):
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module", "ds_seqpar.train",
-           "--deepspeed_config", _config(tmp_path), *ARGS, "--run_dir", str(tmp_path / "runs")]
-    start = time.monotonic()
-    code, out = run(cmd, tmp_path, timeout=240, DS_SEQPAR_FAULT=fault)
-    return code, out, time.monotonic() - start
-
-
-def test_killed_rank_stops_the_deepspeed_launcher(tmp_path):
-    code, out, secs = _deepspeed(tmp_path, "1:1:kill")
-    assert code != 0, out[-3000:]
-    assert "--local_rank=1" in out and "exits with return code = -9" in out, out[-3000:]
-    assert "rank 0 failed" in out, out[-3000:]
-
-
-def test_hung_rank_is_named_and_the_run_stops_within_the_timeout(tmp_path):
-    code, out, secs = _deepspeed(tmp_path, "1:1:hang")
-    assert code != 0, out[-3000:]
-    assert "rank(s) 1 stopped responding" in out, out[-3000:]
-    assert f"Timed out waiting {TIMEOUT_S * 1000}ms" in out, out[-3000:]
-    assert secs < 150, f"took {secs:.0f}s"
-
-
-def test_raising_rank_stops_mpirun(tmp_path):
-    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, "-m", "ds_seqpar.train",
-           "--deepspeed_config", _config(tmp_path), *ARGS, "--master_port", str(free_port()),
+@pytest.mark.launcher
+def test_killed_rank_ends_the_job_and_is_named(tmp_path):
+    # no launcher: spawn_local is the launcher here, and says which rank died
+    cmd = [*LAUNCH["nprocs"](), "--deepspeed_config", config(tmp_path, timeout_s=60), *TINY, "--no_wandb",
            "--run_dir", str(tmp_path / "runs")]
-    code, out = run(cmd, tmp_path, timeout=240, DS_SEQPAR_FAULT="1:1:raise")
+    code, out, secs = run_with_fault(cmd, "1:0:kill")
+    assert code == 128 + 9, out[-3000:]
+    assert "ds_seqpar.train: rank 1 was killed by SIGKILL" in out, out[-3000:]
+    assert secs < FAST_EXIT_S, f"the job ended {secs:.1f}s after rank 1 was killed\n{out[-3000:]}"
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("launcher", [p for p in MATRIX if p.values == ("mpirun",)])
+def test_hung_rank_is_named_and_the_run_stops_within_the_timeout(launcher, tmp_path):
+    cmd = [*LAUNCH[launcher](), "--deepspeed_config", config(tmp_path, timeout_s=HANG_TIMEOUT_S), *TINY,
+           "--no_wandb", "--run_dir", str(tmp_path / "runs")]
+    code, out, secs = run_with_fault(cmd, "1:0:hang")
     assert code != 0, out[-3000:]
-    assert "rank 1 failed: InjectedFault: injected fault on rank 1 at step 1" in out, out[-3000:]
+    # rank 0 names the ranks missing from its monitored barrier: the hung one among them
+    assert re.search(r"rank\(s\) (\d+, )*1(, \d+)* stopped responding", out), out[-3000:]
+    assert f"Timed out waiting {HANG_TIMEOUT_S * 1000}ms" in out, out[-3000:]
+    assert secs < HANG_TIMEOUT_S + FAST_EXIT_S, f"took {secs:.0f}s after the hang"
 
 
 def test_fault_spec_is_validated():
     assert faults.parse("1:2:hang") == (1, 2, "hang")
-    with pytest.raises(ValueError, match="mode 'explode' is not one of raise, kill, hang"):
+    assert faults.parse("0:0:interrupt") == (0, 0, "interrupt")
+    with pytest.raises(ValueError, match="mode 'explode' is not one of raise, interrupt, kill, hang"):
         faults.parse("1:2:explode")
     with pytest.raises(ValueError, match="must be '<rank>:<step>:<mode>'"):
         faults.parse("1")

@@ -1,11 +1,16 @@
-"""The main job under real launchers (subprocesses: slow, so tiny and few; deselect with
-``-m "not launcher"``): deepspeed, mpirun, and the command with no launcher at all."""
+"""The main job under every launcher, at 4 ranks (subprocesses: slow, so tiny and few; deselect
+with ``-m "not launcher"``): deepspeed, mpirun, torchrun and no launcher (``--nprocs``) each train
+to the end; and under each, one rank failing at step 0 ends the whole job non-zero within
+seconds, its error said once with its rank. Plus: a bad config with no launcher says one line
+per rank. (A killed and a hung rank: test_failures.py.)"""
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -14,14 +19,59 @@ from ds_seqpar.launch.env import free_port
 pytestmark = pytest.mark.launcher
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
-TINY = ["--deepspeed_config", "configs/ulysses_zero2.json", "--steps", "2", "--seq_len", "64", "--dim", "32",
-        "--n_layers", "2", "--corpus_bytes", "262144", "--no_progress"]
+NPROC = 4
+TINY = ["--steps", "2", "--seq_len", "64", "--dim", "32", "--n_layers", "2", "--corpus_bytes", "262144",
+        "--no_progress"]
+FAST_EXIT_S = 30          # from the fault to the end of the job
+FAULT_TIMEOUT_S = 60      # the collective timeout of the failure runs: waiting for it would fail FAST_EXIT_S
+
+# how a user starts NPROC ranks with each launcher
+LAUNCH = {
+    "deepspeed": lambda: ["deepspeed", "--num_gpus", str(NPROC), "--master_port", str(free_port()),
+                          "--module", "ds_seqpar.train"],
+    # on 2 cores, -np 4 maps rank 2 to local rank 1: the local rank must be Open MPI's
+    "mpirun": lambda: ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(NPROC), sys.executable,
+                       "-m", "ds_seqpar.train", "--master_port", str(free_port())],
+    "torchrun": lambda: ["torchrun", "--standalone", "--nproc_per_node", str(NPROC), "-m", "ds_seqpar.train"],
+    "nprocs": lambda: [sys.executable, "-m", "ds_seqpar.train", "--nprocs", str(NPROC)],
+}
+# rank 2 fails at step 0 (its peers are then in a collective with it); under mpirun by
+# KeyboardInterrupt, the case that used to hang in MPI_Finalize
+FAULT = {"deepspeed": ("raise", "InjectedFault"), "mpirun": ("interrupt", "KeyboardInterrupt"),
+         "torchrun": ("raise", "InjectedFault"), "nprocs": ("raise", "InjectedFault")}
 
 
-def run(cmd, tmp_path, timeout=300, **env):
+def needs(launcher):
+    exe = LAUNCH[launcher]()[0]
+    return pytest.mark.skipif(shutil.which(exe) is None, reason=f"{exe} not on PATH")
+
+
+MATRIX = [pytest.param(name, marks=needs(name)) for name in LAUNCH]
+
+
+def run(cmd, timeout=300, **env):
     env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", PYTHONUNBUFFERED="1", **env)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr
+
+
+def config(tmp_path, **sequence_parallel):
+    """configs/ulysses_zero2.json (size 2: 2 data x 2 sequence ranks) with overrides."""
+    with open(os.path.join(ROOT, "configs", "ulysses_zero2.json")) as f:
+        ds = json.load(f)
+    ds["sequence_parallel"].update(sequence_parallel)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    return str(path)
+
+
+def run_with_fault(cmd, fault, timeout=240):
+    """Run with DS_SEQPAR_FAULT; return (exit code, output, seconds from the fault to the end)."""
+    code, out = run(cmd, timeout=timeout, DS_SEQPAR_FAULT=fault)
+    ended = time.time()
+    injected = re.search(r"DS_SEQPAR_FAULT: rank \d+ \w+ at step \d+, t=([\d.]+)", out)
+    assert injected, f"the fault {fault} was never injected:\n{out[-3000:]}"
+    return code, out, ended - float(injected.group(1))
 
 
 def metrics_of(run_dir, steps):
@@ -34,35 +84,53 @@ def metrics_of(run_dir, steps):
         return rows, json.load(f)
 
 
-@pytest.mark.skipif(shutil.which("deepspeed") is None, reason="deepspeed launcher not on PATH")
-def test_deepspeed_launcher_trains_and_logs_to_jsonl_and_wandb(tmp_path):
+@pytest.mark.parametrize("launcher", MATRIX)
+def test_launcher_trains_to_the_end(launcher, tmp_path):
     runs = tmp_path / "runs"
-    code, out = run(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module",
-                     "ds_seqpar.train", *TINY, "--run_dir", str(runs)], tmp_path)
+    logs_wandb = launcher == "deepspeed"          # one launcher also checks the offline wandb run
+    cmd = [*LAUNCH[launcher](), "--deepspeed_config", "configs/ulysses_zero2.json", *TINY, "--run_dir", str(runs),
+           *([] if logs_wandb else ["--no_wandb"])]
+    code, out = run(cmd)
     assert code == 0, out[-4000:]
-    rows, config = metrics_of(runs, 2)
-    assert config["sp_size"] == 2 and config["dp_size"] == 1 and config["world_size"] == 2, config
-    assert "metrics ->" in out and "wandb run ->" in out, out[-4000:]
-    wandb_dirs = list((runs / os.listdir(runs)[0] / "wandb").glob("offline-run-*"))
-    assert wandb_dirs, f"no offline wandb run under {runs}"
+    _, run_config = metrics_of(runs, 2)
+    assert (run_config["world_size"], run_config["sp_size"], run_config["dp_size"]) == (NPROC, 2, 2), run_config
+    if logs_wandb:
+        assert "wandb run ->" in out, out[-4000:]
+        assert list((runs / os.listdir(runs)[0] / "wandb").glob("offline-run-*")), f"no offline wandb run in {runs}"
 
 
-@pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not on PATH")
-def test_mpirun_trains_through_mpi_discovery(tmp_path):
-    runs = tmp_path / "runs"
-    code, out = run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, "-m",
-                     "ds_seqpar.train", *TINY, "--no_wandb", "--master_port", str(free_port()),
-                     "--run_dir", str(runs)], tmp_path)
-    assert code == 0, out[-4000:]
-    metrics_of(runs, 2)
+@pytest.mark.parametrize("launcher", MATRIX)
+def test_one_failing_rank_ends_the_job_within_seconds(launcher, tmp_path):
+    mode, error = FAULT[launcher]
+    cmd = [*LAUNCH[launcher](), "--deepspeed_config", config(tmp_path, timeout_s=FAULT_TIMEOUT_S), *TINY,
+           "--no_wandb", "--run_dir", str(tmp_path / "runs")]
+    code, out, secs = run_with_fault(cmd, f"2:0:{mode}")
+    print(f"{launcher}: rank 2 {mode} -> job ended {secs:.1f}s later, exit code {code}")   # shown with -s
+    assert code != 0, out[-4000:]
+    assert secs < FAST_EXIT_S, f"{launcher}: the job ended {secs:.1f}s after rank 2 failed\n{out[-4000:]}"
+    said = [line for line in out.splitlines() if line.startswith("ds_seqpar.train: rank 2 failed:")]
+    assert len(said) == 1 and said[0].startswith(f"ds_seqpar.train: rank 2 failed: {error}"), out[-4000:]
 
 
-def test_no_launcher_spawns_local_ranks_and_a_bad_config_exits_with_one_message(tmp_path):
-    code, out = run([sys.executable, "-m", "ds_seqpar.train", *TINY, "--nprocs", "2", "--n_heads", "3",
-                     "--dim", "48",
-                     "--no_wandb", "--run_dir", str(tmp_path / "runs")], tmp_path)
+def test_no_launcher_bad_config_exits_with_one_message_per_rank(tmp_path):
+    code, out = run([*LAUNCH["nprocs"](), "--nprocs", "2", "--deepspeed_config", "configs/ulysses_zero2.json", *TINY,
+                     "--n_heads", "3", "--dim", "48", "--no_wandb", "--run_dir", str(tmp_path / "runs")])
     assert code == 2, out[-4000:]
     errors = [line for line in out.splitlines() if line.startswith("ds_seqpar.train: error:")]
     assert len(errors) == 2 and len(set(errors)) == 1, out[-4000:]
     assert "3 q heads are not divisible by 2" in errors[0], errors[0]
     assert "Traceback" not in out, out[-4000:]
+
+
+@pytest.mark.skipif(shutil.which("deepspeed") is None, reason="deepspeed launcher not on PATH")
+def test_deepspeed_launcher_trains_a_hugging_face_model(tmp_path):
+    """--model with the shipped Qwen2 config (random init), ring attention, wandb on (offline)."""
+    runs = tmp_path / "runs"
+    code, out = run(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module",
+                     "ds_seqpar.train", "--model", "configs/models/qwen2_small.json", "--deepspeed_config",
+                     "configs/ring_zero2.json", "--steps", "2", "--seq_len", "64", "--corpus_bytes", "65536",
+                     "--no_progress", "--run_dir", str(runs)], tmp_path)
+    assert code == 0, out[-4000:]
+    rows, config = metrics_of(runs, 2)
+    assert config["model"]["architecture"] == "Qwen2Config" and config["strategy"] == "ring", config
+    assert list((runs / os.listdir(runs)[0] / "wandb").glob("offline-run-*")), f"no offline wandb run under {runs}"

@@ -1,5 +1,8 @@
 """End to end: sequence x data parallel training with ZeRO 1/2/3 == plain data-parallel training,
-for every registered strategy, on the 4-rank pool; plus checkpoint resume and bad configs."""
+for every registered strategy, on the 4-rank pool; plus checkpoint resume and bad configs.
+
+The training job follows the plain recipe: SequenceParallel.from_ds_config, then
+deepspeed.initialize(model=..., model_parameters=..., config=..., mpu=sp.mpu), nothing else."""
 import functools
 import json
 import math
@@ -35,6 +38,27 @@ def _train(args):
     return run_training(args)
 
 
+def _zero_init_model(model_cfg, sp, ds_config):
+    """As Hugging Face's from_pretrained under ZeRO-3: built under deepspeed.zero.Init over the
+    world (no group, no mpu), then the initial weights loaded into the partitioned parameters."""
+    import deepspeed
+    from ds_seqpar.models import CausalLM
+    weights = CausalLM(model_cfg, sp).state_dict()       # the seeded plain init plays the checkpoint
+    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+        model = CausalLM(model_cfg, sp)
+    params = dict(model.named_parameters())
+    assert all(p.ds_numel > p.ds_tensor.numel() for p in params.values()), "zero.Init did not partition"
+    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0):
+        for name, p in params.items():
+            p.data.copy_(weights[name])
+    return model
+
+
+def _train_zero_init(args):
+    from ds_seqpar.train import run_training
+    return run_training(args, model_factory=_zero_init_model)
+
+
 @functools.lru_cache(maxsize=None)
 def _reference(name, dp_size):
     return reference_losses(dict(TINY, deepspeed_config=shipped_config(name)), dp_size)
@@ -58,12 +82,21 @@ def test_any_sequence_length_is_padded_exactly(pool, tmp_path, name):
         assert_close_losses(r["losses"], ref[r["dp_rank"]], f"{name} seq_len=61 rank {r['rank']}")
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage,build", [(1, _train), (2, _train), (3, _train), (3, _train_zero_init)],
+                         ids=["zero1", "zero2", "zero3", "zero3-zero.Init"])
 @pytest.mark.parametrize("name", SHIPPED)
-def test_sequence_x_data_parallel_matches_plain_data_parallel(pool, tmp_path, name, stage):
+def test_sequence_x_data_parallel_matches_plain_data_parallel(pool, tmp_path, name, stage, build):
+    """The plain recipe, the model built whole or (ZeRO-3) under zero.Init over the world as
+    Hugging Face builds it: the losses AND the gradient norms of plain data parallelism."""
     ds = shipped_config(name)
     ds["zero_optimization"]["stage"] = stage
-    results = pool.run(_train, dict(TINY, deepspeed_config=ds, run_dir=str(tmp_path)))
+    if build is _train_zero_init:
+        # a Hugging Face config states the batch; zero.Init (no mpu) then counts replicas only
+        # through DeepSpeed's sequence_parallel_size
+        ds["sequence_parallel_size"] = ds["sequence_parallel"]["size"]
+        replicas = pool.world_size // ds["sequence_parallel"]["size"]
+        ds["train_batch_size"] = ds["train_micro_batch_size_per_gpu"] * replicas
+    results = pool.run(build, dict(TINY, deepspeed_config=ds, run_dir=str(tmp_path)))
     sp_size = ds["sequence_parallel"]["size"]
     dp_size = len(results) // sp_size
     ref, ref_norms = _reference(name, dp_size)
@@ -81,11 +114,16 @@ def test_sequence_x_data_parallel_matches_plain_data_parallel(pool, tmp_path, na
     assert_close_losses([m["loss"] for m in logged], mean_ref, f"{name} logged mean over replicas")
 
 
-def test_gradient_accumulation_matches_plain_data_parallel(pool, tmp_path):
+def test_gradient_accumulation_and_clipping_match_plain_data_parallel(pool, tmp_path):
+    """Where DeepSpeed draws the line, once each under ZeRO-3: 2 accumulated micro-batches per
+    step, and clipping active at every step: the clip norm is the global norm over data x sequence
+    ranks, equal to plain data parallelism's (the batch arithmetic: tests/dist/test_deepspeed_mpu.py)."""
     ds = shipped_config("ulysses")
     ds["gradient_accumulation_steps"] = 2
+    ds["zero_optimization"]["stage"] = 3
     results = pool.run(_train, dict(TINY, deepspeed_config=ds, run_dir=str(tmp_path)))
     ref, ref_norms = reference_losses(dict(TINY, deepspeed_config=ds), 2)
+    assert min(ref_norms) > ds["gradient_clipping"], f"clipping must act at every step: norms {ref_norms}"
     for r in results:
         assert_close_losses(r["losses"], ref[r["dp_rank"]], f"accumulation rank {r['rank']}")
         assert_close_losses(r["grad_norms"], ref_norms, f"accumulation rank {r['rank']}", NORM_REL, "gradient norm")

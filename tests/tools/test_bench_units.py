@@ -108,3 +108,15 @@ def test_the_committed_full_report_renders_from_its_json():
     res["checks"] = checks(res)
     with open(os.path.join(REPORTS, "cpu_full.md")) as f:
         assert render_markdown(res) == f.read()
+
+
+def test_bench_training_case_takes_a_hugging_face_model(tmp_path):
+    from ds_seqpar.bench.main import BenchError, _train_model, build_parser, resolve
+    path = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "configs", "models", "qwen2_small.json")
+    args = resolve(build_parser().parse_args(["--model", path, "--train-strategies", "zigzag,ulysses",
+                                              "--train-seq-len", "256"]))
+    assert _train_model(args) == {"model": os.path.abspath(path), "seq_len": 256, "micro_batch": 1, "steps": 3}
+    with pytest.raises(BenchError, match="--train-strategies lasp: Hugging Face models use softmax attention"):
+        resolve(build_parser().parse_args(["--model", path, "--train-strategies", "zigzag,lasp"]))
+    with pytest.raises(BenchError, match="does not exist"):
+        resolve(build_parser().parse_args(["--model", str(tmp_path / "nope")]))

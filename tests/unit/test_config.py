@@ -56,3 +56,15 @@ def test_from_ds_config_dict_file_and_agreement(tmp_path):
 def test_missing_file_is_clear():
     with pytest.raises(ConfigError, match="does not exist"):
         SequenceParallelConfig.from_ds_config("/nonexistent/ds.json")
+
+
+def test_comm_dtype_follows_deepspeeds_key_and_must_agree_with_it():
+    assert SequenceParallelConfig.from_ds_config({"sequence_parallel": {"size": 2}}).comm_dtype == "auto"
+    ds = {"sequence_parallel": {"size": 2}, "seq_parallel_communication_data_type": "bf16"}
+    assert SequenceParallelConfig.from_ds_config(ds).comm_dtype == "bf16"
+    ds["sequence_parallel"]["comm_dtype"] = "fp32"
+    with pytest.raises(ConfigError, match="seq_parallel_communication_data_type='bf16' disagrees with "
+                                          "sequence_parallel.comm_dtype='fp32'"):
+        SequenceParallelConfig.from_ds_config(ds)
+    with pytest.raises(ConfigError, match="comm_dtype='int8' is not valid; choose one of: auto, fp32, bf16, fp16"):
+        SequenceParallelConfig.parse({"comm_dtype": "int8"})

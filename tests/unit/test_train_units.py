@@ -1,4 +1,4 @@
-"""Pieces of the main job that need no processes: configs, options, data, ZeRO factors, model, cli."""
+"""Pieces of the main job that need no processes: configs, options, data, ZeRO config checks, model, cli."""
 import glob
 import json
 import os
@@ -12,7 +12,7 @@ from ds_seqpar import cli
 from ds_seqpar.train import data
 from ds_seqpar.models import CausalLM, ModelConfig
 from ds_seqpar.train.args import DEFAULT_DS_CONFIG, TrainConfigError, resolve_args
-from ds_seqpar.zero import deepspeed_grad_scale
+from ds_seqpar.zero import check_ds_config
 
 CONFIGS = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "configs")
 
@@ -38,15 +38,22 @@ def test_unknown_training_option_is_an_error():
         resolve_args({"stpes": 3})
 
 
-@pytest.mark.parametrize("zero,sp,want", [({"stage": 1}, 2, 1.0), ({"stage": 2}, 4, 1.0),
-                                          ({"stage": 3}, 4, 4.0), ({"stage": 3}, 1, 1.0), ({}, 2, 1.0)])
-def test_grad_scale_follows_deepspeed_reduction(zero, sp, want):
-    assert deepspeed_grad_scale({"zero_optimization": zero}, sp) == want
+@pytest.mark.parametrize("batch,want", [({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2,
+                                          "gradient_accumulation_steps": 1}, 8),
+                                        ({"train_batch_size": 6, "train_micro_batch_size_per_gpu": 2}, 8),
+                                        ({"train_batch_size": 6}, 4)], ids=["all-three", "micro", "batch-only"])
+def test_train_batch_size_that_counts_ranks_is_refused_with_the_replica_count(batch, want):
+    """world 8 = dp 4 x sp 2: the batch counts the 4 replicas (the 2 ranks of a sequence share it)."""
+    refused = rf"train_batch_size=\d+ does not fit 4 data-parallel replicas.*e\.g\. {want}\)"
+    with pytest.raises(ConfigError, match=refused):
+        check_ds_config(batch, sp_size=2, dp_size=4)
+    check_ds_config(dict(batch, train_batch_size=want), sp_size=2, dp_size=4)
+    check_ds_config(dict(batch, train_batch_size="auto"), sp_size=2, dp_size=4)
 
 
-def test_zero3_without_reduce_scatter_is_refused():
-    with pytest.raises(ConfigError, match="reduce_scatter=false"):
-        deepspeed_grad_scale({"zero_optimization": {"stage": 3, "reduce_scatter": False}}, 2)
+def test_deepspeed_device_mesh_is_refused():
+    with pytest.raises(ConfigError, match="remove data_parallel_size"):
+        check_ds_config({"sequence_parallel_size": 2, "data_parallel_size": 2}, sp_size=2, dp_size=2)
 
 
 def test_batches_depend_only_on_step_and_replicas_differ():

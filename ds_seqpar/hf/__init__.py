@@ -1,0 +1,17 @@
+"""Hugging Face transformers models under sequence parallelism (transformers is an optional
+dependency: ``pip install 'ds_seqpar[hf]'``).
+
+    from ds_seqpar.hf import apply_sequence_parallel, remove_sequence_parallel
+    model = apply_sequence_parallel(model, sp)        # same object; every attention layer calls sp.attention
+    batch = sp.shard_batch({"input_ids": ids, "labels": ids})
+    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+    loss = sp.loss(out.logits, batch["labels"])       # or model(**batch).loss
+    remove_sequence_parallel(model)                   # the original attention back
+
+Registered through transformers' public AttentionInterface under a key of its own per
+(sp, model); no built-in implementation is overwritten and no private function is patched.
+"""
+from .apply import apply_sequence_parallel, remove_sequence_parallel
+from .checks import UnsupportedModelError
+
+__all__ = ["apply_sequence_parallel", "remove_sequence_parallel", "UnsupportedModelError"]

@@ -1,0 +1,113 @@
+"""apply_sequence_parallel / remove_sequence_parallel: a transformers model onto ``sp.attention``
+through the public AttentionInterface, and back.
+
+Order of apply (everything that can fail does so before the model is touched, on every rank alike):
+  1. refuse what cannot be exact (checks.py: config, module tree, heads against the strategy)
+  2. register a new attention key bound to (sp, this model): several coexist in one process and
+     no built-in key (sdpa, flash_attention_*) is overwritten
+  3. set_attn_implementation(key), then verify it took: transformers only warns for models whose
+     attention ignores the registry; a forward hook later checks every attention layer called it
+  4. route the model's loss to sp.loss (loss.py) and install the forward hooks (hooks.py)
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Dict, List, Optional
+
+import torch.nn as nn
+
+from . import hooks
+from .attention import make_attention_function
+from .checks import UnsupportedModelError, check_config, check_heads, check_modules
+from .loss import make_loss_function
+
+STATE_ATTR = "_ds_seqpar_hf"       # on the model: the SequenceParallelState while applied
+_KEYS = itertools.count()
+
+
+class SequenceParallelState:
+    """What one applied (sp, model) pair shares between its attention function, loss and hooks.
+
+    transformers keeps every registered function for the life of the process (there is no public
+    unregister), and the function holds this state: so the layers are held by weak reference, and
+    a finished model (with its optimizer's flat buffers behind its parameters) can be freed."""
+
+    def __init__(self, sp, key: str, layers, previous_attn, previous_loss):
+        self.sp = sp
+        self.key = key
+        self.names: Dict[int, str] = {id(m): f"{n} ({type(m).__name__})" for n, m in layers}
+        self._layers = [(n, weakref.ref(m)) for n, m in layers]
+        self.previous_attn = previous_attn
+        self.previous_loss = previous_loss
+        self.calls: set = set()           # attention layers that called the function in this forward
+        self.labels_given = False
+        self.loss_routed = False
+        self.handles: List = []
+
+    @property
+    def layers(self):
+        """(name, module) of the attention layers that are still alive."""
+        return [(n, ref()) for n, ref in self._layers if ref() is not None]
+
+    def layer_name(self, module) -> str:
+        return self.names.get(id(module), type(module).__name__)
+
+
+def apply_sequence_parallel(model: nn.Module, sp) -> nn.Module:
+    """Make every attention layer of ``model`` (a transformers PreTrainedModel) call ``sp.attention``;
+    returns the same object. Use ``sp.shard_batch`` batches and pass their ``position_ids``."""
+    from transformers import AttentionInterface
+    if getattr(model, STATE_ATTR, None) is not None:
+        raise UnsupportedModelError(f"ds_seqpar.hf: {type(model).__name__} already has sequence parallelism "
+                                    f"applied; call remove_sequence_parallel(model) first")
+    if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
+        raise UnsupportedModelError(f"ds_seqpar.hf: {type(model).__name__} is not a transformers PreTrainedModel")
+    # 1. refusals (pure, identical on every rank)
+    check_config(model.config)
+    layers = check_modules(model)
+    check_heads(model.config, sp)
+    # 2. a key of our own; no "flash" (transformers would load a flash kernel) and no "/" (a hub kernel)
+    key = f"ds_seqpar_sp{next(_KEYS)}"
+    state = SequenceParallelState(sp, key, layers, model.config._attn_implementation, model.loss_function)
+    AttentionInterface.register(key, make_attention_function(state))
+    # 3. switch and verify
+    model.set_attn_implementation(key)
+    _verify_switch(model, key, state)
+    # 4. loss and hooks
+    model.loss_function = make_loss_function(state)
+    state.handles = hooks.install(model, state)
+    setattr(model, STATE_ATTR, state)
+    return model
+
+
+def remove_sequence_parallel(model: nn.Module) -> nn.Module:
+    """The original attention and loss back (for eval on one process, generate); same object."""
+    state: Optional[SequenceParallelState] = getattr(model, STATE_ATTR, None)
+    if state is None:
+        raise ValueError(f"ds_seqpar.hf: {type(model).__name__} has no sequence parallelism applied")
+    for h in state.handles:
+        h.remove()
+    model.set_attn_implementation(state.previous_attn)
+    model.loss_function = state.previous_loss
+    state.sp = None         # the registered function now refuses to run (transformers has no unregister)
+    state.previous_loss = None
+    setattr(model, STATE_ATTR, None)
+    return model
+
+
+def _verify_switch(model, key: str, state: SequenceParallelState) -> None:
+    """Every (sub)model config must now name the key; otherwise undo and refuse."""
+    stale = [type(m).__name__ for m in model.modules()
+             if hasattr(m, "config") and hasattr(m, "set_attn_implementation")
+             and getattr(m.config, "_attn_implementation", key) != key]
+    if stale:
+        if model.config._attn_implementation == key:
+            model.set_attn_implementation(state.previous_attn)
+        state.sp = None
+        raise UnsupportedModelError(f"ds_seqpar.hf: {', '.join(sorted(set(stale)))} kept attention "
+                                    f"implementation {state.previous_attn!r}: its attention does not go through "
+                                    f"transformers' AttentionInterface, so sequence parallelism cannot be applied")
+
+
+__all__ = ["apply_sequence_parallel", "remove_sequence_parallel", "SequenceParallelState"]

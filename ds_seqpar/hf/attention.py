@@ -1,0 +1,127 @@
+"""The attention function registered with transformers' ``AttentionInterface``, one per
+(SequenceParallel, model) pair.
+
+transformers calls it from every attention layer as
+
+    fn(module, query, key, value, attention_mask, dropout=..., scaling=..., **kwargs) -> (out, weights)
+
+with query [b, heads, s, d] (RoPE applied, GQA heads NOT repeated) and expects out [b, s, heads, d]
+(the caller reshapes it to [b, s, heads * d] without checking, so a wrong layout would silently mix
+heads and tokens). ``sp.attention`` takes and returns bshd, so the function transposes on the way in
+and returns the result as is.
+
+Every refusal here depends only on the layer and the call's shapes and kwargs, which are the same on
+every rank of a sequence group, so each rank raises the same error before the first collective.
+
+Legend: b = batch, h = q heads, hkv = k/v heads, s = local tokens, d = qk head dim, dv = v head dim.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .checks import UnsupportedModelError
+
+
+def make_attention_function(state) -> Callable:
+    """The function for ``AttentionInterface.register``; ``state`` (apply.py) holds the sp, the
+    layer names and the per-forward call record."""
+
+    def ds_seqpar_attention(module, query, key, value, attention_mask=None, dropout: float = 0.0,
+                            scaling: Optional[float] = None, **kwargs: Any):
+        sp = state.sp
+        where = state.layer_name(module)
+        if sp is None:
+            raise RuntimeError(f"ds_seqpar.hf: {where} called sequence-parallel attention after "
+                               f"remove_sequence_parallel; this model's attention key is stale")
+        causal, seq_len, cu_seqlens = _call_options(module, kwargs)
+        check_call(where, query, key, attention_mask, dropout, kwargs, sp.size, causal, seq_len)
+        if cu_seqlens is not None and not accepts_cu_seqlens(sp):
+            raise UnsupportedModelError(f"ds_seqpar.hf: packed documents (cu_seqlens) in {where}: this "
+                                        f"ds_seqpar's sp.attention has no cu_seqlens argument; pass one "
+                                        f"document per row instead")
+        state.calls.add(id(module))
+        # [b, h, s, d] -> [b, s, h, d]: sp.attention's layout (contiguous: strategies view and split it)
+        q_bshd, k_bshd, v_bshd = (t.transpose(1, 2).contiguous() for t in (query, key, value))
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5     # before any padding
+        q_bshd, k_bshd, v_bshd, dv = match_head_dims(q_bshd, k_bshd, v_bshd)
+        extra = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}   # packed documents
+        out_bshd = sp.attention(q_bshd, k_bshd, v_bshd, causal=causal, softmax_scale=scale,
+                                seq_len=seq_len, **extra)
+        return out_bshd[..., :dv], None
+
+    return ds_seqpar_attention
+
+
+def accepts_cu_seqlens(sp) -> bool:
+    """Whether this ds_seqpar's sp.attention takes packed-document boundaries."""
+    return "cu_seqlens" in inspect.signature(sp.attention).parameters
+
+
+def _call_options(module, kwargs):
+    """(causal, real global length for non-causal padding, packed-document boundaries)."""
+    causal = kwargs.get("is_causal")
+    if causal is None:
+        causal = getattr(module, "is_causal", True)
+    seq_len = kwargs.get("sp_seq_len")
+    cu_seqlens = kwargs.get("cu_seqlens")
+    if cu_seqlens is None:
+        # DataCollatorWithFlattening's names; q and k boundaries agree for self-attention
+        cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+        if cu_q is not None:
+            if cu_k is not None and not torch.equal(cu_q, cu_k):
+                raise UnsupportedModelError("ds_seqpar.hf: cu_seq_lens_q != cu_seq_lens_k: query and key "
+                                            "documents differ (cross attention); pass one cu_seqlens")
+            cu_seqlens = cu_q
+    return bool(causal), seq_len, cu_seqlens
+
+
+def check_call(where: str, query, key, attention_mask, dropout: float, kwargs, sp_size: int,
+               causal: bool, seq_len: Optional[int]) -> None:
+    """Refuse, before any communication, what this call cannot do exactly."""
+    def refuse(feature: str, fix: str):
+        raise UnsupportedModelError(f"ds_seqpar.hf: {feature} in {where} cannot be exact under sequence "
+                                    f"parallelism; {fix}")
+
+    n_global = query.shape[2] * sp_size
+    if key.shape[2] != query.shape[2]:
+        refuse(f"cached or cross attention (key length {key.shape[2]} != query length {query.shape[2]})",
+               "train without past_key_values and use_cache=False; remove_sequence_parallel before generate")
+    if attention_mask is not None:
+        refuse(f"an attention mask (shape {tuple(attention_mask.shape)})", "pass no attention_mask: causality "
+               "is applied by the strategy; pack documents instead of padding")
+    if kwargs.get("softcap") is not None:
+        refuse(f"logit softcapping (softcap={kwargs['softcap']})", "set attn_logit_softcapping=None in the config")
+    if kwargs.get("s_aux") is not None:
+        refuse("attention sinks (s_aux)", "use a model without sink logits")
+    window = kwargs.get("sliding_window")
+    if window is not None and window < n_global:
+        refuse(f"a sliding window of {window} tokens shorter than the padded sequence ({n_global} tokens)",
+               f"train on sequences of at most {window} tokens or disable the sliding window")
+    if dropout and dropout > 0:
+        refuse(f"attention dropout {dropout} in training", "set attention_dropout=0.0 in the config")
+    if kwargs.get("output_attentions"):
+        refuse("output_attentions=True", "sequence-parallel attention never forms the attention weights; "
+               "call without output_attentions")
+    if not causal and seq_len is None:
+        refuse("non-causal attention without the real sequence length",
+               "pass sp_seq_len=<global length before padding> to the model call so padded keys are excluded")
+
+
+def match_head_dims(q_bshd, k_bshd, v_bshd):
+    """MLA (DeepSeek-V2/V3) has a value head size dv != the qk head size d. Zero-padding the smaller
+    side to the larger one is exact: zero columns of q and k add nothing to the scores (the scale is
+    passed explicitly), and zero columns of v give zero output columns, cropped after. Returns the
+    padded (q, k, v) and dv, the width to keep."""
+    d, dv = q_bshd.shape[-1], v_bshd.shape[-1]
+    if dv < d:
+        v_bshd = F.pad(v_bshd, (0, d - dv))
+    elif dv > d:
+        q_bshd, k_bshd = F.pad(q_bshd, (0, dv - d)), F.pad(k_bshd, (0, dv - d))
+    return q_bshd, k_bshd, v_bshd, dv
+
+
+__all__ = ["make_attention_function", "check_call", "match_head_dims"]

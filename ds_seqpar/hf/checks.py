@@ -1,0 +1,167 @@
+"""What a Hugging Face model may not do under sequence parallelism, checked before any communication.
+
+transformers builds no attention mask for a custom attention key, so every feature that lives in
+the mask (padding, sliding windows, Llama4 chunks) or outside attention (SSM / convolution token
+mixers) would be silently dropped or silently wrong. Each is refused here, with the feature, the
+layer or config key, and what would work. The checks read only the config and the module tree,
+identical on every rank, so every rank raises the same error; none needs a process group, so they
+are unit-tested on config objects.
+
+Made exact rather than refused: GQA (the strategies take fewer k/v heads), any ``scaling``
+(Granite's attention_multiplier, Gemma's query_pre_attn_scalar), MLA's value head size != query
+head size (attention.py pads and crops).
+"""
+from __future__ import annotations
+
+import re
+from typing import List, Optional, Tuple
+
+import torch.nn as nn
+
+from ..config import ConfigError
+
+# model types whose attention does not go through AttentionInterface (transformers only warns when
+# set_attn_implementation cannot switch them); apply.py also verifies the switch and the calls
+LEGACY_MODEL_TYPES = frozenset({
+    "big_bird", "bloom", "clvp", "codegen", "cpmant", "falcon", "gpt_neo", "gpt_neox_japanese", "gptj",
+    "megatron-bert", "megatron_bert", "mpt", "mvp", "prophetnet", "rembert", "roformer", "rwkv", "trocr", "xglm",
+})
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+# modules that mix tokens outside attention: the state / convolution would run on one shard only
+TOKEN_MIXER_CLASS = re.compile(r"Mamba|GatedDeltaNet|ShortConv|SSM|Rwkv|RWKV|LinearAttention|Retention|Hyena")
+
+
+class UnsupportedModelError(ConfigError):
+    """A model feature that cannot be exact under sequence parallelism (same message on every rank)."""
+
+
+def _refuse(feature: str, where: str, fix: str):
+    raise UnsupportedModelError(f"ds_seqpar.hf: {feature} in {where} cannot be exact under sequence "
+                                f"parallelism; {fix}")
+
+
+def text_config(config):
+    """The decoder's config (the config itself for a plain causal LM)."""
+    getter = getattr(config, "get_text_config", None)
+    return getter(decoder=True) if getter else config
+
+
+def sliding_window_of(config) -> Optional[int]:
+    """The window some layer applies, or None. Qwen2-style configs keep ``sliding_window`` but switch
+    it off with use_sliding_window=False; ``layer_types`` without sliding layers means none is used."""
+    tc = text_config(config)
+    window = getattr(tc, "sliding_window", None)
+    if window is None or getattr(tc, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(tc, "layer_types", None)
+    if layer_types and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
+def check_config(config, seq_len: Optional[int] = None, training: Optional[bool] = None) -> None:
+    """Refuse config-level features. ``seq_len``: the padded global length, when known (sliding
+    windows); ``training``: the mode, when known (dropout)."""
+    tc = text_config(config)
+    name = f"{type(tc).__name__} (model_type={getattr(tc, 'model_type', '?')!r})"
+    model_type = getattr(tc, "model_type", "")
+    if model_type in LEGACY_MODEL_TYPES or getattr(config, "model_type", "") in LEGACY_MODEL_TYPES:
+        _refuse("an attention that ignores transformers' AttentionInterface", name,
+                "use a model whose attention goes through the registry (Llama, Qwen2, Mistral, Gemma, GPT-2, ...)")
+    _check_multimodal(config, tc, name)
+    if getattr(config, "is_encoder_decoder", False) or getattr(tc, "add_cross_attention", False):
+        _refuse("cross attention (is_encoder_decoder / add_cross_attention)", name, "use a decoder-only model")
+    if getattr(tc, "attn_logit_softcapping", None) is not None:
+        _refuse(f"logit softcapping (attn_logit_softcapping={tc.attn_logit_softcapping})", name,
+                "set config.attn_logit_softcapping=None")
+    if getattr(tc, "attention_chunk_size", None) is not None:
+        _refuse(f"chunked attention (attention_chunk_size={tc.attention_chunk_size})", name,
+                "set config.attention_chunk_size=None (chunks exist only in the mask, which is not built)")
+    _check_layer_types(tc, name)
+    window = sliding_window_of(config)
+    if window is not None and seq_len is not None and window < seq_len:
+        _refuse(f"a sliding window of {window} tokens shorter than the padded sequence ({seq_len} tokens)",
+                f"{name} config.sliding_window", f"use sequences of at most {window} tokens or no sliding window")
+    dropout = getattr(tc, "attention_dropout", 0.0) or 0.0
+    if training and dropout > 0:
+        _refuse(f"attention dropout {dropout} in training", f"{name} config.attention_dropout",
+                "set attention_dropout=0.0")
+
+
+def _check_multimodal(config, tc, name: str) -> None:
+    rope = getattr(tc, "rope_parameters", None) or getattr(tc, "rope_scaling", None) or {}
+    if isinstance(rope, dict) and "mrope_section" in rope:
+        _refuse("multimodal 3-D position ids (mrope_section)", f"{name} rope parameters",
+                "use a text-only model with 1-D positions")
+    others = [k for k in getattr(config, "sub_configs", {}) if k != "text_config" and getattr(config, k, None)]
+    if others:
+        _refuse(f"a multimodal model (sub-configs {others}: their encoders would switch to sequence-parallel "
+                f"attention too)", name, "apply to the text model alone")
+
+
+def _check_layer_types(tc, name: str) -> None:
+    for key in ("layer_types", "layers_block_type"):
+        types = getattr(tc, key, None) or []
+        for i, kind in enumerate(types):
+            if key == "layers_block_type" and kind == "attention":
+                continue
+            if kind == "chunked_attention":
+                _refuse("chunked attention (layer_types 'chunked_attention')", f"{name} layer {i}",
+                        "use full or sliding-window attention layers")
+            if kind not in ATTENTION_LAYER_TYPES:
+                _refuse(f"token mixing outside attention ({key}[{i}]={kind!r}: a linear-attention, SSM or "
+                        f"convolution layer)", f"{name} layer {i}", "use a model whose layers mix tokens only "
+                        "in softmax attention")
+
+
+def attention_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """The softmax attention layers: the modules that must call the registered function."""
+    return [(n, m) for n, m in model.named_modules()
+            if type(m).__name__.endswith("Attention") and not TOKEN_MIXER_CLASS.search(type(m).__name__)]
+
+
+def check_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """Refuse module-level features; return the attention layers."""
+    for n, m in model.named_modules():
+        if isinstance(m, nn.Conv1d) or TOKEN_MIXER_CLASS.search(type(m).__name__):
+            _refuse(f"token mixing outside attention ({type(m).__name__})", n or "the model",
+                    "use a model whose layers mix tokens only in softmax attention")
+    layers = attention_modules(model)
+    if not layers:
+        _refuse("no attention layer found (no module class named *Attention)", type(model).__name__,
+                "use a transformers model whose attention goes through AttentionInterface")
+    for n, m in layers:
+        if isinstance(getattr(m, "sinks", None), nn.Parameter):
+            _refuse("attention sinks (module.sinks)", f"{n} ({type(m).__name__})", "use a model without sink logits")
+        if getattr(m, "attn_logit_softcapping", None) is not None:
+            _refuse(f"logit softcapping (attn_logit_softcapping={m.attn_logit_softcapping})",
+                    f"{n} ({type(m).__name__})", "set config.attn_logit_softcapping=None")
+    return layers
+
+
+def check_heads(config, sp) -> None:
+    """The strategy must be able to split these heads (Ulysses: heads over ranks)."""
+    tc = text_config(config)
+    heads = getattr(tc, "num_attention_heads", None)
+    kv_heads = getattr(tc, "num_key_value_heads", None) or heads
+    if heads is None:
+        return
+    try:
+        sp.strategy.check_heads(int(heads), int(kv_heads))
+    except ValueError as err:
+        raise UnsupportedModelError(f"ds_seqpar.hf: {type(tc).__name__} num_attention_heads={heads}, "
+                                    f"num_key_value_heads={kv_heads}: {err}") from None
+
+
+def check_dropout(layers, training: bool) -> None:
+    if not training:
+        return
+    for n, m in layers:
+        p = getattr(m, "attention_dropout", 0.0) or 0.0
+        if isinstance(p, (int, float)) and p > 0:
+            _refuse(f"attention dropout {p} in training", f"{n} ({type(m).__name__})",
+                    "set config.attention_dropout=0.0 or call model.eval()")
+
+
+__all__ = ["UnsupportedModelError", "check_config", "check_modules", "check_heads", "check_dropout",
+           "attention_modules", "sliding_window_of", "text_config", "LEGACY_MODEL_TYPES"]

@@ -1,0 +1,38 @@
+"""``model(**batch).loss`` under sequence parallelism: the model's loss routed to ``sp.loss``.
+
+transformers computes a causal LM's loss as ``self.loss_function(logits, labels, vocab_size, **kwargs)``
+(keywords for most families, positionally for Gemma2, gpt-oss, Jamba...), and its default
+ForCausalLMLoss shifts the labels by one and averages over THIS rank's tokens only. Labels from
+``sp.shard_batch`` are already shifted over the whole sequence, so the routed loss must not shift
+again, and the mean must cover every rank's tokens: exactly ``sp.loss`` (same value on every rank,
+backward giving this rank's share). The override is per instance (``model.loss_function = fn``, the
+public setter); other models keep the default.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from .checks import UnsupportedModelError
+
+
+def make_loss_function(state) -> Callable:
+    def ds_seqpar_loss(logits, labels=None, vocab_size=None, num_items_in_batch=None, ignore_index: int = -100,
+                       shift_labels=None, **kwargs):
+        sp = state.sp
+        if sp is None:
+            raise RuntimeError("ds_seqpar.hf: the sequence-parallel loss was called after remove_sequence_parallel")
+        if num_items_in_batch is not None:
+            # the caller's token count would replace sp.loss's global count over the sequence group
+            raise UnsupportedModelError(f"ds_seqpar.hf: num_items_in_batch={num_items_in_batch} (a token count for "
+                                        f"gradient accumulation) cannot be combined with the sequence-parallel "
+                                        f"loss, whose mean is over the whole sequence; call without it")
+        targets = shift_labels if shift_labels is not None else labels      # already shifted: never again
+        if targets is None:
+            raise ValueError("ds_seqpar.hf: the loss needs labels (from sp.shard_batch)")
+        state.loss_routed = True
+        return sp.loss(logits, targets, ignore_index=ignore_index)
+
+    return ds_seqpar_loss
+
+
+__all__ = ["make_loss_function"]

@@ -1,0 +1,86 @@
+"""``--model PATH``: the main job trains a local Hugging Face causal LM instead of its own.
+
+The trainer calls ``engine(input_ids, position_ids)`` and ``sp.loss`` on the logits, as for the own
+LM; ``HFCausalLM`` is the thin adapter that makes a transformers model answer that call (its
+positional signature is (input_ids, attention_mask, position_ids, ...), so the ids are passed by
+name). Everything that can be refused is refused before weights are loaded, on every rank alike.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .args import TrainConfigError
+
+
+class HFCausalLM(nn.Module):
+    """``forward(input_ids [B, L], position_ids [B, L]) -> logits [B, L, V]``, as models.CausalLM."""
+
+    def __init__(self, model: nn.Module, path: str, loaded_weights: bool):
+        super().__init__()
+        self.model = model
+        self.cfg = HFModelInfo(model.config, path, loaded_weights)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, position_ids=position_ids).logits
+
+    def num_params(self) -> int:
+        # ZeRO-3 leaves each rank a slice; ds_numel is the full size
+        return sum(getattr(p, "ds_numel", p.numel()) for p in self.parameters())
+
+
+class HFModelInfo:
+    """What run.json and wandb record about the model."""
+
+    KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "intermediate_size", "vocab_size", "tie_word_embeddings")
+
+    def __init__(self, config, path: str, loaded_weights: bool):
+        self.config, self.path, self.loaded_weights = config, path, loaded_weights
+
+    def as_dict(self) -> dict:
+        info = {k: getattr(self.config, k, None) for k in self.KEYS}
+        return dict(info, hf_model=self.path, weights="pretrained" if self.loaded_weights else "random init",
+                    architecture=type(self.config).__name__)
+
+
+def check_options(opts, strategy: str) -> None:
+    """Options that do not go with --model; checked before anything starts."""
+    if strategy == "lasp":
+        raise TrainConfigError(f"--model {opts.model!r} with sequence_parallel.strategy='lasp': Hugging Face models "
+                               f"use softmax attention, which lasp does not compute; choose ulysses, ring, zigzag "
+                               f"or striped (ulysses_size > 1 for the 2D hybrid)")
+    if opts.attention == "linear":
+        raise TrainConfigError(f"--attention=linear does not go with --model {opts.model!r} (softmax attention)")
+
+
+def load_config(opts):
+    from ..hf.model_io import load_config as load
+    return load(opts.model)
+
+
+def check_run(sp, opts, config, vocab_size: int) -> None:
+    """Model features against the strategy and sequence (hf/checks.py), and the data's vocabulary."""
+    from ..hf.checks import check_config, check_heads, text_config
+    check_config(config, seq_len=sp.padded_len(opts.seq_len), training=True)
+    check_heads(config, sp)
+    model_vocab = getattr(text_config(config), "vocab_size", None)
+    if model_vocab is None or model_vocab < vocab_size:
+        raise TrainConfigError(f"--model {opts.model!r} has vocab_size={model_vocab}, smaller than the training "
+                               f"data's vocabulary ({vocab_size} token ids); use a model with vocab_size >= "
+                               f"{vocab_size} or a token file (--data) with ids below {model_vocab}")
+
+
+def build(opts, config, sp=None) -> HFCausalLM:
+    """The model in training mode; with ``sp``, its attention and loss sequence-parallel.
+    Random init (no weights at the path) draws from torch's current seed: the caller seeds it."""
+    from ..hf import apply_sequence_parallel
+    from ..hf.model_io import load_causal_lm
+    model, loaded = load_causal_lm(opts.model, torch.float32, config=config)
+    model.train()
+    if sp is not None:
+        apply_sequence_parallel(model, sp)
+    return HFCausalLM(model, opts.model, loaded)
+
+
+__all__ = ["HFCausalLM", "build", "check_options", "check_run", "load_config"]
