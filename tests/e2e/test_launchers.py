@@ -129,7 +129,7 @@ def test_deepspeed_launcher_trains_a_hugging_face_model(tmp_path):
     code, out = run(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module",
                      "ds_seqpar.train", "--model", "configs/models/qwen2_small.json", "--deepspeed_config",
                      "configs/ring_zero2.json", "--steps", "2", "--seq_len", "64", "--corpus_bytes", "65536",
-                     "--no_progress", "--run_dir", str(runs)], tmp_path)
+                     "--no_progress", "--run_dir", str(runs)])
     assert code == 0, out[-4000:]
     rows, config = metrics_of(runs, 2)
     assert config["model"]["architecture"] == "Qwen2Config" and config["strategy"] == "ring", config
