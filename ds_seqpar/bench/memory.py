@@ -182,7 +182,8 @@ def finish(res: Dict[str, Any], out: str) -> Dict[str, Any]:
     _save(res, os.path.join(out, f"{res['meta']['name']}.json"))
     md = write_report(res, out)
     width = max([len(c["what"]) for c in res["checks"]] or [0])
-    print("\n".join(f"{c['what']:<{width}}  {c['measured']:8.3f}  {c['target']:>9}  {c['result']}" for c in res["checks"]))
+    print("\n".join(f"{c['what']:<{width}}  {c['measured']:8.3f}  {c['target']:>9}  {c['result']}"
+                    for c in res["checks"]))
     print(f"ds-seqpar bench memory: wrote {md}")
     return res
 

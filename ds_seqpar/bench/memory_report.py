@@ -53,7 +53,8 @@ def _setup(res: Dict[str, Any]) -> List[str]:
         "peaks rise more slowly). The longest sequence in the budget solves peak(N) = budget. "
         f"Floor = layers x hidden x 4 bytes = {floor / KIB:.0f} KiB per token (the checkpointed residual stream).", "",
         f"Command: `{m['command']}`", "",
-        f"Machine: {mach.get('cpu_model', '?')}, {mach.get('cpus', '?')} cores (shared); torch {mach.get('torch', '?')}, "
+        f"Machine: {mach.get('cpu_model', '?')}, {mach.get('cpus', '?')} cores (shared); "
+        f"torch {mach.get('torch', '?')}, "
         f"deepspeed {mach.get('deepspeed', '?')}; whole run {res.get('elapsed_s', 0) / 60:.0f} min. Memory "
         "high-water marks do not depend on the machine's load; step times do (see the timing section).", ""]
 
@@ -70,10 +71,12 @@ def _variants(res) -> List[str]:
     lines = ["## Bytes per token per rank and the longest sequence", "",
              f"Budget: {budget / 2 ** 30:.2f} GiB per rank. Bytes/token: the largest phase slope (see above).", "",
              "| model | P | features | bytes/token/rank (KiB) | x floor | phase | static (MiB) | longest tokens/rank "
-             "in budget | longest sequence (P x) | fit residual (MiB) |", "|---|---:|---|---:|---:|---|---:|---:|---:|---:|"]
+             "in budget | longest sequence (P x) | fit residual (MiB) |",
+             "|---|---:|---|---:|---:|---|---:|---:|---:|---:|"]
     for v in res["variants"].values():
         static = v["rows"][0]["resident_bytes"]
-        lines.append(f"| {v['model']} | {v['world']} | {'on' if v['features'] else 'off'} | {_kib(v['bytes_per_token'])} "
+        lines.append(f"| {v['model']} | {v['world']} | {'on' if v['features'] else 'off'} | "
+                     f"{_kib(v['bytes_per_token'])} "
                      f"| {v['bytes_per_token'] / floor:.2f} | {v['dominant_phase']} | {_mib(static)} | "
                      f"{v['max_tokens_per_rank']:,} | {v['max_seq_len']:,} | {v['fit_max_residual'] / MIB:.1f} |")
     return lines + [""]
@@ -89,7 +92,8 @@ def _points(res) -> List[str]:
              "|---|---:|---|---:|---:|---:|---|---:|---:|---:|---:|"]
     for v in res["variants"].values():
         for r in v["rows"]:
-            lines.append(f"| {v['model']} | {v['world']} | {'on' if v['features'] else 'off'} | {r['tokens_per_rank']:,} "
+            lines.append(f"| {v['model']} | {v['world']} | {'on' if v['features'] else 'off'} | "
+                         f"{r['tokens_per_rank']:,} "
                          f"| {_mib(r['resident_bytes'])} | {_mib(r['peak_bytes'])} | {r['peak_phase']} | "
                          f"{_mib(r['activation_bytes'])} | "
                          f"{_kib(r['above_static_per_token'])} | {_kib(r['marginal_per_token'])} | {r['step_s']:.1f} |")
@@ -112,7 +116,8 @@ def _timing(res) -> List[str]:
              "| case | tokens/rank | without (s) | with (s) | with / without: median (min-max) | rounds |",
              "|---|---:|---:|---:|---:|---:|"]
     for r in res["timing_rows"]:
-        lines.append(f"| {r['case']} | {r['tokens_per_rank']:,} | {r['off_s']:.2f} | {r['on_s']:.2f} | {r['ratio']:.2f} "
+        lines.append(f"| {r['case']} | {r['tokens_per_rank']:,} | {r['off_s']:.2f} | {r['on_s']:.2f} | "
+                     f"{r['ratio']:.2f} "
                      f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) | {r['rounds']} |")
     return lines + [""]
 

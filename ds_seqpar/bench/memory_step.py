@@ -127,6 +127,22 @@ def _batch(spec: MemorySpec, sp, tokens_per_rank: int, step: int):
     return sp.shard_batch({"input_ids": ids})
 
 
+def _join_deepspeed() -> None:
+    """deepspeed.init_distributed, then drop the name of this rank's /dev/shm all-reduce buffer:
+    DeepSpeed's CPU shared-memory all-reduce (deepspeed/ops/csrc/cpu/comm/shm.cpp) creates one
+    per rank (~70 MB of RAM) and never unlinks it, so every fresh process would leak one. Once
+    every rank is past init (the barrier) each has mapped its peers' buffers; the mappings stay."""
+    import deepspeed
+    from .. import comm
+    deepspeed.init_distributed(dist_backend="gloo")
+    comm.barrier()
+    env = os.environ
+    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{env.get('MASTER_ADDR')}_{env.get('MASTER_PORT')}_"
+            f"{env.get('RANK')}")
+    if os.path.exists(name):
+        os.unlink(name)
+
+
 def measure_peak(spec: MemorySpec) -> Dict[str, Any]:
     """On every rank of a fresh P-rank pool: warm-up step, measured step(s); peak memory and times."""
     import deepspeed
@@ -136,7 +152,7 @@ def measure_peak(spec: MemorySpec) -> Dict[str, Any]:
     torch.set_num_threads(1)
     ds = ds_config(spec)
     memory = MemoryConfig.from_ds_config(ds)
-    deepspeed.init_distributed(dist_backend="gloo")
+    _join_deepspeed()
     sp = SequenceParallel.from_ds_config(ds)
     model = build_model(spec, sp, memory)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds, mpu=sp.mpu)
@@ -207,7 +223,7 @@ def time_steps(off: MemorySpec, on: MemorySpec, rounds: int) -> Dict[str, Any]:
     from ..memory import MemoryConfig
     from ..sequence_parallel import SequenceParallel
     torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo")
+    _join_deepspeed()
     runs = []
     for spec in (off, on):
         ds = ds_config(spec)

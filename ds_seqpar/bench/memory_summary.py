@@ -76,7 +76,8 @@ def summarize_variant(points: List[Dict[str, Any]], floor: int, budget: float, w
         prev = (n, peak)
     n_max = max_tokens(model, budget)
     return {"rows": rows, "phase_model": model, "bytes_per_token": model[dominant]["b"], "dominant_phase": dominant,
-            "floor_ratio": model[dominant]["b"] / floor, "fit_max_residual": max(m["max_residual"] for m in model.values()),
+            "floor_ratio": model[dominant]["b"] / floor,
+            "fit_max_residual": max(m["max_residual"] for m in model.values()),
             "max_tokens_per_rank": n_max, "max_seq_len": world * n_max if n_max >= 0 else None}
 
 

@@ -97,7 +97,8 @@ def test_hf_llama_with_memory_features_trains_like_plain_data_parallel(pool, tmp
     ds = with_memory_features(shipped_config(name))
     ds["zero_optimization"]["stage"] = stage
     results = pool.run(_train, dict(HF_TINY, model=llama_dir, deepspeed_config=ds, run_dir=str(tmp_path)))
-    (loss64, norm64), (loss32, norm32) = _hf_references(llama_dir, name, len(results) // ds["sequence_parallel"]["size"])
+    dp_size = len(results) // ds["sequence_parallel"]["size"]
+    (loss64, norm64), (loss32, norm32) = _hf_references(llama_dir, name, dp_size)
     for r in results:
         who = f"--model llama {name} ZeRO-{stage} + memory rank {r['rank']} (dp_rank {r['dp_rank']})"
         assert_derived(r["losses"], loss64[r["dp_rank"]], loss32[r["dp_rank"]], who, "loss")
