@@ -66,7 +66,7 @@ def apply_sequence_parallel(model: nn.Module, sp) -> nn.Module:
     # 1. refusals (pure, identical on every rank)
     check_config(model.config)
     layers = check_modules(model)
-    check_heads(model.config, sp)
+    check_heads(model.config, sp.config)
     # 2. a key of our own; no "flash" (transformers would load a flash kernel) and no "/" (a hub kernel)
     key = f"ds_seqpar_sp{next(_KEYS)}"
     state = SequenceParallelState(sp, key, layers, model.config._attn_implementation, model.loss_function)

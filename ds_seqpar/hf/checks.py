@@ -18,6 +18,7 @@ from typing import List, Optional, Tuple
 
 import torch.nn as nn
 
+from .. import strategies
 from ..config import ConfigError
 
 # model types whose attention does not go through AttentionInterface (transformers only warns when
@@ -139,15 +140,16 @@ def check_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     return layers
 
 
-def check_heads(config, sp) -> None:
-    """The strategy must be able to split these heads (Ulysses: heads over ranks)."""
+def check_heads(config, sp_config) -> None:
+    """The strategy must be able to split these heads (Ulysses: heads over ranks). ``sp_config``:
+    the SequenceParallelConfig, so this runs before any process group exists."""
     tc = text_config(config)
     heads = getattr(tc, "num_attention_heads", None)
     kv_heads = getattr(tc, "num_key_value_heads", None) or heads
     if heads is None:
         return
     try:
-        sp.strategy.check_heads(int(heads), int(kv_heads))
+        strategies.check_heads(sp_config, int(heads), int(kv_heads))
     except ValueError as err:
         raise UnsupportedModelError(f"ds_seqpar.hf: {type(tc).__name__} num_attention_heads={heads}, "
                                     f"num_key_value_heads={kv_heads}: {err}") from None

@@ -10,7 +10,7 @@ from .lasp import LaspAttention
 from .ring import RingAttention
 from .ring_loop import RingFamily
 from .striped import StripedAttention
-from .ulysses import UlyssesAttention
+from .ulysses import UlyssesAttention, check_ulysses_heads
 from .zigzag import ZigzagAttention
 
 STRATEGIES: Dict[str, Type[Strategy]] = {
@@ -43,4 +43,14 @@ def build(config, ctx: StrategyContext) -> Strategy:
     return strategy
 
 
-__all__ = ["STRATEGIES", "RING_STRATEGIES", "Strategy", "StrategyContext", "build", "get_strategy"]
+def check_heads(config, num_heads: int, num_kv_heads: int) -> None:
+    """The configured strategy's head check from the config alone: no groups are needed, so a job
+    runs it before joining the world (a rank that leaves while its peers still build groups would
+    turn their copy of this message into a connection error). Same rule as ``Strategy.check_heads``."""
+    size = config.effective_ulysses_size
+    if size > 1:
+        key = "sequence_parallel.size" if config.strategy == "ulysses" else "sequence_parallel.ulysses_size"
+        check_ulysses_heads(num_heads, num_kv_heads, size, key)
+
+
+__all__ = ["STRATEGIES", "RING_STRATEGIES", "Strategy", "StrategyContext", "build", "check_heads", "get_strategy"]

@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, Mapping, Optional
 
 import torch
 
-from .. import comm
+from .. import comm, strategies
 from ..config import ConfigError, SequenceParallelConfig
 from ..memory import MemoryConfig, apply_memory_features
 from ..models import CausalLM, ModelConfig
@@ -49,12 +49,12 @@ def run_training(args: Mapping[str, Any], model_factory: Optional[Callable] = No
     ds_config = build_ds_config(opts)
     sp_cfg = SequenceParallelConfig.from_ds_config(ds_config)
     memory = MemoryConfig.from_ds_config(ds_config, sp_cfg)     # tiled loss/MLP, checkpointing
-    _join_world(opts, sp_cfg.timeout_s)
     hf_config = load_hf_config(opts, sp_cfg, ds_config)        # --model: options checked, no weights yet
     model_cfg = None if hf_config is not None else model_config(opts, sp_cfg)
+    check_run(sp_cfg, opts, model_cfg, hf_config)              # before any rank joins the world
+    _join_world(opts, sp_cfg.timeout_s)
     # checks size | world before building groups; takes the loss's ZeRO factor from the config
     sp = SequenceParallel.from_ds_config(ds_config)
-    check_run(sp, opts, model_cfg)
     tokens = load_tokens(opts)
     vocab_size = data.vocab_size_of(tokens, opts.vocab_size)
     if hf_config is not None:
@@ -173,18 +173,23 @@ def model_config(opts, sp_cfg: SequenceParallelConfig) -> ModelConfig:
         raise TrainConfigError(str(err)) from None
 
 
-def check_run(sp, opts, model_cfg: Optional[ModelConfig]) -> None:
-    """Heads against the strategy: same message on every rank. Any sequence length works (the
-    layout pads at the end, padding.py)."""
+def check_run(sp_cfg: SequenceParallelConfig, opts, model_cfg: Optional[ModelConfig], hf_config) -> None:
+    """Steps, length and heads against the strategy, from the config alone: every rank raises the
+    same message before joining the world, so none leaves while its peers still build groups. Any
+    sequence length works (the layout pads at the end, padding.py)."""
     if opts.steps < 0 or opts.seq_len < 2:
         raise TrainConfigError(f"--steps={opts.steps} must be >= 0 and --seq_len={opts.seq_len} >= 2")
+    if hf_config is not None:
+        from ..hf.checks import check_heads
+        check_heads(hf_config, sp_cfg)
+        return
     try:
-        if model_cfg is not None and model_cfg.attention == "softmax":
-            sp.strategy.check_heads(model_cfg.n_heads, model_cfg.n_kv_heads)
+        if model_cfg.attention == "softmax":
+            strategies.check_heads(sp_cfg, model_cfg.n_heads, model_cfg.n_kv_heads)
     except ValueError as err:
         raise TrainConfigError(f"{err} (--seq_len={opts.seq_len}, --n_heads={model_cfg.n_heads}, "
-                               f"--n_kv_heads={model_cfg.n_kv_heads}, strategy={sp.strategy_name!r}, "
-                               f"size={sp.size})") from None
+                               f"--n_kv_heads={model_cfg.n_kv_heads}, strategy={sp_cfg.strategy!r}, "
+                               f"size={sp_cfg.size})") from None
 
 
 def load_tokens(opts):
@@ -229,8 +234,11 @@ def main(argv: Optional[list] = None) -> int:
     try:
         run_training(vars(opts))
     except (TrainConfigError, ConfigError) as err:
-        # every rank raises the same message before training; each says it, without a traceback
-        return _fail(2, f"ds_seqpar.train: error: {err}")
+        # every rank raises the same message before training; each says it, without a traceback.
+        # Rank 0 hosts the rendezvous store: it stays a moment so that peers still reading it (to
+        # build a group) reach the same check instead of failing to connect
+        rank0 = comm.is_initialized() and comm.global_rank() == 0
+        return _fail(2, f"ds_seqpar.train: error: {err}", linger_s=1.0 if rank0 else 0.0)
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - say which rank failed, then end the job
         rank = os.environ.get("RANK", "?")
         hint = _comm_failure_hint() if _is_comm_error(err) else ""

@@ -68,3 +68,25 @@ def test_comm_dtype_follows_deepspeeds_key_and_must_agree_with_it():
         SequenceParallelConfig.from_ds_config(ds)
     with pytest.raises(ConfigError, match="comm_dtype='int8' is not valid; choose one of: auto, fp32, bf16, fp16"):
         SequenceParallelConfig.parse({"comm_dtype": "int8"})
+
+
+@pytest.mark.parametrize("section, heads, needles", [
+    ({"strategy": "ulysses", "size": 4}, (6, 6), ["sequence_parallel.size=4", "6 q heads are not divisible by 4"]),
+    ({"strategy": "ulysses", "size": 2}, (4, 3), ["q heads (4) must be a multiple of k/v heads (3)"]),
+    ({"strategy": "zigzag", "size": 4, "ulysses_size": 2}, (3, 3),
+     ["sequence_parallel.ulysses_size=2", "3 q heads are not divisible by 2"]),
+    ({"strategy": "ring", "size": 4}, (3, 1), None),          # the ring splits the sequence, not heads
+    ({"strategy": "ulysses", "size": 2}, (8, 2), None),
+])
+def test_head_check_needs_only_the_config(section, heads, needles):
+    """The job runs this before joining the world (train/main.check_run): same rule as the built
+    strategy's check_heads (tests/dist/test_validation.py), no process group."""
+    from ds_seqpar import strategies
+    cfg = SequenceParallelConfig.parse(section)
+    if needles is None:
+        strategies.check_heads(cfg, *heads)
+        return
+    with pytest.raises(ValueError) as err:
+        strategies.check_heads(cfg, *heads)
+    for needle in needles:
+        assert needle in str(err.value), str(err.value)
