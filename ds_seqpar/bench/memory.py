@@ -177,7 +177,8 @@ def finish(res: Dict[str, Any], out: str) -> Dict[str, Any]:
     floor = res["meta"]["layers"] * res["meta"]["hidden"] * 4
     res["variants"] = S.summarize(res["measurements"], floor, res["meta"]["budget_bytes"])
     res["checks"] = S.checks(res["variants"], floor)
-    res["timing_rows"] = S.timing_rows(res["timing"])
+    res["timing_rows"] = S.timing_rows(res["timing"], res["meta"])
+    res["checks"] += S.timing_checks(res["timing_rows"])
     res.setdefault("machine", _machine())
     _save(res, os.path.join(out, f"{res['meta']['name']}.json"))
     md = write_report(res, out)

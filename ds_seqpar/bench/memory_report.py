@@ -113,12 +113,15 @@ def _timing(res) -> List[str]:
              "both alike); per round the median of its steps, the slowest rank's. Checkpointing recomputes every "
              "layer's forward, the tiled MLP recomputes each chunk in the backward (and again inside the "
              "checkpointed recompute), the fused loss recomputes each chunk's logits.", "",
-             "| case | tokens/rank | without (s) | with (s) | with / without: median (min-max) | rounds |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "*Implied* = the ratio of the step's matmul multiply-accumulates with and without the features "
+             "(backward = 2 x forward; the LM head and every layer run one more forward, the MLP two more; "
+             "elementwise work not counted): the cost the recompute explains.", "",
+             "| case | tokens/rank | without (s) | with (s) | with / without: median (min-max) | implied | rounds |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for r in res["timing_rows"]:
         lines.append(f"| {r['case']} | {r['tokens_per_rank']:,} | {r['off_s']:.2f} | {r['on_s']:.2f} | "
                      f"{r['ratio']:.2f} "
-                     f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) | {r['rounds']} |")
+                     f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) | {r['implied']:.2f} | {r['rounds']} |")
     return lines + [""]
 
 

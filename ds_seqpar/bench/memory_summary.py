@@ -16,7 +16,8 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 KIB, MIB, GIB = 1024, 2 ** 20, 2 ** 30
-GOALS = {"features_vs_plain": 1 / 8, "features_vs_floor": 3.0, "p2_peak_vs_p1": 1.10, "max_seq_p2_vs_p1": 1.95}
+GOALS = {"features_vs_plain": 1 / 8, "features_vs_floor": 3.0, "p2_peak_vs_p1": 1.10, "max_seq_p2_vs_p1": 1.95,
+         "time_vs_implied": 1.10}
 
 
 def key(model: str, world: int, features: bool) -> str:
@@ -135,17 +136,54 @@ def checks(variants: Dict[str, Dict[str, Any]], floor: int) -> List[Dict[str, An
     return out
 
 
-def timing_rows(timing: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """Per (model, P): median step seconds without / with the features and their ratio per round."""
+def step_macs_per_token(meta: Dict[str, Any], world: int, tokens_per_rank: int, features: bool) -> float:
+    """Multiply-accumulates per token of one training step's matmuls, backward = 2 x forward: what
+    the features' recompute implies. Plain: every matmul runs forward once, backward once. With the
+    features: the fused loss runs the LM head's forward again per chunk in its backward; a
+    checkpointed layer runs its forward again; its tiled MLP runs once more inside that recompute's
+    backward. Causal attention over the global sequence S = P x N costs hidden x S per token (q.k and
+    p.v over S/2 keys on average, whichever rank holds the token). Elementwise work is not counted."""
+    h, L = meta["hidden"], meta["layers"]
+    kv_dim = h // meta["heads"] * meta["kv_heads"]
+    head = h * meta["vocab"]
+    proj = h * (2 * h + 2 * kv_dim)                   # q, o and the k, v projections
+    attn = h * world * tokens_per_rank
+    mlp = 3 * h * meta["intermediate"]                # gate, up, down
+    if not features:
+        return 3 * (head + L * (proj + attn + mlp))
+    return 4 * head + L * (4 * (proj + attn) + 5 * mlp)
+
+
+def implied_ratio(meta: Dict[str, Any], world: int, tokens_per_rank: int) -> float:
+    """Step time with / without the features if time followed the matmuls' multiply-accumulates."""
+    return (step_macs_per_token(meta, world, tokens_per_rank, True)
+            / step_macs_per_token(meta, world, tokens_per_rank, False))
+
+
+def timing_rows(timing: Dict[str, Dict[str, Any]], meta: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Per (model, P): median step seconds without / with the features, their ratio per round, and
+    the ratio the recompute implies (step_macs_per_token)."""
     import statistics
     rows = []
     for k, t in sorted(timing.items()):
+        world = int(k.rsplit("/P", 1)[1])
         ratios = [on / off for on, off in zip(t["on_s"], t["off_s"])]
         rows.append({"case": k, "tokens_per_rank": t["tokens_per_rank"], "off_s": statistics.median(t["off_s"]),
                      "on_s": statistics.median(t["on_s"]), "ratio": statistics.median(ratios),
-                     "ratio_min": min(ratios), "ratio_max": max(ratios), "rounds": len(ratios)})
+                     "ratio_min": min(ratios), "ratio_max": max(ratios), "rounds": len(ratios),
+                     "implied": implied_ratio(meta, world, t["tokens_per_rank"])})
     return rows
 
 
-__all__ = ["summarize", "checks", "timing_rows", "fit_line", "phase_model", "predict_peak", "max_tokens", "key",
+def timing_checks(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The features may cost the recompute they imply and no more: the median measured ratio
+    within GOALS["time_vs_implied"] of the implied one (the margin covers the elementwise work the
+    count leaves out)."""
+    limit = GOALS["time_vs_implied"]
+    return [_check(f"{r['case']}: step time with / without features, {r['tokens_per_rank']} tokens/rank, "
+                   f"over the implied {r['implied']:.2f}", r["ratio"] / r["implied"], f"<= {limit:.2f}",
+                   r["ratio"] / r["implied"] <= limit) for r in rows]
+
+
+__all__ = ["summarize", "checks", "timing_rows", "timing_checks", "implied_ratio", "step_macs_per_token", "fit_line", "phase_model", "predict_peak", "max_tokens", "key",
            "GOALS", "KIB", "MIB", "GIB"]

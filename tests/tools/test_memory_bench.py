@@ -53,6 +53,20 @@ def test_checks_compare_features_floor_and_ranks():
     assert S.checks(bad, 8 * KIB)[0]["result"] == "FAIL"
 
 
+def test_implied_step_time_ratio_counts_the_recompute():
+    # head 4x10 = 40, projections 4 x (8 + 4) = 48, attention 4 x 2 = 8, MLP 3 x 4 x 8 = 96 (per token)
+    meta = dict(hidden=4, heads=2, kv_heads=1, vocab=10, intermediate=8, layers=1)
+    assert S.step_macs_per_token(meta, 1, 2, False) == 3 * (40 + 48 + 8 + 96)
+    assert S.step_macs_per_token(meta, 1, 2, True) == 4 * 40 + 4 * (48 + 8) + 5 * 96
+    assert S.implied_ratio(meta, 1, 2) == pytest.approx(864 / 576)
+    assert S.implied_ratio(dict(meta, layers=0), 1, 2) == pytest.approx(4 / 3)     # the fused loss alone
+    timing = {"lm/P2": {"tokens_per_rank": 2, "off_s": [1.0, 1.0, 1.2], "on_s": [1.5, 1.8, 1.5]}}
+    row, = S.timing_rows(timing, meta)
+    assert row["ratio"] == pytest.approx(1.5) and row["implied"] == pytest.approx(896 / 600)   # attention over P x N = 4 tokens
+    assert S.timing_checks([row])[0]["result"] == "PASS"
+    assert S.timing_checks([dict(row, ratio=1.8)])[0]["result"] == "FAIL"
+
+
 def test_plan_follows_the_preset_and_rejects_unknown_models():
     specs = plan(build_parser().parse_args(["--models", "lm", "--P", "1,4"]))
     assert [(s.world, s.features, s.tokens_per_rank) for s in specs] == [
