@@ -11,9 +11,11 @@ The same code runs gloo on CPU and nccl on GPU. ``run_training(dict)`` is what t
 and the tests call. Order of work (every check that can fail runs before training starts and
 fails on every rank with the same message):
 
-  1. join torch.distributed as the launcher placed this rank (launch/env.py), on its device
-  2. read the DeepSpeed config, apply command-line overrides, validate model x strategy
-  3. SequenceParallel: world check, groups, layout; then sequence length and head checks
+  1. read the DeepSpeed config, apply command-line overrides, validate model x strategy
+  2. without communication: the launcher's world size against sequence_parallel.size, the length
+     and the heads against the strategy (a rank that left early would break its peers' rendezvous)
+  3. join torch.distributed as the launcher placed this rank (launch/env.py), on its device;
+     SequenceParallel: groups, layout; the HF model's features against the sequence
   4. data (all ranks must hold the same corpus), model, deepspeed.initialize(mpu=sp.mpu)
   5. resume, then train: the batch of step k is a function of k, so a resumed run continues the
      uninterrupted run's trajectory exactly
@@ -51,7 +53,8 @@ def run_training(args: Mapping[str, Any], model_factory: Optional[Callable] = No
     memory = MemoryConfig.from_ds_config(ds_config, sp_cfg)     # tiled loss/MLP, checkpointing
     hf_config = load_hf_config(opts, sp_cfg, ds_config)        # --model: options checked, no weights yet
     model_cfg = None if hf_config is not None else model_config(opts, sp_cfg)
-    check_run(sp_cfg, opts, model_cfg, hf_config)              # before any rank joins the world
+    sp_cfg.check_world(_place_rank(opts))                      # before any rank joins the world,
+    check_run(sp_cfg, opts, model_cfg, hf_config)              # so that every rank says it
     _join_world(opts, sp_cfg.timeout_s)
     # checks size | world before building groups; takes the loss's ZeRO factor from the config
     sp = SequenceParallel.from_ds_config(ds_config)
@@ -81,15 +84,22 @@ def run_training(args: Mapping[str, Any], model_factory: Optional[Callable] = No
 # setup
 
 
+def _place_rank(opts) -> int:
+    """The world size, without communication: the running world's, or the launcher's (launch/env.py
+    reads torchrun, deepspeed, Open MPI, MPICH/Intel MPI, MVAPICH and Slurm into the env:// variables)."""
+    from ..launch.env import launch_env
+    if comm.is_initialized():
+        return comm.world_size()
+    os.environ.update(launch_env(os.environ, opts.master_port, opts.local_rank))
+    return int(os.environ["WORLD_SIZE"])
+
+
 def _join_world(opts, timeout_s: float) -> None:
-    """Join torch.distributed as the launcher placed this process (launch/env.py reads torchrun,
-    deepspeed, Open MPI, MPICH/Intel MPI, MVAPICH and Slurm), on the launcher's device."""
+    """Join torch.distributed as _place_rank placed this process, on the launcher's device."""
     import datetime
     import deepspeed
-    from ..launch.env import launch_env, local_device
+    from ..launch.env import local_device
     fresh = not comm.is_initialized()
-    if fresh:
-        os.environ.update(launch_env(os.environ, opts.master_port, opts.local_rank))
     if torch.cuda.is_available():
         # before the process group: NCCL binds its communicator to the current device
         torch.cuda.set_device(local_device(os.environ, torch.cuda.device_count()))
