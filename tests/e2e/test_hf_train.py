@@ -49,8 +49,10 @@ def test_hf_checkpoint_resume_reproduces_losses(pool, tmp_path, model_dirs):
         assert_close_losses(r["losses"], w["losses"][2:], f"--model rank {r['rank']} resumed at step 2")
 
 
-def _readme_recipe(model_dir, ds, opts):
-    """The README's five lines (model(**batch).loss under DeepSpeed), on the main job's batches."""
+def _readme_recipe(model_dir, ds, opts, hf_deepspeed_config=False):
+    """The README's five lines (model(**batch).loss under DeepSpeed), on the main job's batches.
+    ``hf_deepspeed_config``: from_pretrained with transformers' HfDeepSpeedConfig alive, which under
+    ZeRO-3 builds the model inside deepspeed.zero.Init over the whole world."""
     import deepspeed
     from ds_seqpar import SequenceParallel, comm
     from ds_seqpar.hf import apply_sequence_parallel
@@ -59,9 +61,22 @@ def _readme_recipe(model_dir, ds, opts):
     deepspeed.init_distributed(dist_backend=comm.backend_name())
     tokens = data.stdlib_corpus(opts["corpus_bytes"])
     sp = SequenceParallel.from_ds_config(ds)
-    model = apply_sequence_parallel(load_causal_lm(model_dir)[0].train(), sp)
+    hf_ds = None
+    if hf_deepspeed_config:
+        from transformers.integrations import HfDeepSpeedConfig
+        hf_ds = HfDeepSpeedConfig(ds)           # must stay referenced until the model is built
+    try:
+        model = load_causal_lm(model_dir)[0].train()
+    finally:
+        if hf_ds is not None:
+            # transformers keeps a process-wide weak reference: the pool's next test must not see ZeRO-3
+            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+            unset_hf_deepspeed_config()
+    partitioned = all(hasattr(p, "ds_id") and p.ds_numel > p.ds_tensor.numel() for p in model.parameters()) \
+        if hf_deepspeed_config else None
+    model = apply_sequence_parallel(model, sp)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds, mpu=sp.mpu)
-    losses = []
+    losses, norms = [], []
     for step in range(opts["steps"]):
         batch = data.batch_for_step(tokens, step, 0, sp.dp_rank, sp.dp_size, ds["train_micro_batch_size_per_gpu"],
                                     opts["seq_len"], opts.get("seed", 0), opts["ignore_frac"])
@@ -70,8 +85,10 @@ def _readme_recipe(model_dir, ds, opts):
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+        norms.append(float(engine.get_global_grad_norm()))
     engine.destroy()
-    return {"losses": losses, "dp_rank": sp.dp_rank, "rank": comm.global_rank()}
+    return {"losses": losses, "grad_norms": norms, "dp_rank": sp.dp_rank, "rank": comm.global_rank(),
+            "partitioned": partitioned}
 
 
 def test_readme_hf_recipe_matches_plain_data_parallel(pool, model_dirs):
@@ -81,6 +98,22 @@ def test_readme_hf_recipe_matches_plain_data_parallel(pool, model_dirs):
     ref, _ = reference_losses(dict(HF_TINY, model=model_dirs["weights"], deepspeed_config=ds), 2)
     for r in results:
         assert_close_losses(r["losses"], ref[r["dp_rank"]], f"README recipe rank {r['rank']}")
+
+
+def test_hf_deepspeed_config_zero3_from_pretrained_matches_plain_data_parallel(pool, model_dirs):
+    """Hugging Face's ZeRO-3 path: HfDeepSpeedConfig alive, from_pretrained loads the weights into a
+    model built under zero.Init over the whole world; then the plain recipe trains it exactly."""
+    pytest.importorskip("accelerate", reason="transformers' HfDeepSpeedConfig needs accelerate (in [test])")
+    ds = shipped_config("zigzag")
+    ds.pop("wandb")
+    ds["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    results = pool.run(_readme_recipe, model_dirs["weights"], ds, HF_TINY, True)
+    assert all(r["partitioned"] for r in results), "from_pretrained did not build the model under zero.Init"
+    ref, ref_norms = reference_losses(dict(HF_TINY, model=model_dirs["weights"], deepspeed_config=ds), 2)
+    for r in results:
+        what = f"HfDeepSpeedConfig ZeRO-3 rank {r['rank']}"
+        assert_close_losses(r["losses"], ref[r["dp_rank"]], what)
+        assert_close_losses(r["grad_norms"], ref_norms, what, NORM_REL, "gradient norm")
 
 
 def _main(argv):
