@@ -85,7 +85,7 @@ class BenchSpec:
 # timing helpers (lasp_pieces.py and the tests use them too)
 
 
-def _inputs(seq, heads, head_dim, kv_heads=None, batch=1, dtype=torch.float32, device="cpu", seed=0):
+def attention_inputs(seq, heads, head_dim, kv_heads=None, batch=1, dtype=torch.float32, device="cpu", seed=0):
     """Global-order q, k, v, dout (the same on every rank: the seed is fixed)."""
     g = torch.Generator().manual_seed(seed)
     kv = kv_heads or heads
@@ -99,7 +99,8 @@ def _fwd_bwd(attend, q, k, v, dout):
     attend(q, k, v).backward(dout)
 
 
-def _timed(fn, stats=None, device="cpu") -> dict:
+def timed(fn, stats=None, device="cpu") -> dict:
+    """Run ``fn`` once: wall and this thread's CPU seconds (on CUDA: wall for both); the stats are reset first."""
     if stats is not None:
         stats.reset()
     cuda = torch.device(device).type == "cuda"
@@ -199,7 +200,7 @@ class RankCases:
     def inputs(self, name: str, seq: int, seed: int = 0) -> Optional[List[torch.Tensor]]:
         """This rank's q, k, v, dout for the case (None: the case does not run on this rank)."""
         s = self.spec
-        full = _inputs(seq, s.heads, s.head_dim, s.kv_heads, s.batch, self.dtype, self.device, seed)
+        full = attention_inputs(seq, s.heads, s.head_dim, s.kv_heads, s.batch, self.dtype, self.device, seed)
         if CASES[name].runner == "single":
             return full if self.rank == 0 else None
         # clone: a shard may be a view of the global tensor, whose whole storage would then count as
@@ -236,7 +237,7 @@ def lasp_breakdown(cases: "RankCases", seq: int) -> Optional[Dict[str, Any]]:
     comm.barrier()
     if cases.rank == 0:
         local = seq // spec.world
-        q, k, v, dout = _inputs(local, spec.heads, spec.head_dim, spec.kv_heads, spec.batch, cases.dtype,
+        q, k, v, dout = attention_inputs(local, spec.heads, spec.head_dim, spec.kv_heads, spec.batch, cases.dtype,
                                 cases.device)
         out = {"local_len": local, "cpu_s": breakdown(q, k, v, dout, cases.decay, 3 * spec.repeats, spec.device)}
     comm.barrier()
@@ -257,7 +258,7 @@ def measure(cases: "RankCases", seq_lens: List[int]) -> Dict[int, Dict[str, Any]
                 comm.barrier()
                 if shards[name] is None:
                     continue
-                res = _timed(fns[name], cases.stats(name), spec.device)
+                res = timed(fns[name], cases.stats(name), spec.device)
                 if rnd >= spec.warmup:
                     rounds[name].append(res)
         comm.barrier()

@@ -12,7 +12,7 @@ from typing import Callable, Dict, Optional
 
 from torch import Tensor
 
-from .cases import _timed
+from .cases import timed
 
 CHUNK = 64          # the kernel's chunk, as strategies/lasp.py uses
 
@@ -56,7 +56,7 @@ def breakdown(q, k, v, dout, decay_h, rounds: int, device: str = "cpu") -> Dict[
     for rnd in range(rounds):
         shift = rnd % len(names)
         for name in names[shift:] + names[:shift]:
-            times[name].append(_timed(work[name], device=device)["cpu"])
+            times[name].append(timed(work[name], device=device)["cpu"])
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 

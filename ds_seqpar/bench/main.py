@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import shlex
 import sys
 import time
 from typing import Any, Dict, List, Optional
@@ -36,6 +34,7 @@ from ..kernels.base import check_head_groups
 from ..report.plotting import require_matplotlib
 from ..strategies import STRATEGIES
 from .cases import BASELINE, CASES, DTYPES, BenchSpec
+from .machine import command_line, machine_facts
 
 ALIASES = {"lasp": ["lasp2", "lasp1"], "deepspeed": ["ds_ulysses"]}
 # every registered strategy (lasp: both exchanges) and DeepSpeed's Ulysses
@@ -187,32 +186,15 @@ def _under_launcher() -> bool:
 
 def machine(load_before, during: List[float]) -> Dict[str, Any]:
     """CPU, versions, and the load: before, after, and the highest 1-minute value seen during the run."""
-    import deepspeed
-    import torch
-    model = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    after, cpus = os.getloadavg(), os.cpu_count()
+    facts = machine_facts()
+    after, cpus = os.getloadavg(), facts["cpus"]
     peak = max([load_before[0], after[0]] + during)
-    return {"cpu_model": model, "cpus": cpus, "load_before": " ".join(f"{x:.2f}" for x in load_before),
-            "load_after": " ".join(f"{x:.2f}" for x in after), "load_peak": peak, "loaded": peak > cpus,
-            "torch": torch.__version__, "deepspeed": deepspeed.__version__, "python": platform.python_version()}
+    return dict(facts, load_before=" ".join(f"{x:.2f}" for x in load_before), load_peak=peak, loaded=peak > cpus)
 
 
 def _command(argv: List[str]) -> str:
-    shown, skip = [], False
-    for a in argv:                          # --notes text is printed in the report, not in the command
-        if skip or a.startswith("--notes="):
-            skip = False
-            continue
-        skip = a == "--notes"
-        if not skip:
-            shown.append(shlex.quote(a))
     launcher = f"(each of WORLD_SIZE={os.environ.get('WORLD_SIZE')} ranks of a launcher) " if _under_launcher() else ""
-    return launcher + " ".join(["ds-seqpar bench"] + shown)
+    return launcher + command_line("ds-seqpar bench", argv)
 
 
 def run(args: argparse.Namespace, argv: List[str], pools=None) -> Optional[Dict[str, Any]]:

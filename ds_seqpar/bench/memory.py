@@ -31,6 +31,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ..report.plotting import require_matplotlib
+from .machine import machine_facts
 from .memory_step import MemorySpec, measure_peak, time_steps
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -179,7 +180,7 @@ def finish(res: Dict[str, Any], out: str) -> Dict[str, Any]:
     res["checks"] = S.checks(res["variants"], floor)
     res["timing_rows"] = S.timing_rows(res["timing"], res["meta"])
     res["checks"] += S.timing_checks(res["timing_rows"])
-    res.setdefault("machine", _machine())
+    res.setdefault("machine", machine_facts())
     _save(res, os.path.join(out, f"{res['meta']['name']}.json"))
     md = write_report(res, out)
     width = max([len(c["what"]) for c in res["checks"]] or [0])
@@ -187,20 +188,6 @@ def finish(res: Dict[str, Any], out: str) -> Dict[str, Any]:
                     for c in res["checks"]))
     print(f"ds-seqpar bench memory: wrote {md}")
     return res
-
-
-def _machine() -> Dict[str, Any]:
-    import platform
-    import deepspeed
-    import torch
-    model = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu_model": model, "cpus": os.cpu_count(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
-            "python": platform.python_version(), "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg())}
 
 
 def _load(path: str) -> Dict[str, Any]:

@@ -185,5 +185,5 @@ def timing_checks(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
                    r["ratio"] / r["implied"] <= limit) for r in rows]
 
 
-__all__ = ["summarize", "checks", "timing_rows", "timing_checks", "implied_ratio", "step_macs_per_token", "fit_line", "phase_model", "predict_peak", "max_tokens", "key",
-           "GOALS", "KIB", "MIB", "GIB"]
+__all__ = ["GIB", "GOALS", "KIB", "MIB", "checks", "fit_line", "implied_ratio", "key", "max_tokens", "phase_model",
+           "predict_peak", "step_macs_per_token", "summarize", "timing_checks", "timing_rows"]

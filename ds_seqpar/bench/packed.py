@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import statistics
 import sys
 import time
 from typing import Dict, List, Optional, Tuple
 
-from .cases import _inputs, _timed
+from .cases import attention_inputs, timed
+from .machine import command_line
 
 SOFTMAX = ("ulysses", "ring", "zigzag", "striped")
 LINEAR = ("lasp2", "lasp1")
@@ -70,7 +70,7 @@ def _case_fns(args, rank):
     import torch
     from ..kernels import get_kernel
     from ..sequence_parallel import SequenceParallel
-    q, k, v, dout = _inputs(args.seq, args.heads, args.head_dim)
+    q, k, v, dout = attention_inputs(args.seq, args.heads, args.head_dim)
     decay = 1 - 2.0 ** (-5 - torch.arange(args.heads, dtype=torch.float32))
     scale, kernel = args.head_dim ** -0.5, get_kernel("torch", "cpu")
     fns = {}
@@ -108,7 +108,7 @@ def bench_rank(args) -> Dict[str, list]:
             comm.barrier()
             if run is None:
                 continue
-            res = _timed(run, stats)
+            res = timed(run, stats)
             if stats is not None:
                 res["by_kind"] = {kd: b for kd, b in stats.bytes.items() if kd != "cu_seqlens_check"}
             if rnd >= args.warmup:
@@ -126,7 +126,7 @@ def masked_vs_subblocks(args) -> List[dict]:
     sub-blocks (what varlen.py does) vs one masked block (attn_mask, same CPU flash kernel), fwd+bwd."""
     import torch
     n = args.seq // args.P
-    q, k, v, dout = (t.transpose(1, 2) for t in _inputs(n, args.heads, args.head_dim))     # [b, h, s, d]
+    q, k, v, dout = (t.transpose(1, 2) for t in attention_inputs(n, args.heads, args.head_dim))     # [b, h, s, d]
     scale, aten, rows = args.head_dim ** -0.5, torch.ops.aten, []
     for length in (n // 2, n // 8, 64, 16):
         doc = torch.arange(n) // length
@@ -149,7 +149,7 @@ def masked_vs_subblocks(args) -> List[dict]:
         times = {"masked": [], "subblocks": []}
         for rnd in range(args.repeats + 1):
             for name, fn in (("masked", masked), ("subblocks", subblocks)):
-                t = _timed(fn)["wall"]
+                t = timed(fn)["wall"]
                 if rnd:
                     times[name].append(t)
         rows.append({"doc_len": length, "docs": n // length, "masked": statistics.median(times["masked"]),
@@ -210,16 +210,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _command(argv: List[str]) -> str:
-    """The command as run; --notes text is printed in the page, not in the command."""
-    shown, skip = [], False
-    for a in argv:
-        if skip or a.startswith("--notes="):
-            skip = False
-            continue
-        skip = a == "--notes"
-        if not skip:
-            shown.append(shlex.quote(a))
-    return " ".join(["ds-seqpar bench --packed"] + shown)
+    return command_line("ds-seqpar bench --packed", argv)
 
 
 def _load(path: str) -> dict:
