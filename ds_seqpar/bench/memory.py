@@ -91,18 +91,12 @@ def hf_available() -> bool:
 
 def _pool(world: int, malloc: str):
     """A fresh pool of ``world`` one-thread ranks, started with the measurement's malloc setting."""
+    from ..launch.env import restored_environ
     from ..launch.rankpool import RankPool
-    saved = {k: os.environ.get(k) for k in MALLOC_ENV}
-    if malloc == "mmap":
-        os.environ.update(MALLOC_ENV)
-    try:
+    with restored_environ(*MALLOC_ENV):
+        if malloc == "mmap":
+            os.environ.update(MALLOC_ENV)
         return RankPool(world, timeout_s=7200.0, threads_per_rank=1).start()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def measure_one(spec: MemorySpec, malloc: str) -> Dict[str, Any]:

@@ -29,10 +29,12 @@ the variables named, before any communication.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import socket
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Dict, Mapping, Optional
+from typing import Callable, Dict, Iterator, Mapping, Optional
 
 from ..config import ConfigError
 
@@ -44,6 +46,21 @@ FOREIGN_RANK_VARS = ("PMIX_RANK", "PALS_RANKID")
 
 class LaunchError(ConfigError):
     """The launcher's variables are incomplete or inconsistent; the message names them."""
+
+
+@contextmanager
+def restored_environ(*names: str) -> Iterator[None]:
+    """Inside: change these environment variables freely; on exit each is back as it was (unset
+    if it was unset). Child processes started inside see the changes."""
+    saved = {k: os.environ.get(k) for k in names}
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def free_port() -> int:

@@ -21,6 +21,8 @@ from typing import Optional
 
 import torch
 
+from ..launch.env import restored_environ
+
 
 def run_name(strategy: str, sp_size: int, dp_size: int, seq_len: int, given: Optional[str] = None) -> str:
     return given or f"{strategy}-sp{sp_size}-dp{dp_size}-n{seq_len}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -67,21 +69,13 @@ def wandb_mode() -> str:
 @contextmanager
 def wandb_env(enabled: bool, name: str, group: str, tags: list, run_dir: Optional[str]):
     """Environment that names DeepSpeed's wandb.init; restored on exit."""
-    saved = {k: os.environ.get(k) for k in ("WANDB_NAME", "WANDB_DIR", "WANDB_RUN_GROUP", "WANDB_TAGS",
-                                            "WANDB_MODE")}
-    try:
+    with restored_environ("WANDB_NAME", "WANDB_DIR", "WANDB_RUN_GROUP", "WANDB_TAGS", "WANDB_MODE"):
         if enabled and run_dir:
             os.environ.update(WANDB_NAME=name, WANDB_DIR=os.path.abspath(run_dir), WANDB_TAGS=",".join(tags))
             os.environ.setdefault("WANDB_RUN_GROUP", group)   # the config's "group" wins when given
             if wandb_mode() == "offline":
                 os.environ["WANDB_MODE"] = "offline"
         yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def attach_wandb(config: dict) -> Optional[str]:

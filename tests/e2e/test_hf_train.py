@@ -7,7 +7,8 @@ import pytest
 
 from ..hf_models import save_tiny
 from ..train_reference import reference_losses
-from .test_train_e2e import CONFIGS, NORM_REL, TINY, _bad_run, _train, assert_close_losses, shipped_config
+from .test_train_e2e import (CONFIGS, NORM_REL, TINY, _train, assert_close_losses, assert_refused_before_training,
+                             config_error_of, shipped_config)
 
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir)
 HF_TINY = {k: v for k, v in TINY.items() if k not in ("dim", "n_layers", "n_heads", "n_kv_heads")}
@@ -142,7 +143,4 @@ def test_bad_hf_run_stops_every_rank_with_one_message(pool, tmp_path, model_dirs
     run_dir = tmp_path / "runs"
     args = dict(HF_TINY, model=model_dirs["weights"], deepspeed_config=shipped_config("zigzag"),
                 run_dir=str(run_dir), **override)
-    messages = pool.run(_bad_run, args)
-    assert len(set(messages)) == 1, f"ranks disagree: {messages}"
-    assert expected in messages[0], messages[0]
-    assert not run_dir.exists() or not os.listdir(run_dir), "the error came after training started"
+    assert_refused_before_training(pool.run(config_error_of, args), expected, run_dir)

@@ -18,7 +18,7 @@ import torch
 
 from ..reference import K
 from ..train_reference import reference_losses
-from .test_train_e2e import CONFIGS, SHIPPED, TINY, shipped_config
+from .test_train_e2e import CONFIGS, SHIPPED, TINY, assert_refused_before_training, config_error_of, shipped_config
 
 FLOOR = 1e-7
 MEMORY = {"tiled_loss_tokens": 8, "tiled_mlp_tokens": 8}     # 64 local tokens per rank: 8 chunks
@@ -117,20 +117,9 @@ def test_shipped_long_context_config_trains(pool, tmp_path):
     check_against_reference(results, "zigzag", 2, "long_context.json")
 
 
-def _bad_run(args):
-    from ds_seqpar import ConfigError
-    from ds_seqpar.train import run_training
-    try:
-        run_training(args)
-    except ConfigError as err:
-        return str(err)
-    return "trained without error"
-
-
 def test_unsupported_checkpointing_key_stops_every_rank(pool, tmp_path):
     ds = shipped_config("zigzag")
     ds["activation_checkpointing"] = {"partition_activations": True}
-    messages = pool.run(_bad_run, dict(TINY, deepspeed_config=ds, run_dir=str(tmp_path)))
-    assert len(set(messages)) == 1, f"ranks disagree: {messages}"
-    assert "activation_checkpointing.partition_activations=True is not supported" in messages[0], messages[0]
-    assert not os.listdir(tmp_path), "a run directory was created: the error came after training started"
+    messages = pool.run(config_error_of, dict(TINY, deepspeed_config=ds, run_dir=str(tmp_path)))
+    assert_refused_before_training(messages, "activation_checkpointing.partition_activations=True is not supported",
+                                   tmp_path)

@@ -152,7 +152,8 @@ BAD = [
 ]
 
 
-def _bad_run(args):
+def config_error_of(args):
+    """On every rank: the ConfigError's message that stops ``run_training(args)``."""
     from ds_seqpar import ConfigError
     from ds_seqpar.train import run_training
     try:
@@ -162,10 +163,16 @@ def _bad_run(args):
     return "trained without error"
 
 
+def assert_refused_before_training(messages, expected, run_dir):
+    """Every rank stopped with the same message, naming ``expected``, and no run directory was
+    written (the refusal came before training started)."""
+    assert len(set(messages)) == 1, f"ranks disagree: {messages}"
+    assert expected in messages[0], messages[0]
+    assert not os.path.exists(run_dir) or not os.listdir(run_dir), \
+        "a run directory was created: the error came after training started"
+
+
 @pytest.mark.parametrize("override,expected", BAD, ids=["strategy", "size", "seq_len", "heads"])
 def test_bad_config_stops_every_rank_with_one_message(pool, tmp_path, override, expected):
     args = dict(TINY, deepspeed_config=shipped_config("ulysses"), run_dir=str(tmp_path), **override)
-    messages = pool.run(_bad_run, args)
-    assert len(set(messages)) == 1, f"ranks disagree: {messages}"
-    assert expected in messages[0], messages[0]
-    assert not os.listdir(tmp_path), "a run directory was created: the error came after training started"
+    assert_refused_before_training(pool.run(config_error_of, args), expected, tmp_path)

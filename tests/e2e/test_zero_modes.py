@@ -9,7 +9,7 @@ from ds_seqpar.strategies.closed_form import Shapes, closed_form_bytes
 
 from ..reference import K
 from ..train_reference import reference_losses
-from .test_train_e2e import REL, SHIPPED, TINY, _bad_run, _train, assert_close_losses, shipped_config
+from .test_train_e2e import REL, SHIPPED, TINY, _train, assert_close_losses, config_error_of, shipped_config
 
 # ---------------------------------------------------------------------------------------------
 # bf16
@@ -147,7 +147,7 @@ def test_checkpoint_resumes_at_another_shape_through_the_universal_checkpoint(po
         assert_close_losses(r["mean_losses"], whole["mean_losses"][2:], f"resumed at {shape}", REL)
         assert_close_losses(r["grad_norms"], whole["grad_norms"][2:], f"resumed at {shape}", 1e-4, "gradient norm")
     # deepspeed cannot load a ZeRO-2 checkpoint at ZeRO-3: said on every rank, before loading
-    messages = pool.run(_bad_run, dict(base, zero_stage=3, **_resume(save)))
+    messages = pool.run(config_error_of, dict(base, zero_stage=3, **_resume(save)))
     assert len(set(messages)) == 1 and "saved with ZeRO stage 1 or 2" in messages[0], messages
 
 
