@@ -149,7 +149,7 @@ class SequenceParallel:
         documents [0, l1, l1+l2, ..., N], global and the same on every rank, batch size 1: no token
         attends across a document boundary (strategies/varlen.py)."""
         check_qkv(q, k, v)
-        self.strategy.check_heads(q.shape[2], k.shape[2])
+        strategies.check_heads(self.config, q.shape[2], k.shape[2])
         if seq_len is not None:
             check_seq_len(seq_len, q.shape[1] * self.size, self.layout.required_multiple)
         docs = None if cu_seqlens is None else self._documents(cu_seqlens, q, seq_len)

@@ -31,7 +31,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ..report.plotting import require_matplotlib
-from .machine import machine_facts
+from .machine import command_line, machine_facts
 from .memory_step import MemorySpec, measure_peak, time_steps
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -133,7 +133,7 @@ def _spec_id(m: Dict[str, Any]) -> tuple:
 def run(args, argv: List[str]) -> Dict[str, Any]:
     path = os.path.join(args.out, f"{args.name}.json")
     res = _load(path) if args.resume and os.path.exists(path) else {"measurements": [], "timing": {}, "skipped": []}
-    res["meta"] = {"name": args.name, "command": "ds-seqpar bench memory " + " ".join(argv), "malloc": args.malloc,
+    res["meta"] = {"name": args.name, "command": command_line("ds-seqpar bench memory", argv), "malloc": args.malloc,
                    "budget_bytes": int(args.budget_gib * 2 ** 30), "hidden": args.hidden, "layers": args.layers,
                    "vocab": MemorySpec.vocab, "heads": MemorySpec.heads, "kv_heads": MemorySpec.kv_heads,
                    "intermediate": MemorySpec.intermediate, "tiled_loss_tokens": MemorySpec.tiled_loss_tokens,

@@ -205,12 +205,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 load_after=" ".join(f"{x:.2f}" for x in os.getloadavg()),
                 load_during=max(r["load_1min"] for r in per_rank),
                 sweep=imbalance_sweep(args.seq, trials=args.sweep_trials) if args.sweep_trials else None,
-                command=_command(argv))
+                command=command_line("ds-seqpar bench --packed", argv))
     return _write(summarize(per_rank, args), per_rank[0]["masked"], meta, args.out)
-
-
-def _command(argv: List[str]) -> str:
-    return command_line("ds-seqpar bench --packed", argv)
 
 
 def _load(path: str) -> dict:

@@ -44,9 +44,10 @@ def build(config, ctx: StrategyContext) -> Strategy:
 
 
 def check_heads(config, num_heads: int, num_kv_heads: int) -> None:
-    """The configured strategy's head check from the config alone: no groups are needed, so a job
-    runs it before joining the world (a rank that leaves while its peers still build groups would
-    turn their copy of this message into a connection error). Same rule as ``Strategy.check_heads``."""
+    """Raise if the configured strategy cannot split these heads (Ulysses and the hybrid split
+    them over ranks). From the config alone, so a job runs it before joining the world: a rank that
+    leaves while its peers still build groups would turn their copy of the message into a
+    connection error. ``sp.attention`` runs the same check on every call."""
     size = config.effective_ulysses_size
     if size > 1:
         key = "sequence_parallel.size" if config.strategy == "ulysses" else "sequence_parallel.ulysses_size"

@@ -55,6 +55,3 @@ class Strategy:
     def linear_attention(self, q_bshd, k_bshd, v_bshd, decay: Optional[torch.Tensor], docs=None) -> torch.Tensor:
         raise ValueError(f"sequence_parallel.strategy={self.name!r} computes softmax attention; "
                          f"sp.linear_attention needs sequence_parallel.strategy='lasp'")
-
-    def check_heads(self, num_heads: int, num_kv_heads: int) -> None:
-        """Raise before any communication if these head counts cannot be split."""

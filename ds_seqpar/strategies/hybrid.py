@@ -31,7 +31,7 @@ full-head tensor [b, n, H, d], S_kv = elements of the local k:
 from __future__ import annotations
 
 from .ring_loop import RingFamily, check_local_length, ring_attention
-from .ulysses import check_ulysses_heads, heads_to_seq, scatter_heads
+from .ulysses import heads_to_seq, scatter_heads
 
 
 class HybridAttention(RingFamily):
@@ -47,9 +47,6 @@ class HybridAttention(RingFamily):
 
     def blocks(self, me, src, p, causal, n):
         return self.ring.blocks(me, src, p, causal, n)
-
-    def check_heads(self, num_heads, num_kv_heads):
-        check_ulysses_heads(num_heads, num_kv_heads, self.ctx.ulysses_size, "sequence_parallel.ulysses_size")
 
     def attention(self, q_bshd, k_bshd, v_bshd, causal, scale, seq_len=None, docs=None):
         ctx = self.ctx

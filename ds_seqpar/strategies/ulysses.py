@@ -73,9 +73,6 @@ class UlyssesAttention(Strategy):
     name = "ulysses"
     layout_name = "contiguous"
 
-    def check_heads(self, num_heads: int, num_kv_heads: int) -> None:
-        check_ulysses_heads(num_heads, num_kv_heads, self.ctx.ulysses_size, "sequence_parallel.size")
-
     def attention(self, q_bshd, k_bshd, v_bshd, causal, scale, seq_len=None, docs=None):
         ctx = self.ctx
         q_full, k_full, v_full = scatter_heads(q_bshd, k_bshd, v_bshd, ctx.ulysses_group, ctx.ulysses_size,

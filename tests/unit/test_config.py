@@ -79,8 +79,8 @@ def test_comm_dtype_follows_deepspeeds_key_and_must_agree_with_it():
     ({"strategy": "ulysses", "size": 2}, (8, 2), None),
 ])
 def test_head_check_needs_only_the_config(section, heads, needles):
-    """The job runs this before joining the world (train/main.check_run): same rule as the built
-    strategy's check_heads (tests/dist/test_validation.py), no process group."""
+    """The job runs this before joining the world (train/main.check_run), with no process group;
+    sp.attention runs the same function on every call (tests/dist/test_validation.py)."""
     from ds_seqpar import strategies
     cfg = SequenceParallelConfig.parse(section)
     if needles is None:
