@@ -142,22 +142,30 @@ class SequenceParallel:
     # -- attention -----------------------------------------------------------------------------
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                   softmax_scale: Optional[float] = None, seq_len: Optional[int] = None,
-                  cu_seqlens=None) -> torch.Tensor:
+                  cu_seqlens=None, window: Optional[int] = None, softcap: Optional[float] = None,
+                  sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Exact softmax attention over the whole sequence; q, k, v are this rank's shards [b, s, h, d].
         ``seq_len``: the real global length when shard() padded the sequence; padding keys are then
         excluded (causal attention never sees them anyway, padding.py). ``cu_seqlens``: packed
         documents [0, l1, l1+l2, ..., N], global and the same on every rank, batch size 1: no token
-        attends across a document boundary (strategies/varlen.py)."""
+        attends across a document boundary (strategies/varlen.py).
+        ``window``: transformers' sliding_window: query i sees keys j with i - window < j <= i
+        (non-causal: |i - j| < window), inside each document; blocks outside it are neither computed
+        nor sent. ``softcap``: scores become softcap * tanh(scores / softcap). ``sinks`` [heads]: one
+        logit per q head added to every row's softmax denominator (gpt-oss), differentiable; its
+        gradient on each rank is that rank's share (sum over the sequence group = the whole)."""
         check_qkv(q, k, v)
+        check_score_options(q, window, softcap, sinks)
         strategies.check_heads(self.config, q.shape[2], k.shape[2])
         if seq_len is not None:
             check_seq_len(seq_len, q.shape[1] * self.size, self.layout.required_multiple)
         docs = None if cu_seqlens is None else self._documents(cu_seqlens, q, seq_len)
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        options = dict(docs=docs, window=window, softcap=None if softcap is None else float(softcap), sinks=sinks)
         wire = self._comm_dtype(q.dtype)
         if wire == q.dtype:
-            return self.strategy.attention(q, k, v, causal, scale, seq_len, docs=docs)
-        out = self.strategy.attention(q.to(wire), k.to(wire), v.to(wire), causal, scale, seq_len, docs=docs)
+            return self.strategy.attention(q, k, v, causal, scale, seq_len, **options)
+        out = self.strategy.attention(q.to(wire), k.to(wire), v.to(wire), causal, scale, seq_len, **options)
         return out.to(q.dtype)
 
     def linear_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -248,6 +256,27 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"k and v must have the same heads and q, k the same head_dim; got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
     check_head_groups(q.shape[2], k.shape[2])
+
+
+def check_score_options(q: torch.Tensor, window, softcap, sinks) -> None:
+    """window, softcap and sinks of sp.attention, checked before any communication (the same
+    arguments give the same message on every rank)."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window={window!r}: a sliding window is a whole number of tokens >= 1 (transformers' "
+                         f"sliding_window: query i sees keys i - window < j <= i); pass None for full attention")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not math.isfinite(softcap) or softcap <= 0):
+        raise ValueError(f"softcap={softcap!r}: logit softcapping needs a finite number > 0 (Gemma 2 uses 50.0); "
+                         f"pass None for no capping")
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point() or sinks.dim() != 1 \
+            or sinks.shape[0] != q.shape[2]:
+        got = f"{sinks.dtype} of shape {tuple(sinks.shape)}" if isinstance(sinks, torch.Tensor) else repr(sinks)
+        raise ValueError(f"sinks must be a floating-point tensor [heads] with one logit per q head ({q.shape[2]}), "
+                         f"got {got}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks must be on q's device {q.device}, got {sinks.device}")
 
 
 _COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

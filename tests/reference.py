@@ -48,3 +48,41 @@ def packed_attention_with_grads(q, k, v, dout, bounds, causal, scale, dtype):
             cat.append(like.new_zeros(like.shape[0], pad, like.shape[2], width).to(cat[0].dtype))
         out.append(torch.cat(cat, dim=1))
     return tuple(out)
+
+
+def mask_of(n, causal, window=None, bounds=None):
+    """[n, n] bool: query i may see key j (causal, sliding window, same document; keys and queries
+    past bounds[-1] see nothing)."""
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    ok = torch.ones(n, n, dtype=torch.bool)
+    if causal:
+        ok &= j <= i
+    if window is not None:
+        ok &= (i - j < window) & (j - i < window)
+    if bounds is not None:
+        doc = torch.searchsorted(torch.tensor(bounds), torch.arange(n), right=True)
+        real = torch.arange(n) < bounds[-1]
+        ok &= (doc[:, None] == doc[None, :]) & real[:, None] & real[None, :]
+    return ok
+
+
+def masked_attention_with_grads(q, k, v, dout, causal, scale, dtype, window=None, softcap=None, sinks=None,
+                                bounds=None):
+    """(out, dq, dk, dv, dsinks) of dense attention written out in ``dtype`` (autograd): GQA by
+    repeating k/v, scores capped, the mask applied, sinks as an extra logit column with no value."""
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    s = None if sinks is None else sinks.detach().to(dtype).requires_grad_()
+    b, n, h, _ = q.shape
+    group = h // k.shape[2]
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(group, 2)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask_of(n, causal, window, bounds), float("-inf"))
+    if s is not None:
+        scores = torch.cat([scores, s.view(1, h, 1, 1).expand(b, h, n, 1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    if s is not None:
+        probs = probs[..., :-1]
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, v.repeat_interleave(group, 2))
+    out.backward(dout.to(dtype))
+    return out.detach(), q.grad, k.grad, v.grad, (None if s is None else s.grad)

@@ -11,7 +11,13 @@ nothing of ranks. Layouts (the legend used across ds_seqpar):
 
 ``causal`` means top-left aligned on a square block: query i sees keys j <= i. Ring strategies
 only ever ask for causal on square blocks (the diagonal), so the kernels refuse other shapes
-rather than pick an alignment silently.
+rather than pick an alignment silently. ``anti`` (``block_forward``) is the mirror square, query i
+sees keys j >= i: the far edge of a sliding window (strategies/bands.py). The default runs it as a
+causal square on the reversed sequence (exact: a permutation of queries and keys); kernels with a
+native window (flash-attn's window_size) override ``forward_block`` / ``backward_block``.
+
+``softcap`` (Gemma 2): scores s = scale * q.k become softcap * tanh(s / softcap) before the softmax;
+lse is that of the capped scores, and backward multiplies by the tanh's derivative.
 
 ``backward`` takes the *final* out and lse of the whole row (after merging all blocks); with
 those, the per-block gradient formulas give exactly that block's share of dq, dk, dv.
@@ -32,11 +38,34 @@ class AttentionKernel:
         Packed documents use it (strategies/varlen.py): their causal squares are document-sized."""
         return None
 
-    def forward(self, q_bshd, k_bshd, v_bshd, causal: bool, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, q_bshd, k_bshd, v_bshd, causal: bool, scale: float,
+                softcap: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def backward(self, dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, causal: bool, scale: float):
+    def backward(self, dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, causal: bool, scale: float,
+                 softcap: Optional[float] = None):
         raise NotImplementedError
+
+    def forward_block(self, q_bshd, k_bshd, v_bshd, causal: bool, anti: bool, scale: float,
+                      softcap: Optional[float] = None):
+        """One sub-block (strategies/bands.py): full, causal or anti-causal."""
+        if not anti:
+            return self.forward(q_bshd, k_bshd, v_bshd, causal, scale, softcap)
+        out_bshd, lse_bhs = self.forward(*_reversed(q_bshd, k_bshd, v_bshd), True, scale, softcap)
+        return out_bshd.flip(1), lse_bhs.flip(-1)
+
+    def backward_block(self, dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, causal: bool, anti: bool,
+                       scale: float, softcap: Optional[float] = None):
+        if not anti:
+            return self.backward(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, causal, scale, softcap)
+        grads = self.backward(*_reversed(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd), lse_bhs.flip(-1), True,
+                              scale, softcap)
+        return tuple(g.flip(1) for g in grads)
+
+
+def _reversed(*tensors_bshd):
+    """The same tokens in reverse order: an anti-causal square becomes a causal one."""
+    return tuple(t.flip(1) for t in tensors_bshd)
 
 
 def check_head_groups(num_heads: int, num_kv_heads: int, where: str = "") -> None:

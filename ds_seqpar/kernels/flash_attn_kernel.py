@@ -2,6 +2,16 @@
 
 flash-attn aligns a causal mask bottom-right when seq_q != seq_k; ds_seqpar only asks for causal
 on square blocks, where both alignments agree (``check_block`` enforces it). GQA is native.
+
+flash-attn 2.x (>= 2.6) entry points, as its flash_attn_interface defines them:
+    _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
+                        softcap, alibi_slopes, return_softmax) -> (out, softmax_lse [b, h, s] fp32, S_dmask, rng_state)
+    _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                         window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state)
+Its window: query i sees keys j in [i + sk - sq - left, i + sk - sq + right] (-1 = unbounded). So an
+anti-causal square (strategies/bands.py: query i sees j >= i) is window (0, -1), with no reversal;
+softcap is its own argument (0.0 = off). tests/unit/test_flash_attn_conformance.py checks these calls
+against a CPU stand-in written from that documentation (no GPU is lent to this project).
 """
 import torch
 
@@ -25,15 +35,27 @@ class FlashAttnKernel(AttentionKernel):
         from flash_attn import flash_attn_interface as fa
         self._fa = fa
 
-    def forward(self, q_bshd, k_bshd, v_bshd, causal, scale):
-        check_block(q_bshd, k_bshd, v_bshd, causal)
+    def forward(self, q_bshd, k_bshd, v_bshd, causal, scale, softcap=None):
+        return self.forward_block(q_bshd, k_bshd, v_bshd, causal, False, scale, softcap)
+
+    def backward(self, dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, causal, scale, softcap=None):
+        return self.backward_block(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, causal, False, scale,
+                                   softcap)
+
+    def forward_block(self, q_bshd, k_bshd, v_bshd, causal, anti, scale, softcap=None):
+        check_block(q_bshd, k_bshd, v_bshd, causal or anti)
+        left, right = (0, -1) if anti else (-1, -1)
         res = self._fa._flash_attn_forward(q_bshd, k_bshd, v_bshd, 0.0, scale, causal=causal,
-                                           window_size_left=-1, window_size_right=-1, softcap=0.0,
+                                           window_size_left=left, window_size_right=right,
+                                           softcap=0.0 if softcap is None else float(softcap),
                                            alibi_slopes=None, return_softmax=False)
         return res[0], res[1].float()
 
-    def backward(self, dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, causal, scale):
+    def backward_block(self, dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, causal, anti, scale,
+                       softcap=None):
         dq, dk, dv = torch.empty_like(q_bshd), torch.empty_like(k_bshd), torch.empty_like(v_bshd)
+        left, right = (0, -1) if anti else (-1, -1)
         self._fa._flash_attn_backward(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, dq, dk, dv,
-                                      0.0, scale, causal, -1, -1, 0.0, None, False)
+                                      0.0, scale, causal, left, right, 0.0 if softcap is None else float(softcap),
+                                      None, False, None)
         return dq, dk, dv

@@ -5,10 +5,18 @@ log-sum-exp and handles GQA natively (k/v with fewer heads). CUDA:
 ``aten._scaled_dot_product_flash_attention`` (+ ``_backward``); that op wants equal head counts,
 so K/V heads are repeated locally, after communication, and their gradients summed back.
 The ops take [batch, heads, seq, dim]; a transpose of our bshd tensors is a free view.
+
+Softcap: no fused PyTorch op caps scores, so softcapped blocks take the exact written-out path
+(math_kernel.py), ``SOFTCAP_ROWS`` query rows at a time so the scores never exceed that many rows
+(a causal square as causal tiles on the diagonal plus full rectangles before them, merged).
 """
 import torch
 
 from .base import AttentionKernel, check_block
+from .math_kernel import MathKernel
+from .merge import empty_accumulators, merge_
+
+SOFTCAP_ROWS = 256
 
 aten = torch.ops.aten
 
@@ -40,15 +48,19 @@ class TorchKernel(AttentionKernel):
             return None
         return 128 if size <= 1024 else 256
 
-    def forward(self, q_bshd, k_bshd, v_bshd, causal, scale):
+    def forward(self, q_bshd, k_bshd, v_bshd, causal, scale, softcap=None):
         check_block(q_bshd, k_bshd, v_bshd, causal)
+        if softcap is not None:
+            return _softcap_forward(q_bshd, k_bshd, v_bshd, causal, scale, softcap)
         if q_bshd.is_cuda:
             return self._forward_cuda(q_bshd, k_bshd, v_bshd, causal, scale)
         out_bhsd, lse_bhs = aten._scaled_dot_product_flash_attention_for_cpu(
             _bhsd(q_bshd), _bhsd(k_bshd), _bhsd(v_bshd), 0.0, causal, scale=scale)
         return out_bhsd.transpose(1, 2), lse_bhs.float()
 
-    def backward(self, dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, causal, scale):
+    def backward(self, dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, causal, scale, softcap=None):
+        if softcap is not None:
+            return _softcap_backward(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, causal, scale, softcap)
         if q_bshd.is_cuda:
             return self._backward_cuda(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, causal, scale)
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -74,3 +86,41 @@ class TorchKernel(AttentionKernel):
             _bhsd(_repeat_kv(v_bshd, group)), _bhsd(out_bshd), lse_bhs, empty, empty, sq, sk,
             0.0, causal, empty, empty, scale=scale)
         return (dq.transpose(1, 2), _sum_kv(dk.transpose(1, 2), group), _sum_kv(dv.transpose(1, 2), group))
+
+
+# -- softcap: the written-out path, a few query rows at a time ---------------------------------
+
+_MATH = MathKernel()
+
+
+def _row_pieces(sq, sk, causal):
+    """(rows, keys, causal) pieces covering the block, SOFTCAP_ROWS query rows each."""
+    for a in range(0, sq, SOFTCAP_ROWS):
+        b = min(a + SOFTCAP_ROWS, sq)
+        if not causal:
+            yield slice(a, b), slice(0, sk), False
+            continue
+        yield slice(a, b), slice(a, b), True
+        if a:
+            yield slice(a, b), slice(0, a), False
+
+
+def _softcap_forward(q_bshd, k_bshd, v_bshd, causal, scale, softcap):
+    out_acc, lse_acc = empty_accumulators(q_bshd, v_bshd.shape[-1])
+    for rows, keys, c in _row_pieces(q_bshd.shape[1], k_bshd.shape[1], causal):
+        out, lse = _MATH.forward(q_bshd[:, rows], k_bshd[:, keys], v_bshd[:, keys], c, scale, softcap)
+        merge_(out_acc[:, rows], lse_acc[:, :, rows], out, lse.float())
+    return out_acc.to(q_bshd.dtype), lse_acc
+
+
+def _softcap_backward(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, causal, scale, softcap):
+    dq = torch.zeros(q_bshd.shape, dtype=torch.float32, device=q_bshd.device)
+    dk = torch.zeros(k_bshd.shape, dtype=torch.float32, device=k_bshd.device)
+    dv = torch.zeros(v_bshd.shape, dtype=torch.float32, device=v_bshd.device)
+    for rows, keys, c in _row_pieces(q_bshd.shape[1], k_bshd.shape[1], causal):
+        g = _MATH.backward(dout_bshd[:, rows], q_bshd[:, rows], k_bshd[:, keys], v_bshd[:, keys],
+                           out_bshd[:, rows], lse_bhs[:, :, rows], c, scale, softcap)
+        dq[:, rows] += g[0]
+        dk[:, keys] += g[1]
+        dv[:, keys] += g[2]
+    return dq.to(q_bshd.dtype), dk.to(k_bshd.dtype), dv.to(v_bshd.dtype)

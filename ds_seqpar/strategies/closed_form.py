@@ -15,14 +15,16 @@ Each form is the one in the strategy's docstring (strategies/*.py); the notation
 Forms are split by the CommStats kind each exchange records under ("all_to_all", "ring",
 "ring_grad", "lasp_state", "lasp_dstate"), so a test also sees which exchange is off.
 
-Packed documents: Ulysses and the hybrid's all-to-alls are unchanged; the ring loop's K/V and
-dK/dV go only where a document needs them (ring_document_bytes), LASP's states only across rank
-boundaries a document crosses (lasp_document_bytes).
+Packed documents and sliding windows: Ulysses and the hybrid's all-to-alls are unchanged; the ring
+loop's K/V and dK/dV go only to the ranks whose queries see them, and only the span of keys they see
+(ring_masked_bytes: for a causal window w <= n on the contiguous ring, the last w-1 tokens of one
+neighbour instead of P-1 blocks), LASP's states only across rank boundaries a document crosses
+(lasp_document_bytes).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -108,35 +110,55 @@ def lasp_bytes(p: int, sh: Shapes, rank: int, lasp_comm: str) -> Dict[str, int]:
 # -- packed documents (cu_seqlens) -------------------------------------------------------------
 
 
-def ring_document_needs(bounds: Sequence[int], ring_layout, padded: int, causal: bool) -> List[List[bool]]:
-    """needs[me][src] (me != src): ring position me computes on src's K/V block, i.e. some document
-    has a key in src at or before (causal) one of its queries in me. From each document's first and
-    last token on each rank, independently of the sub-block decomposition (varlen.py)."""
-    p = ring_layout.size
-    span = []                                        # span[r][d] = (first, last) global position of d on r
+def ring_key_ranges(bounds: Sequence[int], ring_layout, padded: int, causal: bool,
+                    window: Optional[int] = None) -> List[List[Optional[Tuple[int, int]]]]:
+    """ranges[me][src] (me != src): the local slots [a, b) of src's block spanned by the keys some
+    query of ring position me can see (same document; causal: key <= query; window w: query - w <
+    key, non-causal |query - key| < w), or None. Computed key by key from the mask on global
+    positions (each key's visible queries are an interval; does me hold one?), independently of the
+    sub-block decomposition (varlen.py)."""
+    p, real = ring_layout.size, bounds[-1]
+    cu = torch.tensor(bounds)
+    big = padded + (window or padded)
+    queries = []
     for r in range(p):
         g = ring_layout.indices(padded, r)
-        g = g[g < bounds[-1]]                        # end padding belongs to no document
-        doc = torch.searchsorted(torch.tensor(bounds), g, right=True) - 1
-        span.append({int(d): (int(g[doc == d].min()), int(g[doc == d].max())) for d in doc.unique()})
-    return [[me != src and any(not causal or span[src][d][0] <= span[me][d][1]
-                               for d in span[me].keys() & span[src].keys())
-             for src in range(p)] for me in range(p)]
+        queries.append(torch.sort(g[g < real]).values)
+    out: List[List[Optional[Tuple[int, int]]]] = [[None] * p for _ in range(p)]
+    for src in range(p):
+        gk = ring_layout.indices(padded, src)
+        doc = torch.searchsorted(cu, gk.clamp(max=real - 1), right=True) - 1
+        start, stop = cu[doc], cu[doc + 1] - 1                      # the key's document [start, stop]
+        w = window or big
+        lo = gk if causal else torch.maximum(start, gk - w + 1)
+        hi = torch.minimum(stop, gk + w - 1)
+        for me in range(p):
+            if me == src:
+                continue
+            gq = queries[me]
+            seen = (torch.searchsorted(gq, hi, right=True) - torch.searchsorted(gq, lo)) > 0
+            seen &= gk < real                                        # end padding pairs with nothing
+            slots = torch.nonzero(seen).flatten()
+            if slots.numel():
+                out[me][src] = (int(slots[0]), int(slots[-1]) + 1)
+    return out
 
 
-def ring_document_bytes(needs: List[List[bool]], me: int, kv_elems: int, elem: int) -> Dict[str, int]:
-    """Bytes ring position ``me`` sends for one fwd+bwd with packed documents (transport.py: direct):
-    its K/V to every rank that needs them, forward and backward; its fp32 share of dK/dV to every
-    rank whose block it needs. ``kv_elems``: elements of the k and v the ring loop holds (S_k + S_v;
-    f times that for the hybrid). Every pair needed: exactly _ring's form."""
-    p = len(needs)
-    needed_by = sum(needs[other][me] for other in range(p))
-    uses = sum(needs[me][other] for other in range(p))
-    return {"ring": needed_by * kv_elems * 2 * elem, "ring_grad": uses * kv_elems * E_ACC}
+def ring_masked_bytes(ranges, me: int, token_elems: int, elem: int) -> Dict[str, int]:
+    """Bytes ring position ``me`` sends for one fwd+bwd under a mask (transport.py: direct): to every
+    rank, the keys of its block that rank can see, forward and backward; its fp32 share of dK/dV
+    for the keys it saw of every other block. ``token_elems``: elements of one token of the k and v
+    the ring loop holds (f times the local ones for the hybrid). Every key needed everywhere:
+    exactly _ring's form."""
+    p = len(ranges)
+    width = lambda r: 0 if r is None else r[1] - r[0]       # noqa: E731
+    sent = sum(width(ranges[other][me]) for other in range(p) if other != me)
+    used = sum(width(ranges[me][other]) for other in range(p) if other != me)
+    return {"ring": sent * token_elems * 2 * elem, "ring_grad": used * token_elems * E_ACC}
 
 
-def _documents_by_kind(strategy: str, p: int, sh: Shapes, rank: int, ulysses_size: int, lasp_comm: str,
-                       cu_seqlens: Sequence[int], causal: bool) -> Dict[str, int]:
+def _masked_by_kind(strategy: str, p: int, sh: Shapes, rank: int, ulysses_size: int, lasp_comm: str,
+                    cu_seqlens: Sequence[int], causal: bool, window: Optional[int]) -> Dict[str, int]:
     from ..sharding.documents import Documents
     from ..sharding.layouts import make_layout
     from . import get_strategy
@@ -149,9 +171,10 @@ def _documents_by_kind(strategy: str, p: int, sh: Shapes, rank: int, ulysses_siz
     u, loc = ulysses_size, sh.local(p)
     f = kv_replication(sh.heads, sh.kv_heads, u) if u > 1 else 1
     ring = make_layout(get_strategy(strategy).layout_name, p // u)
-    needs = ring_document_needs(cu_seqlens, ring, sh.seq, causal)
+    ranges = ring_key_ranges(cu_seqlens, ring, sh.seq, causal, window)
     out = {"all_to_all": _all_to_all(u, loc, f)} if u > 1 else {}
-    out.update(ring_document_bytes(needs, rank // u, f * loc.elements(sh.kv_heads, sh.head_dim + sh.dv), sh.elem))
+    token_elems = f * loc.elements(sh.kv_heads, sh.head_dim + sh.dv) // (sh.seq // ring.size)
+    out.update(ring_masked_bytes(ranges, rank // u, token_elems, sh.elem))
     return out
 
 
@@ -166,19 +189,21 @@ def lasp_document_bytes(chain, rank: int, state_bytes: int, lasp_comm: str) -> D
 
 def closed_form_by_kind(strategy: str, p: int, shapes: Shapes, rank: int = 0, ulysses_size: int = 1,
                         lasp_comm: str = "allgather", cu_seqlens: Optional[Sequence[int]] = None,
-                        causal: bool = True) -> Dict[str, int]:
+                        causal: bool = True, window: Optional[int] = None) -> Dict[str, int]:
     """{CommStats kind: bytes} rank ``rank`` of a sequence group of ``p`` ranks sends for one
     fwd+bwd of one attention call over ``shapes`` (global length); kinds that send nothing are left
     out. ``ulysses_size`` > 1 with a ring strategy is the 2D hybrid, as in the config key;
     ``lasp_comm`` picks LASP-1 (ring) or LASP-2 (allgather). ``cu_seqlens``: packed documents over
-    shapes.seq tokens (the padded length; ``causal`` matters to the ring family then)."""
+    shapes.seq tokens (the padded length; ``causal`` matters to the ring family then); ``window``: a
+    sliding window (the ring family sends only the keys it reaches; Ulysses' bytes are unchanged)."""
     if strategy not in ("lasp", "ulysses") + RING_STRATEGIES:
         raise ValueError(f"no closed form for strategy {strategy!r}; known: lasp, ulysses, "
                          f"{', '.join(RING_STRATEGIES)}")
     if p == 1:
         return {}
-    if cu_seqlens is not None:
-        out = _documents_by_kind(strategy, p, shapes, rank, ulysses_size, lasp_comm, list(cu_seqlens), causal)
+    if cu_seqlens is not None or (window is not None and strategy != "lasp"):
+        bounds = list(cu_seqlens) if cu_seqlens is not None else [0, shapes.seq]
+        out = _masked_by_kind(strategy, p, shapes, rank, ulysses_size, lasp_comm, bounds, causal, window)
     elif strategy == "lasp":
         out = lasp_bytes(p, shapes, rank, lasp_comm)
     elif strategy == "ulysses":
@@ -190,11 +215,12 @@ def closed_form_by_kind(strategy: str, p: int, shapes: Shapes, rank: int = 0, ul
 
 def closed_form_bytes(strategy: str, p: int, shapes: Shapes, rank: int = 0, ulysses_size: int = 1,
                       lasp_comm: str = "allgather", cu_seqlens: Optional[Sequence[int]] = None,
-                      causal: bool = True) -> int:
+                      causal: bool = True, window: Optional[int] = None) -> int:
     """The total of ``closed_form_by_kind``: what CommStats.total_bytes must read (with packed
     documents, less the "cu_seqlens_check" all-reduce of three int64 per call)."""
-    return sum(closed_form_by_kind(strategy, p, shapes, rank, ulysses_size, lasp_comm, cu_seqlens, causal).values())
+    return sum(closed_form_by_kind(strategy, p, shapes, rank, ulysses_size, lasp_comm, cu_seqlens, causal,
+                                   window).values())
 
 
-__all__ = ["Shapes", "closed_form_bytes", "closed_form_by_kind", "kv_replication", "E_ACC", "ring_document_needs",
-           "ring_document_bytes", "lasp_document_bytes"]
+__all__ = ["Shapes", "closed_form_bytes", "closed_form_by_kind", "kv_replication", "E_ACC", "ring_key_ranges",
+           "ring_masked_bytes", "lasp_document_bytes"]

@@ -31,7 +31,7 @@ full-head tensor [b, n, H, d], S_kv = elements of the local k:
 from __future__ import annotations
 
 from .ring_loop import RingFamily, check_local_length, ring_attention
-from .ulysses import heads_to_seq, scatter_heads
+from .ulysses import heads_to_seq, local_heads, scatter_heads
 
 
 class HybridAttention(RingFamily):
@@ -48,11 +48,13 @@ class HybridAttention(RingFamily):
     def blocks(self, me, src, p, causal, n):
         return self.ring.blocks(me, src, p, causal, n)
 
-    def attention(self, q_bshd, k_bshd, v_bshd, causal, scale, seq_len=None, docs=None):
+    def attention(self, q_bshd, k_bshd, v_bshd, causal, scale, seq_len=None, docs=None, window=None,
+                  softcap=None, sinks=None):
         ctx = self.ctx
         check_local_length(self.ring.name, ctx, q_bshd.shape[1])
         # [b, n, H, d] -> [b, U*n, H/U, d]: this ring position's whole shard, a slice of the heads
         q_u, k_u, v_u = scatter_heads(q_bshd, k_bshd, v_bshd, ctx.ulysses_group, ctx.ulysses_size, ctx.stats)
-        blocks = self.ring.policy(causal, seq_len, q_u.shape[1], docs, q_u.device)
-        out_u = ring_attention(q_u, k_u, v_u, causal, scale, ctx, blocks)
+        blocks = self.ring.policy(causal, seq_len, q_u.shape[1], docs, q_u.device, window)
+        sinks_h = None if sinks is None else local_heads(sinks, ctx.ulysses_size, ctx.ulysses_rank)
+        out_u = ring_attention(q_u, k_u, v_u, causal, scale, ctx, blocks, softcap, sinks_h)
         return heads_to_seq(out_u, ctx.ulysses_group, ctx.stats)            # [b, n, H, d]

@@ -39,27 +39,20 @@ Packed documents (cu_seqlens): the policy is varlen.DocumentBlocks, a function o
 document boundaries; blocks no query of mine shares a document with are skipped, and K/V go only
 where they are computed on (transport.DirectKV / DirectGrads): a rank sends its K/V to each rank
 that needs them and its dK/dV shares to each rank whose block it needed, instead of P-1 hops of
-each (closed_form.ring_document_bytes; the same bytes when every rank needs every block).
+each (closed_form.ring_masked_bytes; the same bytes when every rank needs every key).
 """
 from __future__ import annotations
 
 import math
-from typing import Callable, List, NamedTuple, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
 from ..kernels import empty_accumulators, merge_
 from ..sharding.padding import valid_prefix
+from .bands import SubBlock
 from .base import Strategy
 from .transport import DirectGrads, DirectKV, RelayGrads, RelayKV
-
-
-class SubBlock(NamedTuple):
-    """One kernel call: queries q_bshd[:, q] against keys kv[:, k], causal (square) or full."""
-
-    q: slice
-    k: slice
-    causal: bool
 
 
 ALL = slice(None)
@@ -75,12 +68,40 @@ BlockPolicy = Callable[[int, int, int, bool, int], Sequence[SubBlock]]
 
 
 def _transports(ctx, blocks):
-    """(K/V schedule, dK/dV schedule) classes: direct for packed documents (the policy says who
-    needs which block), the relay ring otherwise (transport.py)."""
-    needs = getattr(blocks, "needs", None)
-    if needs is None:
+    """(K/V schedule, dK/dV schedule) classes: direct for masked policies (packed documents, sliding
+    windows: the policy says who needs which keys of which block), the relay ring otherwise
+    (transport.py)."""
+    key_range = getattr(blocks, "key_range", None)
+    if key_range is None:
         return RelayKV, RelayGrads, ()
-    return DirectKV, DirectGrads, (needs,)
+    return DirectKV, DirectGrads, (key_range,)
+
+
+def _subs(blocks, me, src, p, causal, n, kv) -> Sequence[SubBlock]:
+    """The policy's sub-blocks for the block held now, keys shifted into the part that travelled
+    (``kv.offset``: a masked schedule sends only the keys a rank can see, transport.py)."""
+    if kv.current is None:
+        return ()
+    subs = blocks(me, src, p, causal, n)
+    off = getattr(kv, "offset", 0)
+    if not off:
+        return subs
+    return [s._replace(k=slice(s.k.start - off, s.k.stop - off)) for s in subs]
+
+
+def apply_sinks_(out_acc_bshd, lse_acc_bhs, sinks_h) -> None:
+    """Sinks (one logit per q head in every row's softmax denominator, no value): the merged
+    (out, lse) become out * exp(lse - lse'), lse' = log(exp(lse) + exp(sink)), in place, fp32."""
+    lse_new = torch.logaddexp(lse_acc_bhs, sinks_h.float().view(1, -1, 1))
+    out_acc_bshd.mul_(torch.exp(lse_acc_bhs - lse_new).transpose(1, 2).unsqueeze(-1))
+    lse_acc_bhs.copy_(lse_new)
+
+
+def sinks_grad(dout_bshd, out_bshd, lse_bhs, sinks_h) -> torch.Tensor:
+    """d loss / d sink_h = -sum over rows of p_sink * (dout . out), p_sink = exp(sink - lse)."""
+    delta_bhs = (dout_bshd.float() * out_bshd.float()).sum(-1).transpose(1, 2)
+    p_sink = torch.exp(sinks_h.float().view(1, -1, 1) - lse_bhs)
+    return -(p_sink * delta_bhs).sum((0, 2)).to(sinks_h.dtype)
 
 
 class _FreshRows:
@@ -95,8 +116,10 @@ class _FreshRows:
         return fresh
 
 
-def ring_forward(q_bshd, k_bshd, v_bshd, causal: bool, scale: float, ctx, blocks: BlockPolicy):
-    """(out_bshd in q's dtype, lse_bhs fp32) of q against the whole ring's K/V."""
+def ring_forward(q_bshd, k_bshd, v_bshd, causal: bool, scale: float, ctx, blocks: BlockPolicy,
+                 softcap: Optional[float] = None, sinks_h: Optional[torch.Tensor] = None):
+    """(out_bshd in q's dtype, lse_bhs fp32) of q against the whole ring's K/V; ``softcap`` caps the
+    scores in every kernel call, ``sinks_h`` (one logit per q head) join the final merge."""
     p, me, n = ctx.ring_size, ctx.ring_rank, q_bshd.shape[1]
     out_acc_bshd, lse_acc_bhs = empty_accumulators(q_bshd, v_bshd.shape[-1])
     kv_cls, _, extra = _transports(ctx, blocks)
@@ -107,9 +130,9 @@ def ring_forward(q_bshd, k_bshd, v_bshd, causal: bool, scale: float, ctx, blocks
         if ctx.overlap:
             kv.post()                              # next block in flight during this compute
         kv_block = kv.current
-        for sub in (blocks(me, src, p, causal, n) if kv_block is not None else ()):
-            out_blk, lse_blk = ctx.kernel.forward(q_bshd[:, sub.q], kv_block[0][:, sub.k],
-                                                  kv_block[1][:, sub.k], sub.causal, scale)
+        for sub in _subs(blocks, me, src, p, causal, n, kv):
+            out_blk, lse_blk = ctx.kernel.forward_block(q_bshd[:, sub.q], kv_block[0][:, sub.k],
+                                                        kv_block[1][:, sub.k], sub.causal, sub.anti, scale, softcap)
             if rows.take(sub.q):                   # nothing merged into these rows yet
                 out_acc_bshd[:, sub.q].copy_(out_blk)
                 lse_acc_bhs[:, :, sub.q].copy_(lse_blk)
@@ -117,6 +140,8 @@ def ring_forward(q_bshd, k_bshd, v_bshd, causal: bool, scale: float, ctx, blocks
                 merge_(out_acc_bshd[:, sub.q], lse_acc_bhs[:, :, sub.q], out_blk, lse_blk)
         if step < p - 1:
             kv.advance()
+    if sinks_h is not None:
+        apply_sinks_(out_acc_bshd, lse_acc_bhs, sinks_h)
     return out_acc_bshd.to(q_bshd.dtype), lse_acc_bhs
 
 
@@ -124,11 +149,11 @@ def ring_forward(q_bshd, k_bshd, v_bshd, causal: bool, scale: float, ctx, blocks
 # backward
 
 
-def _block_grads(dout_bshd, q_bshd, kv_block, out_bshd, lse_bhs, subs, scale, kernel):
+def _block_grads(dout_bshd, q_bshd, kv_block, out_bshd, lse_bhs, subs, scale, kernel, softcap):
     """Kernel backward per sub-block, given the final out/lse rows: [(sub, dq, dk, dv)]."""
-    return [(sub, *kernel.backward(dout_bshd[:, sub.q], q_bshd[:, sub.q], kv_block[0][:, sub.k],
-                                   kv_block[1][:, sub.k], out_bshd[:, sub.q], lse_bhs[:, :, sub.q],
-                                   sub.causal, scale))
+    return [(sub, *kernel.backward_block(dout_bshd[:, sub.q], q_bshd[:, sub.q], kv_block[0][:, sub.k],
+                                         kv_block[1][:, sub.k], out_bshd[:, sub.q], lse_bhs[:, :, sub.q],
+                                         sub.causal, sub.anti, scale, softcap))
             for sub in subs]
 
 
@@ -151,7 +176,7 @@ def _sum_kv_into(dkv_acc, grads, fresh: bool) -> None:
 
 
 def ring_backward(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, causal: bool, scale: float,
-                  ctx, blocks: BlockPolicy):
+                  ctx, blocks: BlockPolicy, softcap: Optional[float] = None):
     """(dq, dk, dv) of this rank's shards; the ring is walked in reverse (see module doc)."""
     p, me, n = ctx.ring_size, ctx.ring_rank, q_bshd.shape[1]
     dout_bshd = dout_bshd.contiguous()
@@ -165,8 +190,8 @@ def ring_backward(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, causal: 
         if ctx.overlap:
             kv.post()
         kv_block = kv.current
-        subs = blocks(me, src, p, causal, n) if kv_block is not None else ()
-        grads = _block_grads(dout_bshd, q_bshd, kv_block, out_bshd, lse_bhs, subs, scale, ctx.kernel)
+        subs = _subs(blocks, me, src, p, causal, n, kv)
+        grads = _block_grads(dout_bshd, q_bshd, kv_block, out_bshd, lse_bhs, subs, scale, ctx.kernel, softcap)
         _sum_into(dq_acc_bshd, [(sub.q, dq) for sub, dq, _, _ in grads], fresh=step == 0)
         if step == 0:
             _sum_kv_into(dkv_home, grads, fresh=True)      # own block: its gradient never leaves
@@ -187,23 +212,28 @@ class RingAttentionFunction(torch.autograd.Function):
     """Thin: save what backward needs, call the plain functions."""
 
     @staticmethod
-    def forward(fctx, q_bshd, k_bshd, v_bshd, ctx, blocks, causal, scale):
-        out_bshd, lse_bhs = ring_forward(q_bshd, k_bshd, v_bshd, causal, scale, ctx, blocks)
-        fctx.save_for_backward(q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs)
-        fctx.ctx, fctx.blocks, fctx.causal, fctx.scale = ctx, blocks, causal, scale
+    def forward(fctx, q_bshd, k_bshd, v_bshd, sinks_h, ctx, blocks, causal, scale, softcap):
+        out_bshd, lse_bhs = ring_forward(q_bshd, k_bshd, v_bshd, causal, scale, ctx, blocks, softcap, sinks_h)
+        # with sinks, out and lse are the final ones (sinks included): the kernels' backward formulas
+        # then give the exact q/k/v gradients (a sink is a key with no value)
+        fctx.save_for_backward(q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, sinks_h)
+        fctx.ctx, fctx.blocks, fctx.causal, fctx.scale, fctx.softcap = ctx, blocks, causal, scale, softcap
         return out_bshd
 
     @staticmethod
     def backward(fctx, dout_bshd):
-        q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs = fctx.saved_tensors
+        q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, sinks_h = fctx.saved_tensors
         dq, dk, dv = ring_backward(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, fctx.causal,
-                                   fctx.scale, fctx.ctx, fctx.blocks)
-        return dq, dk, dv, None, None, None, None
+                                   fctx.scale, fctx.ctx, fctx.blocks, fctx.softcap)
+        dsinks = None if sinks_h is None else sinks_grad(dout_bshd, out_bshd, lse_bhs, sinks_h)
+        return dq, dk, dv, dsinks, None, None, None, None, None
 
 
-def ring_attention(q_bshd, k_bshd, v_bshd, causal: bool, scale: float, ctx, blocks: BlockPolicy):
-    """Differentiable exact attention of this rank's queries against every ring rank's K/V."""
-    return RingAttentionFunction.apply(q_bshd, k_bshd, v_bshd, ctx, blocks, causal, scale)
+def ring_attention(q_bshd, k_bshd, v_bshd, causal: bool, scale: float, ctx, blocks: BlockPolicy,
+                   softcap: Optional[float] = None, sinks_h: Optional[torch.Tensor] = None):
+    """Differentiable exact attention of this rank's queries against every ring rank's K/V.
+    ``sinks_h``: this rank's q heads' sink logits (their gradient is this rank's share)."""
+    return RingAttentionFunction.apply(q_bshd, k_bshd, v_bshd, sinks_h, ctx, blocks, causal, scale, softcap)
 
 
 def check_local_length(strategy_name: str, ctx, n_local: int) -> None:
@@ -233,25 +263,38 @@ class RingFamily(Strategy):
     def blocks(me: int, src: int, p: int, causal: bool, n: int) -> Sequence[SubBlock]:
         raise NotImplementedError
 
-    def attention(self, q_bshd, k_bshd, v_bshd, causal, scale, seq_len=None, docs=None):
+    def attention(self, q_bshd, k_bshd, v_bshd, causal, scale, seq_len=None, docs=None, window=None,
+                  softcap=None, sinks=None):
         check_local_length(self.name, self.ctx, q_bshd.shape[1])
-        blocks = self.policy(causal, seq_len, q_bshd.shape[1], docs, q_bshd.device)
-        return ring_attention(q_bshd, k_bshd, v_bshd, causal, scale, self.ctx, blocks)
+        blocks = self.policy(causal, seq_len, q_bshd.shape[1], docs, q_bshd.device, window)
+        return ring_attention(q_bshd, k_bshd, v_bshd, causal, scale, self.ctx, blocks, softcap, sinks)
 
-    def policy(self, causal: bool, seq_len, n_ring: int, docs=None, device="cpu") -> BlockPolicy:
+    def policy(self, causal: bool, seq_len, n_ring: int, docs=None, device="cpu", window=None) -> BlockPolicy:
         """The mask policy; with end padding (seq_len < padded length) non-causal blocks keep only
         the real keys, a prefix of each block (padding.py). Causal blocks never see pads. With
-        packed documents (``docs``, sharding/documents.py) the policy follows their boundaries
-        and leaves the pads out (varlen.py)."""
-        if docs is not None:
-            from .varlen import document_blocks
-            kernel = self.ctx.kernel        # how it wants document-sized causal squares cut (kernels/base.py)
-            return document_blocks(docs, self.ctx.layout.ring_layout, causal,
-                                   lambda size: kernel.causal_tile(size, device))
+        packed documents (``docs``, sharding/documents.py) or a sliding ``window`` the policy
+        follows the mask on global positions and leaves the pads out (varlen.py)."""
         padded = n_ring * self.ctx.ring_size
+        if docs is not None or window is not None:
+            return masked_policy(self.ctx, self.ctx.layout.ring_layout, docs, padded, seq_len, causal, window,
+                                 device)
         if causal or seq_len is None or seq_len == padded:
             return self.blocks
         return only_real_keys(self.blocks, valid_prefix(self.ctx.layout.ring_layout, padded, seq_len))
+
+
+def masked_policy(ctx, layout, docs, padded: int, seq_len, causal: bool, window, device) -> BlockPolicy:
+    """varlen.DocumentBlocks over ``layout``'s positions (a single one for Ulysses' whole sequence):
+    documents, or the sequence as one document, under the window."""
+    from .varlen import document_blocks, one_document
+    kernel = ctx.kernel                     # how it wants causal / anti squares cut (kernels/base.py)
+    docs = docs if docs is not None else one_document(padded, seq_len)
+    return document_blocks(docs, layout, causal, lambda size: kernel.causal_tile(size, device), window)
+
+
+def plain_blocks(me: int, src: int, p: int, causal: bool, n: int) -> Sequence[SubBlock]:
+    """The policy of one position holding the whole sequence (Ulysses after its all-to-all)."""
+    return DIAGONAL if causal else FULL
 
 
 def only_real_keys(blocks: BlockPolicy, valid: Sequence[int]) -> BlockPolicy:
@@ -262,6 +305,6 @@ def only_real_keys(blocks: BlockPolicy, valid: Sequence[int]) -> BlockPolicy:
             start, stop, _ = sub.k.indices(n)
             stop = min(stop, valid[src])
             if stop > start:
-                subs.append(SubBlock(sub.q, slice(start, stop), sub.causal))
+                subs.append(sub._replace(k=slice(start, stop)))
         return subs
     return policy

@@ -4,23 +4,26 @@ that at step s this rank holds the block of src = me - shift * s:
 
 * relay (the ring): a block hops one rank per step, every block visits every rank; in backward
   its fp32 dK/dV accumulator travels with it and lands at its owner after P-1 hops.
-* direct (packed documents): at step s a rank sends its OWN block straight to me + shift*s, and
-  only when that rank computes on it (``needs``, from the global cu_seqlens, so every rank agrees
-  on the schedule); in backward each rank sends its share of a block's dK/dV straight home. A
-  block nobody else needs never leaves its rank. When every rank needs every block the bytes are
-  the relay's; otherwise fewer (strategies/closed_form.py: ring_documents).
+* direct (masked: packed documents, sliding windows): at step s a rank sends the part of its OWN
+  block that me + shift*s computes on (``key_range``: the span of keys its queries can see, from
+  the global mask, so every rank agrees on the schedule without a word exchanged), straight there;
+  in backward each rank sends its share of that part's dK/dV straight home. A block nobody else
+  needs never leaves its rank; a window sends only the keys it reaches (the last w-1 tokens of a
+  contiguous neighbour). When every rank needs every key the bytes are the relay's; otherwise
+  fewer (strategies/closed_form.py: ring_masked_bytes).
 
 Legend: kv_block = (k [b, n, H_kv, d], v [b, n, H_kv, dv]); dkv = their fp32 gradients.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
 from .. import comm
 
-Needs = Callable[[int, int], bool]          # needs(me, src): does ring position me compute on src's block
+# key_range(me, src): the slots [a, b) of src's block that ring position me computes on, or None
+KeyRange = Callable[[int, int], Optional[Tuple[int, int]]]
 Accumulate = Callable[[List[torch.Tensor], bool], None]   # (dkv buffers, fresh): add this step's share
 
 
@@ -87,35 +90,40 @@ class RelayKV:
 
 
 class DirectKV:
-    """Packed documents: for step s+1, send the own block to me + shift*(s+1) if that rank needs it,
-    receive src = me - shift*(s+1)'s block if this rank needs it; ``current`` is None when this rank
-    computes nothing at a step (no transfer was made for it)."""
+    """Masked schedules (packed documents, sliding windows): for step s+1, send the part of the own
+    block that me + shift*(s+1) needs (``key_range``: the keys its queries can see), receive the part
+    of src = me - shift*(s+1)'s block this rank needs. ``current`` is None when this rank computes
+    nothing at a step (no transfer was made for it); ``offset`` is the first key slot of ``current``
+    within its owner's block (0 for the own block)."""
 
-    def __init__(self, ctx, shift: int, own: Sequence[torch.Tensor], needs: Needs):
-        self._ctx, self._shift, self._own, self._needs = ctx, shift, tuple(own), needs
+    def __init__(self, ctx, shift: int, own: Sequence[torch.Tensor], key_range: KeyRange):
+        self._ctx, self._shift, self._own, self._range = ctx, shift, tuple(own), key_range
         self._p, self._me = ctx.ring_size, ctx.ring_rank
         self.current: Optional[tuple] = self._own
-        self._step, self._pending, self._free = 0, None, []
+        self.offset, self._next_offset = 0, 0
+        self._step, self._pending = 0, None
 
     def post(self) -> None:
         nxt = self._step + 1
         if nxt >= self._p or self._pending is not None:
             return
         dst, src = (self._me + self._shift * nxt) % self._p, (self._me - self._shift * nxt) % self._p
-        sends = [(t, dst) for t in self._own] if self._needs(dst, self._me) else []
-        recvs = []
-        if self._needs(self._me, src):
-            bufs = self._free.pop() if self._free else [torch.empty_like(t) for t in self._own]
-            recvs = [(b, src) for b in bufs]
+        theirs, mine = self._range(dst, self._me), self._range(self._me, src)
+        sends = [(t[:, theirs[0]:theirs[1]], dst) for t in self._own] if theirs else []
+        recvs = [(_empty_rows(t, mine[1] - mine[0]), src) for t in self._own] if mine else []
+        self._next_offset = mine[0] if mine else 0
         self._pending = comm.p2p(sends, recvs, self._ctx.ring_group, self._ctx.stats, "ring")
 
     def advance(self) -> None:
         self.post()
         received = self._pending.wait()
-        if self.current is not None and self.current is not self._own:
-            self._free.append(list(self.current))          # the block of the step just done
         self.current = tuple(received) if received else None
-        self._step, self._pending = self._step + 1, None
+        self.offset, self._step, self._pending = self._next_offset, self._step + 1, None
+
+
+def _empty_rows(like: torch.Tensor, rows: int, dtype=None) -> torch.Tensor:
+    """A buffer shaped like ``like`` with ``rows`` tokens (dim 1)."""
+    return torch.empty((like.shape[0], rows) + tuple(like.shape[2:]), dtype=dtype or like.dtype, device=like.device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,32 +151,37 @@ class RelayGrads:
 
 
 class DirectGrads:
-    """Packed documents: at step s this rank sends its share of src's dK/dV to src (if it computed
-    on src's block) and receives its own block's share from me + s (if that rank computed on it)."""
+    """Masked schedules: at step s this rank sends its share of src's dK/dV (the key range it used)
+    to src, and receives the share of its own block from the rank that holds it at this step,
+    added into that rank's key range of the home gradient."""
 
-    def __init__(self, ctx, like: Sequence[torch.Tensor], overlap: bool, needs: Needs):
-        self._ctx, self._like, self._overlap, self._needs = ctx, like, overlap, needs
+    def __init__(self, ctx, like: Sequence[torch.Tensor], overlap: bool, key_range: KeyRange):
+        self._ctx, self._like, self._overlap, self._range = ctx, like, overlap, key_range
         self._p, self._me = ctx.ring_size, ctx.ring_rank
-        self._pending, self._sent = None, None
+        self._pending, self._sent, self._into = None, None, None
 
     def _land(self, home) -> None:
         if self._pending is not None:
+            a, b = self._into
             for h, arrived in zip(home, self._pending.wait()):
-                h += arrived
-            self._pending = self._sent = None
+                h[:, a:b] += arrived
+            self._pending = self._sent = self._into = None
 
     def add(self, step: int, src: int, accumulate: Accumulate, home) -> None:
         self._land(home)
-        sends = []
-        if self._needs(self._me, src):
-            share = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in self._like]
+        sends, used = [], self._range(self._me, src)
+        if used:
+            share = [_empty_rows(t, used[1] - used[0]) for t in self._like]
             accumulate(share, True)
             sends = [(t, src) for t in share]
         frm = (self._me - step) % self._p                   # backward: it holds my block at this step
-        recvs = [(torch.empty(t.shape, dtype=t.dtype, device=t.device), frm) for t in self._like] \
-            if self._needs(frm, self._me) else []
+        theirs = self._range(frm, self._me)
+        recvs = [(_empty_rows(t, theirs[1] - theirs[0]), frm) for t in self._like] if theirs else []
+        self._into = theirs
         self._pending = comm.p2p(sends, recvs, self._ctx.ring_group, self._ctx.stats, "ring_grad")
         self._sent = sends                                  # alive until the transfer is waited for
+        if not recvs:
+            self._into = (0, 0)
         if not self._overlap:
             self._land(home)
 
@@ -176,4 +189,4 @@ class DirectGrads:
         self._land(home)
 
 
-__all__ = ["RelayKV", "DirectKV", "RelayGrads", "DirectGrads", "Needs"]
+__all__ = ["RelayKV", "DirectKV", "RelayGrads", "DirectGrads", "KeyRange"]

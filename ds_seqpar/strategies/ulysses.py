@@ -17,9 +17,11 @@ Bytes per rank, one forward + backward, element size e: q, k, v, out forward and
 dv backward, each sending (P-1)/P of its local tensor: 8*e*S*(P-1)/P for MHA, where S is the
 number of elements of one local full-head tensor.
 
-Packed documents (cu_seqlens): after the all-to-all every rank holds the whole sequence, so local
-attention is per document (varlen.py: a causal square per document, or a full one non-causal;
-end padding pairs with nothing); the bytes are unchanged.
+Packed documents (cu_seqlens) and sliding windows: after the all-to-all every rank holds the whole
+sequence, so local attention follows the mask (varlen.py: a causal square per document, band
+pieces for a window; end padding pairs with nothing); the bytes are unchanged. Softcap goes to the
+kernel; sinks join the final merge (ring_loop.apply_sinks_), each rank with its heads' sinks
+(``local_heads``): its sink gradient is its heads' share, the others' rows are zero.
 """
 from __future__ import annotations
 
@@ -30,9 +32,10 @@ import torch
 from .. import comm
 from ..kernels import local_attention
 from ..kernels.base import check_head_groups
+from ..sharding.layouts import make_layout
+from ..sharding.padding import valid_prefix
 from .base import Strategy
-from .ring_loop import ring_attention
-from .varlen import whole_sequence_blocks
+from .ring_loop import masked_policy, only_real_keys, plain_blocks, ring_attention
 
 
 def kv_replication(num_heads: int, num_kv_heads: int, size: int) -> int:
@@ -69,20 +72,34 @@ def scatter_heads(q_bshd, k_bshd, v_bshd, group, size, stats):
             seq_to_heads(v_bshd, group, stats))
 
 
+def local_heads(per_head: torch.Tensor, size: int, rank: int) -> torch.Tensor:
+    """The entries of a per-q-head tensor (sinks) for the heads this rank holds after scatter_heads."""
+    return per_head.chunk(size)[rank]
+
+
 class UlyssesAttention(Strategy):
     name = "ulysses"
     layout_name = "contiguous"
 
-    def attention(self, q_bshd, k_bshd, v_bshd, causal, scale, seq_len=None, docs=None):
+    def attention(self, q_bshd, k_bshd, v_bshd, causal, scale, seq_len=None, docs=None, window=None,
+                  softcap=None, sinks=None):
         ctx = self.ctx
         q_full, k_full, v_full = scatter_heads(q_bshd, k_bshd, v_bshd, ctx.ulysses_group, ctx.ulysses_size,
                                                ctx.stats)
-        if docs is not None:
-            # packed documents: the whole sequence is here, in global order; per-document sub-blocks
-            # through the ring loop's single step (one position, nothing travels; varlen.py)
-            tile = lambda size: ctx.kernel.causal_tile(size, q_full.device)  # noqa: E731
-            blocks = whole_sequence_blocks(docs, causal, tile)
-            out_full = ring_attention(q_full, k_full, v_full, causal, scale, ctx, blocks)
+        if docs is not None or window is not None or softcap is not None or sinks is not None:
+            # the whole sequence is here, in global order: the masked policy's sub-blocks through the
+            # ring loop's single step (one position, nothing travels; varlen.py), which also applies
+            # softcap in the kernel and sinks in the final merge
+            padded = q_full.shape[1]
+            if docs is not None or window is not None:
+                whole = make_layout("contiguous", 1)
+                blocks = masked_policy(ctx, whole, docs, padded, seq_len, causal, window, q_full.device)
+            elif causal or seq_len is None or seq_len == padded:
+                blocks = plain_blocks
+            else:
+                blocks = only_real_keys(plain_blocks, valid_prefix(make_layout("contiguous", 1), padded, seq_len))
+            sinks_h = None if sinks is None else local_heads(sinks, ctx.ulysses_size, ctx.ulysses_rank)
+            out_full = ring_attention(q_full, k_full, v_full, causal, scale, ctx, blocks, softcap, sinks_h)
             return heads_to_seq(out_full, ctx.ulysses_group, ctx.stats)
         if not causal and seq_len is not None and seq_len < k_full.shape[1]:
             # end padding (padding.py): the real keys are the first seq_len of the whole sequence

@@ -108,13 +108,13 @@ class CountingKernel(AttentionKernel):
     def _pairs(sq, sk, causal):
         return sq * (sq + 1) // 2 if causal else sq * sk
 
-    def forward(self, q, k, v, causal, scale):
+    def forward(self, q, k, v, causal, scale, softcap=None):
         self.calls["forward"].append(self._pairs(q.shape[1], k.shape[1], causal))
-        return self.inner.forward(q, k, v, causal, scale)
+        return self.inner.forward(q, k, v, causal, scale, softcap)
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, causal, scale, softcap=None):
         self.calls["backward"].append(self._pairs(q.shape[1], k.shape[1], causal))
-        return self.inner.backward(dout, q, k, v, out, lse, causal, scale)
+        return self.inner.backward(dout, q, k, v, out, lse, causal, scale, softcap)
 
 
 def _work_per_rank(cfgs, causal):

@@ -1,0 +1,140 @@
+"""Diagonal bands of a (queries x keys) block, cut into the three shapes the kernels compute.
+
+Every mask ds_seqpar applies inside one pair of token runs is a band of diagonals: with queries
+at local rows i and keys at local columns j of runs that advance by the same global stride,
+
+    causal            key j visible to query i  iff  j - i <= hi
+    sliding window    lo <= j - i               (the window's far edge)
+    both              lo <= j - i <= hi
+
+(varlen.py derives lo and hi from global positions; None means unbounded). Kernels compute three
+shapes only, so a band is cut into
+
+    FULL rectangle        every (i, j) of the slices
+    CAUSAL square         j <= i (top-left aligned; what every kernel offers)
+    ANTI-causal square    j >= i (the window's far edge; kernels/base.py runs it as a causal
+                          square on the reversed sequence)
+
+Legend: rows [R0, R1) and keys [C0, C1) are block-local; ``qa`` / ``ka`` offset them into the
+tensors the ring loop holds.
+
+Upper edge only (j <= i + h): rows below C0 - h see nothing; row i in [ra, rb) sees keys
+[C0, i + h], i.e. a full rectangle of keys [C0, ra + h) and a causal square of keys
+[ra + h, rb + h); rows from rb = C1 - h on see every key.
+Lower edge only (j >= i + l): the mirror: rows before C0 - l see every key; row i in [ra, rb)
+sees [i + l, C1): an anti-causal square of keys [ra + l, rb + l) and a full rectangle after it;
+rows from C1 - l on see nothing.
+Both edges: rows in tiles of t <= hi - lo; each tile [a, b) needs keys [a + lo, b - 1 + hi], which
+split into a lower-edge part [a + lo, b + lo), a full middle [b + lo, a + hi) and an upper-edge
+part [a + hi, b + hi), each with one edge only (t <= hi - lo keeps the parts disjoint).
+
+Every visible pair is computed exactly once and no hidden pair at all (tests/unit/test_bands.py
+renders the pieces and compares with the predicate).
+"""
+from __future__ import annotations
+
+from typing import List, NamedTuple, Optional
+
+
+class SubBlock(NamedTuple):
+    """One kernel call: queries q_bshd[:, q] against keys kv[:, k]; ``causal``: a square block where
+    query i sees keys j <= i; ``anti``: a square block where query i sees keys j >= i; neither:
+    every pair."""
+
+    q: slice
+    k: slice
+    causal: bool
+    anti: bool = False
+
+
+def visible_pairs(sub: SubBlock) -> int:
+    """(q, k) pairs a sub-block computes."""
+    nq, nk = sub.q.stop - sub.q.start, sub.k.stop - sub.k.start
+    return nq * (nq + 1) // 2 if sub.causal or sub.anti else nq * nk
+
+
+def _rect(qa, ka, r0, r1, c0, c1) -> List[SubBlock]:
+    if r1 <= r0 or c1 <= c0:
+        return []
+    return [SubBlock(slice(qa + r0, qa + r1), slice(ka + c0, ka + c1), False)]
+
+
+def causal_square(qa: int, ka: int, size: int, tile: Optional[int]) -> List[SubBlock]:
+    """The causal square q [qa, qa+size) x k [ka, ka+size), whole, or cut into ``tile``-sized causal
+    squares on the diagonal and, for each row of tiles, one full rectangle of the keys before it."""
+    if size <= 0:
+        return []
+    if tile is None or size <= tile:
+        return [SubBlock(slice(qa, qa + size), slice(ka, ka + size), True)]
+    subs = []
+    for a in range(0, size, tile):
+        b = min(a + tile, size)
+        subs.append(SubBlock(slice(qa + a, qa + b), slice(ka + a, ka + b), True))
+        subs.extend(_rect(qa, ka, a, b, 0, a))
+    return subs
+
+
+def anti_square(qa: int, ka: int, size: int, tile: Optional[int]) -> List[SubBlock]:
+    """The anti-causal square (query i sees keys j >= i), whole or cut like ``causal_square``
+    mirrored: tile-sized anti squares on the diagonal, a full rectangle of the keys after each."""
+    if size <= 0:
+        return []
+    if tile is None or size <= tile:
+        return [SubBlock(slice(qa, qa + size), slice(ka, ka + size), False, True)]
+    subs = []
+    for a in range(0, size, tile):
+        b = min(a + tile, size)
+        subs.append(SubBlock(slice(qa + a, qa + b), slice(ka + a, ka + b), False, True))
+        subs.extend(_rect(qa, ka, a, b, b, size))
+    return subs
+
+
+def upper_edge(qa, ka, r0, r1, c0, c1, h, tile=None) -> List[SubBlock]:
+    """Rows [r0, r1) x keys [c0, c1) where key j is visible to query i iff j <= i + h."""
+    if r1 <= r0 or c1 <= c0:
+        return []
+    ra = min(r1, max(r0, c0 - h))                 # first row that sees a key
+    rb = max(ra, min(r1, c1 - h))                 # rows from here on see every key
+    return (_rect(qa, ka, ra, rb, c0, ra + h)
+            + causal_square(qa + ra, ka + ra + h, rb - ra, tile)
+            + _rect(qa, ka, rb, r1, c0, c1))
+
+
+def lower_edge(qa, ka, r0, r1, c0, c1, l, tile=None) -> List[SubBlock]:
+    """Rows [r0, r1) x keys [c0, c1) where key j is visible to query i iff j >= i + l."""
+    if r1 <= r0 or c1 <= c0:
+        return []
+    ra = min(r1, max(r0, c0 - l))                 # rows before this one see every key
+    rb = max(ra, min(r1, c1 - l))                 # first row that sees no key
+    return (_rect(qa, ka, r0, ra, c0, c1)
+            + anti_square(qa + ra, ka + ra + l, rb - ra, tile)
+            + _rect(qa, ka, ra, rb, rb + l, c1))
+
+
+def band_blocks(qa: int, nq: int, ka: int, nk: int, lo: Optional[int], hi: Optional[int],
+                tile: Optional[int] = None) -> List[SubBlock]:
+    """Sub-blocks of rows [0, nq) x keys [0, nk) (offset by qa, ka) where key j is visible to query i
+    iff lo <= j - i <= hi (None: unbounded on that side); see the module doc. ``tile`` bounds the
+    size of causal / anti squares (a kernel's preference, kernels/base.py: causal_tile)."""
+    if lo is None and hi is None:
+        return _rect(qa, ka, 0, nq, 0, nk)
+    if lo is None:
+        return upper_edge(qa, ka, 0, nq, 0, nk, hi, tile)
+    if hi is None:
+        return lower_edge(qa, ka, 0, nq, 0, nk, lo, tile)
+    if hi < lo:
+        return []
+    r0, r1 = max(0, -hi), min(nq, nk - lo)        # rows that see at least one key
+    t = max(1, hi - lo if tile is None else min(tile, hi - lo))
+    subs: List[SubBlock] = []
+    for a in range(r0, r1, t):
+        b = min(a + t, r1)
+        clip = lambda x: min(max(x, 0), nk)        # noqa: E731  (key bounds inside the block)
+        subs.extend(lower_edge(qa, ka, a, b, clip(a + lo), clip(min(b + lo, a + hi)), lo, tile))
+        subs.extend(_rect(qa, ka, a, b, clip(b + lo), clip(a + hi)))
+        subs.extend(upper_edge(qa, ka, a, b, clip(a + hi), clip(b + hi), hi, tile))
+    return subs
+
+
+__all__ = ["SubBlock", "band_blocks", "causal_square", "anti_square", "upper_edge", "lower_edge",
+           "visible_pairs"]

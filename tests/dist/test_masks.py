@@ -1,0 +1,142 @@
+"""Sliding windows, softcapping and sinks (sp.attention's window / softcap / sinks) on the 4-rank pool:
+every softmax strategy at 2 and 4 ranks and the 2D hybrid, causal and not, MHA and GQA, with and
+without packed documents and end padding, against a float64 dense reference with the derived
+tolerance; work only inside the mask; bytes equal to the window-aware closed forms; bad arguments
+refused before any communication.
+"""
+import pytest
+import torch
+
+from ds_seqpar import SequenceParallel
+from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind
+
+from ..dist_checks import global_inputs
+from ..reference import assert_derived_close, mask_of, masked_attention_with_grads
+from .test_ring import CountingKernel
+
+HEAD_DIM = 8
+SINKS = torch.tensor([0.5, -1.0, 2.0, 0.0])
+# (global length, real length or None, window, softcap, sinks?, cu_seqlens): windows inside one shard
+# and across several, a window with documents, softcap alone and with a window, sinks with every mask,
+# end padding (61 tokens: no multiple of any layout's P or 2P; shard() pads, pads see nothing)
+MASK_CASES = [(64, None, 5, None, False, None), (64, None, 40, None, False, None),
+              (64, None, None, 3.0, False, None), (64, None, None, None, True, None),
+              (64, None, 7, 2.0, True, None), (64, None, 6, None, False, [0, 11, 40, 64]),
+              (64, None, 3, None, True, [0, 30, 64]), (61, 61, 9, None, True, None)]
+HEADS = ((4, 4), (4, 2))
+
+
+def _check_masks(cfgs, cases=MASK_CASES):
+    counts = []
+    for cfg in cfgs:
+        sp = SequenceParallel(cfg)
+        n = 0
+        for seq, real, window, softcap, use_sinks, bounds in cases:
+            for causal in (True, False):
+                for heads, kv_heads in HEADS:
+                    q, k, v, dout = global_inputs(seq + heads + kv_heads, 1, seq, heads, kv_heads, HEAD_DIM)
+                    sinks = SINKS[:heads].clone() if use_sinks else None
+                    scale = HEAD_DIM ** -0.5
+                    kw = dict(window=window, softcap=softcap, sinks=sinks, bounds=bounds)
+                    ref64 = masked_attention_with_grads(q, k, v, dout, causal, scale, torch.float64, **kw)
+                    plain = masked_attention_with_grads(q, k, v, dout, causal, scale, torch.float32, **kw)
+                    q_l, k_l, v_l = (sp.shard(t).detach().requires_grad_() for t in (q, k, v))
+                    s_l = None if sinks is None else sinks.clone().requires_grad_()
+                    out_l = sp.attention(q_l, k_l, v_l, causal=causal, softmax_scale=scale, seq_len=real,
+                                         cu_seqlens=bounds, window=window, softcap=softcap, sinks=s_l)
+                    out_l.backward(sp.shard(dout))
+                    case = (f"{cfg} seq={seq}/{real} window={window} softcap={softcap} sinks={use_sinks} "
+                            f"cu={bounds} causal={causal} heads={heads}/{kv_heads} sp_rank={sp.rank}")
+                    for name, g, r, p in zip(("out", "dq", "dk", "dv"), (out_l, q_l.grad, k_l.grad, v_l.grad),
+                                             ref64, plain):
+                        assert g is not None, f"{case}: no gradient for {name}"
+                        assert_derived_close(f"{case} {name}", g.detach(), sp.shard(r), sp.shard(p))
+                    if s_l is not None:
+                        total = s_l.grad.clone()          # each rank holds its share (its rows / heads)
+                        torch.distributed.all_reduce(total, group=sp.group)
+                        assert_derived_close(f"{case} dsinks", total, ref64[4], plain[4])
+                    n += 1
+        counts.append(n)
+    return counts
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_masks_and_score_modifiers_match_dense_reference(pool, size):
+    cfgs = [{"strategy": s, "size": size} for s in ("ulysses", "ring", "zigzag", "striped")]
+    if size == 4:
+        cfgs += [{"strategy": "zigzag", "size": 4, "ulysses_size": 2},
+                 {"strategy": "ring", "size": 4, "overlap": False}]
+    for counts in pool.run(_check_masks, cfgs):
+        assert counts == [len(MASK_CASES) * 2 * len(HEADS)] * len(cfgs), counts
+
+
+# -- work and bytes follow the window -------------------------------------------------------------
+
+
+def _window_work_and_bytes(cfgs, seq, window, causal):
+    out = []
+    for cfg in cfgs:
+        sp = SequenceParallel(cfg)
+        counter = CountingKernel(sp.kernel)
+        sp.strategy.ctx.kernel = counter
+        q, k, v, dout = global_inputs(11, 1, seq, 4, 2, HEAD_DIM)
+        q_l, k_l, v_l = (sp.shard(t).detach().requires_grad_() for t in (q, k, v))
+        sp.stats.reset()
+        sp.attention(q_l, k_l, v_l, causal=causal, window=window).backward(sp.shard(dout))
+        got = {kind: b for kind, b in sp.stats.bytes.items() if b}
+        want = closed_form_by_kind(cfg["strategy"], sp.size, Shapes(1, seq, 4, 2, HEAD_DIM), sp.rank,
+                                   cfg.get("ulysses_size", 1), causal=causal, window=window)
+        mine = sp.layout.indices(seq, sp.rank)
+        visible = int(mask_of(seq, causal, window)[mine].sum())
+        out.append((cfg, sp.rank, counter.calls, visible, got, want))
+    return out
+
+
+@pytest.mark.parametrize("window,causal", [(5, True), (20, True), (9, False)])
+def test_window_work_is_the_band_and_bytes_match_closed_form(pool, window, causal):
+    seq = 64
+    cfgs = [{"strategy": s, "size": 4} for s in ("ring", "zigzag", "striped")]
+    cfgs.append({"strategy": "zigzag", "size": 4, "ulysses_size": 2})
+    for per_cfg in pool.run(_window_work_and_bytes, cfgs, seq, window, causal):
+        for cfg, rank, calls, visible, got, want in per_cfg:
+            what = f"{cfg} window={window} causal={causal} rank {rank}"
+            if cfg.get("ulysses_size", 1) == 1:          # the hybrid computes on its heads' whole shard
+                for phase in ("forward", "backward"):
+                    assert sum(calls[phase]) == visible, \
+                        f"{what} {phase}: computed {sum(calls[phase])} (q, k) pairs, {visible} inside the window"
+            assert got == want, f"{what}: sent {got}, closed form {want}"
+            if cfg["strategy"] == "ring" and causal and window <= seq // 4:
+                # the contiguous ring moves the last w-1 tokens of one neighbour: k and v (2 kv heads x 8)
+                # forward and backward, and an fp32 dK/dV share back
+                token = 2 * HEAD_DIM * 2
+                assert got.get("ring", 0) == (window - 1) * token * 4 * 2 * (rank < 3), what
+                assert got.get("ring_grad", 0) == (window - 1) * token * 4 * (rank > 0), what
+
+
+# -- bad arguments -----------------------------------------------------------------------------------
+
+
+def _bad_arguments(cfg):
+    sp = SequenceParallel(cfg)
+    q, k, v, _ = global_inputs(0, 1, 16, 4, 2, HEAD_DIM)
+    q_l, k_l, v_l = (sp.shard(t) for t in (q, k, v))
+    messages = []
+    for kw in ({"window": 0}, {"window": 2.5}, {"window": True}, {"softcap": 0.0}, {"softcap": float("inf")},
+               {"sinks": torch.zeros(3)}, {"sinks": torch.zeros(4, dtype=torch.int64)}, {"sinks": [0.0] * 4}):
+        sp.stats.reset()
+        try:
+            sp.attention(q_l, k_l, v_l, **kw)
+        except ValueError as err:
+            messages.append(str(err))
+        else:
+            messages.append(None)
+        assert sp.stats.total_bytes == 0, f"{kw}: communicated before refusing"
+    return messages
+
+
+def test_bad_window_softcap_and_sinks_are_refused_before_communication(pool):
+    per_rank = pool.run(_bad_arguments, {"strategy": "zigzag", "size": 4})
+    assert all(m == per_rank[0] for m in per_rank), "ranks disagree on the messages"
+    names = ["window=0", "window=2.5", "window=True", "softcap=0.0", "softcap=inf", "sinks", "sinks", "sinks"]
+    for name, msg in zip(names, per_rank[0]):
+        assert msg is not None and name in msg, (name, msg)
