@@ -8,6 +8,7 @@ measured side by side in one run, with the ratios docs/design.md sets targets fo
     ds-seqpar bench --strategies zigzag,lasp --P 4 --seq-lens 4096,8192 --no-causal --name mine
     torchrun --nproc_per_node 2 -m ds_seqpar.cli bench ...   # under a launcher (GPUs: --device cuda)
     ds-seqpar bench --packed [--P 2 --seq 8192 --docs 8]     # packed documents (bench/packed.py)
+    ds-seqpar bench --window [--P 2 --seq 8192 --windows 1024,2048]  # windows, softcap, sinks (bench/window.py)
 
 Without a launcher the command starts P local CPU ranks itself (RankPool, one thread each, gloo).
 What it measures (cases.py on the ranks, train_step.py for training, summary.py for the ratios):
@@ -321,6 +322,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if "--packed" in argv:               # packed documents vs one document: its own options and page
         from .packed import main as packed_main
         return packed_main([a for a in argv if a != "--packed"])
+    if "--window" in argv:               # sliding windows, softcap, sinks vs plain attention (window.py)
+        from .window import main as window_main
+        return window_main([a for a in argv if a != "--window"])
     if argv[:1] == ["memory"]:              # the memory case: its own options (memory.py)
         from .memory import main as memory_main
         return memory_main(argv[1:])

@@ -97,13 +97,13 @@ def _fwd_bwd(attend, q, k, v, dout):
     attend(q, k, v).backward(dout)
 
 
-def bench_rank(args) -> Dict[str, list]:
-    """What every rank runs: warmup + repeats interleaved rounds; then (rank 0) masked vs sub-blocks."""
+def interleaved_rounds(fns, warmup: int, repeats: int) -> Dict[str, list]:
+    """{(strategy, variant): (run or None, stats or None)} -> {"strategy/variant": measured rounds}:
+    warmup + repeats rounds, each running every case once after a barrier, in a fixed order (--window
+    shares it). A round's entry: wall and CPU seconds, and with stats the bytes sent, by CommStats kind."""
     from .. import comm
-    rank = comm.global_rank()
-    fns = _case_fns(args, rank)
     rounds = {f"{n}/{v}": [] for n, v in fns}
-    for rnd in range(args.warmup + args.repeats):
+    for rnd in range(warmup + repeats):
         for (name, variant), (run, stats) in fns.items():
             comm.barrier()
             if run is None:
@@ -111,9 +111,17 @@ def bench_rank(args) -> Dict[str, list]:
             res = timed(run, stats)
             if stats is not None:
                 res["by_kind"] = {kd: b for kd, b in stats.bytes.items() if kd != "cu_seqlens_check"}
-            if rnd >= args.warmup:
+            if rnd >= warmup:
                 rounds[f"{name}/{variant}"].append(res)
     comm.barrier()
+    return rounds
+
+
+def bench_rank(args) -> Dict[str, list]:
+    """What every rank runs: warmup + repeats interleaved rounds; then (rank 0) masked vs sub-blocks."""
+    from .. import comm
+    rank = comm.global_rank()
+    rounds = interleaved_rounds(_case_fns(args, rank), args.warmup, args.repeats)
     out = {"rounds": rounds, "load_1min": os.getloadavg()[0]}
     if rank == 0:
         out["masked"] = masked_vs_subblocks(args)
@@ -187,26 +195,33 @@ def resolve(args) -> argparse.Namespace:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from ..launch.rankpool import RankPool
     from .packed_report import imbalance_sweep, summarize
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.render:
         return _write(**_load(args.render), out=os.path.dirname(args.render) or ".")
     args = resolve(args)
+    per_rank, meta = measure_on_pool(bench_rank, args, command_line("ds-seqpar bench --packed", argv))
+    meta["sweep"] = imbalance_sweep(args.seq, trials=args.sweep_trials) if args.sweep_trials else None
+    return _write(summarize(per_rank, args), per_rank[0]["masked"], meta, args.out)
+
+
+def measure_on_pool(rank_fn, args, command: str):
+    """``rank_fn(args)`` on P fresh local CPU ranks (one thread each): (per-rank results, the page's
+    meta: the options, CPUs, elapsed seconds, load before / after / at the end of the rounds, command).
+    Each rank's result carries its "load_1min" at the end of the rounds."""
+    from ..launch.rankpool import RankPool
     load_before, start = os.getloadavg(), time.monotonic()
     pool = RankPool(args.P, timeout_s=3600.0, threads_per_rank=1).start()
     try:
-        per_rank = pool.run(bench_rank, args, timeout=3600.0)
+        per_rank = pool.run(rank_fn, args, timeout=3600.0)
     finally:
         pool.close()
     meta = dict(vars(args), cpus=os.cpu_count(), elapsed=time.monotonic() - start,
                 load_before=" ".join(f"{x:.2f}" for x in load_before),
                 load_after=" ".join(f"{x:.2f}" for x in os.getloadavg()),
-                load_during=max(r["load_1min"] for r in per_rank),
-                sweep=imbalance_sweep(args.seq, trials=args.sweep_trials) if args.sweep_trials else None,
-                command=command_line("ds-seqpar bench --packed", argv))
-    return _write(summarize(per_rank, args), per_rank[0]["masked"], meta, args.out)
+                load_during=max(r["load_1min"] for r in per_rank), command=command)
+    return per_rank, meta
 
 
 def _load(path: str) -> dict:
@@ -220,18 +235,24 @@ def _load(path: str) -> dict:
 
 def _write(rows, masked, meta, out: str) -> int:
     """<out>/<name>.md and the numbers behind it, <out>/<name>.json (--render re-writes the page)."""
-    import json
     from .packed_report import render
-    page = render(rows, masked, meta)
+    return write_page(render(rows, masked, meta), {"rows": rows, "masked": masked, "meta": meta}, out, meta["name"],
+                      "ds-seqpar bench --packed")
+
+
+def write_page(page: str, saved: dict, out: str, name: str, prog: str) -> int:
+    """<out>/<name>.md = ``page`` and <out>/<name>.json = ``saved`` (what --render reads back)."""
+    import json
     os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, f"{meta['name']}.md")
+    path = os.path.join(out, f"{name}.md")
     with open(path, "w") as f:
         f.write(page)
-    with open(os.path.join(out, f"{meta['name']}.json"), "w") as f:
-        json.dump({"rows": rows, "masked": masked, "meta": meta}, f, indent=1, default=list)
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(saved, f, indent=1, default=list)
     print(page)
-    print(f"ds-seqpar bench --packed: wrote {path}")
+    print(f"{prog}: wrote {path}")
     return 0
 
 
-__all__ = ["main", "bench_rank", "strategy_config", "variant_bounds"]
+__all__ = ["main", "bench_rank", "strategy_config", "variant_bounds", "interleaved_rounds", "measure_on_pool",
+           "write_page"]

@@ -9,7 +9,9 @@ from .packed import LINEAR, strategy_config, variant_bounds
 GOAL = 0.20
 
 
-def _case(per_rank, key) -> dict:
+def case_times(per_rank, key) -> dict:
+    """One case's rounds over the ranks that ran it: medians (min-max) of the slowest rank's wall time,
+    per-rank CPU, per-round walls and busiest-rank CPU (for per-round ratios), bytes and wait per rank."""
     ranks = [r["rounds"][key] for r in per_rank if r["rounds"][key]]
     walls = [max(r[i]["wall"] for r in ranks) for i in range(len(ranks[0]))]
     cpu = [statistics.median(x["cpu"] for x in r) for r in ranks]
@@ -78,11 +80,11 @@ def imbalance_sweep(seq: int, ps=(2, 4, 8), trials: int = 200, seed: int = 0) ->
     return {name: {p: (statistics.mean(v), max(v)) for p, v in per_p.items()} for name, per_p in out.items()}
 
 
-def _median_ratio(a, b) -> float:
+def median_ratio(a, b) -> float:
     return statistics.median(x / y for x, y in zip(a, b))
 
 
-def _ratio_range(a, b):
+def ratio_range(a, b):
     ratios = [x / y for x, y in zip(a, b)]
     return min(ratios), max(ratios)
 
@@ -90,11 +92,11 @@ def _ratio_range(a, b):
 def summarize(per_rank, args) -> Dict[str, dict]:
     out = {}
     for name in ("single", "single_linear") + tuple(args.strategies):
-        rows = {v: _case(per_rank, f"{name}/{v}") for v in ("one", "equal", "mixed")}
+        rows = {v: case_times(per_rank, f"{name}/{v}") for v in ("one", "equal", "mixed")}
         # per round (the two variants ran back to back, under the same load), then the median
-        rows["ratio"] = _median_ratio(rows["equal"]["walls"], rows["one"]["walls"])
-        rows["ratio_range"] = _ratio_range(rows["equal"]["walls"], rows["one"]["walls"])
-        rows["cpu_ratio"] = _median_ratio(rows["equal"]["cpu_rounds"], rows["one"]["cpu_rounds"])
+        rows["ratio"] = median_ratio(rows["equal"]["walls"], rows["one"]["walls"])
+        rows["ratio_range"] = ratio_range(rows["equal"]["walls"], rows["one"]["walls"])
+        rows["cpu_ratio"] = median_ratio(rows["equal"]["cpu_rounds"], rows["one"]["cpu_rounds"])
         if not name.startswith("single"):
             mixed = variant_bounds("mixed", args.seq, args.docs, tuple(args.mixed))
             work = work_per_rank(name, args, mixed)
@@ -175,4 +177,4 @@ def render(rows: Dict[str, dict], masked: List[dict], meta) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["summarize", "render", "work_per_rank", "closed_form"]
+__all__ = ["summarize", "render", "work_per_rank", "closed_form", "case_times", "median_ratio", "ratio_range"]

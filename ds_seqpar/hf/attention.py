@@ -17,7 +17,6 @@ Legend: b = batch, h = q heads, hkv = k/v heads, s = local tokens, d = qk head d
 """
 from __future__ import annotations
 
-import inspect
 from typing import Any, Callable, Optional
 
 import torch
@@ -39,26 +38,46 @@ def make_attention_function(state) -> Callable:
                                f"remove_sequence_parallel; this model's attention key is stale")
         causal, seq_len, cu_seqlens = _call_options(module, kwargs)
         check_call(where, query, key, attention_mask, dropout, kwargs, sp.size, causal, seq_len)
-        if cu_seqlens is not None and not accepts_cu_seqlens(sp):
-            raise UnsupportedModelError(f"ds_seqpar.hf: packed documents (cu_seqlens) in {where}: this "
-                                        f"ds_seqpar's sp.attention has no cu_seqlens argument; pass one "
-                                        f"document per row instead")
+        n_global = query.shape[2] * sp.size
+        window, softcap, sinks = score_options(module, kwargs, n_global)
+        cu_seqlens = chunked_documents(module, cu_seqlens, seq_len or n_global)
         state.calls.add(id(module))
         # [b, h, s, d] -> [b, s, h, d]: sp.attention's layout (contiguous: strategies view and split it)
         q_bshd, k_bshd, v_bshd = (t.transpose(1, 2).contiguous() for t in (query, key, value))
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5     # before any padding
         q_bshd, k_bshd, v_bshd, dv = match_head_dims(q_bshd, k_bshd, v_bshd)
-        extra = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}   # packed documents
-        out_bshd = sp.attention(q_bshd, k_bshd, v_bshd, causal=causal, softmax_scale=scale,
-                                seq_len=seq_len, **extra)
+        out_bshd = sp.attention(q_bshd, k_bshd, v_bshd, causal=causal, softmax_scale=scale, seq_len=seq_len,
+                                cu_seqlens=cu_seqlens, window=window, softcap=softcap, sinks=sinks)
         return out_bshd[..., :dv], None
 
     return ds_seqpar_attention
 
 
-def accepts_cu_seqlens(sp) -> bool:
-    """Whether this ds_seqpar's sp.attention takes packed-document boundaries."""
-    return "cu_seqlens" in inspect.signature(sp.attention).parameters
+def score_options(module, kwargs, n_global: int):
+    """(window, softcap, sinks) of this layer's call, as transformers passes them to its attention
+    functions: ``sliding_window`` (per layer: None on full-attention layers), ``softcap`` (Gemma 2),
+    ``s_aux`` (gpt-oss sinks). A window that covers the whole sequence masks nothing and is dropped."""
+    window = kwargs.get("sliding_window")
+    if window is not None and int(window) >= n_global:
+        window = None
+    sinks = kwargs.get("s_aux")
+    return (None if window is None else int(window)), kwargs.get("softcap"), sinks
+
+
+def chunked_documents(module, cu_seqlens, real_len: int):
+    """Llama 4's chunked attention layers (layer_types[i] == "chunked_attention"): a query sees the keys
+    of its own chunk of ``attention_chunk_size`` global positions, i.e. documents that are the chunks
+    intersected with the packed documents (if any). Other layers: ``cu_seqlens`` unchanged."""
+    config = getattr(module, "config", None)
+    types = getattr(config, "layer_types", None) or ()
+    idx = getattr(module, "layer_idx", None)
+    if idx is None or idx >= len(types) or types[idx] != "chunked_attention":
+        return cu_seqlens
+    chunk = int(config.attention_chunk_size)
+    bounds = set(range(0, real_len, chunk)) | {real_len}
+    if cu_seqlens is not None:
+        bounds |= {int(b) for b in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)}
+    return sorted(bounds)
 
 
 def _call_options(module, kwargs):
@@ -86,21 +105,12 @@ def check_call(where: str, query, key, attention_mask, dropout: float, kwargs, s
         raise UnsupportedModelError(f"ds_seqpar.hf: {feature} in {where} cannot be exact under sequence "
                                     f"parallelism; {fix}")
 
-    n_global = query.shape[2] * sp_size
     if key.shape[2] != query.shape[2]:
         refuse(f"cached or cross attention (key length {key.shape[2]} != query length {query.shape[2]})",
                "train without past_key_values and use_cache=False; remove_sequence_parallel before generate")
     if attention_mask is not None:
         refuse(f"an attention mask (shape {tuple(attention_mask.shape)})", "pass no attention_mask: causality "
                "is applied by the strategy; pack documents instead of padding")
-    if kwargs.get("softcap") is not None:
-        refuse(f"logit softcapping (softcap={kwargs['softcap']})", "set attn_logit_softcapping=None in the config")
-    if kwargs.get("s_aux") is not None:
-        refuse("attention sinks (s_aux)", "use a model without sink logits")
-    window = kwargs.get("sliding_window")
-    if window is not None and window < n_global:
-        refuse(f"a sliding window of {window} tokens shorter than the padded sequence ({n_global} tokens)",
-               f"train on sequences of at most {window} tokens or disable the sliding window")
     if dropout and dropout > 0:
         refuse(f"attention dropout {dropout} in training", "set attention_dropout=0.0 in the config")
     if kwargs.get("output_attentions"):

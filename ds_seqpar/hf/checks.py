@@ -1,15 +1,17 @@
 """What a Hugging Face model may not do under sequence parallelism, checked before any communication.
 
-transformers builds no attention mask for a custom attention key, so every feature that lives in
-the mask (padding, sliding windows, Llama4 chunks) or outside attention (SSM / convolution token
-mixers) would be silently dropped or silently wrong. Each is refused here, with the feature, the
+transformers builds no attention mask for a custom attention key, so every feature that lives only
+in the mask would be silently dropped. The ones transformers also passes to its attention functions
+are made exact (attention.py): sliding windows (``sliding_window``, per layer), softcapping
+(``softcap``), sinks (``s_aux``), and Llama 4's chunked layers (chunks as documents). Padding and
+token mixing outside attention (SSM / convolution layers) are refused here, with the feature, the
 layer or config key, and what would work. The checks read only the config and the module tree,
 identical on every rank, so every rank raises the same error; none needs a process group, so they
 are unit-tested on config objects.
 
 Made exact rather than refused: GQA (the strategies take fewer k/v heads), any ``scaling``
 (Granite's attention_multiplier, Gemma's query_pre_attn_scalar), MLA's value head size != query
-head size (attention.py pads and crops).
+head size (attention.py pads and crops), sliding windows, softcapping, sinks, chunked attention.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ LEGACY_MODEL_TYPES = frozenset({
     "big_bird", "bloom", "clvp", "codegen", "cpmant", "falcon", "gpt_neo", "gpt_neox_japanese", "gptj",
     "megatron-bert", "megatron_bert", "mpt", "mvp", "prophetnet", "rembert", "roformer", "rwkv", "trocr", "xglm",
 })
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 # modules that mix tokens outside attention: the state / convolution would run on one shard only
 TOKEN_MIXER_CLASS = re.compile(r"Mamba|GatedDeltaNet|ShortConv|SSM|Rwkv|RWKV|LinearAttention|Retention|Hyena")
 
@@ -60,9 +62,8 @@ def sliding_window_of(config) -> Optional[int]:
     return int(window)
 
 
-def check_config(config, seq_len: Optional[int] = None, training: Optional[bool] = None) -> None:
-    """Refuse config-level features. ``seq_len``: the padded global length, when known (sliding
-    windows); ``training``: the mode, when known (dropout)."""
+def check_config(config, training: Optional[bool] = None) -> None:
+    """Refuse config-level features. ``training``: the mode, when known (dropout)."""
     tc = text_config(config)
     name = f"{type(tc).__name__} (model_type={getattr(tc, 'model_type', '?')!r})"
     model_type = getattr(tc, "model_type", "")
@@ -72,17 +73,12 @@ def check_config(config, seq_len: Optional[int] = None, training: Optional[bool]
     _check_multimodal(config, tc, name)
     if getattr(config, "is_encoder_decoder", False) or getattr(tc, "add_cross_attention", False):
         _refuse("cross attention (is_encoder_decoder / add_cross_attention)", name, "use a decoder-only model")
-    if getattr(tc, "attn_logit_softcapping", None) is not None:
-        _refuse(f"logit softcapping (attn_logit_softcapping={tc.attn_logit_softcapping})", name,
-                "set config.attn_logit_softcapping=None")
-    if getattr(tc, "attention_chunk_size", None) is not None:
-        _refuse(f"chunked attention (attention_chunk_size={tc.attention_chunk_size})", name,
-                "set config.attention_chunk_size=None (chunks exist only in the mask, which is not built)")
     _check_layer_types(tc, name)
-    window = sliding_window_of(config)
-    if window is not None and seq_len is not None and window < seq_len:
-        _refuse(f"a sliding window of {window} tokens shorter than the padded sequence ({seq_len} tokens)",
-                f"{name} config.sliding_window", f"use sequences of at most {window} tokens or no sliding window")
+    if getattr(tc, "attn_temperature_tuning", False) and not all(getattr(tc, "no_rope_layers", None) or [1]):
+        # Llama 4 scales NoPE layers' queries by a function of arange(local length): local positions
+        _refuse("attention temperature tuning on NoPE layers (attn_temperature_tuning: the model computes it "
+                "from the local token count, not global positions)", f"{name} config.attn_temperature_tuning",
+                "set config.attn_temperature_tuning=False")
     dropout = getattr(tc, "attention_dropout", 0.0) or 0.0
     if training and dropout > 0:
         _refuse(f"attention dropout {dropout} in training", f"{name} config.attention_dropout",
@@ -106,9 +102,6 @@ def _check_layer_types(tc, name: str) -> None:
         for i, kind in enumerate(types):
             if key == "layers_block_type" and kind == "attention":
                 continue
-            if kind == "chunked_attention":
-                _refuse("chunked attention (layer_types 'chunked_attention')", f"{name} layer {i}",
-                        "use full or sliding-window attention layers")
             if kind not in ATTENTION_LAYER_TYPES:
                 _refuse(f"token mixing outside attention ({key}[{i}]={kind!r}: a linear-attention, SSM or "
                         f"convolution layer)", f"{name} layer {i}", "use a model whose layers mix tokens only "
@@ -131,12 +124,6 @@ def check_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     if not layers:
         _refuse("no attention layer found (no module class named *Attention)", type(model).__name__,
                 "use a transformers model whose attention goes through AttentionInterface")
-    for n, m in layers:
-        if isinstance(getattr(m, "sinks", None), nn.Parameter):
-            _refuse("attention sinks (module.sinks)", f"{n} ({type(m).__name__})", "use a model without sink logits")
-        if getattr(m, "attn_logit_softcapping", None) is not None:
-            _refuse(f"logit softcapping (attn_logit_softcapping={m.attn_logit_softcapping})",
-                    f"{n} ({type(m).__name__})", "set config.attn_logit_softcapping=None")
     return layers
 
 

@@ -8,6 +8,11 @@ Before the forward (refusals that depend on the call, not only on the config):
   * an attention_mask with zeros is refused on EVERY rank at once: transformers builds no mask for
     a custom key, so padding would be dropped silently. Only some ranks may hold the zeros, so the
     flag goes through one small all-reduce (max) over the sequence group; a mask of ones is dropped;
+  * packed rows without cu_seqlens: plain transformers finds documents from position_ids that
+    restart at 0, which no rank can see alone. The same all-reduce carries a second flag: this
+    rank's position_ids are not the global positions sp.shard_batch gives. If any rank raises it,
+    every rank gathers the position_ids (batch 1) and passes the documents they restart at as
+    cu_seqlens, exactly as the model would mask them; with batch > 1 every rank refuses;
   * use_cache is forced off (a cache would make the model skip packed-sequence handling and keep
     keys it never needs in training).
 After the forward: every attention layer must have called the function (models whose attention
@@ -20,6 +25,7 @@ import inspect
 import torch
 
 from .. import comm
+from ..sharding.documents import boundaries_from_positions
 from .checks import UnsupportedModelError, check_config, check_dropout
 
 
@@ -31,10 +37,15 @@ def install(model, state) -> list:
         call = dict(zip(names, args), **kwargs)
         kwargs = dict(kwargs)
         check_call(module, state, call)
-        if _mask_has_zeros(call.get("attention_mask"), state.sp):
+        packed = call.get("cu_seqlens") is None and call.get("cu_seq_lens_q") is None
+        zeros, restarts = _group_flags(call.get("attention_mask"), call["position_ids"] if packed else None,
+                                       state.sp)
+        if zeros:
             raise UnsupportedModelError("ds_seqpar.hf: an attention_mask with zeros (padding) on some rank of the "
                                         "sequence group: transformers builds no mask for sequence-parallel attention, "
                                         "so it would be ignored; pack documents or trim padding instead")
+        if restarts:
+            kwargs["cu_seqlens"] = documents_from_positions(call["position_ids"], state.sp)
         if "attention_mask" in kwargs:
             kwargs["attention_mask"] = None          # all ones: nothing to mask
         if "use_cache" in params and "use_cache" not in names[:len(args)]:
@@ -77,20 +88,39 @@ def check_call(model, state, call: dict) -> None:
     if mask is not None and mask.dim() != 2:
         raise UnsupportedModelError(f"ds_seqpar.hf: a {mask.dim()}-D attention_mask {tuple(mask.shape)} cannot be "
                                     f"sharded; pass no mask (causality is applied by the strategy)")
-    tokens = call.get("input_ids") if call.get("input_ids") is not None else call.get("inputs_embeds")
-    seq_len = tokens.shape[1] * state.sp.size if tokens is not None else None
-    check_config(model.config, seq_len=seq_len, training=model.training)
+    check_config(model.config, training=model.training)
     check_dropout(state.layers, model.training)
 
 
-def _mask_has_zeros(mask, sp) -> bool:
-    """Any rank of the sequence group holding a zero in its mask: one all-reduce of a flag, made on
-    every call (with or without a mask) so the ranks' collectives always match."""
+def _group_flags(mask, position_ids, sp):
+    """(some rank's mask has a zero, some rank's position_ids are not the global positions): one
+    all-reduce (max) of two flags, made on every call so the ranks' collectives always match."""
     device = mask.device if mask is not None else sp.device
-    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    flags = torch.zeros(2, dtype=torch.int32, device=device)
     if mask is not None and bool((mask == 0).any()):
-        flag += 1
-    return bool(comm.all_reduce(flag, sp.group, op="max").item())
+        flags[0] = 1
+    if position_ids is not None:
+        expected = sp.position_ids(position_ids.shape[1] * sp.size, device=position_ids.device)
+        flags[1] = int(not bool((position_ids == expected).all()))
+    zeros, restarts = comm.all_reduce(flags, sp.group, op="max").tolist()
+    return bool(zeros), bool(restarts)
+
+
+def documents_from_positions(position_ids, sp):
+    """cu_seqlens of a packed row from its position_ids restarting at 0 (every rank: one all-gather,
+    the same global row, the same boundaries or the same error)."""
+    if position_ids.shape[0] != 1:
+        raise UnsupportedModelError(f"ds_seqpar.hf: position_ids {tuple(position_ids.shape)} are not the global "
+                                    f"positions sp.shard_batch gives (packed documents restarting at 0?) and the batch "
+                                    f"has {position_ids.shape[0]} rows; packed documents need batch size 1: pass "
+                                    f"sp.shard_batch's batch (with cu_seqlens) or one document per row")
+    full = sp.unshard(position_ids, dim=1)[0]
+    try:
+        return torch.tensor(boundaries_from_positions(full), dtype=torch.int64)
+    except ValueError as err:
+        raise UnsupportedModelError(f"ds_seqpar.hf: position_ids are neither the global positions of "
+                                    f"sp.shard_batch nor packed documents restarting at 0 ({err}); pass "
+                                    f"batch['position_ids'] from sp.shard_batch") from None
 
 
 __all__ = ["install", "check_call"]

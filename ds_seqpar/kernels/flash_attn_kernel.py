@@ -3,14 +3,17 @@
 flash-attn aligns a causal mask bottom-right when seq_q != seq_k; ds_seqpar only asks for causal
 on square blocks, where both alignments agree (``check_block`` enforces it). GQA is native.
 
-flash-attn 2.x (>= 2.6) entry points, as its flash_attn_interface defines them:
+flash-attn 2.x (>= 2.7: split window sizes, four return values) entry points, as its flash_attn_interface defines them:
     _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
                         softcap, alibi_slopes, return_softmax) -> (out, softmax_lse [b, h, s] fp32, S_dmask, rng_state)
     _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
                          window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state)
 Its window: query i sees keys j in [i + sk - sq - left, i + sk - sq + right] (-1 = unbounded). So an
 anti-causal square (strategies/bands.py: query i sees j >= i) is window (0, -1), with no reversal;
-softcap is its own argument (0.0 = off). tests/unit/test_flash_attn_conformance.py checks these calls
+softcap is its own argument (0.0 = off). flash-attn reads softmax_lse as a dense [b, h, sq] array
+and refuses head dims that are not a multiple of 8: a sub-block's lse slice is made contiguous,
+and q/k/v are zero-padded to a multiple of 8 (exact: zero columns add nothing to q.k with the scale
+passed explicitly, and zero columns of v give output columns that are cropped). tests/unit/test_flash_attn_conformance.py checks these calls
 against a CPU stand-in written from that documentation (no GPU is lent to this project).
 """
 import torch
@@ -44,18 +47,28 @@ class FlashAttnKernel(AttentionKernel):
 
     def forward_block(self, q_bshd, k_bshd, v_bshd, causal, anti, scale, softcap=None):
         check_block(q_bshd, k_bshd, v_bshd, causal or anti)
+        dv = v_bshd.shape[-1]
+        q_bshd, k_bshd, v_bshd = (_pad8(t) for t in (q_bshd, k_bshd, v_bshd))
         left, right = (0, -1) if anti else (-1, -1)
         res = self._fa._flash_attn_forward(q_bshd, k_bshd, v_bshd, 0.0, scale, causal=causal,
                                            window_size_left=left, window_size_right=right,
                                            softcap=0.0 if softcap is None else float(softcap),
                                            alibi_slopes=None, return_softmax=False)
-        return res[0], res[1].float()
+        return res[0][..., :dv], res[1].float()
 
     def backward_block(self, dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, causal, anti, scale,
                        softcap=None):
-        dq, dk, dv = torch.empty_like(q_bshd), torch.empty_like(k_bshd), torch.empty_like(v_bshd)
+        d, dv_width = q_bshd.shape[-1], v_bshd.shape[-1]
+        q_p, k_p, v_p, dout_p, out_p = (_pad8(t) for t in (q_bshd, k_bshd, v_bshd, dout_bshd, out_bshd))
+        dq, dk, dv = torch.empty_like(q_p), torch.empty_like(k_p), torch.empty_like(v_p)
         left, right = (0, -1) if anti else (-1, -1)
-        self._fa._flash_attn_backward(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, dq, dk, dv,
+        self._fa._flash_attn_backward(dout_p, q_p, k_p, v_p, out_p, lse_bhs.float().contiguous(), dq, dk, dv,
                                       0.0, scale, causal, left, right, 0.0 if softcap is None else float(softcap),
                                       None, False, None)
-        return dq, dk, dv
+        return dq[..., :d], dk[..., :d], dv[..., :dv_width]
+
+
+def _pad8(x_bshd):
+    """The head dim zero-padded to a multiple of 8 (flash-attn's requirement); contiguous."""
+    extra = -x_bshd.shape[-1] % 8
+    return (torch.nn.functional.pad(x_bshd, (0, extra)) if extra else x_bshd).contiguous()

@@ -1,0 +1,32 @@
+"""``ds-seqpar bench --window`` at a tiny size on the session pool (P=2: ranks 0 and 1 form the first
+sequence group): every strategy and variant runs, bytes equal the window-aware closed forms (ratio
+1), the work the page divides by is what the masked policy computes, and the page is written."""
+import json
+
+from ds_seqpar.bench.window import bench_rank, build_parser, policy_work, resolve, summarize, window_work, write
+
+
+def test_window_bench_runs_bytes_match_closed_forms_and_page_is_written(pool, tmp_path):
+    args = resolve(build_parser().parse_args(["--P", "2", "--seq", "256", "--windows", "16,100", "--softcap", "5",
+                                              "--heads", "2", "--head-dim", "16", "--repeats", "1",
+                                              "--warmup", "0", "--out", str(tmp_path)]))
+    per_rank = pool.run(bench_rank, args)[:2]
+    rows = summarize(per_rank, args)
+    assert set(rows) == {"ring", "zigzag", "striped", "ulysses"}
+    for name, r in rows.items():
+        assert list(r) == ["plain", "window=16", "window=100", "softcap=5", "sinks"], list(r)
+        for key, x in r.items():
+            assert x["bytes_ratio"] == [1.0, 1.0], (name, key, x["bytes"], x["form"])
+        assert 0 < r["window=16"]["work_ratio"] < r["window=100"]["work_ratio"] < 1, name
+    # a 16-token window on the contiguous ring: the last 15 keys of rank 0 go to rank 1, nothing else
+    assert rows["ring"]["window=16"]["bytes"][0] < rows["ring"]["plain"]["bytes"][0] / 8
+    for name in ("ring", "zigzag", "striped"):                 # the work is what the policy computes
+        for w in (None, 16, 100):
+            assert window_work(name, 2, 256, w) == policy_work(name, 2, 256, w), (name, w)
+    assert window_work("ring", 2, 256, None) == [128 * 129 // 2, 128 * 129 // 2 + 128 * 128]
+    meta = dict(vars(args), cpus=2, elapsed=1.0, load_before="0", load_after="0", load_during=0.0, command="x y")
+    assert write(rows, meta, str(tmp_path)) == 0
+    page = (tmp_path / "window_cpu.md").read_text()
+    assert "Command: `x y`" in page and "| ring | 16 |" in page and "| zigzag | window=100 |" in page, page
+    assert "| ulysses | sinks |" in page and "1.000 / 1.000" in page and "sinks overhead" in page, page
+    assert json.loads((tmp_path / "window_cpu.json").read_text())["meta"]["windows"] == [16, 100]
