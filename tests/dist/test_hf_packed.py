@@ -31,7 +31,9 @@ def _one_per_row(state, docs, dtype):
     return torch.cat(logits).detach(), loss.detach(), grads
 
 
-def _check_packed(cases):
+def _check_packed(cases, drop_cu_seqlens=False):
+    """``drop_cu_seqlens``: call the model with input_ids and position_ids only (restarting at 0), as
+    plain transformers packs rows: the applied model must find the documents itself."""
     from ds_seqpar.hf import apply_sequence_parallel
     state = tiny_model("llama").state_dict()
     docs, ids, pos = _packed_row(tiny_model("llama").config.vocab_size)
@@ -42,6 +44,8 @@ def _check_packed(cases):
         batch = sp.shard_batch({"input_ids": ids, "labels": ids, "position_ids": pos})
         assert batch["cu_seqlens"].tolist() == [0, 7, 19, 22, 32], batch["cu_seqlens"]
         labels = batch.pop("labels")
+        if drop_cu_seqlens:
+            del batch["cu_seqlens"]
         out = model(**batch)
         loss = sp.loss(out.logits, labels)
         loss.backward()
@@ -56,3 +60,10 @@ def _check_packed(cases):
 
 def test_packed_documents_equal_one_document_per_row(pool):
     assert pool.run(_check_packed, CASES) == [len(CASES)] * 4
+
+
+def test_packed_rows_without_cu_seqlens_find_their_documents(pool):
+    """The trap: position_ids restarting at 0 but no cu_seqlens (plain transformers masks documents
+    from position_ids alone); the pre-hook gathers them and passes the documents."""
+    cases = [{"strategy": "zigzag", "size": 2}, {"strategy": "ulysses", "size": 4}, {"strategy": "ring", "size": 4}]
+    assert pool.run(_check_packed, cases, True) == [len(cases)] * 4

@@ -48,11 +48,10 @@ def refusal_messages():
     out["cache"] = _message(lambda: llama(**batch, past_key_values=DynamicCache(config=llama.config)))
     ulysses = SequenceParallel({"strategy": "ulysses", "size": 4})
     out["heads"] = _message(lambda: _applied("llama", ulysses, hidden_size=48, num_attention_heads=6))
-    window = _applied("qwen2", sp, use_sliding_window=True, sliding_window=16, max_window_layers=0)
-    out["sliding window"] = _message(lambda: window(**batch))
+    out["packed rows, batch 2"] = _message(lambda: llama(input_ids=batch["input_ids"].expand(2, -1),
+                                                          position_ids=(batch["position_ids"] % 5).expand(2, -1)))
     dropout = _applied("llama", sp, attention_dropout=0.1)
     out["dropout"] = _message(lambda: dropout(**batch))
-    out["softcap"] = _message(lambda: _applied("llama", sp, attn_logit_softcapping=30.0))
     # an attention layer that bypasses the registry (as legacy models do): caught after the forward
     bypass = tiny_model("llama")
     layer = bypass.model.layers[1]
@@ -101,9 +100,8 @@ EXPECTED = {
     "twice": "already has sequence parallelism applied",
     "cache": "past_key_values (cached attention) cannot be exact",
     "heads": "LlamaConfig num_attention_heads=6, num_key_value_heads=2: ",
-    "sliding window": "sliding window of 16 tokens shorter than the padded sequence (32 tokens)",
+    "packed rows, batch 2": "packed documents need batch size 1",
     "dropout": "attention dropout 0.1 in training",
-    "softcap": "logit softcapping (attn_logit_softcapping=30.0)",
     "bypass": "did not call the sequence-parallel attention (first: model.layers.1.self_attn (BypassAttention))",
     "own loss": "OwnLossForCausalLM computed its loss without model.loss_function",
 }

@@ -23,9 +23,7 @@ def _config(name, **kw):
 
 
 REFUSED = [
-    ("Gemma2Config", {}, {}, "logit softcapping (attn_logit_softcapping=50.0)"),
-    ("Llama4TextConfig", {}, {}, "chunked attention (attention_chunk_size=8192)"),
-    ("Llama4TextConfig", {"attention_chunk_size": None}, {}, "chunked attention (layer_types 'chunked_attention')"),
+    ("Llama4TextConfig", {}, {}, "attention temperature tuning on NoPE layers"),
     ("Qwen3NextConfig", {}, {}, "token mixing outside attention (layer_types[0]='linear_attention'"),
     ("JambaConfig", {}, {}, "token mixing outside attention (layer_types[0]='linear_attention'"),
     ("MambaConfig", {}, {}, "token mixing outside attention"),
@@ -36,10 +34,6 @@ REFUSED = [
     ("BloomConfig", {}, {}, "attention that ignores transformers' AttentionInterface"),
     ("CodeGenConfig", {}, {}, "attention that ignores transformers' AttentionInterface"),
     ("MptConfig", {}, {}, "attention that ignores transformers' AttentionInterface"),
-    ("MistralConfig", {"sliding_window": 16}, {"seq_len": 32}, "sliding window of 16 tokens shorter than the padded "
-     "sequence (32 tokens)"),
-    ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}, {"seq_len": 16},
-     "sliding window of 8 tokens"),
     ("LlamaConfig", {"attention_dropout": 0.1}, {"training": True}, "attention dropout 0.1 in training"),
 ]
 
@@ -52,14 +46,16 @@ def test_config_features_are_refused_by_name(name, kw, call, expected):
 
 
 ACCEPTED = [
-    ("LlamaConfig", {}, {"seq_len": 1 << 20, "training": True}),
-    ("Qwen2Config", {}, {"seq_len": 1 << 20, "training": True}),          # sliding window off by default
+    ("LlamaConfig", {}, {"training": True}),
+    ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}, {"training": True}),
     ("GraniteConfig", {}, {"training": True}),
     ("GemmaConfig", {}, {"training": True}),
-    ("MistralConfig", {"sliding_window": 64}, {"seq_len": 64}),               # window covers the sequence
+    ("MistralConfig", {"sliding_window": 16}, {}),                          # windows: sp.attention(window=)
+    ("Gemma2Config", {}, {"training": True}),                               # softcap: sp.attention(softcap=)
+    ("Llama4TextConfig", {"attn_temperature_tuning": False}, {}),          # chunked layers: chunks as documents
     ("LlamaConfig", {"attention_dropout": 0.1}, {"training": False}),        # dropout is off in eval
     ("DeepseekV3Config", {}, {"training": True}),                            # MLA: padded, exact
-    ("Gemma3TextConfig", {}, {"seq_len": 4096}),
+    ("Gemma3TextConfig", {}, {}),
 ]
 
 
@@ -80,8 +76,7 @@ def test_module_features_are_refused_with_the_layer_named():
         hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
         head_dim=8, num_local_experts=2, num_experts_per_tok=1, vocab_size=32, sliding_window=8,
         layer_types=["full_attention"]))
-    with pytest.raises(UnsupportedModelError, match=r"attention sinks \(module.sinks\) in model.layers.0.self_attn"):
-        check_modules(oss)
+    assert [n for n, _ in check_modules(oss)] == ["model.layers.0.self_attn"]     # sinks: sp.attention(sinks=)
     conv = tiny_model("llama")
     conv.model.layers[1].mlp.mixer = torch.nn.Conv1d(4, 4, 3)
     with pytest.raises(UnsupportedModelError, match=r"token mixing outside attention \(Conv1d\) in "
@@ -107,9 +102,6 @@ KV = torch.zeros(1, 2, 8, 16)
 CALLS = [
     (dict(key=torch.zeros(1, 2, 12, 16)), "cached or cross attention (key length 12 != query length 8)"),
     (dict(attention_mask=torch.ones(1, 1, 8, 8)), "an attention mask (shape (1, 1, 8, 8))"),
-    (dict(kwargs={"softcap": 50.0}), "logit softcapping (softcap=50.0)"),
-    (dict(kwargs={"s_aux": torch.zeros(4)}), "attention sinks (s_aux)"),
-    (dict(kwargs={"sliding_window": 15}), "sliding window of 15 tokens shorter than the padded sequence (16 tokens)"),
     (dict(dropout=0.1), "attention dropout 0.1 in training"),
     (dict(kwargs={"output_attentions": True}), "output_attentions=True"),
     (dict(causal=False), "non-causal attention without the real sequence length"),
@@ -124,8 +116,8 @@ def test_attention_call_refusals_name_feature_and_layer(change, expected):
         check_call("model.layers.3.self_attn", Q, args["key"], args["attention_mask"], args["dropout"],
                    args["kwargs"], 2, args["causal"], args["seq_len"])
     assert expected in str(err.value), str(err.value)
-    # the window that covers the padded sequence, and non-causal with its length, are fine
-    check_call("l", Q, KV, None, 0.0, {"sliding_window": 16}, 2, True, None)
+    # windows, softcap and sinks go to sp.attention; non-causal with its length is fine
+    check_call("l", Q, KV, None, 0.0, {"sliding_window": 3, "softcap": 5.0, "s_aux": torch.zeros(4)}, 2, True, None)
     check_call("l", Q, KV, None, 0.0, {}, 2, False, 16)
 
 
@@ -154,7 +146,7 @@ def test_shipped_model_configs_load_small_gqa_and_supported():
         kinds[cfg.model_type] = cfg.vocab_size
         assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads) == (256, 4, 8), path
         assert 2 <= cfg.num_key_value_heads <= 4, f"{path}: GQA with 2-4 k/v heads"
-        check_config(cfg, seq_len=65536, training=True)
+        check_config(cfg, training=True)
     assert set(kinds) == {"llama", "qwen2"} and 32000 in kinds.values(), kinds
 
 
