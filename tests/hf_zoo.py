@@ -18,7 +18,12 @@ TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atten
             num_experts_per_tok=2, attention_dropout=0.0, use_cache=False, tie_word_embeddings=False,
             shared_expert_intermediate_size=32, expert_intermediate_size=32, ffn_hidden_size=96,
             kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-            first_k_dense_replace=1, n_group=1, topk_group=1, num_layers=2, n_layer=2, n_head=4, n_embd=64)
+            first_k_dense_replace=1, n_group=1, topk_group=1, num_layers=2, n_layer=2, n_head=4, n_embd=64,
+            d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+            encoder_ffn_dim=96, decoder_ffn_dim=96, n_layers=2, n_heads=4, num_heads=4, rotary_dim=8,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=0,
+            vocab_size_per_layer_input=128, hidden_size_per_layer_input=16, global_head_dim=16)
+MLA = dict(q_lora_rank=16)      # MLA configs (qk_rope_head_dim): head_dim is the rope part, not set
 
 
 def causal_lm_types():
@@ -28,23 +33,44 @@ def causal_lm_types():
 
 def tiny_config(model_type):
     """The model type's own config class with the tiny sizes it has keys for; a window and a chunk
-    size shorter than the sequence where the architecture has them."""
+    size shorter than the sequence where the architecture has them; a nested text config shrunk
+    the same way (multimodal models: refused by name once built)."""
     from transformers import CONFIG_MAPPING
     cls = CONFIG_MAPPING[model_type]
-    default = cls()
-    keys = set(default.to_dict())
+    return cls(**_tiny_kwargs(cls()))
+
+
+def _tiny_kwargs(default):
+    values = default.to_dict()
+    keys = set(values)
     kw = {k: v for k, v in TINY.items() if k in keys}
+    layers = next((values[k] for k in ("num_hidden_layers", "num_layers", "n_layer") if isinstance(values.get(k), int)),
+                  None)
+    for k, v in values.items():                       # per-layer lists given as defaults: the first 2 layers
+        if isinstance(v, list) and layers and len(v) == layers and k not in kw:
+            kw[k] = v[:2]
+    if "qk_rope_head_dim" in keys:
+        kw.pop("head_dim", None)
+        kw.update({k: v for k, v in MLA.items() if k in keys and getattr(default, k) is not None})
+        if getattr(default, "q_lora_rank", None) is None:
+            kw["q_lora_rank"] = None
+    text = getattr(default, "text_config", None)
+    if text is not None and hasattr(text, "to_dict") and text is not default:
+        layers = getattr(text, "num_hidden_layers", None)
+        base = {k: v for k, v in text.to_dict().items()           # per-layer lists: rebuilt for 2 layers
+                if not (isinstance(v, list) and layers and len(v) == layers)}
+        kw["text_config"] = dict(base, **_tiny_kwargs(text))
     # training-mode randomness (dropout, router jitter) would differ between the runs compared
     kw.update({k: 0.0 for k in keys if ("dropout" in k or "pdrop" in k or "jitter" in k)
-               and isinstance(getattr(default, k), float)})
+               and isinstance(getattr(default, k, None), float)})
     if getattr(default, "sliding_window", None) is not None:
         kw["sliding_window"] = WINDOW
     if getattr(default, "attention_chunk_size", None) is not None:
         kw["attention_chunk_size"] = WINDOW
-    if "rope_parameters" in keys and isinstance(default.rope_parameters, dict) \
-            and "mrope_section" in default.rope_parameters:
-        pass                                     # refused by name (3-D positions); keep it
-    return cls(**kw)
+    if getattr(default, "vocab_size", None) is None:
+        for k in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
+            kw.pop(k, None)
+    return kw
 
 
 def _batch(vocab):

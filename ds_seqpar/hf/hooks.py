@@ -5,9 +5,12 @@ Before the forward (refusals that depend on the call, not only on the config):
   * position_ids are required: without them the model numbers this rank's tokens from 0, and RoPE
     would see local instead of global positions;
   * 3-D (multimodal mrope) position ids, past_key_values (cached attention) are refused;
-  * an attention_mask with zeros is refused on EVERY rank at once: transformers builds no mask for
-    a custom key, so padding would be dropped silently. Only some ranks may hold the zeros, so the
-    flag goes through one small all-reduce (max) over the sequence group; a mask of ones is dropped;
+  * an attention_mask with zeros: transformers builds no mask for a custom key. Only some ranks may
+    hold the zeros, so a flag goes through one small all-reduce (max) over the sequence group; if it
+    is up, every rank gathers the mask (global order) and decides the same: right padding (every row
+    ones then zeros) in a causal model is dropped (exact: no real query sees a later pad key; the
+    pads' own targets must be ignore_index, as HF collators set them), left or inner zeros and
+    padding in a non-causal model are refused by name; a mask of ones is dropped;
   * packed rows without cu_seqlens: plain transformers finds documents from position_ids that
     restart at 0, which no rank can see alone. The same all-reduce carries a second flag: this
     rank's position_ids are not the global positions sp.shard_batch gives. If any rank raises it,
@@ -41,13 +44,11 @@ def install(model, state) -> list:
         zeros, restarts = _group_flags(call.get("attention_mask"), call["position_ids"] if packed else None,
                                        state.sp)
         if zeros:
-            raise UnsupportedModelError("ds_seqpar.hf: an attention_mask with zeros (padding) on some rank of the "
-                                        "sequence group: transformers builds no mask for sequence-parallel attention, "
-                                        "so it would be ignored; pack documents or trim padding instead")
+            check_right_padding(call["attention_mask"], state)
         if restarts:
             kwargs["cu_seqlens"] = documents_from_positions(call["position_ids"], state.sp)
         if "attention_mask" in kwargs:
-            kwargs["attention_mask"] = None          # all ones: nothing to mask
+            kwargs["attention_mask"] = None          # all ones, or right padding of a causal model
         if "use_cache" in params and "use_cache" not in names[:len(args)]:
             kwargs["use_cache"] = False
         state.calls = set()
@@ -104,6 +105,23 @@ def _group_flags(mask, position_ids, sp):
         flags[1] = int(not bool((position_ids == expected).all()))
     zeros, restarts = comm.all_reduce(flags, sp.group, op="max").tolist()
     return bool(zeros), bool(restarts)
+
+
+def check_right_padding(mask, state) -> None:
+    """The gathered mask (the same on every rank) must be right padding of a causal model; refuse
+    with the feature named otherwise."""
+    full = state.sp.unshard(mask.to(torch.int32), dim=1)              # [b, padded] in global order
+    inner = bool((full[:, 1:] > full[:, :-1]).any())                  # a one after a zero
+    if inner:
+        raise UnsupportedModelError("ds_seqpar.hf: an attention_mask with left or inner zeros (padding before real "
+                                    "tokens) cannot be exact under sequence parallelism: transformers builds no "
+                                    "mask for sequence-parallel attention; pad on the right, or pack the rows as "
+                                    "documents (sp.shard_batch with position_ids restarting at 0)")
+    non_causal = [n for n, m in state.layers if getattr(m, "is_causal", True) is False]
+    if non_causal:
+        raise UnsupportedModelError(f"ds_seqpar.hf: an attention_mask with zeros in a non-causal model (first: "
+                                    f"{non_causal[0]}) cannot be exact under sequence parallelism: the pads would "
+                                    f"be seen; trim the padding or pack documents")
 
 
 def documents_from_positions(position_ids, sp):

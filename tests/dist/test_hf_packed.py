@@ -67,3 +67,47 @@ def test_packed_rows_without_cu_seqlens_find_their_documents(pool):
     from position_ids alone); the pre-hook gathers them and passes the documents."""
     cases = [{"strategy": "zigzag", "size": 2}, {"strategy": "ulysses", "size": 4}, {"strategy": "ring", "size": 4}]
     assert pool.run(_check_packed, cases, True) == [len(cases)] * 4
+
+
+# -- right padding (the collators' default): dropped for causal models, exact on the real tokens -----
+
+PAD_LENS = (32, 19)                # row 1: 13 pads on the right
+
+
+def _padded_reference(state, ids, mask, labels, dtype):
+    """The unsharded model with its padding mask: real-token logits, the loss, the gradients."""
+    from ..hf_models import textbook_loss
+    model = tiny_model("llama", dtype, state)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=torch.arange(ids.shape[1]).expand_as(ids)).logits
+    loss = textbook_loss(logits, labels)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logits.detach()[mask.bool()], loss.detach(), grads
+
+
+def _check_right_padding(cases):
+    from ds_seqpar.hf import apply_sequence_parallel
+    state = tiny_model("llama").state_dict()
+    ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(4))
+    mask = torch.stack([(torch.arange(32) < n).long() for n in PAD_LENS])
+    labels = ids.masked_fill(mask == 0, -100)                    # HF collators ignore the pads' targets
+    ref = _padded_reference(state, ids, mask, labels, torch.float64)
+    plain = _padded_reference(state, ids, mask, labels, torch.float32)
+    for cfg in cases:
+        sp = SequenceParallel(cfg)
+        model = apply_sequence_parallel(tiny_model("llama", state_dict=state), sp)
+        batch = sp.shard_batch({"input_ids": ids, "labels": labels, "attention_mask": mask})
+        out = model(**batch)
+        out.loss.backward()
+        what = f"right padding {cfg} sp_rank={sp.rank}"
+        logits = sp.unshard(out.logits.detach(), dim=1, seq_len=32)[mask.bool()]
+        assert_derived_close(f"{what} logits", logits, ref[0], plain[0])
+        assert_derived_close(f"{what} loss", out.loss.detach(), ref[1], plain[1])
+        for name, g in _summed_grads(model, sp.group).items():
+            assert_derived_close(f"{what} grad {name}", g, ref[2][name], plain[2][name])
+    return len(cases)
+
+
+def test_right_padding_is_dropped_exactly_for_causal_models(pool):
+    cases = [{"strategy": "zigzag", "size": 2}, {"strategy": "striped", "size": 4}, {"strategy": "ulysses", "size": 4}]
+    assert pool.run(_check_right_padding, cases) == [len(cases)] * 4

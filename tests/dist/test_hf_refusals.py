@@ -31,7 +31,8 @@ def refusal_messages():
     ids = torch.randint(0, 96, (1, SEQ), generator=torch.Generator().manual_seed(0))
     batch = sp.shard_batch({"input_ids": ids, "labels": ids})
     out = {}
-    # padding on the last rank only: all four must refuse, none may wait for the others
+    # a zero on the last rank only (zigzag: the middle of the sequence): all four must refuse, none may
+    # wait for the others
     mask = torch.ones_like(batch["input_ids"])
     if comm.global_rank() == 3:
         mask[0, -1] = 0
@@ -93,7 +94,7 @@ def _bypassing(base, eager):
 
 
 EXPECTED = {
-    "mask": "attention_mask with zeros",
+    "mask": "attention_mask with left or inner zeros",
     "ones mask": "no error",
     "no position_ids": "position_ids are required",
     "3-D positions": "multimodal 3-D position ids",

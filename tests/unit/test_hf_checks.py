@@ -185,18 +185,14 @@ class _RecordingSP:
     """Stands in for SequenceParallel (size 1): records what the registered function passes."""
     size = 1
 
-    def __init__(self, packed):
+    def __init__(self):
         self.calls = []
-        if not packed:
-            self.attention = self._attention_without_cu
 
-    def attention(self, q, k, v, causal=True, softmax_scale=None, seq_len=None, cu_seqlens=None):
+    def attention(self, q, k, v, causal=True, softmax_scale=None, seq_len=None, cu_seqlens=None, window=None,
+                  softcap=None, sinks=None):
         self.calls.append(dict(shapes=(q.shape, k.shape, v.shape), causal=causal, scale=softmax_scale,
-                               cu_seqlens=cu_seqlens))
+                               cu_seqlens=cu_seqlens, window=window, softcap=softcap, sinks=sinks))
         return torch.zeros(q.shape[:-1] + (q.shape[-1],))
-
-    def _attention_without_cu(self, q, k, v, causal=True, softmax_scale=None, seq_len=None):
-        return self.attention(q, k, v, causal, softmax_scale, seq_len)
 
 
 def _function(sp):
@@ -206,7 +202,7 @@ def _function(sp):
 
 
 def test_attention_function_layouts_scale_and_packed_pass_through():
-    sp = _RecordingSP(packed=True)
+    sp = _RecordingSP()
     fn = _function(sp)
     module = torch.nn.Module()
     q, k, v = torch.zeros(2, 4, 8, 24), torch.zeros(2, 2, 8, 24), torch.zeros(2, 2, 8, 8)   # [b, h, s, d], MLA v
@@ -223,8 +219,22 @@ def test_attention_function_layouts_scale_and_packed_pass_through():
     module.is_causal = False
     fn(module, q, k, v, None, sp_seq_len=8)
     assert sp.calls[-1]["causal"] is False
-    with pytest.raises(UnsupportedModelError, match="packed documents .*no cu_seqlens argument"):
-        _function(_RecordingSP(packed=False))(torch.nn.Module(), q, k, v, None, cu_seqlens=cu)
+    # the layer's window, softcap and sinks go through; a window covering the sequence is dropped
+    sinks = torch.zeros(4)
+    module.is_causal = True
+    fn(module, q, k, v, None, sliding_window=3, softcap=30.0, s_aux=sinks)
+    assert (sp.calls[-1]["window"], sp.calls[-1]["softcap"], sp.calls[-1]["sinks"]) == (3, 30.0, sinks)
+    fn(module, q, k, v, None, sliding_window=8)
+    assert sp.calls[-1]["window"] is None
+    # Llama 4 chunked layers: chunks of attention_chunk_size become documents, with packed ones
+    from types import SimpleNamespace
+    module.config = SimpleNamespace(layer_types=["full_attention", "chunked_attention"], attention_chunk_size=3)
+    module.layer_idx = 1
+    fn(module, q, k, v, None, cu_seqlens=torch.tensor([0, 5, 8]))
+    assert sp.calls[-1]["cu_seqlens"] == [0, 3, 5, 6, 8]
+    module.layer_idx = 0
+    fn(module, q, k, v, None)
+    assert sp.calls[-1]["cu_seqlens"] is None
     stale = _function(None)
     with pytest.raises(RuntimeError, match="after remove_sequence_parallel"):
         stale(module, q, k, v, None)
