@@ -10,8 +10,21 @@ dependency: ``pip install 'ds_seqpar[hf]'``).
 
 Registered through transformers' public AttentionInterface under a key of its own per
 (sp, model); no built-in implementation is overwritten and no private function is patched.
+
+Trainers (trainer.py): ``SequenceParallelTrainer`` (transformers.Trainer) and ``sequence_parallel(cls)``
+for any Trainer subclass (TRL's SFTTrainer) take the strategy from the DeepSpeed JSON's
+``sequence_parallel`` key.
 """
 from .apply import apply_sequence_parallel, remove_sequence_parallel
 from .checks import UnsupportedModelError
+from .trainer import sequence_parallel
 
-__all__ = ["apply_sequence_parallel", "remove_sequence_parallel", "UnsupportedModelError"]
+__all__ = ["apply_sequence_parallel", "remove_sequence_parallel", "UnsupportedModelError", "sequence_parallel",
+           "SequenceParallelTrainer"]
+
+
+def __getattr__(name):
+    if name == "SequenceParallelTrainer":          # transformers is imported only when asked for
+        from transformers import Trainer
+        return sequence_parallel(Trainer)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

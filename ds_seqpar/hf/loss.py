@@ -7,12 +7,17 @@ ForCausalLMLoss shifts the labels by one and averages over THIS rank's tokens on
 again, and the mean must cover every rank's tokens: exactly ``sp.loss`` (same value on every rank,
 backward giving this rank's share). The override is per instance (``model.loss_function = fn``, the
 public setter); other models keep the default.
+
+With ``num_items_in_batch`` (the Trainer's token count of the accumulation window over every rank,
+counted on the shards' shifted targets: hf/trainer.py) the loss is this rank's local sum over that
+count: the Trainer scales it by the world size and DeepSpeed averages over the world, which gives
+plain data parallelism's gradient with no sequence-group collective here.
 """
 from __future__ import annotations
 
 from typing import Callable
 
-from .checks import UnsupportedModelError
+import torch.nn.functional as F
 
 
 def make_loss_function(state) -> Callable:
@@ -21,15 +26,14 @@ def make_loss_function(state) -> Callable:
         sp = state.sp
         if sp is None:
             raise RuntimeError("ds_seqpar.hf: the sequence-parallel loss was called after remove_sequence_parallel")
-        if num_items_in_batch is not None:
-            # the caller's token count would replace sp.loss's global count over the sequence group
-            raise UnsupportedModelError(f"ds_seqpar.hf: num_items_in_batch={num_items_in_batch} (a token count for "
-                                        f"gradient accumulation) cannot be combined with the sequence-parallel "
-                                        f"loss, whose mean is over the whole sequence; call without it")
         targets = shift_labels if shift_labels is not None else labels      # already shifted: never again
         if targets is None:
             raise ValueError("ds_seqpar.hf: the loss needs labels (from sp.shard_batch)")
         state.loss_routed = True
+        if num_items_in_batch is not None:
+            local = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten().to(logits.device),
+                                    ignore_index=ignore_index, reduction="sum")
+            return local / num_items_in_batch
         return sp.loss(logits, targets, ignore_index=ignore_index)
 
     return ds_seqpar_loss

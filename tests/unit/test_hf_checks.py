@@ -240,7 +240,7 @@ def test_attention_function_layouts_scale_and_packed_pass_through():
         stale(module, q, k, v, None)
 
 
-def test_routed_loss_does_not_shift_again_and_refuses_a_token_count():
+def test_routed_loss_does_not_shift_again_and_takes_the_trainers_token_count():
     from ds_seqpar.hf.apply import SequenceParallelState
     from ds_seqpar.hf.loss import make_loss_function
 
@@ -255,5 +255,8 @@ def test_routed_loss_does_not_shift_again_and_refuses_a_token_count():
     torch.testing.assert_close(fn(logits, labels, 7), want)                 # positional (Gemma2, Jamba)
     torch.testing.assert_close(fn(logits=logits, labels=None, vocab_size=7, shift_labels=labels), want)
     assert state.loss_routed
-    with pytest.raises(UnsupportedModelError, match="num_items_in_batch=10"):
-        fn(logits=logits, labels=labels, vocab_size=7, num_items_in_batch=10)
+    # the Trainer's count of the accumulation window: this rank's local sum over it (hf/trainer.py)
+    labels[0, 0] = -100
+    local_sum = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+    torch.testing.assert_close(fn(logits=logits, labels=None, vocab_size=7, shift_labels=labels,
+                                  num_items_in_batch=torch.tensor(10)), local_sum / 10)

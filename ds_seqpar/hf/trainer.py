@@ -1,0 +1,251 @@
+"""transformers.Trainer (and any subclass: TRL's SFTTrainer) with sequence parallelism from the
+``sequence_parallel`` key of the DeepSpeed JSON the Trainer is given, step for step equal to plain
+data parallelism.
+
+    trainer = SequenceParallelTrainer(model=model, args=TrainingArguments(..., deepspeed="ds.json"), ...)
+    trainer = sequence_parallel(SFTTrainer)(model=..., args=SFTConfig(..., deepspeed="ds.json"), ...)
+
+With ``size: 1`` or no key the mixin steps aside: the same script is the plain data-parallel run.
+
+Why it is exact (W = dp * P ranks; replica d is a sequence group of P ranks; S = loss sums):
+  * data: the Trainer's loader is sharded over the W world ranks by accelerate; the mixin re-shards it
+    over the dp replicas (every rank of a group reads the same batches, and replica d reads what
+    process d of a plain dp-process run reads; worker seeds follow the replica). A cheap check on
+    every batch (one all-reduce of a fingerprint) stops the run if a group ever disagrees.
+  * batches: ``get_batch_samples`` passes every batch through ``sp.shard_batch`` (labels shifted over
+    the whole sequence, then sharded; global position_ids; packed documents -> cu_seqlens) and adds
+    ``shift_labels`` (= the shifted labels), so the Trainer counts the targets of the shards:
+    disjoint, their count over the world is the plain count N of the accumulation window.
+  * loss: with that count (``num_items_in_batch``, the Trainer's default for causal LMs) the routed
+    loss is this rank's local sum / N (hf/loss.py); the Trainer multiplies by W and DeepSpeed (given
+    sp.mpu) averages gradients over W: the gradient is (sum of every shard's sum) / N, plain's.
+  * DeepSpeed: HF fills ``train_batch_size`` = W * micro * GA; with P ranks per replica the real
+    global batch is dp * micro * GA, so a world-filled value is removed (DeepSpeed derives it from
+    the mpu) and any other value must be the replica one. ``sp.mpu`` reaches deepspeed.initialize
+    through a wrapper around this trainer's ``accelerator.prepare``, and the first step checks the
+    engine holds it (an accelerate change fails loudly instead of training plain dp under our name).
+  * right-padded batches (the collators' default): the mask is dropped, exact for causal models (no
+    real query sees a later pad; the pads' targets are -100); left or inner zeros are refused.
+Refused on every rank before any collective, naming the option: what would not be exact
+(label smoothing, a custom compute_loss_func, average_tokens_across_devices=False, ...).
+"""
+from __future__ import annotations
+
+import inspect
+from functools import partial
+from typing import Optional
+
+import torch
+
+from .. import comm
+from ..config import ConfigError, SequenceParallelConfig
+from ..sequence_parallel import SequenceParallel
+from .apply import apply_sequence_parallel
+
+
+class SequenceParallelMixin:
+    """Put before a Trainer class in the bases (``sequence_parallel(cls)`` does it)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.update(zip(_init_parameters(type(self)), args))
+        targs = kwargs.get("args")
+        self.sp: Optional[SequenceParallel] = _sequence_parallel(targs)
+        if self.sp is not None:
+            _refuse_inexact(targs, kwargs)
+        super().__init__(**kwargs)
+        if self.sp is None:
+            return
+        apply_sequence_parallel(_base_model(self.model), self.sp)
+        self._sp_engine_checked = False
+        self._wrap_prepare()
+
+    # -- DeepSpeed gets sp.mpu ------------------------------------------------------------------
+    def _wrap_prepare(self) -> None:
+        import deepspeed
+        accelerator, sp = self.accelerator, self.sp
+        prepare = accelerator.prepare
+
+        def prepare_with_mpu(*objects, **kw):
+            real = deepspeed.initialize
+
+            def initialize(*a, **k):
+                if k.get("mpu") is None:
+                    k["mpu"] = sp.mpu
+                return real(*a, **k)
+
+            deepspeed.initialize = initialize
+            try:
+                return prepare(*objects, **kw)
+            finally:
+                deepspeed.initialize = real
+
+        accelerator.prepare = prepare_with_mpu
+
+    def _check_engine(self, model) -> None:
+        engine = getattr(self, "deepspeed", None) or model
+        if getattr(engine, "mpu", None) is not self.sp.mpu:
+            raise ConfigError("ds_seqpar.hf: the DeepSpeed engine did not receive sp.mpu (accelerate no longer calls "
+                              "deepspeed.initialize inside accelerator.prepare?); refusing to train plain data "
+                              "parallelism under sequence_parallel")
+        self._sp_engine_checked = True
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        if self.sp is not None and not self._sp_engine_checked:
+            self._check_engine(model)
+        return super().training_step(model, inputs, *args, **kwargs)
+
+    # -- data: one stream per replica, sharded batches ------------------------------------------
+    def get_train_dataloader(self):
+        return self._per_replica(super().get_train_dataloader(), training=True)
+
+    def get_eval_dataloader(self, *args, **kwargs):
+        return self._per_replica(super().get_eval_dataloader(*args, **kwargs))
+
+    def get_test_dataloader(self, *args, **kwargs):
+        return self._per_replica(super().get_test_dataloader(*args, **kwargs))
+
+    def _per_replica(self, loader, training: bool = False):
+        """accelerate shards over the world ranks; a sequence group is one data-parallel process."""
+        if self.sp is None:
+            return loader
+        from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
+        sampler = getattr(loader, "batch_sampler", None)
+        dataset = getattr(loader, "dataset", None)
+        if isinstance(sampler, BatchSamplerShard):
+            sampler.num_processes, sampler.process_index = self.sp.dp_size, self.sp.dp_rank
+        elif isinstance(dataset, IterableDatasetShard):
+            dataset.num_processes, dataset.process_index = self.sp.dp_size, self.sp.dp_rank
+        elif comm.world_size() > 1:
+            raise ConfigError(f"ds_seqpar.hf: the dataloader ({type(loader).__name__}) is not one accelerate shards "
+                              f"per process (dispatch_batches / a custom sampler?); its batches cannot be given to "
+                              f"each sequence group whole; use a map-style dataset with dispatch_batches=False")
+        if training and getattr(loader, "worker_init_fn", None) is not None:
+            from transformers.trainer_utils import seed_worker
+            loader.worker_init_fn = partial(seed_worker, num_workers=self.args.dataloader_num_workers,
+                                            rank=self.sp.dp_rank)
+        return loader
+
+    def get_batch_samples(self, epoch_iterator, num_batches, *args, **kwargs):
+        if self.sp is None:
+            return super().get_batch_samples(epoch_iterator, num_batches, *args, **kwargs)
+        return super().get_batch_samples(map(self._shard_batch, epoch_iterator), num_batches, *args, **kwargs)
+
+    def _shard_batch(self, batch):
+        """One global batch (the same on the group's ranks: checked) -> this rank's shard."""
+        batch = dict(batch)
+        check_group_batch(batch, self.sp)
+        drop_right_padding(batch)
+        if batch.get("labels") is None:
+            raise ConfigError("ds_seqpar.hf: the data collator returned no labels; sequence parallelism shifts them "
+                              "over the whole sequence before sharding: use a collator that sets labels "
+                              "(DataCollatorForLanguageModeling(mlm=False), DataCollatorWithFlattening, TRL's)")
+        out = self.sp.shard_batch(batch)
+        out["shift_labels"] = out["labels"]                # what the Trainer counts: the shards' targets
+        return out
+
+    # -- reporting ------------------------------------------------------------------------------
+    def get_total_train_batch_size(self, args) -> int:
+        if self.sp is None:
+            return super().get_total_train_batch_size(args)
+        return args.per_device_train_batch_size * args.gradient_accumulation_steps * self.sp.dp_size
+
+    def log(self, logs, *args, **kwargs):
+        if self.sp is not None and "loss" in logs:
+            stats = self.sp.stats
+            logs = dict(logs, **{"sp/size": self.sp.size, "sp/comm_bytes": stats.total_bytes,
+                                 "sp/comm_seconds": stats.total_seconds})
+            stats.reset()
+        return super().log(logs, *args, **kwargs)
+
+
+def sequence_parallel(trainer_cls):
+    """``trainer_cls`` (transformers.Trainer or a subclass, e.g. TRL's SFTTrainer) with the mixin in front."""
+    if issubclass(trainer_cls, SequenceParallelMixin):
+        return trainer_cls
+    return type(f"SequenceParallel{trainer_cls.__name__}", (SequenceParallelMixin, trainer_cls),
+                {"__module__": __name__, "__doc__": f"{trainer_cls.__name__} under ds_seqpar sequence parallelism."})
+
+
+def _init_parameters(cls):
+    base = next(c for c in cls.__mro__ if c is not SequenceParallelMixin and not issubclass(c, SequenceParallelMixin))
+    return [n for n in inspect.signature(base.__init__).parameters if n != "self"]
+
+
+def _base_model(model):
+    """PEFT wraps the transformers model; the attention lives in the base."""
+    getter = getattr(model, "get_base_model", None)
+    return getter() if callable(getter) else model
+
+
+def _sequence_parallel(targs) -> Optional[SequenceParallel]:
+    """The SequenceParallel the DeepSpeed JSON asks for (None: size 1 or no key), with the batch keys
+    made replica-aware first."""
+    if targs is None or not getattr(targs, "deepspeed", None):
+        raise ConfigError("ds_seqpar.hf: SequenceParallelTrainer reads the strategy from the DeepSpeed config: pass "
+                          "TrainingArguments(..., deepspeed='ds.json') (or --deepspeed ds.json)")
+    ds = targs.hf_deepspeed_config.config
+    section = ds.get("sequence_parallel")
+    if not section or SequenceParallelConfig.from_ds_config(ds).size == 1:
+        return None
+    cfg = SequenceParallelConfig.from_ds_config(ds)
+    world = comm.world_size()
+    cfg.check_world(world)
+    micro, accumulation = targs.per_device_train_batch_size, targs.gradient_accumulation_steps
+    filled = ds.get("train_batch_size")
+    if filled == world * micro * accumulation:
+        del ds["train_batch_size"]                        # world-based (HF's fill): DeepSpeed derives dp's
+    elif filled is not None and filled != (world // cfg.size) * micro * accumulation:
+        raise ConfigError(f"train_batch_size={filled}: with sequence_parallel.size={cfg.size} on {world} ranks there "
+                          f"are {world // cfg.size} data-parallel replicas, so it must be "
+                          f"{(world // cfg.size) * micro * accumulation} (micro batch x accumulation x replicas) or "
+                          f"'auto'")
+    return SequenceParallel.from_ds_config(ds)
+
+
+def _refuse_inexact(targs, kwargs) -> None:
+    def refuse(option, why, fix):
+        raise ConfigError(f"ds_seqpar.hf: {option} cannot be exact under sequence parallelism ({why}); {fix}")
+
+    if getattr(targs, "label_smoothing_factor", 0.0):
+        refuse(f"label_smoothing_factor={targs.label_smoothing_factor}", "the smoother shifts labels itself",
+               "set label_smoothing_factor=0")
+    if kwargs.get("compute_loss_func") is not None:
+        refuse("a custom compute_loss_func", "it would see sharded logits and shift labels again",
+               "use the model's loss (the default)")
+    if getattr(targs, "average_tokens_across_devices", True) is False:
+        refuse("average_tokens_across_devices=False", "each rank would normalise by its own shard's token count",
+               "leave it True (the default)")
+    if kwargs.get("model_init") is not None:
+        refuse("model_init", "the model must exist when sequence parallelism is applied", "pass model=")
+    if getattr(targs, "predict_with_generate", False):
+        refuse("predict_with_generate", "generation runs one token at a time", "evaluate the loss instead")
+
+
+def check_group_batch(batch, sp) -> None:
+    """Every rank of the sequence group holds the same batch: one all-reduce (max of h and -h) of a
+    fingerprint of input_ids; a group that disagrees stops the run on every rank."""
+    ids = batch.get("input_ids")
+    if ids is None:
+        raise ConfigError("ds_seqpar.hf: the batch has no input_ids")
+    weights = torch.arange(1, ids.numel() + 1, dtype=torch.int64) % 1_000_003
+    h = int((ids.reshape(-1).to(torch.int64).cpu() * weights).sum()) % (1 << 61) + ids.shape[1] * 1_000_033
+    pair = torch.tensor([h, -h], dtype=torch.int64, device=sp.device)
+    high, neg_low = comm.all_reduce(pair, sp.group, op="max", stats=sp.stats, kind="batch_check").tolist()
+    if high != -neg_low:
+        raise ConfigError("ds_seqpar.hf: the ranks of one sequence group got different batches (a loader sharded per "
+                          "world rank, or a random collator seeded per rank); every rank of a group must read the "
+                          "same batch")
+
+
+def drop_right_padding(batch) -> None:
+    """A mask of ones, or right padding (every row ones then zeros) -> removed; anything else refused."""
+    mask = batch.pop("attention_mask", None)
+    if mask is None or bool((mask != 0).all()):
+        return
+    if bool((mask[:, 1:] > mask[:, :-1]).any()):
+        raise ConfigError("ds_seqpar.hf: a batch with left or inner padding (attention_mask zeros before real tokens) "
+                          "cannot be exact under sequence parallelism; pad on the right (padding_side='right') or "
+                          "pack the samples (DataCollatorWithFlattening)")
+
+
+__all__ = ["SequenceParallelMixin", "sequence_parallel", "check_group_batch", "drop_right_padding"]
