@@ -15,7 +15,7 @@ import os
 import torch
 
 
-def synthetic_sft(n: int, vocab: int, seed: int = 0):
+def synthetic_sft(n: int, vocab: int, seed: int = 0):  # noqa: D401
     """n samples of 20-44 tokens; the first 4-11 tokens are the prompt (no loss on them)."""
     g = torch.Generator().manual_seed(seed)
     rows = []
@@ -41,9 +41,10 @@ def pad_right(rows):
 
 
 def train(deepspeed, output_dir, max_steps=4, gradient_accumulation_steps=3, per_device_train_batch_size=2,
-          samples=64, zero3_gather=False):
+          samples=64, eval_samples=0):
     """Train; returns (per-step log [{step, loss, grad_norm, learning_rate}], final parameters) on world
-    rank 0 (None elsewhere). ``deepspeed``: a path or a dict."""
+    rank 0 (None elsewhere); with ``eval_samples``, also (eval metrics, predict() logits, label ids)
+    after training. ``deepspeed``: a path or a dict."""
     import transformers as T
     from ds_seqpar.hf import SequenceParallelTrainer
 
@@ -52,21 +53,28 @@ def train(deepspeed, output_dir, max_steps=4, gradient_accumulation_steps=3, per
         per_device_train_batch_size=per_device_train_batch_size,
         gradient_accumulation_steps=gradient_accumulation_steps, learning_rate=3e-3, warmup_steps=1,
         max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to="none", seed=0,
+        per_device_eval_batch_size=per_device_train_batch_size,
         dataloader_num_workers=0, use_cpu=not torch.cuda.is_available())
     config = T.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, vocab_size=96, max_position_embeddings=256,
                            attention_dropout=0.0, use_cache=False)
     torch.manual_seed(0)
     model = T.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    eval_set = synthetic_sft(eval_samples, 96, seed=1) if eval_samples else None
     trainer = SequenceParallelTrainer(model=model, args=args, train_dataset=synthetic_sft(samples, 96),
-                                      data_collator=pad_right)
+                                      eval_dataset=eval_set, data_collator=pad_right)
     trainer.train()
     params = final_parameters(trainer)
+    evaluated = None
+    if eval_set is not None:
+        metrics = trainer.evaluate()
+        pred = trainer.predict(eval_set)
+        evaluated = (metrics["eval_loss"], pred.predictions, pred.label_ids)
     if not trainer.is_world_process_zero():
         return None
     steps = [{k: e[k] for k in ("step", "loss", "grad_norm", "learning_rate")} for e in trainer.state.log_history
              if "loss" in e]
-    return steps, params
+    return (steps, params) if evaluated is None else (steps, params, evaluated)
 
 
 def final_parameters(trainer):

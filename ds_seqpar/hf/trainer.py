@@ -143,6 +143,40 @@ class SequenceParallelMixin:
         out["shift_labels"] = out["labels"]                # what the Trainer counts: the shards' targets
         return out
 
+    # -- eval and predict: sequence-parallel, gathered over the replicas -------------------------
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """The step on this rank's shard, then the replica's view: the loss of the group (each rank
+        holds its shard's share: their mean is what one plain data-parallel process reports), the
+        logits unsharded to full length, the labels as the collator gave them."""
+        if self.sp is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        labels, length = inputs.get("labels"), inputs["input_ids"].shape[1]
+        loss, logits, _ = super().prediction_step(model, self._shard_batch(inputs), prediction_loss_only, ignore_keys)
+        if loss is not None:
+            loss = comm.all_reduce(loss.detach().float().reshape(1).clone(), self.sp.group, stats=self.sp.stats,
+                                   kind="eval_loss")[0] / self.sp.size
+        if logits is not None:
+            logits = _map_tensors(lambda t: self.sp.unshard(t.contiguous(), dim=1, seq_len=length), logits)
+        if labels is not None:
+            labels = labels.to(self.args.device)
+        return loss, logits, (None if prediction_loss_only else labels)
+
+    def evaluation_loop(self, *args, **kwargs):
+        """Gather over the data-parallel replicas (one rank per replica's values), with accelerate's
+        truncation of the last batch: the world gather would hold every replica P times."""
+        if self.sp is not None:
+            self.gather_function = self._gather_replicas
+        return super().evaluation_loop(*args, **kwargs)
+
+    def _gather_replicas(self, data, **_):
+        state = self.accelerator.gradient_state
+        keep = state.remainder if state.end_of_dataloader and state.remainder > 0 else None
+
+        def gather(t):
+            full = comm.all_gather_nograd(t.contiguous(), 0, self.sp.dp_group, self.sp.stats, kind="eval_gather")
+            return full if keep is None else full[:keep]
+        return _map_tensors(gather, data)
+
     # -- reporting ------------------------------------------------------------------------------
     def get_total_train_batch_size(self, args) -> int:
         if self.sp is None:
@@ -164,6 +198,12 @@ def sequence_parallel(trainer_cls):
         return trainer_cls
     return type(f"SequenceParallel{trainer_cls.__name__}", (SequenceParallelMixin, trainer_cls),
                 {"__module__": __name__, "__doc__": f"{trainer_cls.__name__} under ds_seqpar sequence parallelism."})
+
+
+def _map_tensors(fn, data):
+    if isinstance(data, (tuple, list)):
+        return type(data)(_map_tensors(fn, d) for d in data)
+    return fn(data) if isinstance(data, torch.Tensor) else data
 
 
 def _init_parameters(cls):
