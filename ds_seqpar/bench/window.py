@@ -2,7 +2,8 @@
 for every softmax strategy, side by side in one run (not a test).
 
     ds-seqpar bench --window [--P 2] [--seq 8192] [--windows 1024,2048] [--softcap 50] [--heads 8]
-                             [--head-dim 64] [--repeats 5] [--warmup 1] [--out reports] [--name window_cpu]
+                             [--head-dim 64] [--repeats 5] [--warmup 1] [--kernel-rounds 3]
+                             [--out reports] [--name window_cpu]
 
 Per strategy the same N causal tokens as: plain ``sp.attention``, each ``--windows`` size, softcap
 and sinks (one logit per head, a leaf with a gradient, as gpt-oss's parameter). The rounds are
@@ -18,6 +19,9 @@ wall time and every ratio is taken per round, then the median. Reported, per str
             variant; softcap and sinks against the plain form): must be 1.000
   softcap   time(softcap) / time(plain) (CPU: the exact written-out path, kernels/torch_kernel.py)
   sinks     time(sinks) / time(plain), goal overhead < 3% (GOAL_SINKS)
+  kernel    after the rounds, rank 0 alone: the kernel calls of the busiest rank's sub-blocks, plain
+            and windowed, without merges or communication (kernel_pieces): the cost per visible
+            pair of the band pieces against plain attention's big blocks (--kernel-rounds 0: skip)
 """
 from __future__ import annotations
 
@@ -35,9 +39,10 @@ PROG = "ds-seqpar bench --window"
 
 
 def variants(args) -> List[Tuple[str, dict]]:
-    """(key, sp.attention keywords) of every variant, plain first."""
-    out = [("plain", {})] + [(f"window={w}", {"window": w}) for w in args.windows]
-    return out + [(f"softcap={args.softcap:g}", {"softcap": args.softcap}), ("sinks", {"sinks": True})]
+    """(key, sp.attention keywords) of every variant in round order: plain first, then sinks, whose
+    few-percent difference is the one most exposed to load changes between the two."""
+    return [("plain", {}), ("sinks", {"sinks": True})] + [(f"window={w}", {"window": w}) for w in args.windows] + \
+        [(f"softcap={args.softcap:g}", {"softcap": args.softcap})]
 
 
 def _case_fns(args):
@@ -60,10 +65,73 @@ def _case_fns(args):
 
 
 def bench_rank(args) -> Dict[str, list]:
-    """What every rank runs: warmup + repeats interleaved rounds of every (strategy, variant)."""
+    """What every rank runs: warmup + repeats interleaved rounds of every (strategy, variant); then
+    rank 0 alone times the kernel calls of the busiest rank's sub-blocks (kernel_pieces)."""
+    from .. import comm
     from .packed import interleaved_rounds
     rounds = interleaved_rounds(_case_fns(args), args.warmup, args.repeats)
-    return {"rounds": rounds, "load_1min": os.getloadavg()[0]}
+    out = {"rounds": rounds, "load_1min": os.getloadavg()[0]}
+    if comm.global_rank() == 0 and args.kernel_rounds:
+        out["pieces"] = kernel_pieces(args)
+    comm.barrier()
+    return out
+
+
+def _policies(name: str, args, window: Optional[int]):
+    """(busiest position, sub-blocks of (position, src), positions, local length, heads) of one strategy:
+    the ring family's own blocks without a window, the masked policy (varlen.py, the torch kernel's
+    tiles) with one; Ulysses one position, the whole sequence, heads / P."""
+    from ..kernels import get_kernel
+    from ..sharding.layouts import make_layout
+    from ..strategies import STRATEGIES, get_strategy
+    from ..strategies.ring_loop import plain_blocks
+    from ..strategies.varlen import document_blocks, one_document, whole_sequence_blocks
+    kernel, n = get_kernel("torch", "cpu"), args.seq
+    tile = lambda size: kernel.causal_tile(size, "cpu")  # noqa: E731
+    if name == "ulysses":
+        if window is None:
+            return 0, lambda me, src: plain_blocks(0, 0, 1, True, n), 1, n, args.heads // args.P
+        policy = whole_sequence_blocks(one_document(n, None), True, tile, window)
+        return 0, lambda me, src: policy(me, src, 1, True, n), 1, n, args.heads // args.P
+    work = window_work(name, args.P, n, window)
+    busiest, n = work.index(max(work)), n // args.P
+    if window is None:
+        blocks = STRATEGIES[name].blocks
+        return busiest, lambda me, src: blocks(me, src, args.P, True, n), args.P, n, args.heads
+    layout = make_layout(get_strategy(name).layout_name, args.P)
+    policy = document_blocks(one_document(args.seq, None), layout, True, tile, window)
+    return busiest, lambda me, src: policy(me, src, args.P, True, n), args.P, n, args.heads
+
+
+def kernel_pieces(args) -> List[dict]:
+    """One process, one thread: the kernel calls (fwd+bwd, no merge, no communication) of the busiest
+    position's sub-blocks, per strategy, plain and with each window: the kernel's share of the window's
+    cost, and its time per visible pair (small and diagonal pieces cost more per pair than big blocks)."""
+    import statistics
+    from ..kernels import get_kernel
+    from ..strategies.bands import SubBlock, visible_pairs
+    from .cases import attention_inputs, timed
+    kernel, scale, rows = get_kernel("torch", "cpu"), args.head_dim ** -0.5, []
+    for name in args.strategies:
+        for window in [None] + list(args.windows):
+            me, blocks, p, n, heads = _policies(name, args, window)
+            q, k_own, v_own, dout = attention_inputs(n, heads, args.head_dim, seed=1)
+            kv = {True: (k_own, v_own), False: tuple(attention_inputs(n, heads, args.head_dim, seed=2)[1:3])}
+            whole = lambda s: slice(*s.indices(n))  # noqa: E731
+            subs = [(src == me, SubBlock(whole(b.q), whole(b.k), b.causal, b.anti))
+                    for src in range(p) for b in blocks(me, src)]
+
+            def run():
+                for own, b in subs:
+                    k, v = kv[own]
+                    out, lse = kernel.forward_block(q[:, b.q], k[:, b.k], v[:, b.k], b.causal, b.anti, scale)
+                    kernel.backward_block(dout[:, b.q], q[:, b.q], k[:, b.k], v[:, b.k], out, lse, b.causal, b.anti,
+                                          scale)
+            cpu = statistics.median([timed(run)["cpu"] for _ in range(args.kernel_rounds + 1)][1:])
+            pairs = sum(visible_pairs(b) for _, b in subs)
+            rows.append({"strategy": name, "window": window, "rank": me, "subblocks": len(subs), "pairs": pairs,
+                         "cpu": cpu, "ns_per_pair": cpu / pairs * 1e9})
+    return rows
 
 
 # -- what the numbers are held against ---------------------------------------------------------------
@@ -139,7 +207,7 @@ def _t(r) -> str:
     return f"{r['time']:.3f} ({r['min']:.3f}-{r['max']:.3f})"
 
 
-def render(rows: Dict[str, dict], meta) -> str:
+def render(rows: Dict[str, dict], meta, pieces: Optional[List[dict]] = None) -> str:
     ok = lambda good: "**PASS**" if good else "**SHORT**"  # noqa: E731
     softcap = f"softcap={meta['softcap']:g}"
     lines = [
@@ -168,16 +236,19 @@ def render(rows: Dict[str, dict], meta) -> str:
             goal = (f"<= {GOAL_PER_WORK}: wall {ok(x['per_work'] <= GOAL_PER_WORK)}, CPU "
                     f"{ok(x['cpu_per_work'] <= GOAL_PER_WORK)}") if name in ("ring", "zigzag") else ""
             lines.append(f"| {name} | {w} | {_t(r['plain'])} | {_t(x)} | {x['ratio']:.3f} ({x['ratio_range'][0]:.3f}-"
-                         f"{x['ratio_range'][1]:.3f}) | {x['cpu_ratio']:.3f} | {_j(x['work'])} ({_j(r['plain']['work'])}) "
-                         f"| {x['work_ratio']:.3f} | {x['per_work']:.2f} | {x['cpu_per_work']:.2f} | {goal} |")
+                         f"{x['ratio_range'][1]:.3f}) | {x['cpu_ratio']:.3f} | {_j(x['work'])} "
+                         f"({_j(r['plain']['work'])}) | {x['work_ratio']:.3f} | {x['per_work']:.2f} | "
+                         f"{x['cpu_per_work']:.2f} | {goal} |")
     lines += ["", "## Bytes per rank against the closed form", "",
               "Bytes each rank sent in one fwd+bwd (CommStats) against `closed_form_by_kind(strategy, P, Shapes(...), "
               "rank, causal=True, window=...)` (softcap and sinks: the plain form; they change no exchange). "
               "Must be 1.000.", "",
-              "| strategy | variant | bytes/rank measured | closed form | measured / closed form |", "|---|---|---|---|---|"]
+              "| strategy | variant | bytes/rank measured | closed form | measured / closed form |",
+              "|---|---|---|---|---|"]
     for name, r in rows.items():
         for key, x in r.items():
-            lines.append(f"| {name} | {key} | {_j(x['bytes'])} | {_j(x['form'])} | {_j(x['bytes_ratio'], '{:.3f}')} |")
+            lines.append(f"| {name} | {key} | {_j(x['bytes'])} | {_j(x['form'])} | "
+                         f"{_j(x['bytes_ratio'], '{:.3f}')} |")
     lines += ["", "## Softcap and sinks: time / time of plain attention", "",
               f"Same shapes; softcap {meta['softcap']:g} takes the exact written-out path on CPU (row tiles of the "
               "math kernel: no fused op caps scores); sinks fold into the final merge. Goal: sinks overhead < "
@@ -191,6 +262,24 @@ def render(rows: Dict[str, dict], meta) -> str:
                      f"({s['ratio_range'][0]:.3f}-{s['ratio_range'][1]:.3f}) | {s['cpu_ratio']:.3f} | "
                      f"{s['ratio'] - 1:+.1%} | < {GOAL_SINKS:.0%}: wall {ok(s['ratio'] - 1 < GOAL_SINKS)}, CPU "
                      f"{ok(s['cpu_ratio'] - 1 < GOAL_SINKS)} |")
+    if pieces:
+        lines += ["", "## Kernel calls alone: the busiest rank's sub-blocks with and without the window", "",
+                  "One process, one thread, after the rounds: forward + backward of every sub-block the busiest "
+                  "position computes (the strategy's blocks without a window; the masked policy's band pieces, cut "
+                  "into the torch kernel's tiles, with one), no merge and no communication; median of "
+                  f"{meta.get('kernel_rounds')} runs. Rounds CPU: that rank's median CPU seconds in the rounds above "
+                  "(kernel + merges + the ring loop). Per pair / plain: the window's cost per visible pair over "
+                  "plain attention's, which is what time / work measures, less the loop.", "",
+                  "| strategy | window | rank | sub-blocks | visible pairs | kernel s | ns per pair | per pair / "
+                  "plain | rounds CPU s |", "|---|---|---|---|---|---|---|---|---|"]
+        base = {x["strategy"]: x["ns_per_pair"] for x in pieces if x["window"] is None}
+        for x in pieces:
+            key = "plain" if x["window"] is None else f"window={x['window']}"
+            cpu = rows.get(x["strategy"], {}).get(key, {}).get("cpu")
+            rounds_cpu = "" if cpu is None else f"{cpu[x['rank']]:.3f}"
+            lines.append(f"| {x['strategy']} | {x['window'] or '-'} | {x['rank']} | {x['subblocks']} | {x['pairs']} | "
+                         f"{x['cpu']:.3f} | {x['ns_per_pair']:.0f} | {x['ns_per_pair'] / base[x['strategy']]:.2f} | "
+                         f"{rounds_cpu} |")
     lines += ["", meta.get("notes", ""), ""]
     return "\n".join(lines)
 
@@ -210,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--kernel-rounds", type=int, default=3, help="rounds of the kernel-calls-alone timing on "
+                    "rank 0 after the measurement (0: skip)")
     ap.add_argument("--out", default="reports")
     ap.add_argument("--name", default="window_cpu")
     ap.add_argument("--notes", default="", help="free text added to the page")
@@ -231,10 +322,11 @@ def resolve(args) -> argparse.Namespace:
     return args
 
 
-def write(rows, meta, out: str) -> int:
+def write(rows, meta, out: str, pieces: Optional[List[dict]] = None) -> int:
     """<out>/<name>.md and the numbers behind it, <out>/<name>.json (--render re-writes the page)."""
     from .packed import write_page
-    return write_page(render(rows, meta), {"rows": rows, "meta": meta}, out, meta["name"], PROG)
+    return write_page(render(rows, meta, pieces), {"rows": rows, "pieces": pieces, "meta": meta}, out, meta["name"],
+                      PROG)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -246,12 +338,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         import json
         with open(args.render) as f:
             saved = json.load(f)
-        return write(saved["rows"], saved["meta"], os.path.dirname(args.render) or ".")
+        return write(saved["rows"], saved["meta"], os.path.dirname(args.render) or ".", saved.get("pieces"))
     args = resolve(args)
     per_rank, meta = measure_on_pool(bench_rank, args, command_line(PROG, argv))
     facts = machine_facts()
     meta.update(cpu_model=facts["cpu_model"], torch=facts["torch"], deepspeed=facts["deepspeed"])
-    return write(summarize(per_rank, args), meta, args.out)
+    return write(summarize(per_rank, args), meta, args.out, per_rank[0].get("pieces"))
 
 
 __all__ = ["main", "bench_rank", "summarize", "render", "write", "window_work", "policy_work", "closed_forms",

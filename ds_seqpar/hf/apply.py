@@ -42,6 +42,7 @@ class SequenceParallelState:
         self.previous_loss = previous_loss
         self.calls: set = set()           # attention layers that called the function in this forward
         self.labels_given = False
+        self.shift_labels_given = False
         self.loss_routed = False
         self.handles: List = []
 

@@ -19,7 +19,8 @@ Before the forward (refusals that depend on the call, not only on the config):
   * use_cache is forced off (a cache would make the model skip packed-sequence handling and keep
     keys it never needs in training).
 After the forward: every attention layer must have called the function (models whose attention
-ignores the registry are caught here at the latest), and labels must have reached sp.loss.
+ignores the registry are caught here at the latest), and a loss the model returns must have come
+from the routed loss function (labels reached it).
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ def install(model, state) -> list:
             kwargs["use_cache"] = False
         state.calls = set()
         state.labels_given = call.get("labels") is not None
+        state.shift_labels_given = call.get("shift_labels") is not None
         state.loss_routed = False
         return args, kwargs
 
@@ -62,7 +64,11 @@ def install(model, state) -> list:
             raise UnsupportedModelError(f"ds_seqpar.hf: {len(missing)} attention layer(s) did not call the "
                                         f"sequence-parallel attention (first: {missing[0]}): this model's attention "
                                         f"does not go through transformers' AttentionInterface")
-        if state.labels_given and not state.loss_routed:
+        if state.labels_given and not state.loss_routed and not state.shift_labels_given \
+                and getattr(output, "loss", None) is not None:
+            # a loss that did not go through model.loss_function would shift the labels again, unless the
+            # call gave shift_labels (transformers' convention for already-shifted targets, which
+            # sequence-parallel trainers pass and TRL's fused LM head scores as they are)
             raise UnsupportedModelError(f"ds_seqpar.hf: {type(module).__name__} computed its loss without "
                                         f"model.loss_function, so it was not the sequence-parallel loss; call "
                                         f"without labels and use sp.loss(out.logits, batch['labels'])")

@@ -9,12 +9,12 @@ from ds_seqpar.bench.window import bench_rank, build_parser, policy_work, resolv
 def test_window_bench_runs_bytes_match_closed_forms_and_page_is_written(pool, tmp_path):
     args = resolve(build_parser().parse_args(["--P", "2", "--seq", "256", "--windows", "16,100", "--softcap", "5",
                                               "--heads", "2", "--head-dim", "16", "--repeats", "1",
-                                              "--warmup", "0", "--out", str(tmp_path)]))
+                                              "--warmup", "0", "--kernel-rounds", "1", "--out", str(tmp_path)]))
     per_rank = pool.run(bench_rank, args)[:2]
     rows = summarize(per_rank, args)
     assert set(rows) == {"ring", "zigzag", "striped", "ulysses"}
     for name, r in rows.items():
-        assert list(r) == ["plain", "window=16", "window=100", "softcap=5", "sinks"], list(r)
+        assert list(r) == ["plain", "sinks", "window=16", "window=100", "softcap=5"], list(r)
         for key, x in r.items():
             assert x["bytes_ratio"] == [1.0, 1.0], (name, key, x["bytes"], x["form"])
         assert 0 < r["window=16"]["work_ratio"] < r["window=100"]["work_ratio"] < 1, name
@@ -25,8 +25,14 @@ def test_window_bench_runs_bytes_match_closed_forms_and_page_is_written(pool, tm
             assert window_work(name, 2, 256, w) == policy_work(name, 2, 256, w), (name, w)
     assert window_work("ring", 2, 256, None) == [128 * 129 // 2, 128 * 129 // 2 + 128 * 128]
     meta = dict(vars(args), cpus=2, elapsed=1.0, load_before="0", load_after="0", load_during=0.0, command="x y")
-    assert write(rows, meta, str(tmp_path)) == 0
+    pieces = per_rank[0]["pieces"]                            # kernel calls alone: every strategy, plain + windows
+    assert [(x["strategy"], x["window"]) for x in pieces] == [(s, w) for s in rows for w in (None, 16, 100)]
+    for x in pieces:              # the busiest position's pairs (Ulysses: every pair, for its half of the heads)
+        work = window_work(x["strategy"], 2, 256, x["window"])
+        assert x["pairs"] == (sum(work) if x["strategy"] == "ulysses" else max(work)), x
+    assert write(rows, meta, str(tmp_path), pieces) == 0
     page = (tmp_path / "window_cpu.md").read_text()
     assert "Command: `x y`" in page and "| ring | 16 |" in page and "| zigzag | window=100 |" in page, page
     assert "| ulysses | sinks |" in page and "1.000 / 1.000" in page and "sinks overhead" in page, page
+    assert "## Kernel calls alone" in page and "| ring | 16 | 1 |" in page, page
     assert json.loads((tmp_path / "window_cpu.json").read_text())["meta"]["windows"] == [16, 100]
