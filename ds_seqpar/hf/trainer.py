@@ -151,6 +151,12 @@ class SequenceParallelMixin:
         logits unsharded to full length, the labels as the collator gave them."""
         if self.sp is None:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        owner = _owner(type(self), "prediction_step")
+        if owner.__name__ != "Trainer":
+            # TRL's eval step normalises by each rank's own token count: the group's mean of those is not
+            # plain's (training is: it gets num_items_in_batch)
+            raise ConfigError(f"ds_seqpar.hf: evaluation with {owner.__name__} (its own prediction_step) is not yet exact "
+                              f"under sequence parallelism; evaluate with SequenceParallelTrainer, or with size 1")
         labels, length = inputs.get("labels"), inputs["input_ids"].shape[1]
         loss, logits, _ = super().prediction_step(model, self._shard_batch(inputs), prediction_loss_only, ignore_keys)
         if loss is not None:
@@ -262,18 +268,18 @@ def _refuse_inexact(targs, kwargs) -> None:
         refuse("predict_with_generate", "generation runs one token at a time", "evaluate the loss instead")
 
 
+VERIFIED_LOSSES = ("Trainer", "SFTTrainer")     # classes whose compute_loss is tested equal to plain dp
+
+
 def _refuse_unverified_loss(cls) -> None:
-    """Trainer subclasses that compute the loss or the eval step themselves (TRL's SFTTrainer: a fused LM
-    head, its own prediction_step) are not yet shown equal to plain data parallelism: refused by name
-    rather than trained approximately."""
-    from transformers import Trainer
-    own = [name for name in ("compute_loss", "prediction_step") if _owner(cls, name) is not Trainer]
-    if own:
-        owner = _owner(cls, own[0]).__name__
-        raise ConfigError(f"ds_seqpar.hf: {owner} overrides {', '.join(own)}; sequence parallelism is verified equal to "
-                          f"plain data parallelism with transformers' Trainer's loss and eval step only (TRL's "
-                          f"SFTTrainer is not yet: its fused loss differs from plain data parallelism by ~1e-5 "
-                          f"relative under the ring layouts); use SequenceParallelTrainer with the model's loss")
+    """A Trainer subclass that computes the loss itself is refused by name unless its loss is one the
+    tests show equal to plain data parallelism (transformers' Trainer; TRL's SFTTrainer, whose fused
+    LM head scores the shards' shift_labels over num_items_in_batch)."""
+    owner = _owner(cls, "compute_loss")
+    if owner.__name__ not in VERIFIED_LOSSES:
+        raise ConfigError(f"ds_seqpar.hf: {owner.__name__} overrides compute_loss; sequence parallelism is verified "
+                          f"equal to plain data parallelism with the losses of {', '.join(VERIFIED_LOSSES)} only; "
+                          f"compute the loss through the model (model.loss_function) or use SequenceParallelTrainer")
 
 
 def _owner(cls, name):

@@ -18,8 +18,8 @@ import pytest
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 
 
-def _example():
-    spec = importlib.util.spec_from_file_location("hf_trainer_example", os.path.join(ROOT, "examples", "hf_trainer.py"))
+def _example(name="hf_trainer"):
+    spec = importlib.util.spec_from_file_location(f"{name}_example", os.path.join(ROOT, "examples", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -46,6 +46,21 @@ def run_trainer(cfg, micro, steps=3, eval_samples=0):
             PartialState._reset_state()
 
 
+_PLAIN = {}
+
+
+def plain_run(pool, stage, eval_samples=0, runner=None, *extra):
+    """The plain data-parallel reference (size 1, micro batch 1), computed once per session: the
+    launcher test (tests/e2e/test_hf_trainer.py) compares against the same run."""
+    runner = runner or run_trainer
+    key = (runner.__name__, stage, eval_samples, extra)
+    if key not in _PLAIN:
+        cfg = ds_config(stage, strategy="zigzag", size=1)
+        args = (cfg, 1) + ((3, eval_samples) if runner is run_trainer else extra)
+        _PLAIN[key] = pool.run(runner, *args)[0]
+    return _PLAIN[key]
+
+
 def assert_same_training(what, got, want):
     steps, params = got[:2]
     ref_steps, ref_params = want[:2]
@@ -60,27 +75,27 @@ def assert_same_training(what, got, want):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_trainer_equals_plain_data_parallelism(pool, stage):
-    plain = pool.run(run_trainer, ds_config(stage, strategy="zigzag", size=1), 1)[0]
-    cases = [dict(strategy="zigzag", size=2), dict(strategy="ulysses", size=4)]
-    if stage == 2:
-        cases += [dict(strategy="ring", size=2), dict(strategy="striped", size=4, ulysses_size=2)]
-    for sp in cases:
-        got = pool.run(run_trainer, ds_config(stage, **sp), sp["size"])[0]
-        assert_same_training(f"ZeRO-{stage} {sp}", got, plain)
-
-
-def test_eval_and_predict_equal_plain_data_parallelism(pool):
-    """10 eval samples: the last eval step holds 2 real samples of 4 (accelerate pads with the first
-    samples again and truncates after the gather); eval runs sequence-parallel, predict() returns
-    full-length logits and the collator's labels. Two replicas of 2 and four plain processes of 1 pad
-    the last step with the same samples, and the Trainer normalises each step's loss by the tokens of
-    the padded step, so the eval_loss of plain data parallelism depends on the replica count: the
-    sequence-parallel runs here have 2 replicas, matched by the plain run's padding."""
+    """At ZeRO-2 also eval and predict: 10 eval samples, so the last eval step holds 2 real samples of 4
+    (accelerate pads with the first samples again and truncates after the gather); eval runs
+    sequence-parallel, predict() returns full-length logits and the collator's labels. (Two replicas
+    of 2 and four plain processes of 1 pad that step with the same samples; the Trainer normalises a
+    step's eval loss by the tokens of the padded step, so plain's eval_loss depends on the replica
+    count: the run compared has 2 replicas.)"""
     import numpy as np
-    plain = pool.run(run_trainer, ds_config(2, strategy="zigzag", size=1), 1, 1, 10)[0]
-    for sp in (dict(strategy="zigzag", size=2), dict(strategy="ulysses", size=2)):
-        got = pool.run(run_trainer, ds_config(2, **sp), sp["size"], 1, 10)[0]
-        assert_same_training(f"eval run {sp}", got, plain)
+    eval_samples = 10 if stage == 2 else 0
+    plain = plain_run(pool, stage, eval_samples)
+    cases = [dict(strategy="zigzag", size=2)]
+    if stage == 2:            # every strategy family once, at the stage the examples use
+        cases += [dict(strategy="ulysses", size=4), dict(strategy="ring", size=2),
+                  dict(strategy="striped", size=4, ulysses_size=2)]
+    if stage == 3:
+        cases += [dict(strategy="ulysses", size=4)]
+    for i, sp in enumerate(cases):
+        evaluated = eval_samples if i == 0 else 0
+        got = pool.run(run_trainer, ds_config(stage, **sp), sp["size"], 3, evaluated)[0]
+        assert_same_training(f"ZeRO-{stage} {sp}", got, plain)
+        if not evaluated:
+            continue
         (loss, logits, labels), (ref_loss, ref_logits, ref_labels) = got[2], plain[2]
         assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (sp, loss, ref_loss)
         assert logits.shape[0] == ref_logits.shape[0] == 10, (logits.shape, ref_logits.shape)
@@ -88,3 +103,29 @@ def test_eval_and_predict_equal_plain_data_parallelism(pool):
         real = ref_labels[:, :n] != -100
         assert np.abs(logits[:, :n][real] - ref_logits[:, :n][real]).max() <= 1e-4, sp
         assert (labels[:, :n][real] == ref_labels[:, :n][real]).all(), sp
+
+
+def run_sft(cfg, micro, padding_free=False):
+    """On every rank: TRL's SFTTrainer with the mixin (examples/trl_sft.py); rank 0 returns (steps, params)."""
+    from accelerate.state import AcceleratorState, PartialState
+    example = _example("trl_sft")
+    with tempfile.TemporaryDirectory() as out:
+        try:
+            return example.train(cfg, out, max_steps=3, gradient_accumulation_steps=3,
+                                 per_device_train_batch_size=micro, padding_free=padding_free)
+        finally:
+            AcceleratorState._reset_state(reset_partial_state=False)
+            PartialState._reset_state()
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_trl_sft_trainer_equals_plain_data_parallelism(pool, padding_free):
+    """TRL's own loss (its fused LM head on the shards' shift_labels), metrics and collators; right-padded
+    rows, or padding-free rows (one packed row per micro-batch, documents from position_ids)."""
+    plain = plain_run(pool, 2, 0, run_sft, padding_free)
+    cases = [dict(strategy="zigzag", size=2)] + ([] if padding_free else [dict(strategy="ulysses", size=4)])
+    for sp in cases:
+        got = pool.run(run_sft, ds_config(2, **sp), sp["size"], padding_free)[0]
+        assert_same_training(f"SFTTrainer padding_free={padding_free} {sp}", got, plain)
+        for g, w in zip(got[0], plain[0]):
+            assert g["mean_token_accuracy"] == w["mean_token_accuracy"], (sp, g, w)

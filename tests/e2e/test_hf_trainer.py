@@ -18,7 +18,7 @@ import torch
 
 from ds_seqpar.launch.env import free_port
 
-from ..dist.test_hf_trainer import assert_same_training, ds_config, run_trainer
+from ..dist.test_hf_trainer import assert_same_training, plain_run
 from .test_launchers import ROOT, run
 
 pytestmark = pytest.mark.launcher
@@ -34,5 +34,5 @@ def test_example_under_the_deepspeed_launcher_equals_plain_data_parallelism(pool
     assert "'sp/size': 2" in log, "no sequence-parallel metrics were logged"
     with open(out / "steps.json") as f:
         got = (json.load(f), torch.load(out / "final.pt"))
-    plain = pool.run(run_trainer, ds_config(2, strategy="zigzag", size=1), 1)[0]
+    plain = plain_run(pool, 2, 10)              # the run tests/dist/test_hf_trainer.py compares against
     assert_same_training("deepspeed launcher, zigzag dp2 x sp2", got, plain)

@@ -42,5 +42,7 @@ def test_trainers_with_their_own_loss_are_refused_until_verified():
 
     with pytest.raises(ConfigError, match="OwnLoss overrides compute_loss"):
         _refuse_unverified_loss(sequence_parallel(OwnLoss))
+    from trl import SFTTrainer
+    _refuse_unverified_loss(sequence_parallel(SFTTrainer))        # its fused loss: tests/dist/test_hf_trainer.py
     cls = sequence_parallel(transformers.Trainer)
     assert sequence_parallel(cls) is cls and cls.__name__ == "SequenceParallelTrainer"
