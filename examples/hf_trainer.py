@@ -41,10 +41,10 @@ def pad_right(rows):
 
 
 def train(deepspeed, output_dir, max_steps=4, gradient_accumulation_steps=3, per_device_train_batch_size=2,
-          samples=64, eval_samples=0):
+          samples=64, eval_samples=0, gradient_checkpointing=False, lora=False):
     """Train; returns (per-step log [{step, loss, grad_norm, learning_rate}], final parameters) on world
     rank 0 (None elsewhere); with ``eval_samples``, also (eval metrics, predict() logits, label ids)
-    after training. ``deepspeed``: a path or a dict."""
+    after training. ``deepspeed``: a path or a dict; ``lora``: LoRA adapters (peft) on q/v projections."""
     import transformers as T
     from ds_seqpar.hf import SequenceParallelTrainer
 
@@ -53,13 +53,18 @@ def train(deepspeed, output_dir, max_steps=4, gradient_accumulation_steps=3, per
         per_device_train_batch_size=per_device_train_batch_size,
         gradient_accumulation_steps=gradient_accumulation_steps, learning_rate=3e-3, warmup_steps=1,
         max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to="none", seed=0,
-        per_device_eval_batch_size=per_device_train_batch_size,
+        per_device_eval_batch_size=per_device_train_batch_size, gradient_checkpointing=gradient_checkpointing,
         dataloader_num_workers=0, use_cpu=not torch.cuda.is_available())
     config = T.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, vocab_size=96, max_position_embeddings=256,
                            attention_dropout=0.0, use_cache=False)
     torch.manual_seed(0)
     model = T.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    if lora:
+        from peft import LoraConfig, get_peft_model
+        torch.manual_seed(1)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                 lora_dropout=0.0, init_lora_weights="gaussian"))
     eval_set = synthetic_sft(eval_samples, 96, seed=1) if eval_samples else None
     trainer = SequenceParallelTrainer(model=model, args=args, train_dataset=synthetic_sft(samples, 96),
                                       eval_dataset=eval_set, data_collator=pad_right)

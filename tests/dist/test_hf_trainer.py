@@ -33,14 +33,14 @@ def ds_config(stage, **sequence_parallel):
     return cfg
 
 
-def run_trainer(cfg, micro, steps=3, eval_samples=0):
+def run_trainer(cfg, micro, steps=3, eval_samples=0, **options):
     """On every rank: one Trainer run; rank 0 returns (steps, params[, (eval_loss, logits, labels)])."""
     from accelerate.state import AcceleratorState, PartialState
     example = _example()
     with tempfile.TemporaryDirectory() as out:
         try:
             return example.train(cfg, out, max_steps=steps, gradient_accumulation_steps=3,
-                                 per_device_train_batch_size=micro, eval_samples=eval_samples)
+                                 per_device_train_batch_size=micro, eval_samples=eval_samples, **options)
         finally:
             AcceleratorState._reset_state(reset_partial_state=False)
             PartialState._reset_state()
@@ -103,6 +103,15 @@ def test_trainer_equals_plain_data_parallelism(pool, stage):
         real = ref_labels[:, :n] != -100
         assert np.abs(logits[:, :n][real] - ref_logits[:, :n][real]).max() <= 1e-4, sp
         assert (labels[:, :n][real] == ref_labels[:, :n][real]).all(), sp
+
+
+@pytest.mark.parametrize("option", ["gradient_checkpointing", "lora"])
+def test_gradient_checkpointing_and_lora_equal_plain(pool, option):
+    """Gradient checkpointing (the attention's collectives run again in the recompute) and LoRA
+    adapters (peft wraps the model; sequence parallelism goes on the base model)."""
+    plain = pool.run(run_trainer, ds_config(2, strategy="zigzag", size=1), 1, 3, 0, **{option: True})[0]
+    got = pool.run(run_trainer, ds_config(2, strategy="zigzag", size=2), 2, 3, 0, **{option: True})[0]
+    assert_same_training(f"{option} zigzag P=2", got, plain)
 
 
 def run_sft(cfg, micro, padding_free=False):
