@@ -39,7 +39,7 @@ def make_attention_function(state) -> Callable:
         causal, seq_len, cu_seqlens = _call_options(module, kwargs)
         check_call(where, query, key, attention_mask, dropout, kwargs, sp.size, causal, seq_len)
         n_global = query.shape[2] * sp.size
-        window, softcap, sinks = score_options(module, kwargs, n_global)
+        window, softcap, sinks = score_options(kwargs, n_global)
         cu_seqlens = chunked_documents(module, cu_seqlens, seq_len or n_global)
         state.calls.add(id(module))
         # [b, h, s, d] -> [b, s, h, d]: sp.attention's layout (contiguous: strategies view and split it)
@@ -53,7 +53,7 @@ def make_attention_function(state) -> Callable:
     return ds_seqpar_attention
 
 
-def score_options(module, kwargs, n_global: int):
+def score_options(kwargs, n_global: int):
     """(window, softcap, sinks) of this layer's call, as transformers passes them to its attention
     functions: ``sliding_window`` (per layer: None on full-attention layers), ``softcap`` (Gemma 2),
     ``s_aux`` (gpt-oss sinks). A window that covers the whole sequence masks nothing and is dropped."""

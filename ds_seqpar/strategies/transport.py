@@ -177,11 +177,9 @@ class DirectGrads:
         frm = (self._me - step) % self._p                   # backward: it holds my block at this step
         theirs = self._range(frm, self._me)
         recvs = [(_empty_rows(t, theirs[1] - theirs[0]), frm) for t in self._like] if theirs else []
-        self._into = theirs
+        self._into = theirs or (0, 0)                      # where the arriving share lands in home
         self._pending = comm.p2p(sends, recvs, self._ctx.ring_group, self._ctx.stats, "ring_grad")
         self._sent = sends                                  # alive until the transfer is waited for
-        if not recvs:
-            self._into = (0, 0)
         if not self._overlap:
             self._land(home)
 
