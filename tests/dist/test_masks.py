@@ -12,7 +12,7 @@ from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind
 
 from ..dist_checks import global_inputs
 from ..reference import assert_derived_close, mask_of, masked_attention_with_grads
-from .test_ring import CountingKernel
+from .test_ring import counted_fwd_bwd
 
 HEAD_DIM = 8
 SINKS = torch.tensor([0.5, -1.0, 2.0, 0.0])
@@ -76,19 +76,12 @@ def test_masks_and_score_modifiers_match_dense_reference(pool, size):
 def _window_work_and_bytes(cfgs, seq, window, causal):
     out = []
     for cfg in cfgs:
-        sp = SequenceParallel(cfg)
-        counter = CountingKernel(sp.kernel)
-        sp.strategy.ctx.kernel = counter
-        q, k, v, dout = global_inputs(11, 1, seq, 4, 2, HEAD_DIM)
-        q_l, k_l, v_l = (sp.shard(t).detach().requires_grad_() for t in (q, k, v))
-        sp.stats.reset()
-        sp.attention(q_l, k_l, v_l, causal=causal, window=window).backward(sp.shard(dout))
-        got = {kind: b for kind, b in sp.stats.bytes.items() if b}
+        sp, calls, got = counted_fwd_bwd(cfg, 11, seq, causal, HEAD_DIM, window=window)
         want = closed_form_by_kind(cfg["strategy"], sp.size, Shapes(1, seq, 4, 2, HEAD_DIM), sp.rank,
                                    cfg.get("ulysses_size", 1), causal=causal, window=window)
         mine = sp.layout.indices(seq, sp.rank)
         visible = int(mask_of(seq, causal, window)[mine].sum())
-        out.append((cfg, sp.rank, counter.calls, visible, got, want))
+        out.append((cfg, sp.rank, calls, visible, got, want))
     return out
 
 

@@ -12,7 +12,7 @@ from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind
 
 from ..dist_checks import global_inputs
 from ..reference import assert_derived_close, packed_attention_with_grads
-from .test_ring import CountingKernel
+from .test_ring import counted_fwd_bwd
 
 HEAD_DIM = 16
 # (global length, cu_seqlens): odd lengths, a 1-token document, documents shorter than a shard, end
@@ -91,17 +91,10 @@ def _visible_pairs(sp, seq, bounds, causal):
 def _work_and_bytes(cfgs, seq, bounds, causal):
     out = []
     for cfg in cfgs:
-        sp = SequenceParallel(cfg)
-        counter = CountingKernel(sp.kernel)
-        sp.strategy.ctx.kernel = counter
-        q, k, v, dout = global_inputs(9, 1, seq, 4, 2, HEAD_DIM)
-        q_l, k_l, v_l = (sp.shard(t).detach().requires_grad_() for t in (q, k, v))
-        sp.stats.reset()
-        sp.attention(q_l, k_l, v_l, causal=causal, cu_seqlens=bounds).backward(sp.shard(dout))
+        sp, calls, got = counted_fwd_bwd(cfg, 9, seq, causal, HEAD_DIM, cu_seqlens=bounds)
         want = closed_form_by_kind(cfg["strategy"], sp.size, Shapes(1, sp.padded_len(seq), 4, 2, HEAD_DIM),
                                    sp.rank, cu_seqlens=bounds, causal=causal)
-        got = {kind: b for kind, b in sp.stats.bytes.items() if b and kind != "cu_seqlens_check"}
-        out.append((cfg, sp.rank, counter.calls, _visible_pairs(sp, seq, bounds, causal), got, want))
+        out.append((cfg, sp.rank, calls, _visible_pairs(sp, seq, bounds, causal), got, want))
     return out
 
 

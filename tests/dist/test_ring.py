@@ -117,6 +117,21 @@ class CountingKernel(AttentionKernel):
         return self.inner.backward(dout, q, k, v, out, lse, causal, scale, softcap)
 
 
+def counted_fwd_bwd(cfg, seed, seq, causal, head_dim, **options):
+    """One sp.attention forward + backward on fresh global inputs (batch 1, 4 q / 2 k/v heads) with a
+    counting kernel: (sp, {phase: [pairs per kernel call]}, {CommStats kind: bytes sent}) of this rank,
+    without the packed-document agreement check's bytes. ``options``: cu_seqlens, window, ..."""
+    sp = SequenceParallel(cfg)
+    counter = CountingKernel(sp.kernel)
+    sp.strategy.ctx.kernel = counter
+    q, k, v, dout = global_inputs(seed, 1, seq, 4, 2, head_dim)
+    q_l, k_l, v_l = (sp.shard(t).detach().requires_grad_() for t in (q, k, v))
+    sp.stats.reset()
+    sp.attention(q_l, k_l, v_l, causal=causal, **options).backward(sp.shard(dout))
+    sent = {kind: b for kind, b in sp.stats.bytes.items() if b and kind != "cu_seqlens_check"}
+    return sp, counter.calls, sent
+
+
 def _work_per_rank(cfgs, causal):
     out = []
     for cfg in cfgs:
