@@ -41,10 +41,13 @@ def pad_right(rows):
 
 
 def train(deepspeed, output_dir, max_steps=4, gradient_accumulation_steps=3, per_device_train_batch_size=2,
-          samples=64, eval_samples=0, gradient_checkpointing=False, lora=False):
+          samples=64, eval_samples=0, gradient_checkpointing=False, lora=False, save_steps=0,
+          resume_from_checkpoint=None):
     """Train; returns (per-step log [{step, loss, grad_norm, learning_rate}], final parameters) on world
     rank 0 (None elsewhere); with ``eval_samples``, also (eval metrics, predict() logits, label ids)
-    after training. ``deepspeed``: a path or a dict; ``lora``: LoRA adapters (peft) on q/v projections."""
+    after training. ``deepspeed``: a path or a dict; ``lora``: LoRA adapters (peft) on q/v projections;
+    ``save_steps``: a checkpoint every that many steps in output_dir; ``resume_from_checkpoint``: as
+    ``Trainer.train`` takes it."""
     import transformers as T
     from ds_seqpar.hf import SequenceParallelTrainer
 
@@ -52,7 +55,8 @@ def train(deepspeed, output_dir, max_steps=4, gradient_accumulation_steps=3, per
         output_dir=output_dir, deepspeed=deepspeed, max_steps=max_steps,
         per_device_train_batch_size=per_device_train_batch_size,
         gradient_accumulation_steps=gradient_accumulation_steps, learning_rate=3e-3, warmup_steps=1,
-        max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to="none", seed=0,
+        max_grad_norm=1.0, logging_steps=1, save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500, report_to="none", seed=0,
         per_device_eval_batch_size=per_device_train_batch_size, gradient_checkpointing=gradient_checkpointing,
         dataloader_num_workers=0, use_cpu=not torch.cuda.is_available())
     config = T.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -68,7 +72,7 @@ def train(deepspeed, output_dir, max_steps=4, gradient_accumulation_steps=3, per
     eval_set = synthetic_sft(eval_samples, 96, seed=1) if eval_samples else None
     trainer = SequenceParallelTrainer(model=model, args=args, train_dataset=synthetic_sft(samples, 96),
                                       eval_dataset=eval_set, data_collator=pad_right)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     params = final_parameters(trainer)
     evaluated = None
     if eval_set is not None:
