@@ -40,14 +40,25 @@ def pad_right(rows):
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
+def flattening(**options):
+    """transformers' packing collator: each micro-batch one row of its samples, position_ids restarting
+    at every sample, the first label of each -100, no attention_mask."""
+    from transformers import DataCollatorWithFlattening
+    return DataCollatorWithFlattening(**options)
+
+
+COLLATORS = {"pad_right": lambda: pad_right, "flattening": flattening,
+             "flattening_cu_seqlens": lambda: flattening(return_flash_attn_kwargs=True)}
+
+
 def train(deepspeed, output_dir, max_steps=4, gradient_accumulation_steps=3, per_device_train_batch_size=2,
           samples=64, eval_samples=0, gradient_checkpointing=False, lora=False, save_steps=0,
-          resume_from_checkpoint=None):
+          resume_from_checkpoint=None, collator="pad_right"):
     """Train; returns (per-step log [{step, loss, grad_norm, learning_rate}], final parameters) on world
     rank 0 (None elsewhere); with ``eval_samples``, also (eval metrics, predict() logits, label ids)
     after training. ``deepspeed``: a path or a dict; ``lora``: LoRA adapters (peft) on q/v projections;
     ``save_steps``: a checkpoint every that many steps in output_dir; ``resume_from_checkpoint``: as
-    ``Trainer.train`` takes it."""
+    ``Trainer.train`` takes it; ``collator``: one of COLLATORS."""
     import transformers as T
     from ds_seqpar.hf import SequenceParallelTrainer
 
@@ -71,7 +82,7 @@ def train(deepspeed, output_dir, max_steps=4, gradient_accumulation_steps=3, per
                                                  lora_dropout=0.0, init_lora_weights="gaussian"))
     eval_set = synthetic_sft(eval_samples, 96, seed=1) if eval_samples else None
     trainer = SequenceParallelTrainer(model=model, args=args, train_dataset=synthetic_sft(samples, 96),
-                                      eval_dataset=eval_set, data_collator=pad_right)
+                                      eval_dataset=eval_set, data_collator=COLLATORS[collator]())
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     params = final_parameters(trainer)
     evaluated = None

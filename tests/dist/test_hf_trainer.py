@@ -174,3 +174,17 @@ def test_resume_mid_epoch_continues_the_uninterrupted_run(pool, tmp_path, stage)
     for name, want in whole[1].items():
         assert torch.equal(resumed[1][name], want), (f"ZeRO-{stage}: {name} differs after resuming",
                                                      (resumed[1][name] - want).abs().max().item())
+
+
+@pytest.mark.parametrize("collator", ["flattening", "flattening_cu_seqlens"])
+def test_flattening_collator_equals_plain_data_parallelism(pool, collator):
+    """transformers' DataCollatorWithFlattening: a sequence-parallel micro-batch is one packed row of P
+    samples (position_ids restarting per sample; with return_flash_attn_kwargs also cu_seq_lens_q/k);
+    documents never attend across each other. Plain: the same collator at micro batch 1."""
+    plain = pool.run(run_trainer, ds_config(2, strategy="zigzag", size=1), 1, 3, 0, collator=collator)[0]
+    cases = [dict(strategy="zigzag", size=2)]
+    if collator == "flattening":
+        cases += [dict(strategy="ulysses", size=4)]
+    for sp in cases:
+        got = pool.run(run_trainer, ds_config(2, **sp), sp["size"], 3, 0, collator=collator)[0]
+        assert_same_training(f"{collator} {sp}", got, plain)
