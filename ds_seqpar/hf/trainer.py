@@ -231,22 +231,32 @@ def _sequence_parallel(targs) -> Optional[SequenceParallel]:
         raise ConfigError("ds_seqpar.hf: SequenceParallelTrainer reads the strategy from the DeepSpeed config: pass "
                           "TrainingArguments(..., deepspeed='ds.json') (or --deepspeed ds.json)")
     ds = targs.hf_deepspeed_config.config
-    section = ds.get("sequence_parallel")
-    if not section or SequenceParallelConfig.from_ds_config(ds).size == 1:
+    cfg = SequenceParallelConfig.from_ds_config(ds)          # no key: size 1
+    if cfg.size == 1:
         return None
-    cfg = SequenceParallelConfig.from_ds_config(ds)
     world = comm.world_size()
     cfg.check_world(world)
-    micro, accumulation = targs.per_device_train_batch_size, targs.gradient_accumulation_steps
-    filled = ds.get("train_batch_size")
-    if filled == world * micro * accumulation:
-        del ds["train_batch_size"]                        # world-based (HF's fill): DeepSpeed derives dp's
-    elif filled is not None and filled != (world // cfg.size) * micro * accumulation:
-        raise ConfigError(f"train_batch_size={filled}: with sequence_parallel.size={cfg.size} on {world} ranks there "
-                          f"are {world // cfg.size} data-parallel replicas, so it must be "
-                          f"{(world // cfg.size) * micro * accumulation} (micro batch x accumulation x replicas) or "
-                          f"'auto'")
+    replica_batch_size(ds, world, cfg.size, targs.per_device_train_batch_size, targs.gradient_accumulation_steps)
     return SequenceParallel.from_ds_config(ds)
+
+
+def replica_batch_size(ds: dict, world: int, size: int, micro: int, accumulation: int) -> None:
+    """transformers fills ``train_batch_size`` ("auto") with world x micro x accumulation and refuses any
+    other literal at train(); with ``size`` ranks per replica the global batch is (world / size) x micro x
+    accumulation. The world value (HF's fill, or that literal) is removed from ``ds``: DeepSpeed derives
+    the replica value from the mpu. Any other value is refused here, with the fix."""
+    filled = ds.get("train_batch_size")
+    if filled is None:
+        return
+    if filled == world * micro * accumulation:
+        del ds["train_batch_size"]
+        return
+    replicas = world // size
+    raise ConfigError(f"train_batch_size={filled}: transformers requires world x micro batch x accumulation = "
+                      f"{world} x {micro} x {accumulation} = {world * micro * accumulation} (it refuses another "
+                      f"value at train()); with sequence_parallel.size={size} the {replicas} data-parallel "
+                      f"replicas' batch is {replicas * micro * accumulation}, which ds_seqpar hands DeepSpeed "
+                      f"itself: set train_batch_size to 'auto' or remove it")
 
 
 def _refuse_inexact(targs, kwargs) -> None:

@@ -46,3 +46,53 @@ def test_trainers_with_their_own_loss_are_refused_until_verified():
     _refuse_unverified_loss(sequence_parallel(SFTTrainer))        # its fused loss: tests/dist/test_hf_trainer.py
     cls = sequence_parallel(transformers.Trainer)
     assert sequence_parallel(cls) is cls and cls.__name__ == "SequenceParallelTrainer"
+
+
+def test_train_batch_size_is_made_replica_aware_or_refused_with_the_fix():
+    """4 ranks, size 2, micro 2, accumulation 3: HF's fill (and the literal HF requires) is the world value
+    24 -> removed, DeepSpeed derives the replicas' 12 from the mpu; absent stays absent; anything else
+    (the replica value 12 too: transformers refuses it at train()) is refused naming both values."""
+    from ds_seqpar.hf.trainer import replica_batch_size
+    ds = {"train_batch_size": 24, "train_micro_batch_size_per_gpu": 2}
+    replica_batch_size(ds, 4, 2, 2, 3)
+    assert ds == {"train_micro_batch_size_per_gpu": 2}
+    ds = {}
+    replica_batch_size(ds, 4, 2, 2, 3)
+    assert ds == {}
+    for bad in (12, 48, 6):
+        with pytest.raises(ConfigError, match=rf"train_batch_size={bad}: .* = 24 .* replicas' batch is 12.*'auto'"):
+            replica_batch_size({"train_batch_size": bad}, 4, 2, 2, 3)
+
+
+def _targs(config, deepspeed="ds.json"):
+    from types import SimpleNamespace
+    return SimpleNamespace(deepspeed=deepspeed, hf_deepspeed_config=SimpleNamespace(config=config),
+                           per_device_train_batch_size=2, gradient_accumulation_steps=3)
+
+
+def test_no_sequence_parallel_key_or_size_one_is_plain_and_no_deepspeed_config_is_refused(monkeypatch):
+    """docs/trainer.md: no key or size 1 -> the mixin steps aside (plain data parallelism, HF's batch keys
+    untouched, no process group asked for); no deepspeed config -> an error naming the option; a bad
+    section or a size that does not divide the world -> an error naming the key, before any collective."""
+    from ds_seqpar.hf import trainer as module
+    from ds_seqpar.hf.trainer import _sequence_parallel
+
+    def no_world():
+        raise AssertionError("asked for the world size (a process group) although the run is plain")
+
+    monkeypatch.setattr(module.comm, "world_size", no_world)
+    for section in ({}, {"sequence_parallel": {}}, {"sequence_parallel": {"strategy": "zigzag", "size": 1}}):
+        config = dict(section, train_batch_size=24)
+        assert _sequence_parallel(_targs(config)) is None, section
+        assert config["train_batch_size"] == 24, section
+    for deepspeed in (None, ""):
+        with pytest.raises(ConfigError, match=r"deepspeed='ds.json'"):
+            _sequence_parallel(_targs({}, deepspeed))
+    with pytest.raises(ConfigError, match=r"sequence_parallel.strategy='spiral' is not valid"):
+        _sequence_parallel(_targs({"sequence_parallel": {"strategy": "spiral", "size": 2}}))
+    monkeypatch.setattr(module.comm, "world_size", lambda: 3)
+    with pytest.raises(ConfigError, match=r"sequence_parallel.size=2 does not divide the world size 3"):
+        _sequence_parallel(_targs({"sequence_parallel": {"strategy": "zigzag", "size": 2}}))
+    monkeypatch.setattr(module.comm, "world_size", lambda: 4)
+    with pytest.raises(ConfigError, match="train_batch_size=12"):
+        _sequence_parallel(_targs({"sequence_parallel": {"strategy": "zigzag", "size": 2}, "train_batch_size": 12}))
