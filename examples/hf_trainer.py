@@ -40,6 +40,15 @@ def pad_right(rows):
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
+def tiny_model():
+    """A 2-layer Llama-architecture model (GQA: 4 query, 2 key/value heads), vocabulary 96."""
+    import transformers as T
+    config = T.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=96, max_position_embeddings=256,
+                           attention_dropout=0.0, use_cache=False)
+    return T.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
 def flattening(**options):
     """transformers' packing collator: each micro-batch one row of its samples, position_ids restarting
     at every sample, the first label of each -100, no attention_mask."""
@@ -53,12 +62,13 @@ COLLATORS = {"pad_right": lambda: pad_right, "flattening": flattening,
 
 def train(deepspeed, output_dir, max_steps=4, gradient_accumulation_steps=3, per_device_train_batch_size=2,
           samples=64, eval_samples=0, gradient_checkpointing=False, lora=False, save_steps=0,
-          resume_from_checkpoint=None, collator="pad_right"):
+          resume_from_checkpoint=None, collator="pad_right", pretrained=None):
     """Train; returns (per-step log [{step, loss, grad_norm, learning_rate}], final parameters) on world
     rank 0 (None elsewhere); with ``eval_samples``, also (eval metrics, predict() logits, label ids)
     after training. ``deepspeed``: a path or a dict; ``lora``: LoRA adapters (peft) on q/v projections;
     ``save_steps``: a checkpoint every that many steps in output_dir; ``resume_from_checkpoint``: as
-    ``Trainer.train`` takes it; ``collator``: one of COLLATORS."""
+    ``Trainer.train`` takes it; ``collator``: one of COLLATORS; ``pretrained``: a directory to load the
+    model from (else the tiny model below, seed 0)."""
     import transformers as T
     from ds_seqpar.hf import SequenceParallelTrainer
 
@@ -70,11 +80,11 @@ def train(deepspeed, output_dir, max_steps=4, gradient_accumulation_steps=3, per
         save_steps=save_steps or 500, report_to="none", seed=0,
         per_device_eval_batch_size=per_device_train_batch_size, gradient_checkpointing=gradient_checkpointing,
         dataloader_num_workers=0, use_cpu=not torch.cuda.is_available())
-    config = T.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, vocab_size=96, max_position_embeddings=256,
-                           attention_dropout=0.0, use_cache=False)
-    torch.manual_seed(0)
-    model = T.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    if pretrained:      # under ZeRO-3, transformers loads it into partitioned parameters (zero.Init)
+        model = T.AutoModelForCausalLM.from_pretrained(pretrained, attn_implementation="sdpa")
+    else:
+        torch.manual_seed(0)
+        model = tiny_model()
     if lora:
         from peft import LoraConfig, get_peft_model
         torch.manual_seed(1)

@@ -188,3 +188,29 @@ def test_flattening_collator_equals_plain_data_parallelism(pool, collator):
     for sp in cases:
         got = pool.run(run_trainer, ds_config(2, **sp), sp["size"], 3, 0, collator=collator)[0]
         assert_same_training(f"{collator} {sp}", got, plain)
+
+
+def run_pretrained(cfg, micro, directory):
+    """On every rank: a tiny model (seed 7, not the example's 0) saved by rank 0 outside any DeepSpeed
+    context (save_pretrained writes on the main process only), then the example trained from_pretrained."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+    from ds_seqpar import comm
+    example = _example()
+    unset_hf_deepspeed_config()        # an earlier run's ZeRO-3 arguments must not wrap this save in zero.Init
+    path = os.path.join(directory, "tiny")
+    if comm.global_rank() == 0 and not os.path.isdir(path):
+        torch.manual_seed(7)
+        example.tiny_model().save_pretrained(path)
+    comm.barrier()
+    return run_trainer(cfg, micro, pretrained=path)
+
+
+def test_from_pretrained_under_zero3_equals_plain_data_parallelism(pool, tmp_path):
+    """TrainingArguments with a ZeRO-3 config made first, so transformers' from_pretrained builds the model
+    under deepspeed.zero.Init (partitioned over every rank, the group DeepSpeed's engine then uses with
+    sp.mpu) and loads the saved weights into the partitions; with the sequence_parallel key it trains
+    equal to plain. The loaded weights were used: step 1 differs from the from_config run (seed 0)."""
+    plain = pool.run(run_pretrained, ds_config(3, strategy="zigzag", size=1), 1, str(tmp_path))[0]
+    assert plain[0][0]["loss"] != plain_run(pool, 3)[0][0]["loss"], "from_pretrained did not load the saved weights"
+    got = pool.run(run_pretrained, ds_config(3, strategy="zigzag", size=2), 2, str(tmp_path))[0]
+    assert_same_training("from_pretrained ZeRO-3 zigzag P=2", got, plain)
