@@ -22,52 +22,166 @@ TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atten
             d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
             encoder_ffn_dim=96, decoder_ffn_dim=96, n_layers=2, n_heads=4, num_heads=4, rotary_dim=8,
             pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=0,
-            vocab_size_per_layer_input=128, hidden_size_per_layer_input=16, global_head_dim=16)
+            vocab_size_per_layer_input=128, hidden_size_per_layer_input=16, global_head_dim=16,
+            num_experts_per_token=2, num_dense_layers=1, moe_topk=2, zero_expert_num=2, num_expert_group=1)
+TOP_K = ("num_experts_per_tok", "num_experts_per_token", "moe_topk")    # never above the default (some allow only 1)
 MLA = dict(q_lora_rank=16)      # MLA configs (qk_rope_head_dim): head_dim is the rope part, not set
+FILL = dict(n_shared_experts=1)  # sizes a default leaves None that the model multiplies with
+# size keys beyond TINY's (any config level, ints > 64 only): the first pattern that matches the name wins
+SIZES = ((r"token|position|window|max_|seed|rate|chunk|length|image_size|crop|patch|topk|bucket|distance"
+          r"|divisible|offset|scalar|multiple|groups|num_", None),
+         (r"head_dim$|^dim_head$|kv_channels", 16), (r"(^|_)(low)?rank$", 16),
+         (r"intermediate|ffn|(^|_)d_?ff$|^dff$|dim_ff|mlp_dim|d_inner|feed_forward", 96), (r"vocab", 128),
+         (r"hidden|embed_dim|emb_dim|embedding_size|channels?$|d_model|_dim$|input_size", 64))
+# per model type, only what no rule on the config's attributes can express
+QWEN4_QSA = dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=16,
+                 indexer_compress_ratio=4)
+OVERRIDES = {
+    # DbrxAttention reads attn_config.rope_theta, a key DbrxAttentionConfig does not define (no default), and
+    # clamps q/k/v with clip_qkv unconditionally, so its default None crashes (DBRX itself uses 8)
+    "dbrx": dict(attn_config=dict(rope_theta=10000.0, clip_qkv=8.0)),
+    # the default layer_types is None, which the modeling indexes; LFM2-MoE mixes conv and attention layers
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    # the default layer_types name QSA (indexed) layers but every QSA size defaults to None, which the modeling
+    # divides: a small indexer (one k/v head, as the config requires; a budget shorter than the sequence)
+    "qwen4_exp": dict(text_config=dict(QWEN4_QSA)), "qwen4_exp_text": QWEN4_QSA,
+    # the causal LM head asserts is_decoder, which the config leaves False by default
+    "reformer": dict(is_decoder=True),
+}
+
+
+# rows beside a type's own: its tiny config with one feature the default refuses turned off, so that the
+# rest of the architecture still gets an exact-or-refused verdict (the type's own row keeps the refusal)
+VARIANTS = {"llama4_text, attn_temperature_tuning=False": ("llama4_text", dict(attn_temperature_tuning=False))}
 
 
 def causal_lm_types():
+    """Every causal LM type of the installed transformers, then the VARIANTS rows."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) + [v for v in VARIANTS if VARIANTS[v][0] in
+                                                         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
 
 
 def tiny_config(model_type):
     """The model type's own config class with the tiny sizes it has keys for; a window and a chunk
-    size shorter than the sequence where the architecture has them; a nested text config shrunk
-    the same way (multimodal models: refused by name once built)."""
+    size shorter than the sequence where the architecture has them; nested configs (text, vision,
+    audio, attention / ffn parts) shrunk the same way (multimodal models: refused by name once built)."""
     from transformers import CONFIG_MAPPING
+    model_type, extra = VARIANTS.get(model_type, (model_type, {}))
     cls = CONFIG_MAPPING[model_type]
-    return cls(**_tiny_kwargs(cls()))
+    for sizes in (False, True):      # the size keys TINY does not name: only where the model stays too big
+        kw = _tiny_kwargs(cls(), sizes=sizes)   # or is inconsistent without them
+        for k, v in dict(OVERRIDES.get(model_type, {}), **extra).items():
+            kw[k] = dict(kw.get(k) or {}, **v) if isinstance(v, dict) else v
+        try:
+            cfg = cls(**kw)
+            if sizes or _param_count(cfg) <= MAX_PARAMS:
+                return cfg
+        except Exception:                            # noqa: BLE001 - the second pass raises it
+            if sizes:
+                raise
 
 
-def _tiny_kwargs(default):
+def _layer_count_key(values):
+    return next((k for k in ("num_hidden_layers", "num_layers", "n_layer", "n_layers") if isinstance(values.get(k), int)
+                 and not isinstance(values.get(k), bool)), None)
+
+
+def _kept_layers(values, layers, start=None):
+    """The layers the tiny model keeps: the first of every kind a per-layer list of names gives (layer_types,
+    mlp_layer_types, ...) and the first layer a per-layer override names, then the first layers up to 2; where
+    the last layers reuse earlier layers' k/v (num_kv_shared_layers), the same again among those."""
+    shared = values.get("num_kv_shared_layers") or 0
+    if shared and start is None:
+        return _kept_layers(values, layers - shared, 0) + _kept_layers(values, layers, layers - shared)
+    start = start or 0
+    keep = set()
+    for v in values.values():
+        if isinstance(v, list) and len(v) == len(values.get("layer_types") or v) and all(isinstance(x, str) for x in v):
+            keep |= {v.index(x, start) for x in set(v[start:layers])}
+    per_layer = values.get("per_layer_config")
+    if isinstance(per_layer, dict) and [i for i in per_layer if start <= int(i) < layers]:
+        keep.add(min(int(i) for i in per_layer if start <= int(i) < layers))
+    i = start
+    while len(keep) < min(2, layers - start):
+        keep.add(i)
+        i += 1
+    return sorted(keep)
+
+
+def _widths(values, kw):
+    return {values[k]: kw[k] for k in ("head_dim", "d_model", "n_embd", "hidden_size")
+            if isinstance(values.get(k), int) and isinstance(kw.get(k), int) and values[k] > 64}
+
+
+def _tiny_kwargs(default, linked=None, sizes=True):
+    """``linked``: {default size: tiny size} of the enclosing configs' widths, for sizes that must equal them."""
+    import re
+    from transformers import PreTrainedConfig
     values = default.to_dict()
     keys = set(values)
-    kw = {k: v for k, v in TINY.items() if k in keys}
-    layers = next((values[k] for k in ("num_hidden_layers", "num_layers", "n_layer") if isinstance(values.get(k), int)),
-                  None)
-    for k, v in values.items():                       # per-layer lists given as defaults: the first 2 layers
-        if isinstance(v, list) and layers and len(v) == layers and k not in kw:
-            kw[k] = v[:2]
-    if "qk_rope_head_dim" in keys:
+    linked = dict(linked or {})
+    kw = {k: v for k, v in TINY.items() if k in keys and values[k] != 0}     # a 0 default is a feature turned off
+    kw.update({k: v for k, v in FILL.items() if k in keys and values[k] is None})
+    kw.update({k: min(kw[k], values[k]) for k in TOP_K if k in kw and isinstance(values[k], int)})
+    if isinstance(values.get("expand"), int) and "num_heads" in kw and "head_dim" in kw:   # SSM heads: expand x width
+        kw["num_heads"] = values["expand"] * kw["hidden_size"] // kw["head_dim"]
+    if "qk_rope_head_dim" in keys:                    # MLA: head_dim scales with the rope part it contains
         kw.pop("head_dim", None)
-        kw.update({k: v for k, v in MLA.items() if k in keys and getattr(default, k) is not None})
-        if getattr(default, "q_lora_rank", None) is None:
+        if isinstance(values.get("head_dim"), int) and values.get("qk_rope_head_dim") and "qk_rope_head_dim" in kw:
+            kw["head_dim"] = values["head_dim"] * kw["qk_rope_head_dim"] // values["qk_rope_head_dim"]
+        kw.update({k: v for k, v in MLA.items() if k in keys and values[k] is not None})
+        if values.get("q_lora_rank") is None:
             kw["q_lora_rank"] = None
-    text = getattr(default, "text_config", None)
-    if text is not None and hasattr(text, "to_dict") and text is not default:
-        layers = getattr(text, "num_hidden_layers", None)
-        base = {k: v for k, v in text.to_dict().items()           # per-layer lists: rebuilt for 2 layers
-                if not (isinstance(v, list) and layers and len(v) == layers)}
-        kw["text_config"] = dict(base, **_tiny_kwargs(text))
+        if "qk_head_dim" in keys:                    # stored as the sum of its two parts
+            kw["qk_head_dim"] = kw["qk_nope_head_dim"] + kw["qk_rope_head_dim"]
+        if "kv_lora_rank" in keys and "num_key_value_heads" in kw:   # MLA expands k/v for every query head
+            kw["num_key_value_heads"] = kw["num_attention_heads"]
+    layer_key = _layer_count_key(values)
+    layers = values[layer_key] if layer_key else None
+    if layers:
+        keep = _kept_layers(values, layers)
+        kw[layer_key] = len(keep)
+        if values.get("num_kv_shared_layers"):
+            kw["num_kv_shared_layers"] = len([i for i in keep if i >= layers - values["num_kv_shared_layers"]])
+        for k, v in values.items():                   # per-layer lists given as defaults: the kept layers
+            if isinstance(v, list) and len(v) == layers:
+                kw[k] = [kw[k]] * len(keep) if k in kw and not isinstance(kw[k], list) else [v[i] for i in keep]
+    linked.update(_widths(values, kw))
+    for k, v in values.items():                       # size keys TINY does not name: equal to a width, or by name
+        if not sizes or k in kw or not isinstance(v, int) or isinstance(v, bool) or v <= 64:
+            continue
+        size = next((size for pattern, size in SIZES if re.search(pattern, k)), None)
+        if size is not None and v in linked:
+            size = linked[v]
+        if size is not None:
+            kw[k] = size
+    per_layer = values.get("per_layer_config")
+    if layers and isinstance(per_layer, dict) and per_layer:  # per-layer overrides: re-keyed, sizes scaled alike
+        kw["per_layer_config"] = {
+            new: {k: max(1, round(v * kw[k] / values[k])) if isinstance(v, int) and k in kw and values.get(k)
+                  else v for k, v in per_layer[f"{old:02d}" if f"{old:02d}" in per_layer else old].items()}
+            for new, old in enumerate(keep) if f"{old:02d}" in per_layer or old in per_layer}
+    for k in sorted((k for k in keys if isinstance(values[k], dict)), key=lambda k: k != "text_config"):
+        sub = getattr(default, k, None)              # nested configs (text first, then vision, audio, ...)
+        if isinstance(sub, PreTrainedConfig) and sub is not default:
+            sub_values = sub.to_dict()
+            n = sub_values.get(_layer_count_key(sub_values) or "")
+            base = {a: b for a, b in sub_values.items()           # per-layer lists: rebuilt for the kept layers
+                    if not (isinstance(b, list) and n and len(b) == n)}
+            kw[k] = dict(base, **_tiny_kwargs(sub, linked, sizes))
+            linked.update(_widths(sub_values, kw[k]))             # e.g. an audio adapter's output = text width
     # training-mode randomness (dropout, router jitter) would differ between the runs compared
     kw.update({k: 0.0 for k in keys if ("dropout" in k or "pdrop" in k or "jitter" in k)
-               and isinstance(getattr(default, k, None), float)})
-    if getattr(default, "sliding_window", None) is not None:
+               and isinstance(values[k], float)})
+    types = kw.get("layer_types")
+    if values.get("rope_parameters") == {} and isinstance(types, list):    # rope per layer type, none given
+        kw["rope_parameters"] = {t: {"rope_type": "default", "rope_theta": 10000.0} for t in set(types)}
+    if values.get("sliding_window") is not None:
         kw["sliding_window"] = WINDOW
-    if getattr(default, "attention_chunk_size", None) is not None:
+    if values.get("attention_chunk_size") is not None:
         kw["attention_chunk_size"] = WINDOW
-    if getattr(default, "vocab_size", None) is None:
+    if values.get("vocab_size") is None:
         for k in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
             kw.pop(k, None)
     return kw
@@ -84,12 +198,16 @@ def _batch(vocab):
 MAX_PARAMS = 3_000_000          # a "tiny" model bigger than this kept some size key the sweep does not know
 
 
+def _param_count(cfg):
+    import transformers as T
+    with torch.device("meta"):
+        return sum(p.numel() for p in T.AutoModelForCausalLM.from_config(cfg).parameters())
+
+
 def _check_size(cfg):
     """Count the parameters on the meta device first: a config whose sizes the generic shrink missed
     would take gigabytes per rank."""
-    import transformers as T
-    with torch.device("meta"):
-        n = sum(p.numel() for p in T.AutoModelForCausalLM.from_config(cfg).parameters())
+    n = _param_count(cfg)
     if n > MAX_PARAMS:
         raise ValueError(f"the tiny config still has {n / 1e6:.0f}M parameters (size keys the sweep does not shrink)")
 
@@ -102,6 +220,9 @@ def _build(cfg, dtype, state=None):
         model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", experts_implementation="eager")
     except (ValueError, ImportError, TypeError):
         model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    languages = getattr(cfg, "languages", None)      # per-language adapters (X-MOD): the first language's
+    if languages and hasattr(model, "set_default_language"):
+        model.set_default_language(languages[0])
     if state is not None:
         model.load_state_dict(state)
     return model.to(dtype).train()
@@ -216,7 +337,9 @@ def render(rows, seconds, command):
         "",
         "Generated by the zoo sweep (tests/hf_zoo.py, run in CI by tests/dist/test_hf_zoo.py): every model type",
         "in the installed transformers' `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, built as a tiny random-init model from",
-        f"its own config class (hidden 64, 2 layers, 4 heads / 2 k/v heads where the config has those keys; a",
+        f"its own config class (hidden 64, 2 layers or the first of each kind of layer, 4 heads / 2 k/v heads where",
+        "the config has those keys; nested text / vision / audio configs shrunk alike; a few per-type overrides for",
+        f"defaults the modeling cannot run, see OVERRIDES; a",
         f"sliding window and a chunk size of {WINDOW} tokens where it has them), trained one step under every",
         f"softmax strategy at P=2 on {SEQ} tokens: `exact` = logits, loss and every parameter gradient (summed over",
         "the sequence group) equal the unsharded model within the float64-derived tolerance; `refused` = stopped on",
@@ -248,7 +371,8 @@ def main():
         pool.close()
     out = pathlib.Path(__file__).resolve().parent.parent / "docs" / "models.md"
     out.write_text(render(rows, seconds, "python -m tests.hf_zoo"))
-    print(f"wrote {out} ({len(rows)} model types, {seconds:.0f} s)", file=sys.stderr)
+    print(f"wrote {out} ({len(rows)} model types, {seconds:.0f} s); slowest: "
+          + ", ".join(f"{mt} {t:.1f} s" for mt, _, t in sorted(rows, key=lambda row: -row[2])[:12]), file=sys.stderr)
 
 
 if __name__ == "__main__":
