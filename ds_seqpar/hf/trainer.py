@@ -19,9 +19,9 @@ Why it is exact (W = dp * P ranks; replica d is a sequence group of P ranks; S =
   * loss: with that count (``num_items_in_batch``, the Trainer's default for causal LMs) the routed
     loss is this rank's local sum / N (hf/loss.py); the Trainer multiplies by W and DeepSpeed (given
     sp.mpu) averages gradients over W: the gradient is (sum of every shard's sum) / N, plain's.
-  * DeepSpeed: HF fills ``train_batch_size`` = W * micro * GA; with P ranks per replica the real
-    global batch is dp * micro * GA, so a world-filled value is removed (DeepSpeed derives it from
-    the mpu) and any other value must be the replica one. ``sp.mpu`` reaches deepspeed.initialize
+  * DeepSpeed: HF fills ``train_batch_size`` = W * micro * GA (and refuses other literals); with P
+    ranks per replica the real global batch is dp * micro * GA, so that value is removed (DeepSpeed
+    derives dp's from the mpu) and any other one refused with the fix (replica_batch_size). ``sp.mpu`` reaches deepspeed.initialize
     through a wrapper around this trainer's ``accelerator.prepare``, and the first step checks the
     engine holds it (an accelerate change fails loudly instead of training plain dp under our name).
   * right-padded batches (the collators' default): the mask is dropped, exact for causal models (no

@@ -202,14 +202,29 @@ def run_pretrained(cfg, micro, directory):
         torch.manual_seed(7)
         example.tiny_model().save_pretrained(path)
     comm.barrier()
-    return run_trainer(cfg, micro, pretrained=path)
+    import transformers
+    load, partitioned = transformers.AutoModelForCausalLM.from_pretrained, []
+
+    def recording(*args, **kwargs):
+        model = load(*args, **kwargs)
+        partitioned.append(all(hasattr(p, "ds_id") for p in model.parameters()))
+        return model
+
+    transformers.AutoModelForCausalLM.from_pretrained = recording
+    try:
+        result = run_trainer(cfg, micro, pretrained=path)
+    finally:
+        transformers.AutoModelForCausalLM.from_pretrained = load
+    assert partitioned == [True], f"from_pretrained did not build the model under zero.Init: {partitioned}"
+    return result
 
 
 def test_from_pretrained_under_zero3_equals_plain_data_parallelism(pool, tmp_path):
     """TrainingArguments with a ZeRO-3 config made first, so transformers' from_pretrained builds the model
     under deepspeed.zero.Init (partitioned over every rank, the group DeepSpeed's engine then uses with
     sp.mpu) and loads the saved weights into the partitions; with the sequence_parallel key it trains
-    equal to plain. The loaded weights were used: step 1 differs from the from_config run (seed 0)."""
+    equal to plain. Checked on every rank: the model came back partitioned (every parameter has a
+    ds_id), and the loaded weights were used (step 1 differs from the from_config run, seed 0)."""
     plain = pool.run(run_pretrained, ds_config(3, strategy="zigzag", size=1), 1, str(tmp_path))[0]
     assert plain[0][0]["loss"] != plain_run(pool, 3)[0][0]["loss"], "from_pretrained did not load the saved weights"
     got = pool.run(run_pretrained, ds_config(3, strategy="zigzag", size=2), 2, str(tmp_path))[0]
