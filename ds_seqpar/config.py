@@ -18,6 +18,7 @@ from .strategies import RING_STRATEGIES, STRATEGIES
 KEY = "sequence_parallel"
 STRATEGY_NAMES = tuple(STRATEGIES)          # the registry is the one list of strategies
 LASP_COMMS = ("allgather", "ring")
+LINEAR_STRATEGIES = ("lasp", "ulysses")
 COMM_DTYPES = ("auto", "fp32", "bf16", "fp16")
 DS_COMM_DTYPE_KEY = "seq_parallel_communication_data_type"     # DeepSpeed's own key, same values
 
@@ -48,6 +49,12 @@ class SequenceParallelConfig(BaseModel):
     lasp_comm: str = "allgather"
     """LASP state exchange: allgather (LASP-2) | ring (LASP-1)."""
 
+    linear_strategy: str = "lasp"
+    """How a hybrid model's linear-attention and convolution layers are split (``strategy`` keeps
+    choosing the softmax layers'): lasp (state passing, exchanged as ``lasp_comm`` says; the
+    convolutions get a halo of the previous tokens) | ulysses (head all-to-all: whole sequences of
+    a P-th of the heads, the simple baseline)."""
+
     overlap: bool = True
     """Post the next ring / state transfer before computing on the current block."""
 
@@ -74,6 +81,7 @@ class SequenceParallelConfig(BaseModel):
         _check_choice("strategy", self.strategy, STRATEGY_NAMES)
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("lasp_comm", self.lasp_comm, LASP_COMMS)
+        _check_choice("linear_strategy", self.linear_strategy, LINEAR_STRATEGIES)
         _check_choice("comm_dtype", self.comm_dtype, COMM_DTYPES)
         if self.ulysses_size > 1 and self.strategy not in RING_STRATEGIES + ("ulysses",):
             raise ConfigError(
@@ -194,5 +202,6 @@ def _describe(err: ValidationError) -> str:
     return "; ".join(lines)
 
 
-__all__ = ["SequenceParallelConfig", "ConfigError", "KEY", "STRATEGY_NAMES", "BACKENDS", "LASP_COMMS", "COMM_DTYPES",
+__all__ = ["SequenceParallelConfig", "ConfigError", "KEY", "STRATEGY_NAMES", "BACKENDS", "LASP_COMMS", "LINEAR_STRATEGIES",
+           "COMM_DTYPES",
            "check_sizes"]

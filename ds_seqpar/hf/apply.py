@@ -8,6 +8,7 @@ Order of apply (everything that can fail does so before the model is touched, on
   3. set_attn_implementation(key), then verify it took: transformers only warns for models whose
      attention ignores the registry; a forward hook later checks every attention layer called it
   4. route the model's loss to sp.loss (loss.py) and install the forward hooks (hooks.py)
+  5. hybrids: the linear layers' ops get their seams and each layer a pair of hooks (linear_layers.py)
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import torch.nn as nn
 
 from . import hooks
 from .attention import make_attention_function
-from .checks import UnsupportedModelError, check_config, check_heads, check_modules
+from .checks import UnsupportedModelError, check_config, check_heads, check_hybrid, check_modules
+from .linear_layers import LinearMixers, install_seams, linear_modules
 from .loss import make_loss_function
 
 STATE_ATTR = "_ds_seqpar_hf"       # on the model: the SequenceParallelState while applied
@@ -33,8 +35,9 @@ class SequenceParallelState:
     unregister), and the function holds this state: so the layers are held by weak reference, and
     a finished model (with its optimizer's flat buffers behind its parameters) can be freed."""
 
-    def __init__(self, sp, key: str, layers, previous_attn, previous_loss):
+    def __init__(self, sp, key: str, layers, previous_attn, previous_loss, linear_layers=()):
         self.sp = sp
+        self.linear = LinearMixers(sp, linear_layers) if linear_layers else None     # hybrids' other layers
         self.key = key
         self.names: Dict[int, str] = {id(m): f"{n} ({type(m).__name__})" for n, m in layers}
         self._layers = [(n, weakref.ref(m)) for n, m in layers]
@@ -65,12 +68,14 @@ def apply_sequence_parallel(model: nn.Module, sp) -> nn.Module:
     if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
         raise UnsupportedModelError(f"ds_seqpar.hf: {type(model).__name__} is not a transformers PreTrainedModel")
     # 1. refusals (pure, identical on every rank)
-    check_config(model.config)
+    linear = linear_modules(model)
+    check_config(model.config, linear_ok=bool(linear))
     layers = check_modules(model)
+    check_hybrid(model, sp.config, linear)
     check_heads(model.config, sp.config)
     # 2. a key of our own; no "flash" (transformers would load a flash kernel) and no "/" (a hub kernel)
     key = f"ds_seqpar_sp{next(_KEYS)}"
-    state = SequenceParallelState(sp, key, layers, model.config._attn_implementation, model.loss_function)
+    state = SequenceParallelState(sp, key, layers, model.config._attn_implementation, model.loss_function, linear)
     AttentionInterface.register(key, make_attention_function(state))
     # 3. switch and verify
     model.set_attn_implementation(key)
@@ -78,6 +83,9 @@ def apply_sequence_parallel(model: nn.Module, sp) -> nn.Module:
     # 4. loss and hooks
     model.loss_function = make_loss_function(state)
     state.handles = hooks.install(model, state)
+    if linear:
+        install_seams(linear)
+        state.handles += state.linear.hooks(linear)
     setattr(model, STATE_ATTR, state)
     return model
 

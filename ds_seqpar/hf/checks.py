@@ -4,8 +4,10 @@ transformers builds no attention mask for a custom attention key, so every featu
 in the mask would be silently dropped. The ones transformers also passes to its attention functions
 are made exact (attention.py): sliding windows (``sliding_window``, per layer), softcapping
 (``softcap``), sinks (``s_aux``), and Llama 4's chunked layers (chunks as documents). Padding and
-token mixing outside attention (SSM / convolution layers) are refused here, with the feature, the
-layer or config key, and what would work. The checks read only the config and the module tree,
+token mixing outside attention is refused here, with the feature, the layer or config key, and what
+would work, unless linear_layers.py has an adapter for the layer class (gated DeltaNet, Kimi delta
+attention, short convolutions), every layer of a linear type holds one, and the strategy's layout
+can carry their state (not striped; ``strategy: lasp`` is for the project's own linear models). The checks read only the config and the module tree,
 identical on every rank, so every rank raises the same error; none needs a process group, so they
 are unit-tested on config objects.
 
@@ -31,7 +33,16 @@ LEGACY_MODEL_TYPES = frozenset({
 })
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 # modules that mix tokens outside attention: the state / convolution would run on one shard only
-TOKEN_MIXER_CLASS = re.compile(r"Mamba|GatedDeltaNet|ShortConv|SSM|Rwkv|RWKV|LinearAttention|Retention|Hyena")
+TOKEN_MIXER_CLASS = re.compile(r"Mamba|GatedDeltaNet|ShortConv|SSM|Rwkv|RWKV|LinearAttention|Retention|Hyena|"
+                               r"DeltaAttention|Lightning")
+# softmax attention despite the name (the model is "Kimi Linear"); the post-forward check still
+# verifies that it called the registered attention function
+SOFTMAX_DESPITE_NAME = frozenset({"KimiLinearAttention"})
+
+
+def _mixes_outside_attention(module) -> bool:
+    name = type(module).__name__
+    return name not in SOFTMAX_DESPITE_NAME and bool(TOKEN_MIXER_CLASS.search(name))
 
 
 class UnsupportedModelError(ConfigError):
@@ -62,8 +73,9 @@ def sliding_window_of(config) -> Optional[int]:
     return int(window)
 
 
-def check_config(config, training: Optional[bool] = None) -> None:
-    """Refuse config-level features. ``training``: the mode, when known (dropout)."""
+def check_config(config, training: Optional[bool] = None, linear_ok: bool = False) -> None:
+    """Refuse config-level features. ``training``: the mode, when known (dropout). ``linear_ok``:
+    the model has adapted linear layers (check_modules then checks every linear-type layer has one)."""
     tc = text_config(config)
     name = f"{type(tc).__name__} (model_type={getattr(tc, 'model_type', '?')!r})"
     model_type = getattr(tc, "model_type", "")
@@ -73,7 +85,7 @@ def check_config(config, training: Optional[bool] = None) -> None:
     _check_multimodal(config, tc, name)
     if getattr(config, "is_encoder_decoder", False) or getattr(tc, "add_cross_attention", False):
         _refuse("cross attention (is_encoder_decoder / add_cross_attention)", name, "use a decoder-only model")
-    _check_layer_types(tc, name)
+    _check_layer_types(tc, name, linear_ok)
     if getattr(tc, "attn_temperature_tuning", False) and not all(getattr(tc, "no_rope_layers", None) or [1]):
         # Llama 4 scales NoPE layers' queries by a function of arange(local length): local positions
         _refuse("attention temperature tuning on NoPE layers (attn_temperature_tuning: the model computes it "
@@ -96,13 +108,15 @@ def _check_multimodal(config, tc, name: str) -> None:
                 f"attention too)", name, "apply to the text model alone")
 
 
-def _check_layer_types(tc, name: str) -> None:
+def _check_layer_types(tc, name: str, linear_ok: bool = False) -> None:
+    from .linear_layers import LINEAR_LAYER_TYPES
+    allowed = ATTENTION_LAYER_TYPES + (LINEAR_LAYER_TYPES if linear_ok else ())
     for key in ("layer_types", "layers_block_type"):
         types = getattr(tc, key, None) or []
         for i, kind in enumerate(types):
             if key == "layers_block_type" and kind == "attention":
                 continue
-            if kind not in ATTENTION_LAYER_TYPES:
+            if kind not in allowed:
                 _refuse(f"token mixing outside attention ({key}[{i}]={kind!r}: a linear-attention, SSM or "
                         f"convolution layer)", f"{name} layer {i}", "use a model whose layers mix tokens only "
                         "in softmax attention")
@@ -111,20 +125,59 @@ def _check_layer_types(tc, name: str) -> None:
 def attention_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     """The softmax attention layers: the modules that must call the registered function."""
     return [(n, m) for n, m in model.named_modules()
-            if type(m).__name__.endswith("Attention") and not TOKEN_MIXER_CLASS.search(type(m).__name__)]
+            if type(m).__name__.endswith("Attention") and not _mixes_outside_attention(m)]
 
 
 def check_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
-    """Refuse module-level features; return the attention layers."""
+    """Refuse module-level features; return the attention layers. Token mixers are allowed only as
+    adapted linear layers (linear_layers.LAYER_OPS), and every layer whose config type is linear
+    must hold one (so a layer type transformers adds later is refused, not run on one shard)."""
+    from .linear_layers import LAYER_OPS, LINEAR_LAYER_TYPES
+    adapted = [n for n, m in model.named_modules() if type(m).__name__ in LAYER_OPS]
     for n, m in model.named_modules():
-        if isinstance(m, nn.Conv1d) or TOKEN_MIXER_CLASS.search(type(m).__name__):
+        # an adapted layer, its children (its conv), and the decoder layer holding it
+        if any(n == a or n.startswith(a + ".") or a.startswith(n + ".") for a in adapted):
+            continue
+        if isinstance(m, nn.Conv1d) or _mixes_outside_attention(m):
             _refuse(f"token mixing outside attention ({type(m).__name__})", n or "the model",
-                    "use a model whose layers mix tokens only in softmax attention")
+                    "use a model whose layers mix tokens only in softmax attention, or one whose linear layers "
+                    "ds_seqpar adapts (docs/models.md)")
+    tc = text_config(model.config)
+    types = getattr(tc, "layer_types", None) or []
+    decoder = _decoder_layers(model, len(types))
+    for i, kind in enumerate(types):
+        if kind in LINEAR_LAYER_TYPES and decoder is not None and not any(
+                type(m).__name__ in LAYER_OPS for m in decoder[i].modules()):
+            _refuse(f"a {kind!r} layer with no adapted token mixer (layer_types[{i}])", f"{type(tc).__name__} layer {i}",
+                    "use a model whose linear layers ds_seqpar adapts (docs/models.md)")
     layers = attention_modules(model)
-    if not layers:
+    if not layers and not adapted:
         _refuse("no attention layer found (no module class named *Attention)", type(model).__name__,
                 "use a transformers model whose attention goes through AttentionInterface")
     return layers
+
+
+def _decoder_layers(model: nn.Module, count: int):
+    """The ModuleList of decoder layers (the one with one entry per layer_types item)."""
+    if not count:
+        return None
+    return next((m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == count), None)
+
+
+def check_hybrid(model: nn.Module, sp_config, linear_layers) -> None:
+    """A model with linear layers: the softmax strategy must lay tokens out in runs the linear layers
+    can pass state along (contiguous, zigzag; not striped), and ``strategy: lasp`` is refused."""
+    if not linear_layers:
+        return
+    where = f"{type(model).__name__} ({type(linear_layers[0][1]).__name__} layers)"
+    if sp_config.strategy == "lasp":
+        _refuse("sequence_parallel.strategy='lasp' on a transformers model", where,
+                "set strategy to the softmax layers' strategy (ulysses, ring or zigzag) and "
+                "linear_strategy='lasp' (the default) for the linear layers")
+    if sp_config.strategy == "striped":
+        _refuse("sequence_parallel.strategy='striped' with linear-attention / convolution layers (one-token "
+                "runs: every token's state and conv inputs would come from another rank)", where,
+                "use strategy ulysses, ring or zigzag")
 
 
 def check_heads(config, sp_config) -> None:
@@ -152,5 +205,5 @@ def check_dropout(layers, training: bool) -> None:
                     "set config.attention_dropout=0.0 or call model.eval()")
 
 
-__all__ = ["UnsupportedModelError", "check_config", "check_modules", "check_heads", "check_dropout",
+__all__ = ["UnsupportedModelError", "check_config", "check_modules", "check_hybrid", "check_heads", "check_dropout",
            "attention_modules", "sliding_window_of", "text_config", "LEGACY_MODEL_TYPES"]

@@ -46,6 +46,11 @@ def install(model, state) -> list:
                                        state.sp)
         if zeros:
             check_right_padding(call["attention_mask"], state)
+        if state.linear is not None and (restarts or not packed):
+            raise UnsupportedModelError(f"ds_seqpar.hf: packed documents (cu_seqlens, or position_ids restarting at "
+                                        f"0) in a model with linear-attention / convolution layers "
+                                        f"({type(module).__name__}) are not supported yet: their state and "
+                                        f"convolution would run across documents; pass one document per row")
         if restarts:
             kwargs["cu_seqlens"] = documents_from_positions(call["position_ids"], state.sp)
         if "attention_mask" in kwargs:
@@ -95,7 +100,7 @@ def check_call(model, state, call: dict) -> None:
     if mask is not None and mask.dim() != 2:
         raise UnsupportedModelError(f"ds_seqpar.hf: a {mask.dim()}-D attention_mask {tuple(mask.shape)} cannot be "
                                     f"sharded; pass no mask (causality is applied by the strategy)")
-    check_config(model.config, training=model.training)
+    check_config(model.config, training=model.training, linear_ok=state.linear is not None)
     check_dropout(state.layers, model.training)
 
 

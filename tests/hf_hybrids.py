@@ -1,0 +1,131 @@
+"""Tiny random-init hybrids (linear-attention / convolution layers next to softmax attention), built
+from each model's own config class, and the exactness check the hybrid tests run on the pool."""
+import torch
+
+SEQ = 152            # N/P is not a multiple of the delta rule's 64-token chunk at P = 2 or 4 (nor is N/2P)
+_GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+_KDA = dict(linear_num_heads=4, linear_head_dim=16, num_key_value_heads=4)
+HYBRIDS = {
+    # model type: (layer_types, config overrides)
+    "qwen3_next": (["linear_attention", "full_attention"], _GDN),
+    "qwen3_5_text": (["linear_attention", "full_attention"], _GDN),
+    "qwen3_5_moe_text": (["linear_attention", "full_attention"], _GDN),
+    # dk != dv and beta in [0, 2] (negative eigenvalues of the transition)
+    "olmo_hybrid": (["linear_attention", "full_attention"], dict(_GDN, linear_key_head_dim=8)),
+    # KDA next to MLA (whose k/v heads equal its q heads)
+    "kimi_linear": (["linear_attention", "full_attention"], dict(_KDA, num_experts_per_token=2)),
+    "bailing_hybrid": (["linear_attention", "full_attention"], _KDA),
+    "lfm2": (["conv", "full_attention"], {}),
+    "lfm2_moe": (["conv", "full_attention"], {}),
+    "lfm3": (["conv", "full_attention"], {}),
+}
+
+
+SIZES = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             vocab_size=128, max_position_embeddings=512, moe_intermediate_size=32, num_experts=4,
+             num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=32,
+             kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+             n_group=1, topk_group=1, first_k_dense_replace=1, attention_dropout=0.0, use_cache=False,
+             tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def hybrid_config(model_type):
+    """The model type's own config class at tiny sizes, with the layer pattern of HYBRIDS; per-layer
+    lists of the default config are cut (or extended with their last entry) to that many layers."""
+    from transformers import CONFIG_MAPPING
+    types, extra = HYBRIDS[model_type]
+    cls = CONFIG_MAPPING[model_type]
+    default = cls()
+    values = default.to_dict()
+    kw = {k: v for k, v in SIZES.items() if k in values}
+    if "qk_rope_head_dim" in values:
+        kw.pop("head_dim", None)
+    layers = values.get("num_hidden_layers")
+    for k, v in values.items():
+        if isinstance(v, list) and layers and len(v) == layers and k != "layer_types":
+            kw[k] = (v + v[-1:] * len(types))[:len(types)]
+    kw.update({k: 0.0 for k, v in values.items() if ("dropout" in k or "jitter" in k) and isinstance(v, float)})
+    # copies: some config classes edit the lists they are given in place
+    kw.update(num_hidden_layers=len(types), layer_types=list(types), **{k: v for k, v in extra.items()})
+    return cls(**kw)
+
+
+def build(cfg, dtype, state=None):
+    import transformers as T
+    torch.manual_seed(0)
+    # eager experts: grouped_mm has no float64 kernel, and the reference runs in float64
+    model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", experts_implementation="eager")
+    if state is not None:
+        model.load_state_dict(state)
+    return model.to(dtype).train()
+
+
+def batch(vocab, rows=2):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, vocab, (rows, SEQ), generator=g)
+    labels = ids.clone()
+    labels[torch.rand(rows, SEQ, generator=g) < 0.2] = -100
+    return ids, labels
+
+
+def unsharded(cfg, state, ids, labels, dtype):
+    from .hf_models import textbook_loss
+    model = build(cfg, dtype, state)
+    logits = model(input_ids=ids, position_ids=torch.arange(SEQ)[None].expand_as(ids)).logits
+    loss = textbook_loss(logits, labels)
+    loss.backward()
+    return logits.detach(), loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                                            if p.grad is not None}
+
+
+def _worst(got, ref, plain, k=10.0, floor=1e-5):
+    """error / derived bound (<= 1 is exact). transformers' linear ops compute in fp32 even for fp64
+    inputs, so the fp64 reference carries fp32 rounding in those layers and the fp32-vs-fp64 error of
+    the unsharded model measures only part of it: the bound is k x that error plus ``floor`` x the
+    largest reference entry (about 80 fp32 ulps: sums of a few hundred fp32 terms in another order).
+    A wrong state, halo or fold is off by orders of magnitude more (the tests' negative checks)."""
+    err = (got.double() - ref.double()).abs().max().item()
+    bound = k * (plain.double() - ref.double()).abs().max().item() + floor * (ref.abs().max().item() or 1.0)
+    return err / bound
+
+
+def check_hybrids(cases, checkpointing=False):
+    """check_hybrid for each (model type, settings) of ``cases``: {model type: results}."""
+    return {mt: check_hybrid(mt, settings, checkpointing) for mt, settings in cases}
+
+
+def check_hybrid(model_type, settings, checkpointing=False):
+    """[(settings, worst error / bound, what)] for one model type over sequence-parallel settings
+    (dicts for SequenceParallel); bound = k x the fp32-vs-fp64 error of the unsharded model
+    (transformers' linear ops compute in fp32 whatever the input dtype)."""
+    from ds_seqpar import SequenceParallel
+    from ds_seqpar.config import ConfigError
+    from ds_seqpar.hf import apply_sequence_parallel
+    from .dist.test_hf import _summed_grads
+    cfg = hybrid_config(model_type)
+    state = build(cfg, torch.float32).state_dict()
+    ids, labels = batch(cfg.vocab_size)
+    ref = unsharded(cfg, state, ids, labels, torch.float64)
+    plain = unsharded(cfg, state, ids, labels, torch.float32)
+    out = []
+    for setting in settings:
+        sp = SequenceParallel(setting)
+        model = build(cfg, torch.float32, state)
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        try:
+            apply_sequence_parallel(model, sp)
+            res = model(**sp.shard_batch({"input_ids": ids, "labels": labels}))
+            res.loss.backward()
+        except ConfigError as err:                 # refused: the same message on every rank, before any collective
+            out.append((setting, None, str(err)))
+            continue
+        logits = sp.unshard(res.logits.detach(), dim=1, seq_len=SEQ)
+        grads = _summed_grads(model, sp.group)
+        ratios = {"logits": _worst(logits, ref[0], plain[0]), "loss": _worst(res.loss.detach(), ref[1], plain[1])}
+        assert set(grads) == set(ref[2]), (model_type, setting, set(grads) ^ set(ref[2]))
+        ratios.update({f"grad {n}": _worst(g, ref[2][n], plain[2][n]) for n, g in grads.items()})
+        worst = max(ratios, key=ratios.get)
+        out.append((setting, ratios[worst], worst))
+    return out
+
