@@ -2,9 +2,11 @@
 from each model's own config class, and the exactness check the hybrid tests run on the pool."""
 import torch
 
-SEQ = 152            # N/P is not a multiple of the delta rule's 64-token chunk at P = 2 or 4 (nor is N/2P)
+SEQ = 152            # N/P is not a multiple of the 64-token chunk (delta rule, SSD) at P = 2 or 4 (nor is N/2P)
 _GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
 _KDA = dict(linear_num_heads=4, linear_head_dim=16, num_key_value_heads=4)
+_SSD = dict(mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=64,
+            mamba_expand=2, mamba_d_conv=4)
 HYBRIDS = {
     # model type: (layer_types, config overrides)
     "qwen3_next": (["linear_attention", "full_attention"], _GDN),
@@ -15,6 +17,12 @@ HYBRIDS = {
     # KDA next to MLA (whose k/v heads equal its q heads)
     "kimi_linear": (["linear_attention", "full_attention"], dict(_KDA, num_experts_per_token=2)),
     "bailing_hybrid": (["linear_attention", "full_attention"], _KDA),
+    # Mamba2 SSD (scalar decay per head, data-dependent) next to softmax attention
+    # (a layer-types list of None: the family spells its pattern with its own keys)
+    "bamba": (None, dict(_SSD, num_hidden_layers=2, attn_layer_indices=[1])),
+    "granitemoehybrid": (["mamba", "attention"], _SSD),
+    "nemotron_h": (["mamba", "attention", "moe"], _SSD),
+    "falcon_h1": (None, dict(_SSD, num_hidden_layers=2, mamba_d_ssm=128)),      # attention || SSD in every layer
     "lfm2": (["conv", "full_attention"], {}),
     "lfm2_moe": (["conv", "full_attention"], {}),
     "lfm3": (["conv", "full_attention"], {}),
@@ -29,7 +37,7 @@ SIZES = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_ke
              tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
-def hybrid_config(model_type):
+def hybrid_config(model_type, **overrides):
     """The model type's own config class at tiny sizes, with the layer pattern of HYBRIDS; per-layer
     lists of the default config are cut (or extended with their last entry) to that many layers."""
     from transformers import CONFIG_MAPPING
@@ -42,11 +50,13 @@ def hybrid_config(model_type):
         kw.pop("head_dim", None)
     layers = values.get("num_hidden_layers")
     for k, v in values.items():
-        if isinstance(v, list) and layers and len(v) == layers and k != "layer_types":
+        if isinstance(v, list) and layers and len(v) == layers and k != "layer_types" and types is not None:
             kw[k] = (v + v[-1:] * len(types))[:len(types)]
     kw.update({k: 0.0 for k, v in values.items() if ("dropout" in k or "jitter" in k) and isinstance(v, float)})
     # copies: some config classes edit the lists they are given in place
-    kw.update(num_hidden_layers=len(types), layer_types=list(types), **{k: v for k, v in extra.items()})
+    if types is not None:
+        kw.update(num_hidden_layers=len(types), layer_types=list(types))
+    kw.update(dict(extra, **overrides))
     return cls(**kw)
 
 

@@ -32,6 +32,7 @@ LEGACY_MODEL_TYPES = frozenset({
     "megatron-bert", "megatron_bert", "mpt", "mvp", "prophetnet", "rembert", "roformer", "rwkv", "trocr", "xglm",
 })
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+TOKENWISE_LAYER_TYPES = ("mlp", "moe")        # Nemotron-H's layers without a token mixer
 # modules that mix tokens outside attention: the state / convolution would run on one shard only
 TOKEN_MIXER_CLASS = re.compile(r"Mamba|GatedDeltaNet|ShortConv|SSM|Rwkv|RWKV|LinearAttention|Retention|Hyena|"
                                r"DeltaAttention|Lightning")
@@ -110,7 +111,7 @@ def _check_multimodal(config, tc, name: str) -> None:
 
 def _check_layer_types(tc, name: str, linear_ok: bool = False) -> None:
     from .linear_layers import LINEAR_LAYER_TYPES
-    allowed = ATTENTION_LAYER_TYPES + (LINEAR_LAYER_TYPES if linear_ok else ())
+    allowed = ATTENTION_LAYER_TYPES + TOKENWISE_LAYER_TYPES + (LINEAR_LAYER_TYPES if linear_ok else ())
     for key in ("layer_types", "layers_block_type"):
         types = getattr(tc, key, None) or []
         for i, kind in enumerate(types):

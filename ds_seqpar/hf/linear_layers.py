@@ -36,17 +36,24 @@ from ..strategies.state_passing import check_fragments, fragments, halos, states
 from .checks import UnsupportedModelError
 
 CONV = "causal_conv1d_fn"
-DELTA_OPS = ("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention")
+SSD = "mamba2_chunk_scan"
+FUSED = "mamba2_split_conv1d_scan_combined"     # mamba_ssm's whole-layer kernel: no state input, switched off
+OPTIONAL = frozenset({FUSED})                   # called in training only
 _GDN = (CONV, "torch_chunk_gated_delta_rule")
 _KDA = (CONV, "chunk_kimi_delta_attention")
+_MAMBA2 = (FUSED, CONV, SSD)
 # layer class -> the module-level ops its training forward calls, each exactly once
 LAYER_OPS: Dict[str, Tuple[str, ...]] = {
     "Qwen3NextGatedDeltaNet": _GDN, "Qwen3_5GatedDeltaNet": _GDN, "Qwen3_5MoeGatedDeltaNet": _GDN,
     "OlmoHybridGatedDeltaNet": _GDN,
     "KimiLinearDeltaAttention": _KDA, "BailingHybridDeltaAttention": _KDA,
     "Lfm2ShortConv": (CONV,), "Lfm2MoeShortConv": (CONV,), "Lfm3ShortConv": (CONV,),
+    "Mamba2Mixer": _MAMBA2, "BambaMixer": _MAMBA2, "GraniteMoeHybridMambaLayer": _MAMBA2,
+    "NemotronHMamba2Mixer": _MAMBA2, "FalconH1Mixer": _MAMBA2, "Zamba2MambaMixer": _MAMBA2,
 }
-LINEAR_LAYER_TYPES = ("linear_attention", "conv")
+# layer types that hold an adapted mixer (checks.check_modules verifies each does); "hybrid":
+# Falcon-H1's attention and Mamba2 side by side
+LINEAR_LAYER_TYPES = ("linear_attention", "conv", "mamba", "hybrid")
 
 _ACTIVE: List[list] = []           # [mixers, module, {op: calls}] of the applied layer now running
 
@@ -61,12 +68,16 @@ def _seam(name: str, original):
             return original(*args, **kwargs)
         mixers, module, calls = _ACTIVE[-1]
         calls[name] = calls.get(name, 0) + 1
+        if name == FUSED:
+            return None          # the layer then takes its op path (conv + scan), which has the seams
         bound = inspect.signature(original).bind(*args, **kwargs)
         bound.apply_defaults()
         call = dict(bound.arguments)
         call.update(call.pop("kwargs", {}))
         if name == CONV:
             return mixers.conv(original, call)
+        if name == SSD:
+            return mixers.ssd(original, call, mixers.where(module))
         return mixers.delta_rule(original, call, mixers.where(module))
 
     seam._ds_seqpar_original = original
@@ -127,6 +138,7 @@ class LinearMixers:
             if output is None:
                 return None
             want = {op: 1 for op in LAYER_OPS[type(module).__name__]}
+            calls = dict(calls, **{op: 1 for op in OPTIONAL & set(want) if op not in calls})
             if calls != want:
                 raise UnsupportedModelError(f"ds_seqpar.hf: {self.where(module)} called {calls or 'no op'} instead of "
                                             f"{want}: the layer bypassed the sequence-parallel seam (another kernel "
@@ -175,6 +187,55 @@ class LinearMixers:
                          self.sp.rank, self.sp.group, self.sp.stats, self.sp.config.lasp_comm)   # [nf, b, h, dk, dv]
         outs = [with_state_in(o0, q_eff, s) for (o0, q_eff, _, _), s in zip(pieces, s_in)]
         return (outs[0] if len(outs) == 1 else torch.cat(outs, 1)), None
+
+    def ssd(self, original, call: dict, where: str):
+        """Mamba2's chunked scan: state [b, h, headdim, N], h_t = exp(dt A) h_{t-1} + dt x_t B_t^T,
+        y_t = h_t C_t + D x_t. Widened along headdim ([x, 0_N], initial rows I_N): the extra output
+        columns are the effective C's, the extra final rows exp(sum dt A) I (a scalar map per head)."""
+        if call.get("initial_states") is not None or call.get("return_final_states"):
+            raise UnsupportedModelError(f"ds_seqpar.hf: a recurrent state cache in {where} cannot be exact under "
+                                        f"sequence parallelism; train with use_cache=False")
+        x, dt, b, c = (call.pop(n) for n in ("hidden_states", "dt", "B", "C"))
+        call.pop("initial_states"), call.pop("return_final_states")
+        if self.sp.config.linear_strategy == "ulysses":
+            return self._ssd_ulysses(original, x, dt, b, c, call, where)
+        frags = self.fragments(x.shape[1], 1, where)
+        p_dim, n_dim = x.shape[-1], b.shape[-1]
+        pieces = []
+        for _, n, off in frags[self.sp.rank]:
+            sl = slice(off, off + n)
+            h0 = torch.zeros(x.shape[0], x.shape[2], p_dim + n_dim, n_dim, dtype=torch.float32, device=x.device)
+            h0[..., p_dim:, :] = torch.eye(n_dim, dtype=torch.float32, device=x.device)
+            wide = torch.cat([x[:, sl], x.new_zeros(x.shape[:1] + (n,) + x.shape[2:3] + (n_dim,))], -1)
+            out, final = original(wide, dt[:, sl], B=b[:, sl], C=c[:, sl], initial_states=h0,
+                                  return_final_states=True, **call)
+            pieces.append((out[..., :p_dim], out[..., p_dim:].float(), final[..., p_dim:p_dim + 1, :1],
+                           final[..., :p_dim, :]))
+        s_in = states_in(torch.stack([q[2] for q in pieces]), torch.stack([q[3] for q in pieces]), frags,
+                         self.sp.rank, self.sp.group, self.sp.stats, self.sp.config.lasp_comm)   # [nf, b, h, P, N]
+        outs = [with_state_in(y0, c_eff, s.transpose(-1, -2)) for (y0, c_eff, _, _), s in zip(pieces, s_in)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+
+    def _ssd_ulysses(self, original, x, dt, b, c, call, where):
+        sp = self.sp
+        for name, count in (("heads", x.shape[2]), ("groups", b.shape[2])):
+            if count % sp.size:
+                raise UnsupportedModelError(f"ds_seqpar.hf: {where} has {count} {name}, not divisible by "
+                                            f"sequence_parallel.size={sp.size}: linear_strategy 'ulysses' splits "
+                                            f"them over ranks; use linear_strategy 'lasp'")
+        n = x.shape[1] * sp.size
+        inverse, perm = sp.layout.inverse(n, x.device), sp.layout.permutation(n, x.device)
+        heads = x.shape[2] // sp.size
+        mine = slice(sp.rank * heads, (sp.rank + 1) * heads)      # the all-to-all hands rank r head block r
+
+        def to_heads(t):
+            return comm.all_to_all(t.contiguous(), 2, 1, sp.group, sp.stats, "linear_all_to_all").index_select(1, inverse)
+
+        per_head = {k: (v[mine] if torch.is_tensor(v) and v.dim() == 1 and v.shape[0] == x.shape[2] else v)
+                    for k, v in call.items()}                     # A, D, dt_bias: one entry per head
+        out = original(to_heads(x), to_heads(dt), B=to_heads(b), C=to_heads(c), initial_states=None,
+                       return_final_states=False, **per_head)
+        return comm.all_to_all(out.index_select(1, perm).contiguous(), 1, 2, sp.group, sp.stats, "linear_all_to_all")
 
     def _delta_ulysses(self, original, q, k, v, g, beta, call, where):
         sp = self.sp

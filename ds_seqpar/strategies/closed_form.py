@@ -107,6 +107,34 @@ def lasp_bytes(p: int, sh: Shapes, rank: int, lasp_comm: str) -> Dict[str, int]:
     return {"lasp_state": state * (p - 1), "lasp_dstate": state * (p - 1)}
 
 
+# -- hybrids' linear layers (state_passing.py) -------------------------------------------------
+
+
+def linear_state_bytes(frags, rank: int, rows: int, heads: int, dk: int, dv: int, lasp_comm: str) -> Dict[str, int]:
+    """One delta-rule layer, forward + backward, under linear_strategy lasp; ``frags`` = the layout's
+    runs (state_passing.fragments). Maps are fp32 [rows, heads, dk, dk] (A) and [.., dk, dv] (B).
+    allgather: A and B of the most runs any rank holds (f), all-gathered (P-1 pieces) and
+    reduce-scattered back ((P-1)/P of P pieces). ring: one B-sized state per hop this rank sends,
+    forward (to the next run's owner) and backward (to the previous one's). No term grows with N."""
+    p = len(frags)
+    state, transition = rows * heads * dk * dv * 4, rows * heads * dk * dk * 4
+    if lasp_comm == "allgather":
+        f = max(len(fr) for fr in frags)
+        return {"lasp_allgather": 2 * (p - 1) * f * (state + transition)}
+    order = sorted(((frags[r][j][0], r) for r in range(p) for j in range(len(frags[r]))))
+    owners = [r for _, r in order]
+    hops = sum(1 for i, r in enumerate(owners) if r == rank and i + 1 < len(owners) and owners[i + 1] != rank)
+    hops += sum(1 for i, r in enumerate(owners) if r == rank and i > 0 and owners[i - 1] != rank)
+    return {"lasp_ring": hops * state}
+
+
+def conv_halo_bytes(frags, rows: int, channels: int, width: int, elem: int) -> Dict[str, int]:
+    """One short causal conv, forward + backward: every rank's run tails ([rows, channels, width],
+    the most runs any rank holds) all-gathered, their gradients reduce-scattered back."""
+    p, f = len(frags), max(len(fr) for fr in frags)
+    return {"conv_halo": 2 * (p - 1) * f * rows * channels * width * elem}
+
+
 # -- packed documents (cu_seqlens) -------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""Hybrid models (gated DeltaNet, Kimi delta attention, short convolutions next to softmax attention)
+"""Hybrid models (gated DeltaNet, Kimi delta attention, Mamba2 SSD, short convolutions next to softmax attention)
 under sequence parallelism on the shared pool: logits, loss and every parameter gradient equal the
 unsharded model (tests/hf_hybrids.py derives the bound), for each family, both state exchanges
 (lasp_comm allgather / ring), linear_strategy ulysses, softmax strategies ulysses, ring and zigzag,
@@ -20,6 +20,10 @@ CASES = [
     ("olmo_hybrid", [dict(P2, strategy="ring", linear_strategy="ulysses"), dict(P4, strategy="zigzag", lasp_comm="ring")]),
     ("kimi_linear", [dict(P2, strategy="ring"), dict(P4, strategy="zigzag", lasp_comm="ring")]),
     ("bailing_hybrid", [dict(P2, strategy="zigzag", linear_strategy="ulysses"), dict(P4, strategy="ring")]),
+    ("bamba", [dict(P2, strategy="ring", lasp_comm="ring"), dict(P4, strategy="zigzag")]),
+    ("granitemoehybrid", [dict(P2, strategy="zigzag", linear_strategy="ulysses"), dict(P4, strategy="ring")]),
+    ("nemotron_h", [dict(P2, strategy="ulysses"), dict(P4, strategy="zigzag", lasp_comm="ring")]),
+    ("falcon_h1", [dict(P2, strategy="zigzag", lasp_comm="ring"), dict(P4, strategy="ulysses")]),
     ("lfm2", [dict(P2, strategy="zigzag"), dict(P4, strategy="ulysses")]),
     ("lfm2_moe", [dict(P2, strategy="ring"), dict(P4, strategy="zigzag")]),
     ("lfm3", [dict(P2, strategy="ulysses"), dict(P4, strategy="ring")]),
@@ -138,3 +142,33 @@ def test_gradient_checkpointing_recomputes_the_exchanges_exactly(pool):
     res = pool.run(check_hybrid, "qwen3_5_text", [dict(strategy="zigzag", size=2, lasp_comm="ring")], True)
     (setting, ratio, what), = res[0]
     assert ratio is not None and ratio <= 1.0, (setting, ratio, what)
+
+
+def _bytes(setting):
+    """Bytes per kind of one forward + backward of the tiny Qwen3.5 (one gated DeltaNet layer) and
+    the closed forms for its linear layer and conv."""
+    import torch
+    from ds_seqpar import SequenceParallel
+    from ds_seqpar.hf import apply_sequence_parallel
+    from ds_seqpar.strategies.closed_form import conv_halo_bytes, linear_state_bytes
+    from ds_seqpar.strategies.state_passing import fragments
+    from ..hf_hybrids import SEQ, batch, build, hybrid_config
+    cfg = hybrid_config("qwen3_5_text")
+    sp = SequenceParallel(setting)
+    model = apply_sequence_parallel(build(cfg, torch.float32), sp)
+    ids, labels = batch(cfg.vocab_size)
+    b = sp.shard_batch({"input_ids": ids, "labels": labels})
+    sp.stats.reset()
+    model(**b).loss.backward()
+    frags = fragments(sp.layout, SEQ)
+    hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                      cfg.linear_value_head_dim)
+    want = linear_state_bytes(frags, sp.rank, ids.shape[0], hv, dk, dv, sp.config.lasp_comm)
+    want.update(conv_halo_bytes(frags, ids.shape[0], 2 * hk * dk + hv * dv, cfg.linear_conv_kernel_dim - 1, 4))
+    return {k: sp.stats.bytes.get(k, 0) for k in want}, want
+
+
+@pytest.mark.parametrize("setting", [dict(strategy="ring", size=2), dict(strategy="zigzag", size=4, lasp_comm="ring")])
+def test_linear_layer_bytes_equal_the_closed_forms(pool, setting):
+    for got, want in pool.run(_bytes, setting):
+        assert got == want and all(v > 0 for v in want.values()), (got, want)

@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from ..hf_hybrids import hybrid_config
 from ..hf_models import save_tiny
 from ..train_reference import reference_losses
 from .test_train_e2e import (CONFIGS, NORM_REL, TINY, _train, assert_close_losses, assert_refused_before_training,
@@ -17,15 +18,19 @@ HF_TINY = {k: v for k, v in TINY.items() if k not in ("dim", "n_layers", "n_head
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_models")
+    hybrid = root / "qwen3_5"            # gated DeltaNet + conv layer next to a softmax layer (docs/hybrids.md)
+    hybrid_config("qwen3_5_text", vocab_size=300).save_pretrained(hybrid)
     return {"weights": save_tiny(root / "llama", "llama", seed=5, vocab_size=256),
-            "config": save_tiny(root / "qwen2", "qwen2", weights=False, vocab_size=300)}
+            "config": save_tiny(root / "qwen2", "qwen2", weights=False, vocab_size=300), "hybrid": str(hybrid)}
 
 
 @pytest.mark.parametrize("kind,stage,name", [("weights", 2, "zigzag"), ("config", 1, "ulysses"),
-                                             ("weights", 2, "hybrid"), ("weights", 3, "striped")])
+                                             ("weights", 2, "hybrid"), ("weights", 3, "striped"),
+                                             ("hybrid", 2, "zigzag")])
 def test_hf_model_training_matches_plain_data_parallel(pool, tmp_path, model_dirs, kind, stage, name):
     """dp 2 x sp 2 zigzag with from_pretrained weights under ZeRO-2; a random init (from_config) under
-    ZeRO-1 with Ulysses; the 2D hybrid (ring of 2 Ulysses pairs, sp 4); ZeRO-3 with the plain recipe."""
+    ZeRO-1 with Ulysses; the 2D hybrid (ring of 2 Ulysses pairs, sp 4); ZeRO-3 with the plain recipe; a
+    Qwen3.5-style hybrid (gated DeltaNet, LASP state maps, conv halo) under zigzag at ZeRO-2."""
     ds = shipped_config(name)
     ds["zero_optimization"]["stage"] = stage
     args = dict(HF_TINY, model=model_dirs[kind], deepspeed_config=ds)
