@@ -23,6 +23,8 @@ HYBRIDS = {
     "granitemoehybrid": (["mamba", "attention"], _SSD),
     "nemotron_h": (["mamba", "attention", "moe"], _SSD),
     "falcon_h1": (None, dict(_SSD, num_hidden_layers=2, mamba_d_ssm=128)),      # attention || SSD in every layer
+    # lightning attention (fixed decay per head and layer), block 256 > a rank's tokens
+    "minimax": (["linear_attention", "full_attention"], {}),
     "lfm2": (["conv", "full_attention"], {}),
     "lfm2_moe": (["conv", "full_attention"], {}),
     "lfm3": (["conv", "full_attention"], {}),

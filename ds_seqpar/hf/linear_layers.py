@@ -24,6 +24,7 @@ fused path) is refused after its forward, before the loss and backward.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from typing import Dict, List, Tuple
@@ -32,6 +33,7 @@ import torch
 import torch.nn as nn
 
 from .. import comm
+from ..kernels.linear import linear_attention
 from ..strategies.state_passing import check_fragments, fragments, halos, states_in
 from .checks import UnsupportedModelError
 
@@ -42,6 +44,7 @@ OPTIONAL = frozenset({FUSED})                   # called in training only
 _GDN = (CONV, "torch_chunk_gated_delta_rule")
 _KDA = (CONV, "chunk_kimi_delta_attention")
 _MAMBA2 = (FUSED, CONV, SSD)
+LIGHTNING = "lightning"                         # MiniMax: an inline loop, no op to hook: the forward is replaced
 # layer class -> the module-level ops its training forward calls, each exactly once
 LAYER_OPS: Dict[str, Tuple[str, ...]] = {
     "Qwen3NextGatedDeltaNet": _GDN, "Qwen3_5GatedDeltaNet": _GDN, "Qwen3_5MoeGatedDeltaNet": _GDN,
@@ -50,6 +53,7 @@ LAYER_OPS: Dict[str, Tuple[str, ...]] = {
     "Lfm2ShortConv": (CONV,), "Lfm2MoeShortConv": (CONV,), "Lfm3ShortConv": (CONV,),
     "Mamba2Mixer": _MAMBA2, "BambaMixer": _MAMBA2, "GraniteMoeHybridMambaLayer": _MAMBA2,
     "NemotronHMamba2Mixer": _MAMBA2, "FalconH1Mixer": _MAMBA2, "Zamba2MambaMixer": _MAMBA2,
+    "MiniMaxLightningAttention": (LIGHTNING,),
 }
 # layer types that hold an adapted mixer (checks.check_modules verifies each does); "hybrid":
 # Falcon-H1's attention and Mamba2 side by side
@@ -89,6 +93,8 @@ def install_seams(layers) -> None:
     for _, m in layers:
         module = sys.modules[type(m).__module__]
         for name in LAYER_OPS[type(m).__name__]:
+            if name == LIGHTNING:
+                continue
             fn = getattr(module, name, None)
             if fn is None:
                 raise UnsupportedModelError(f"ds_seqpar.hf: {type(m).__name__}'s modeling file has no {name}: this "
@@ -147,9 +153,42 @@ class LinearMixers:
 
         handles = []
         for _, m in layers:
+            if LIGHTNING in LAYER_OPS[type(m).__name__]:
+                handles.append(_InstanceForward(m, functools.partial(_lightning_forward, self, m)))
             handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
             handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
         return handles
+
+    def lightning(self, q, k, v, decay_h, where: str):
+        """Causal linear attention with a fixed decay per head (MiniMax): per fragment, the single-
+        process kernel from a zero state, and the scalar map (lambda^n, sum_s lambda^(n-1-s) k_s v_s^T)
+        folded like the others; the effective query of token t is lambda^(t+1) q_t."""
+        if self.sp.config.linear_strategy == "ulysses":
+            return self._heads_parallel(lambda q_, k_, v_, mine: linear_attention(q_, k_, v_, decay_h[mine].to(q.dtype)),
+                                        (q, k, v), where)
+        frags = self.fragments(q.shape[1], 1, where)
+        pieces = []
+        for _, n, off in frags[self.sp.rank]:
+            qf, kf, vf = (t[:, off:off + n] for t in (q, k, v))
+            steps = torch.arange(n, device=q.device, dtype=torch.float32)
+            lam = decay_h.float()[:, None]                                           # [h, 1]
+            o0 = linear_attention(qf, kf, vf, decay_h.to(q.dtype))
+            q_eff = qf.float() * (lam ** (steps + 1)).t()[None, :, :, None]          # [b, n, h, d]
+            b_map = torch.einsum("bshk,bshv->bhkv", kf.float() * (lam ** (n - 1 - steps)).t()[None, :, :, None],
+                                 vf.float())
+            a_map = (lam[:, 0] ** n).expand(q.shape[0], -1)[..., None, None]          # [b, h, 1, 1]
+            pieces.append((o0, q_eff, a_map, b_map))
+        return self._fold(pieces, frags)
+
+    def _fold(self, pieces, frags, state_rows_are_values: bool = False):
+        """pieces: per local fragment (o0, effective queries, A, B); the states entering the fragments
+        (state_passing.states_in), each fragment's output corrected with its state, in local order.
+        ``state_rows_are_values``: Mamba2 keeps the state as [headdim (values), N (keys)]."""
+        s_in = states_in(torch.stack([p[2] for p in pieces]), torch.stack([p[3] for p in pieces]), frags,
+                         self.sp.rank, self.sp.group, self.sp.stats, self.sp.config.lasp_comm)
+        outs = [with_state_in(o0, q_eff, s.transpose(-1, -2) if state_rows_are_values else s)
+                for (o0, q_eff, _, _), s in zip(pieces, s_in)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
 
     def fragments(self, local_len: int, width: int, where: str):
         n = local_len * self.sp.size
@@ -183,10 +222,7 @@ class LinearMixers:
         frags = self.fragments(q.shape[1], 1, where)
         pieces = [delta_rule_map(original, q[:, off:off + n], k[:, off:off + n], v[:, off:off + n], g[:, off:off + n],
                                  beta[:, off:off + n], call) for _, n, off in frags[self.sp.rank]]
-        s_in = states_in(torch.stack([p[2] for p in pieces]), torch.stack([p[3] for p in pieces]), frags,
-                         self.sp.rank, self.sp.group, self.sp.stats, self.sp.config.lasp_comm)   # [nf, b, h, dk, dv]
-        outs = [with_state_in(o0, q_eff, s) for (o0, q_eff, _, _), s in zip(pieces, s_in)]
-        return (outs[0] if len(outs) == 1 else torch.cat(outs, 1)), None
+        return self._fold(pieces, frags), None
 
     def ssd(self, original, call: dict, where: str):
         """Mamba2's chunked scan: state [b, h, headdim, N], h_t = exp(dt A) h_{t-1} + dt x_t B_t^T,
@@ -211,48 +247,69 @@ class LinearMixers:
                                   return_final_states=True, **call)
             pieces.append((out[..., :p_dim], out[..., p_dim:].float(), final[..., p_dim:p_dim + 1, :1],
                            final[..., :p_dim, :]))
-        s_in = states_in(torch.stack([q[2] for q in pieces]), torch.stack([q[3] for q in pieces]), frags,
-                         self.sp.rank, self.sp.group, self.sp.stats, self.sp.config.lasp_comm)   # [nf, b, h, P, N]
-        outs = [with_state_in(y0, c_eff, s.transpose(-1, -2)) for (y0, c_eff, _, _), s in zip(pieces, s_in)]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+        return self._fold(pieces, frags, state_rows_are_values=True)
+
+    def _heads_parallel(self, local, tensors, where: str):
+        """linear_strategy ulysses for a mixer whose tensors all have the heads on dim 2: all-to-all
+        to whole sequences (global order) of this rank's head block, ``local(*tensors, heads slice)``,
+        and back."""
+        sp = self.sp
+        for t in tensors:
+            if t.shape[2] % sp.size:
+                raise UnsupportedModelError(f"ds_seqpar.hf: {where} has {t.shape[2]} heads (or groups) in one of its "
+                                            f"inputs, not divisible by sequence_parallel.size={sp.size}: "
+                                            f"linear_strategy 'ulysses' splits them over ranks; use linear_strategy "
+                                            f"'lasp'")
+        heads = tensors[0].shape[2]
+        n = tensors[0].shape[1] * sp.size
+        inverse, perm = sp.layout.inverse(n, tensors[0].device), sp.layout.permutation(n, tensors[0].device)
+        mine = slice(sp.rank * (heads // sp.size), (sp.rank + 1) * (heads // sp.size))
+        whole = [comm.all_to_all(t.contiguous(), 2, 1, sp.group, sp.stats, "linear_all_to_all").index_select(1, inverse)
+                 for t in tensors]
+        out = local(*whole, mine)
+        return comm.all_to_all(out.index_select(1, perm).contiguous(), 1, 2, sp.group, sp.stats, "linear_all_to_all")
 
     def _ssd_ulysses(self, original, x, dt, b, c, call, where):
-        sp = self.sp
-        for name, count in (("heads", x.shape[2]), ("groups", b.shape[2])):
-            if count % sp.size:
-                raise UnsupportedModelError(f"ds_seqpar.hf: {where} has {count} {name}, not divisible by "
-                                            f"sequence_parallel.size={sp.size}: linear_strategy 'ulysses' splits "
-                                            f"them over ranks; use linear_strategy 'lasp'")
-        n = x.shape[1] * sp.size
-        inverse, perm = sp.layout.inverse(n, x.device), sp.layout.permutation(n, x.device)
-        heads = x.shape[2] // sp.size
-        mine = slice(sp.rank * heads, (sp.rank + 1) * heads)      # the all-to-all hands rank r head block r
-
-        def to_heads(t):
-            return comm.all_to_all(t.contiguous(), 2, 1, sp.group, sp.stats, "linear_all_to_all").index_select(1, inverse)
-
-        per_head = {k: (v[mine] if torch.is_tensor(v) and v.dim() == 1 and v.shape[0] == x.shape[2] else v)
-                    for k, v in call.items()}                     # A, D, dt_bias: one entry per head
-        out = original(to_heads(x), to_heads(dt), B=to_heads(b), C=to_heads(c), initial_states=None,
-                       return_final_states=False, **per_head)
-        return comm.all_to_all(out.index_select(1, perm).contiguous(), 1, 2, sp.group, sp.stats, "linear_all_to_all")
+        def local(x_, dt_, b_, c_, mine):              # A, D, dt_bias: one entry per head
+            per_head = {k: (v[mine] if torch.is_tensor(v) and v.dim() == 1 and v.shape[0] == x.shape[2] else v)
+                        for k, v in call.items()}
+            return original(x_, dt_, B=b_, C=c_, initial_states=None, return_final_states=False, **per_head)
+        return self._heads_parallel(local, (x, dt, b, c), where)
 
     def _delta_ulysses(self, original, q, k, v, g, beta, call, where):
-        sp = self.sp
-        for name, heads in (("key heads", q.shape[2]), ("value heads", v.shape[2])):
-            if heads % sp.size:
-                raise UnsupportedModelError(f"ds_seqpar.hf: {where} has {heads} {name}, not divisible by "
-                                            f"sequence_parallel.size={sp.size}: linear_strategy 'ulysses' splits "
-                                            f"heads over ranks; use linear_strategy 'lasp'")
-        n = q.shape[1] * sp.size
-        inverse, perm = sp.layout.inverse(n, q.device), sp.layout.permutation(n, q.device)
+        def local(q_, k_, v_, g_, beta_, mine):
+            return original(q_, k_, v_, g=g_, beta=beta_, initial_state=None, output_final_state=False, **call)[0]
+        return self._heads_parallel(local, (q, k, v, g, beta), where)
 
-        def to_heads(x):                 # [b, local, h, ...] -> [b, n (global order), h / P, ...]
-            return comm.all_to_all(x.contiguous(), 2, 1, sp.group, sp.stats, "linear_all_to_all").index_select(1, inverse)
 
-        out, _ = original(to_heads(q), to_heads(k), to_heads(v), g=to_heads(g), beta=to_heads(beta),
-                          initial_state=None, output_final_state=False, **call)
-        return comm.all_to_all(out.index_select(1, perm).contiguous(), 1, 2, sp.group, sp.stats, "linear_all_to_all")
+class _InstanceForward:
+    """A replaced ``forward`` on one module instance; ``remove()`` restores the class's."""
+
+    def __init__(self, module, forward):
+        self.module = module
+        module.forward = forward
+
+    def remove(self) -> None:
+        self.module.__dict__.pop("forward", None)
+
+
+def _lightning_forward(mixers, module, hidden_states, position_embeddings=None, attention_mask=None,
+                       past_key_values=None, **kwargs):
+    """transformers' MiniMaxLightningAttention.forward (training path: no cache) with its block loop
+    replaced by the sequence-parallel lightning attention; projections, norm and gate unchanged."""
+    where = mixers.where(module)
+    if past_key_values is not None:
+        raise UnsupportedModelError(f"ds_seqpar.hf: a linear-attention cache in {where} cannot be exact under "
+                                    f"sequence parallelism; train with use_cache=False")
+    _ACTIVE[-1][2][LIGHTNING] = _ACTIVE[-1][2].get(LIGHTNING, 0) + 1
+    b, n, _ = hidden_states.shape
+    heads, d = module.num_attention_heads, module.head_dim
+    qkv = module.act_fn(module.qkv_proj(hidden_states)).reshape(b, n, heads, 3 * d)
+    q, k, v = torch.split(qkv, d, dim=3)
+    out = mixers.lightning(q, k, v, torch.exp(-module.slope_rate.reshape(heads)), where)
+    out = module.norm(out.reshape(b, n, heads * d))
+    out = torch.sigmoid(module.output_gate(hidden_states)) * out
+    return module.out_proj(out), None
 
 
 __all__ = ["LAYER_OPS", "LINEAR_LAYER_TYPES", "LinearMixers", "install_seams", "linear_modules", "delta_rule_map",

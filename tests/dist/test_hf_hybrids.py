@@ -24,6 +24,7 @@ CASES = [
     ("granitemoehybrid", [dict(P2, strategy="zigzag", linear_strategy="ulysses"), dict(P4, strategy="ring")]),
     ("nemotron_h", [dict(P2, strategy="ulysses"), dict(P4, strategy="zigzag", lasp_comm="ring")]),
     ("falcon_h1", [dict(P2, strategy="zigzag", lasp_comm="ring"), dict(P4, strategy="ulysses")]),
+    ("minimax", [dict(P2, strategy="zigzag", linear_strategy="ulysses"), dict(P4, strategy="ring", lasp_comm="ring")]),
     ("lfm2", [dict(P2, strategy="zigzag"), dict(P4, strategy="ulysses")]),
     ("lfm2_moe", [dict(P2, strategy="ring"), dict(P4, strategy="zigzag")]),
     ("lfm3", [dict(P2, strategy="ulysses"), dict(P4, strategy="ring")]),
