@@ -23,7 +23,10 @@ TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atten
             encoder_ffn_dim=96, decoder_ffn_dim=96, n_layers=2, n_heads=4, num_heads=4, rotary_dim=8,
             pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=0,
             vocab_size_per_layer_input=128, hidden_size_per_layer_input=16, global_head_dim=16,
-            num_experts_per_token=2, num_dense_layers=1, moe_topk=2, zero_expert_num=2, num_expert_group=1)
+            num_experts_per_token=2, num_dense_layers=1, moe_topk=2, zero_expert_num=2, num_expert_group=1,
+            # Mamba2 mixers (heads x head dim = expand x hidden); an 8-token chunk: two per rank at P=2
+            mamba_n_heads=4, mamba_d_head=32, mamba_d_ssm=128, mamba_n_groups=2, mamba_d_state=16,
+            mamba_chunk_size=8, mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=16, n_groups=2)
 TOP_K = ("num_experts_per_tok", "num_experts_per_token", "moe_topk")    # never above the default (some allow only 1)
 MLA = dict(q_lora_rank=16)      # MLA configs (qk_rope_head_dim): head_dim is the rope part, not set
 FILL = dict(n_shared_experts=1)  # sizes a default leaves None that the model multiplies with

@@ -43,7 +43,9 @@ SOFTMAX_DESPITE_NAME = frozenset({"KimiLinearAttention"})
 
 def _mixes_outside_attention(module) -> bool:
     name = type(module).__name__
-    return name not in SOFTMAX_DESPITE_NAME and bool(TOKEN_MIXER_CLASS.search(name))
+    if name in SOFTMAX_DESPITE_NAME or name.endswith("Norm"):       # Mamba2RMSNorm mixes nothing
+        return False
+    return bool(TOKEN_MIXER_CLASS.search(name))
 
 
 class UnsupportedModelError(ConfigError):
@@ -137,7 +139,7 @@ def check_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     adapted = [n for n, m in model.named_modules() if type(m).__name__ in LAYER_OPS]
     for n, m in model.named_modules():
         # an adapted layer, its children (its conv), and the decoder layer holding it
-        if any(n == a or n.startswith(a + ".") or a.startswith(n + ".") for a in adapted):
+        if any(not n or n == a or n.startswith(a + ".") or a.startswith(n + ".") for a in adapted):
             continue
         if isinstance(m, nn.Conv1d) or _mixes_outside_attention(m):
             _refuse(f"token mixing outside attention ({type(m).__name__})", n or "the model",

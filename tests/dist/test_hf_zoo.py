@@ -9,6 +9,9 @@ from ..hf_zoo import STRATEGIES, causal_lm_types, merged, sweep
 MUST_BE_EXACT = {"llama", "mistral", "mixtral", "gemma2", "gemma3_text", "cohere2", "qwen2",
                  "llama4_text, attn_temperature_tuning=False", "gpt_oss", "starcoder2", "olmo3", "exaone4", "ministral"}
 
+# hybrids whose linear-attention / SSM / conv layers this wave made sequence-parallel
+HYBRIDS_EXACT = {"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear", "bailing_hybrid",
+                 "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1", "zamba2", "mamba2", "minimax", "lfm3"}
 
 def test_every_causal_lm_is_exact_or_refused_by_name(pool):
     results = pool.run(sweep, causal_lm_types())
@@ -21,6 +24,9 @@ def test_every_causal_lm_is_exact_or_refused_by_name(pool):
     mismatches = [(mt, s, o[1]) for mt, r, _ in rows for s, o in r.items() if o[0] == "mismatch"]
     assert not mismatches, f"silently wrong under sequence parallelism: {mismatches}"
     outcome = {mt: r for mt, r, _ in rows}
+    for mt in HYBRIDS_EXACT & set(outcome):                  # docs/hybrids.md: state passing needs runs of tokens
+        assert all(outcome[mt][s][0] == "exact" for s in STRATEGIES if s != "striped"), (mt, outcome[mt])
+        assert outcome[mt]["striped"][0] == "refused" and "striped" in outcome[mt]["striped"][1], (mt, outcome[mt])
     for mt in MUST_BE_EXACT & set(outcome):
         assert all(outcome[mt][s][0] == "exact" for s in STRATEGIES), (mt, outcome[mt])
     for mt, r, _ in rows:

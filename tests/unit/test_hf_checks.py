@@ -138,6 +138,7 @@ def test_head_dim_padding_is_exact(d, dv):
 
 
 def test_shipped_model_configs_load_small_gqa_and_supported():
+    from ds_seqpar.hf.linear_layers import LINEAR_LAYER_TYPES
     from ds_seqpar.hf.model_io import load_config
     paths = sorted(glob.glob(os.path.join(ROOT, "configs", "models", "*.json")))
     kinds = {}
@@ -146,8 +147,9 @@ def test_shipped_model_configs_load_small_gqa_and_supported():
         kinds[cfg.model_type] = cfg.vocab_size
         assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads) == (256, 4, 8), path
         assert 2 <= cfg.num_key_value_heads <= 4, f"{path}: GQA with 2-4 k/v heads"
-        check_config(cfg, training=True)
-    assert set(kinds) == {"llama", "qwen2"} and 32000 in kinds.values(), kinds
+        hybrid = any(t in LINEAR_LAYER_TYPES for t in getattr(cfg, "layer_types", None) or ())
+        check_config(cfg, training=True, linear_ok=hybrid)
+    assert set(kinds) == {"llama", "qwen2", "qwen3_5_text"} and 32000 in kinds.values(), kinds
 
 
 def test_model_paths_load_weights_or_config(tmp_path):
