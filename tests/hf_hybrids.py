@@ -141,3 +141,48 @@ def check_hybrid(model_type, settings, checkpointing=False):
         out.append((setting, ratios[worst], worst))
     return out
 
+
+
+def _per_document(cfg, state, ids, bounds, dtype):
+    """The oracle for packed rows: each document run alone through the unsharded model; the loss is
+    the mean next-token cross entropy over every document's own pairs."""
+    import torch.nn.functional as F
+    model = build(cfg, dtype, state)
+    logits, total, count = [], 0.0, 0
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        doc = ids[:, a:b]
+        out = model(input_ids=doc, position_ids=torch.arange(b - a)[None]).logits
+        logits.append(out)
+        if b - a > 1:
+            total = total + F.cross_entropy(out[0, :-1], doc[0, 1:], reduction="sum")
+            count += b - a - 1
+    loss = total / count
+    loss.backward()
+    return torch.cat(logits, 1).detach(), loss.detach(), {n: p.grad.detach().clone()
+                                                          for n, p in model.named_parameters() if p.grad is not None}
+
+
+def check_packed(model_type, settings, bounds):
+    """Packed documents (global cu_seqlens ``bounds``, batch 1) under sequence parallelism against
+    each document run alone: [(settings, worst error / bound, what)]."""
+    from ds_seqpar import SequenceParallel
+    from ds_seqpar.hf import apply_sequence_parallel
+    from .dist.test_hf import _summed_grads
+    cfg = hybrid_config(model_type)
+    state = build(cfg, torch.float32).state_dict()
+    ids, _ = batch(cfg.vocab_size, rows=1)
+    ref = _per_document(cfg, state, ids, bounds, torch.float64)
+    plain = _per_document(cfg, state, ids, bounds, torch.float32)
+    out = []
+    for setting in settings:
+        sp = SequenceParallel(setting)
+        model = apply_sequence_parallel(build(cfg, torch.float32, state), sp)
+        res = model(**sp.shard_batch({"input_ids": ids, "labels": ids, "cu_seqlens": torch.tensor(bounds)}))
+        res.loss.backward()
+        logits = sp.unshard(res.logits.detach(), dim=1, seq_len=SEQ)
+        grads = _summed_grads(model, sp.group)
+        ratios = {"logits": _worst(logits, ref[0], plain[0]), "loss": _worst(res.loss.detach(), ref[1], plain[1])}
+        ratios.update({f"grad {n}": _worst(g, ref[2][n], plain[2][n]) for n, g in grads.items()})
+        worst = max(ratios, key=ratios.get)
+        out.append((setting, ratios[worst], worst))
+    return out

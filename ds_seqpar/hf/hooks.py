@@ -46,13 +46,11 @@ def install(model, state) -> list:
                                        state.sp)
         if zeros:
             check_right_padding(call["attention_mask"], state)
-        if state.linear is not None and (restarts or not packed):
-            raise UnsupportedModelError(f"ds_seqpar.hf: packed documents (cu_seqlens, or position_ids restarting at "
-                                        f"0) in a model with linear-attention / convolution layers "
-                                        f"({type(module).__name__}) are not supported yet: their state and "
-                                        f"convolution would run across documents; pass one document per row")
         if restarts:
             kwargs["cu_seqlens"] = documents_from_positions(call["position_ids"], state.sp)
+        if state.linear is not None:         # hybrids: the state and the conv restart at every document
+            state.linear.documents = linear_documents(kwargs.get("cu_seqlens", call.get("cu_seqlens")),
+                                                      call.get("cu_seq_lens_q"), call["position_ids"], module)
         if "attention_mask" in kwargs:
             kwargs["attention_mask"] = None          # all ones, or right padding of a causal model
         if "use_cache" in params and "use_cache" not in names[:len(args)]:
@@ -116,6 +114,19 @@ def _group_flags(mask, position_ids, sp):
         flags[1] = int(not bool((position_ids == expected).all()))
     zeros, restarts = comm.all_reduce(flags, sp.group, op="max").tolist()
     return bool(zeros), bool(restarts)
+
+
+def linear_documents(cu_seqlens, cu_seq_lens_q, position_ids, module):
+    """The global document bounds the linear layers cut at, or None; the same on every rank (the
+    bounds are global). Packed rows must be batch 1, as for the attention layers."""
+    bounds = cu_seqlens if cu_seqlens is not None else cu_seq_lens_q
+    if bounds is None:
+        return None
+    if position_ids.shape[0] != 1:
+        raise UnsupportedModelError(f"ds_seqpar.hf: packed documents with {position_ids.shape[0]} rows in "
+                                    f"{type(module).__name__}: the linear layers' documents are one row's; pack "
+                                    f"into batch size 1")
+    return bounds.tolist() if torch.is_tensor(bounds) else list(bounds)
 
 
 def check_right_padding(mask, state) -> None:

@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from .. import comm
 from ..kernels.linear import linear_attention
-from ..strategies.state_passing import check_fragments, fragments, halos, states_in
+from ..strategies.state_passing import check_fragments, cut_at_documents, fragments, halos, states_in
 from .checks import UnsupportedModelError
 
 CONV = "causal_conv1d_fn"
@@ -59,6 +59,7 @@ LAYER_OPS: Dict[str, Tuple[str, ...]] = {
 # Falcon-H1's attention and Mamba2 side by side
 LINEAR_LAYER_TYPES = ("linear_attention", "conv", "mamba", "hybrid")
 
+_PACKING_KWARGS = frozenset({"cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"})
 _ACTIVE: List[list] = []           # [mixers, module, {op: calls}] of the applied layer now running
 
 
@@ -78,6 +79,8 @@ def _seam(name: str, original):
         bound.apply_defaults()
         call = dict(bound.arguments)
         call.update(call.pop("kwargs", {}))
+        for name_ in ("cu_seqlens", "seq_idx"):     # packed documents: the mixers cut at them themselves
+            call.pop(name_, None)
         if name == CONV:
             return mixers.conv(original, call)
         if name == SSD:
@@ -129,6 +132,7 @@ class LinearMixers:
         self.sp = sp
         self.names = {id(m): f"{n} ({type(m).__name__})" for n, m in layers}
         self._frags = {}
+        self.documents = None        # this forward's packed-document bounds (global cu_seqlens), set by the pre-hook
 
     def where(self, module) -> str:
         return self.names.get(id(module), type(module).__name__)
@@ -136,6 +140,9 @@ class LinearMixers:
     def hooks(self, layers) -> list:
         def pre(module, args, kwargs):
             _ACTIVE.append([self, module, {}])
+            # the documents reach the mixers through self.documents; transformers' layers would pass
+            # the call's cu_seqlens on to ops that refuse them (or pass them twice)
+            return args, {k: v for k, v in kwargs.items() if k not in _PACKING_KWARGS}
 
         def post(module, args, kwargs, output):
             # always_call: also after an exception (a refusal inside the layer), so no stale entry
@@ -166,7 +173,7 @@ class LinearMixers:
         if self.sp.config.linear_strategy == "ulysses":
             return self._heads_parallel(lambda q_, k_, v_, mine: linear_attention(q_, k_, v_, decay_h[mine].to(q.dtype)),
                                         (q, k, v), where)
-        frags = self.fragments(q.shape[1], 1, where)
+        frags, resets = self.fragments(q.shape[1], 1, where)
         pieces = []
         for _, n, off in frags[self.sp.rank]:
             qf, kf, vf = (t[:, off:off + n] for t in (q, k, v))
@@ -178,25 +185,31 @@ class LinearMixers:
                                  vf.float())
             a_map = (lam[:, 0] ** n).expand(q.shape[0], -1)[..., None, None]          # [b, h, 1, 1]
             pieces.append((o0, q_eff, a_map, b_map))
-        return self._fold(pieces, frags)
+        return self._fold(pieces, frags, resets)
 
-    def _fold(self, pieces, frags, state_rows_are_values: bool = False):
+    def _fold(self, pieces, frags, resets, state_rows_are_values: bool = False):
         """pieces: per local fragment (o0, effective queries, A, B); the states entering the fragments
         (state_passing.states_in), each fragment's output corrected with its state, in local order.
         ``state_rows_are_values``: Mamba2 keeps the state as [headdim (values), N (keys)]."""
         s_in = states_in(torch.stack([p[2] for p in pieces]), torch.stack([p[3] for p in pieces]), frags,
-                         self.sp.rank, self.sp.group, self.sp.stats, self.sp.config.lasp_comm)
+                         self.sp.rank, self.sp.group, self.sp.stats, self.sp.config.lasp_comm, resets)
         outs = [with_state_in(o0, q_eff, s.transpose(-1, -2) if state_rows_are_values else s)
                 for (o0, q_eff, _, _), s in zip(pieces, s_in)]
         return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
 
     def fragments(self, local_len: int, width: int, where: str):
+        """(runs of this forward: the layout's runs of consecutive tokens, cut at packed-document
+        starts; the global positions where a document starts, where state and halo restart)."""
         n = local_len * self.sp.size
-        if n not in self._frags:
-            self._frags[n] = fragments(self.sp.layout, n)
-        frags = self._frags[n]
+        docs = tuple(int(b) for b in self.documents) if self.documents is not None else None
+        if (n, docs) not in self._frags:
+            frags = fragments(self.sp.layout, n)
+            self._frags[n, docs] = (frags, docs)
+        frags, docs = self._frags[n, docs]
         check_fragments(frags, width, where)
-        return frags
+        if docs is None:
+            return frags, frozenset()
+        return cut_at_documents(frags, docs), frozenset(b for b in docs if 0 < b < n)
 
     # -- the ops -------------------------------------------------------------------------------
 
@@ -205,8 +218,8 @@ class LinearMixers:
         width = call["weight"].shape[-1] - 1
         if width == 0:
             return original(x, **call)
-        frags = self.fragments(x.shape[-1], width, f"a causal conv1d of kernel {width + 1}")
-        before = halos(x, width, frags, self.sp.rank, self.sp.group, self.sp.stats)
+        frags, resets = self.fragments(x.shape[-1], width, f"a causal conv1d of kernel {width + 1}")
+        before = halos(x, width, frags, self.sp.rank, self.sp.group, self.sp.stats, resets)
         outs = [original(torch.cat([h.to(x.dtype), x[..., off:off + n]], -1), **call)[..., width:]
                 for h, (_, n, off) in zip(before, frags[self.sp.rank])]
         return outs[0] if len(outs) == 1 else torch.cat(outs, -1)
@@ -219,10 +232,10 @@ class LinearMixers:
         call.pop("initial_state"), call.pop("output_final_state")
         if self.sp.config.linear_strategy == "ulysses":
             return self._delta_ulysses(original, q, k, v, g, beta, call, where), None
-        frags = self.fragments(q.shape[1], 1, where)
+        frags, resets = self.fragments(q.shape[1], 1, where)
         pieces = [delta_rule_map(original, q[:, off:off + n], k[:, off:off + n], v[:, off:off + n], g[:, off:off + n],
                                  beta[:, off:off + n], call) for _, n, off in frags[self.sp.rank]]
-        return self._fold(pieces, frags), None
+        return self._fold(pieces, frags, resets), None
 
     def ssd(self, original, call: dict, where: str):
         """Mamba2's chunked scan: state [b, h, headdim, N], h_t = exp(dt A) h_{t-1} + dt x_t B_t^T,
@@ -235,7 +248,7 @@ class LinearMixers:
         call.pop("initial_states"), call.pop("return_final_states")
         if self.sp.config.linear_strategy == "ulysses":
             return self._ssd_ulysses(original, x, dt, b, c, call, where)
-        frags = self.fragments(x.shape[1], 1, where)
+        frags, resets = self.fragments(x.shape[1], 1, where)
         p_dim, n_dim = x.shape[-1], b.shape[-1]
         pieces = []
         for _, n, off in frags[self.sp.rank]:
@@ -247,7 +260,7 @@ class LinearMixers:
                                   return_final_states=True, **call)
             pieces.append((out[..., :p_dim], out[..., p_dim:].float(), final[..., p_dim:p_dim + 1, :1],
                            final[..., :p_dim, :]))
-        return self._fold(pieces, frags, state_rows_are_values=True)
+        return self._fold(pieces, frags, resets, state_rows_are_values=True)
 
     def _heads_parallel(self, local, tensors, where: str):
         """linear_strategy ulysses for a mixer whose tensors all have the heads on dim 2: all-to-all
@@ -266,7 +279,11 @@ class LinearMixers:
         mine = slice(sp.rank * (heads // sp.size), (sp.rank + 1) * (heads // sp.size))
         whole = [comm.all_to_all(t.contiguous(), 2, 1, sp.group, sp.stats, "linear_all_to_all").index_select(1, inverse)
                  for t in tensors]
-        out = local(*whole, mine)
+        if self.documents is None:
+            out = local(*whole, mine)
+        else:                          # packed: each document from the zero state, whole on this rank
+            docs = [int(d) for d in self.documents]
+            out = torch.cat([local(*(t[:, a:b] for t in whole), mine) for a, b in zip(docs[:-1], docs[1:])], 1)
         return comm.all_to_all(out.index_select(1, perm).contiguous(), 1, 2, sp.group, sp.stats, "linear_all_to_all")
 
     def _ssd_ulysses(self, original, x, dt, b, c, call, where):

@@ -53,6 +53,20 @@ def fragments(layout, seq_len: int) -> List[List[Fragment]]:
     return out
 
 
+def cut_at_documents(frags: Sequence[Sequence[Fragment]], bounds: Sequence[int]) -> List[List[Fragment]]:
+    """The runs cut at every document start inside them (packed documents: ``bounds`` = the global
+    cu_seqlens [0, l1, l1 + l2, ..., N]): no run then spans two documents."""
+    starts = sorted(int(b) for b in bounds)
+    out = []
+    for fr in frags:
+        pieces = []
+        for start, n, off in fr:
+            cuts = [start] + [b for b in starts if start < b < start + n] + [start + n]
+            pieces += [(a, b - a, off + a - start) for a, b in zip(cuts[:-1], cuts[1:])]
+        out.append(pieces)
+    return out
+
+
 def global_order(frags: Sequence[Sequence[Fragment]]) -> List[Tuple[int, int]]:
     """(rank, local fragment index) of every fragment, by global start."""
     return sorted(((r, j) for r, fr in enumerate(frags) for j in range(len(fr))), key=lambda rj: frags[rj[0]][rj[1]][0])
@@ -74,17 +88,21 @@ def _map_grad(a: Tensor, d_out: Tensor, s_in: Tensor) -> Tensor:
     return d_out @ s_in.transpose(-1, -2)
 
 
-def states_in(a_f: Tensor, b_f: Tensor, frags, rank: int, group, stats=None, lasp_comm: str = "allgather") -> Tensor:
+def states_in(a_f: Tensor, b_f: Tensor, frags, rank: int, group, stats=None, lasp_comm: str = "allgather",
+              resets=frozenset()) -> Tensor:
     """The state entering each of this rank's fragments, [nf, *B's shape]; a_f [nf, .., K, K or 1],
-    b_f [nf, .., K, V] (fp32). Differentiable in both."""
+    b_f [nf, .., K, V] (fp32). ``resets``: the global starts of packed documents (a fragment that
+    starts one enters with the zero state). Differentiable in both."""
     if lasp_comm == "ring":
-        return _StateChain.apply(a_f, b_f, frags, rank, group, stats)
+        return _StateChain.apply(a_f, b_f, frags, rank, group, stats, frozenset(resets))
     a_all = comm.all_gather(_padded(a_f, frags), 0, group, stats, "lasp_allgather")
     b_all = comm.all_gather(_padded(b_f, frags), 0, group, stats, "lasp_allgather")
     # every fragment's state, then this rank's: the output depends on the gathered maps on every rank
     # (also rank 0, whose own state is zero), so every rank runs the all-gather's backward collective
     s, entering = torch.zeros_like(b_f[0]), {}
     for r, j in global_order(frags):
+        if frags[r][j][0] in resets:
+            s = torch.zeros_like(s)
         entering[r, j] = s
         s = apply_map(a_all[r, j], s) + b_all[r, j]
     every = torch.stack([entering[key] for key in sorted(entering)])
@@ -107,17 +125,19 @@ class _StateChain(torch.autograd.Function):
     each owner sending dS_in (its own G plus A^T of what came back) to the previous owner."""
 
     @staticmethod
-    def forward(ctx, a_f, b_f, frags, rank, group, stats):
+    def forward(ctx, a_f, b_f, frags, rank, group, stats, resets):
         order = global_order(frags)
+        # a hop into a fragment that starts a document carries nothing: neither side posts it
+        hop = [i > 0 and frags[r][j][0] not in resets for i, (r, j) in enumerate(order)]
         s_in = torch.zeros_like(b_f)
         carry = None
         for i, (r, j) in enumerate(order):
             if r != rank:
                 continue
-            if i > 0:
+            if hop[i]:
                 prev = order[i - 1][0]
                 s_in[j] = carry if prev == rank else _recv(b_f[0], prev, group, stats)
-            if i + 1 < len(order):
+            if i + 1 < len(order) and hop[i + 1]:
                 s_out = apply_map(a_f[j], s_in[j]) + b_f[j]
                 nxt = order[i + 1][0]
                 if nxt == rank:
@@ -125,7 +145,7 @@ class _StateChain(torch.autograd.Function):
                 else:
                     _send(s_out, nxt, group, stats)
         ctx.save_for_backward(a_f, s_in)
-        ctx.frags, ctx.rank, ctx.group, ctx.stats = frags, rank, group, stats
+        ctx.frags, ctx.rank, ctx.group, ctx.stats, ctx.hop = frags, rank, group, stats, hop
         return s_in
 
     @staticmethod
@@ -140,19 +160,19 @@ class _StateChain(torch.autograd.Function):
             if r != rank:
                 continue
             d_in = g_in[j]
-            if i + 1 < len(order):            # this fragment's S_out feeds the next one
+            if i + 1 < len(order) and ctx.hop[i + 1]:      # this fragment's S_out feeds the next one
                 nxt = order[i + 1][0]
                 d_out = carry if nxt == rank else _recv(s_in[0], nxt, group, stats)
                 db[j] = d_out
                 da[j] = _map_grad(a_f[j], d_out, s_in[j])
                 d_in = d_in + _map_transpose(a_f[j], d_out)
-            if i > 0:
+            if ctx.hop[i]:
                 prev = order[i - 1][0]
                 if prev == rank:
                     carry = d_in
                 else:
                     _send(d_in, prev, group, stats)
-        return da, db, None, None, None, None
+        return da, db, None, None, None, None, None
 
 
 def _send(t: Tensor, peer: int, group, stats) -> None:
@@ -163,15 +183,21 @@ def _recv(like: Tensor, peer: int, group, stats) -> Tensor:
     return comm.p2p([], [(torch.empty_like(like), peer)], group, stats, "lasp_ring").wait()[0]
 
 
-def halos(x_bcl: Tensor, width: int, frags, rank: int, group, stats=None) -> List[Tensor]:
-    """For each local fragment, the ``width`` inputs before it in global order ([b, c, width];
-    zeros before position 0). x_bcl: this rank's conv input, channels first, local order.
-    Differentiable: the halo's gradient reaches the tail it came from."""
-    tails = torch.stack([x_bcl[..., off + n - width:off + n] for _, n, off in frags[rank]])
+def halos(x_bcl: Tensor, width: int, frags, rank: int, group, stats=None, resets=frozenset()) -> List[Tensor]:
+    """For each local fragment, the ``width`` inputs before it in global order ([b, c, width]);
+    zeros before position 0 and before a document start (``resets``). x_bcl: this rank's conv
+    input, channels first, local order. A fragment shorter than ``width`` (only one that starts a
+    document, after cut_at_documents) gives its tokens left-padded with zeros. Differentiable: the
+    halo's gradient reaches the tail it came from."""
+    def tail(off, n):
+        t = x_bcl[..., off + max(n - width, 0):off + n]
+        return torch.nn.functional.pad(t, (width - t.shape[-1], 0)) if t.shape[-1] < width else t
+
+    tails = torch.stack([tail(off, n) for _, n, off in frags[rank]])
     gathered = comm.all_gather(_padded(tails, frags), 0, group, stats, "conv_halo")
     ends = {start + n: (r, j) for r, fr in enumerate(frags) for j, (start, n, _) in enumerate(fr)}
     # every fragment's halo, then this rank's (see states_in: every rank runs the backward collective)
-    every = torch.stack([gathered[ends[start]] if start else torch.zeros_like(tails[0])
+    every = torch.stack([gathered[ends[start]] if start and start not in resets else torch.zeros_like(tails[0])
                          for fr in frags for start, _, _ in fr])
     first = sum(len(fr) for fr in frags[:rank])
     return list(every[first:first + len(frags[rank])])
@@ -188,4 +214,4 @@ def check_fragments(frags, width: int, where: str) -> None:
                           f"or a contiguous / zigzag strategy")
 
 
-__all__ = ["fragments", "global_order", "apply_map", "states_in", "halos", "check_fragments"]
+__all__ = ["fragments", "cut_at_documents", "global_order", "apply_map", "states_in", "halos", "check_fragments"]

@@ -5,7 +5,7 @@ unsharded model (tests/hf_hybrids.py derives the bound), for each family, both s
 P = 2 and 4; what cannot be exact is refused by name on every rank."""
 import pytest
 
-from ..hf_hybrids import check_hybrid, check_hybrids
+from ..hf_hybrids import check_hybrid, check_hybrids, check_packed
 
 P2 = dict(size=2)
 P4 = dict(size=4)
@@ -64,7 +64,7 @@ def _refusals():
     from ds_seqpar.hf import apply_sequence_parallel
     from ..hf_hybrids import batch, build, hybrid_config
     cfg = hybrid_config("qwen3_5_text")
-    ids, labels = batch(cfg.vocab_size, rows=1)
+    ids, labels = batch(cfg.vocab_size, rows=2)
     out = {}
     for name, setting in (("striped", dict(strategy="striped", size=2)), ("lasp", dict(strategy="lasp", size=2))):
         try:
@@ -75,7 +75,7 @@ def _refusals():
     sp = SequenceParallel(dict(strategy="ring", size=2))
     model = apply_sequence_parallel(build(cfg, torch.float32), sp)
     b = sp.shard_batch({"input_ids": ids, "labels": labels})
-    packed = dict(b, position_ids=b["position_ids"] % 50)           # documents restarting at 0
+    packed = dict(b, position_ids=b["position_ids"] % 50)           # documents restarting at 0, 2 rows
     for name, kwargs in (("packed", packed), ("cache", dict(b, use_cache=True))):
         try:
             model(**kwargs)
@@ -91,7 +91,7 @@ def test_what_cannot_be_exact_is_refused_by_name_on_every_rank(pool):
     got = results[0]
     assert "strategy='striped'" in got["striped"] and "ulysses, ring or zigzag" in got["striped"]
     assert "strategy='lasp'" in got["lasp"] and "linear_strategy" in got["lasp"]
-    assert "packed documents" in got["packed"]
+    assert "packed documents need batch size 1" in got["packed"], got["packed"]
 
 
 def _bypass_and_broken_halo():
@@ -173,3 +173,29 @@ def _bytes(setting):
 def test_linear_layer_bytes_equal_the_closed_forms(pool, setting):
     for got, want in pool.run(_bytes, setting):
         assert got == want and all(v > 0 for v in want.values()), (got, want)
+
+
+# documents: [0,2) shorter than the conv halo; [2,39) crosses rank boundary 38 (P=4); [39,40) one token,
+# starting inside rank 1's first K-1 tokens; [40,130) crosses 76 and 114; [130,131); [131,152).
+# The second set: a document starting exactly at a rank boundary (76), one of one token after it.
+CROSSING = [0, 2, 39, 40, 130, 131, 152]
+AT_BOUNDARY = [0, 76, 77, 152]
+PACKED = [("qwen3_5_text", CROSSING, [dict(P4, strategy="ring"), dict(P4, strategy="zigzag", lasp_comm="ring"),
+                                      dict(P2, strategy="ulysses", linear_strategy="ulysses")]),
+          ("qwen3_5_text", AT_BOUNDARY, [dict(P2, strategy="ring", lasp_comm="ring"), dict(P4, strategy="zigzag")]),
+          ("kimi_linear", CROSSING, [dict(P4, strategy="zigzag")]),
+          ("bamba", CROSSING, [dict(P4, strategy="ring", lasp_comm="ring"), dict(P2, strategy="zigzag", linear_strategy="ulysses")]),
+          ("minimax", CROSSING, [dict(P4, strategy="zigzag")]),
+          ("lfm2", AT_BOUNDARY, [dict(P4, strategy="ring")])]
+
+
+def _packed_all(cases):
+    return [check_packed(mt, settings, bounds) for mt, bounds, settings in cases]
+
+
+def test_packed_documents_equal_each_document_run_alone(pool):
+    """The state and the conv halo restart at every document start, wherever it falls."""
+    for results in pool.run(_packed_all, PACKED, timeout=600):
+        for (mt, bounds, _), rows in zip(PACKED, results):
+            for setting, ratio, what in rows:
+                assert ratio <= 1.0, f"{mt} {bounds} {setting}: {what} is {ratio:.3g}x the bound"

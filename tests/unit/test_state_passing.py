@@ -112,3 +112,11 @@ def test_seams_delegate_when_no_applied_layer_runs():
         assert torch.equal(seam(x, w, None), original(x, w, None))
     finally:
         lfm2.causal_conv1d_fn = original
+
+
+def test_runs_are_cut_at_document_starts_with_local_offsets():
+    from ds_seqpar.strategies.state_passing import cut_at_documents
+    frags = fragments(make_layout("zigzag", 2), 16)           # rank 0: [0,4) and [12,16); rank 1: [4,12)
+    cut = cut_at_documents(frags, [0, 2, 5, 13, 16])
+    assert cut[0] == [(0, 2, 0), (2, 2, 2), (12, 1, 4), (13, 3, 5)]
+    assert cut[1] == [(4, 1, 0), (5, 7, 1)]
