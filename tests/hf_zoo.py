@@ -297,6 +297,10 @@ def sweep(model_types):
     """On every rank of the pool (sequence groups of 2): each data-parallel group takes every other
     model type. Returns [(model_type, {strategy: outcome}, seconds)] of this rank's group."""
     from ds_seqpar import SequenceParallel
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    # a ZeRO-3 config left set by an earlier Trainer run on this rank would build every model inside
+    # zero.Init (partitioned, collective-heavy): fail at once rather than run slow and mismatched
+    assert not is_deepspeed_zero3_enabled(), "transformers' global ZeRO-3 config is still set on this rank"
     sps = {s: SequenceParallel({"strategy": s, "size": 2}) for s in STRATEGIES}
     first = next(iter(sps.values()))
     rows = []

@@ -1,23 +1,28 @@
-"""Linear-attention and convolution layers of Hugging Face hybrids under sequence parallelism.
+"""Linear-attention, SSM and convolution layers of Hugging Face hybrids under sequence parallelism
+(docs/hybrids.md).
 
 transformers has no registry for these layers, but the ones we support call module-level ops that
 Python resolves at call time: ``causal_conv1d_fn`` (every short causal conv),
-``torch_chunk_gated_delta_rule`` (gated DeltaNet: Qwen3-Next, Qwen3.5, OLMo-Hybrid) and
-``chunk_kimi_delta_attention`` (Kimi delta attention: Kimi-Linear, Ling bailing_hybrid). The
+``torch_chunk_gated_delta_rule`` (gated DeltaNet: Qwen3-Next, Qwen3.5, OLMo-Hybrid),
+``chunk_kimi_delta_attention`` (Kimi delta attention: Kimi-Linear, Ling bailing_hybrid) and
+``mamba2_chunk_scan`` (Mamba2 SSD: Bamba, Granite-4.0-H, Nemotron-H, Falcon-H1, Zamba2, Mamba2). The
 modeling file's global is replaced by a seam that calls the original unless an applied layer is
 running (a forward pre-hook on each such layer says so), so other models in the process, and the
-layer after remove_sequence_parallel, run transformers' code untouched. Projections, gates, norms
-and GQA stay transformers' code; only the sequence-mixing op and the conv become sequence-parallel:
+layer after remove_sequence_parallel, run transformers' code untouched. MiniMax's lightning
+attention has no op (an inline loop): its forward is replaced on the instance, keeping
+transformers' projections, norm and gate. Only the sequence-mixing op and the conv become
+sequence-parallel:
 
-  * conv: each fragment (run of consecutive global tokens a rank holds) is convolved with the K-1
-    inputs before it (state_passing.halos), and the first K-1 outputs dropped;
-  * delta rule, ``linear_strategy: lasp``: one call of the original op on the widened problem
-    (values [v, 0_K], initial state [0, I_K]) returns, by linearity, the zero-init output o0, the
-    effective queries Q~ = (A_{<=t}^T q_t), and the fragment's map (A, B) as the final state
-    [B | A]; state_passing.states_in folds the maps in global order (allgather or ring); then
+  * conv: each run of consecutive global tokens a rank holds is convolved with the K-1 inputs
+    before it (state_passing.halos), and the first K-1 outputs dropped;
+  * ``linear_strategy: lasp``: one call of the original op on the widened problem (delta rule:
+    values [v, 0_K], initial state [0, I_K]; SSD: widened along headdim) returns, by linearity, the
+    zero-init output o0, the effective queries Q~ and the run's map (A, B) in the final state;
+    state_passing.states_in folds the maps in global order (allgather or ring); then
     o = o0 + Q~ . S_in. Autograd gives the backward (the maps' all-gather has a reduce-scatter dual);
-  * delta rule, ``linear_strategy: ulysses``: all-to-all to whole sequences of P-th of the heads,
-    the original op, all-to-all back (heads must divide by P).
+  * ``linear_strategy: ulysses``: all-to-all to whole sequences of a P-th of the heads, the
+    original op, all-to-all back (heads and groups must divide by P).
+Packed documents (batch 1): runs are cut at document starts, where state and halo restart.
 
 Every seam call is counted per layer; a layer that bypassed a seam (another kernel swapped in, a
 fused path) is refused after its forward, before the loss and backward.
@@ -55,6 +60,13 @@ LAYER_OPS: Dict[str, Tuple[str, ...]] = {
     "NemotronHMamba2Mixer": _MAMBA2, "FalconH1Mixer": _MAMBA2, "Zamba2MambaMixer": _MAMBA2,
     "MiniMaxLightningAttention": (LIGHTNING,),
 }
+# model types whose every linear layer type is one of the adapted classes above (tests/dist/test_hf_zoo.py
+# sweeps them): config-only checks (the main job's, before any process starts) let their linear
+# layer types through; apply_sequence_parallel still verifies the modules (checks.check_modules)
+HYBRID_MODEL_TYPES = frozenset({
+    "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear",
+    "bailing_hybrid", "lfm2", "lfm2_moe", "lfm3", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1", "zamba2",
+    "mamba2", "minimax"})
 # layer types that hold an adapted mixer (checks.check_modules verifies each does); "hybrid":
 # Falcon-H1's attention and Mamba2 side by side
 LINEAR_LAYER_TYPES = ("linear_attention", "conv", "mamba", "hybrid")
@@ -201,14 +213,13 @@ class LinearMixers:
         """(runs of this forward: the layout's runs of consecutive tokens, cut at packed-document
         starts; the global positions where a document starts, where state and halo restart)."""
         n = local_len * self.sp.size
-        docs = tuple(int(b) for b in self.documents) if self.documents is not None else None
-        if (n, docs) not in self._frags:
-            frags = fragments(self.sp.layout, n)
-            self._frags[n, docs] = (frags, docs)
-        frags, docs = self._frags[n, docs]
+        if n not in self._frags:                 # the layout's runs, per length (documents change per batch)
+            self._frags[n] = fragments(self.sp.layout, n)
+        frags = self._frags[n]
         check_fragments(frags, width, where)
-        if docs is None:
+        if self.documents is None:
             return frags, frozenset()
+        docs = [int(b) for b in self.documents]
         return cut_at_documents(frags, docs), frozenset(b for b in docs if 0 < b < n)
 
     # -- the ops -------------------------------------------------------------------------------
@@ -329,5 +340,5 @@ def _lightning_forward(mixers, module, hidden_states, position_embeddings=None, 
     return module.out_proj(out), None
 
 
-__all__ = ["LAYER_OPS", "LINEAR_LAYER_TYPES", "LinearMixers", "install_seams", "linear_modules", "delta_rule_map",
+__all__ = ["LAYER_OPS", "LINEAR_LAYER_TYPES", "HYBRID_MODEL_TYPES", "LinearMixers", "install_seams", "linear_modules", "delta_rule_map",
            "with_state_in"]

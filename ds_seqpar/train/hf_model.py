@@ -75,7 +75,9 @@ def load_config(opts):
 def check_run(sp, opts, config, vocab_size: int) -> None:
     """Model features against the strategy and sequence (hf/checks.py), and the data's vocabulary."""
     from ..hf.checks import check_config, text_config
-    check_config(config, training=True)   # heads: main.check_run
+    from ..hf.linear_layers import HYBRID_MODEL_TYPES
+    hybrid = getattr(text_config(config), "model_type", None) in HYBRID_MODEL_TYPES
+    check_config(config, training=True, linear_ok=hybrid)   # heads: main.check_run
     model_vocab = getattr(text_config(config), "vocab_size", None)
     if model_vocab is None or model_vocab < vocab_size:
         raise TrainConfigError(f"--model {opts.model!r} has vocab_size={model_vocab}, smaller than the training "

@@ -34,17 +34,26 @@ def ds_config(stage, **sequence_parallel):
     return cfg
 
 
+def reset_worker_state():
+    """After a Trainer run on a pool rank: accelerate's singletons, and transformers' global ZeRO-3
+    config (a Trainer with ZeRO-3 leaves it set: every later from_config in this process would build
+    its model partitioned inside zero.Init, so later tests on the pool would be slow and mismatched)."""
+    from accelerate.state import AcceleratorState, PartialState
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+    AcceleratorState._reset_state(reset_partial_state=False)
+    PartialState._reset_state()
+    unset_hf_deepspeed_config()
+
+
 def run_trainer(cfg, micro, steps=3, eval_samples=0, **options):
     """On every rank: one Trainer run; rank 0 returns (steps, params[, (eval_loss, logits, labels)])."""
-    from accelerate.state import AcceleratorState, PartialState
     example = _example()
     with tempfile.TemporaryDirectory() as out:
         try:
             return example.train(cfg, out, max_steps=steps, gradient_accumulation_steps=3,
                                  per_device_train_batch_size=micro, eval_samples=eval_samples, **options)
         finally:
-            AcceleratorState._reset_state(reset_partial_state=False)
-            PartialState._reset_state()
+            reset_worker_state()
 
 
 _PLAIN = {}
@@ -117,15 +126,13 @@ def test_gradient_checkpointing_and_lora_equal_plain(pool, option):
 
 def run_sft(cfg, micro, padding_free=False):
     """On every rank: TRL's SFTTrainer with the mixin (examples/trl_sft.py); rank 0 returns (steps, params)."""
-    from accelerate.state import AcceleratorState, PartialState
     example = _example("trl_sft")
     with tempfile.TemporaryDirectory() as out:
         try:
             return example.train(cfg, out, max_steps=3, gradient_accumulation_steps=3,
                                  per_device_train_batch_size=micro, padding_free=padding_free)
         finally:
-            AcceleratorState._reset_state(reset_partial_state=False)
-            PartialState._reset_state()
+            reset_worker_state()
 
 
 @pytest.mark.parametrize("padding_free", [False, True])
@@ -145,7 +152,6 @@ def run_resumed(cfg, micro, out, steps=4, stop=2):
     """On every rank: a run of ``steps`` that checkpoints at step ``stop`` (mid-epoch: 16 batches per
     replica and epoch, 6 consumed), then a new Trainer resumed from that checkpoint; ``out`` is one
     directory of every rank (DeepSpeed writes one ZeRO partition per rank). Rank 0 returns both."""
-    from accelerate.state import AcceleratorState, PartialState
     example = _example()
 
     def train(name, **options):
@@ -153,8 +159,7 @@ def run_resumed(cfg, micro, out, steps=4, stop=2):
             return example.train(cfg, os.path.join(out, name), max_steps=steps, gradient_accumulation_steps=3,
                                  per_device_train_batch_size=micro, **options)
         finally:
-            AcceleratorState._reset_state(reset_partial_state=False)
-            PartialState._reset_state()
+            reset_worker_state()
 
     whole = train("whole", save_steps=stop)
     resumed = train("resumed", resume_from_checkpoint=os.path.join(out, "whole", f"checkpoint-{stop}"))
