@@ -128,6 +128,13 @@ def linear_state_bytes(frags, rank: int, rows: int, heads: int, dk: int, dv: int
     return {"lasp_ring": hops * state}
 
 
+def linear_ulysses_bytes(p: int, local_elems: Sequence[int], elem: int) -> Dict[str, int]:
+    """One linear layer under linear_strategy ulysses, forward + backward: each input of the op and
+    its output all-to-all once each way ((P-1)/P of each tensor's local bytes), and the duals of all
+    of them in backward. ``local_elems``: each tensor's element count on one rank."""
+    return {"linear_all_to_all": 2 * sum(n * elem * (p - 1) // p for n in local_elems)}
+
+
 def conv_halo_bytes(frags, rows: int, channels: int, width: int, elem: int) -> Dict[str, int]:
     """One short causal conv, forward + backward: every rank's run tails ([rows, channels, width],
     the most runs any rank holds) all-gathered, their gradients reduce-scattered back."""

@@ -151,7 +151,7 @@ def _bytes(setting):
     import torch
     from ds_seqpar import SequenceParallel
     from ds_seqpar.hf import apply_sequence_parallel
-    from ds_seqpar.strategies.closed_form import conv_halo_bytes, linear_state_bytes
+    from ds_seqpar.strategies.closed_form import conv_halo_bytes, linear_state_bytes, linear_ulysses_bytes
     from ds_seqpar.strategies.state_passing import fragments
     from ..hf_hybrids import SEQ, batch, build, hybrid_config
     cfg = hybrid_config("qwen3_5_text")
@@ -164,12 +164,17 @@ def _bytes(setting):
     frags = fragments(sp.layout, SEQ)
     hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                       cfg.linear_value_head_dim)
-    want = linear_state_bytes(frags, sp.rank, ids.shape[0], hv, dk, dv, sp.config.lasp_comm)
+    if sp.config.linear_strategy == "ulysses":       # q, k; v and the output; g, beta
+        tokens = ids.shape[0] * SEQ // sp.size
+        want = linear_ulysses_bytes(sp.size, [tokens * hk * dk] * 2 + [tokens * hv * dv] * 2 + [tokens * hv] * 2, 4)
+    else:
+        want = linear_state_bytes(frags, sp.rank, ids.shape[0], hv, dk, dv, sp.config.lasp_comm)
     want.update(conv_halo_bytes(frags, ids.shape[0], 2 * hk * dk + hv * dv, cfg.linear_conv_kernel_dim - 1, 4))
     return {k: sp.stats.bytes.get(k, 0) for k in want}, want
 
 
-@pytest.mark.parametrize("setting", [dict(strategy="ring", size=2), dict(strategy="zigzag", size=4, lasp_comm="ring")])
+@pytest.mark.parametrize("setting", [dict(strategy="ring", size=2), dict(strategy="zigzag", size=4, lasp_comm="ring"),
+                                     dict(strategy="ulysses", size=2, linear_strategy="ulysses")])
 def test_linear_layer_bytes_equal_the_closed_forms(pool, setting):
     for got, want in pool.run(_bytes, setting):
         assert got == want and all(v > 0 for v in want.values()), (got, want)
