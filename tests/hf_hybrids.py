@@ -90,15 +90,20 @@ def unsharded(cfg, state, ids, labels, dtype):
                                             if p.grad is not None}
 
 
-def _worst(got, ref, plain, k=10.0, floor=1e-5):
-    """error / derived bound (<= 1 is exact). transformers' linear ops compute in fp32 even for fp64
-    inputs, so the fp64 reference carries fp32 rounding in those layers and the fp32-vs-fp64 error of
-    the unsharded model measures only part of it: the bound is k x that error plus ``floor`` x the
-    largest reference entry (about 80 fp32 ulps: sums of a few hundred fp32 terms in another order).
-    A wrong state, halo or fold is off by orders of magnitude more (the tests' negative checks)."""
-    err = (got.double() - ref.double()).abs().max().item()
-    bound = k * (plain.double() - ref.double()).abs().max().item() + floor * (ref.abs().max().item() or 1.0)
-    return err / bound
+def _ratios(logits, loss, grads, ref, plain):
+    """{what: error / derived bound} (<= 1 is exact) for logits, loss and every gradient.
+    transformers' linear ops compute in fp32 even for fp64 inputs, so the fp64 reference carries fp32
+    rounding in those layers and the fp32-vs-fp64 error of the unsharded model measures only part of
+    it: the bound is 10x that error plus 1e-5 x the largest reference entry (about 80 fp32 ulps: sums
+    of a few hundred fp32 terms in another order). A wrong state, halo or fold is off by orders of
+    magnitude more (test_a_bypassed_seam_and_a_wrong_halo_are_caught)."""
+    from .hf_zoo import _worst
+
+    def worst(got, r, p):
+        return _worst(got, r, p, k=10.0, floor=1e-5)
+    out = {"logits": worst(logits, ref[0], plain[0]), "loss": worst(loss, ref[1], plain[1])}
+    out.update({f"grad {n}": worst(g, ref[2][n], plain[2][n]) for n, g in grads.items()})
+    return out
 
 
 def check_hybrids(cases, checkpointing=False):
@@ -134,9 +139,8 @@ def check_hybrid(model_type, settings, checkpointing=False):
             continue
         logits = sp.unshard(res.logits.detach(), dim=1, seq_len=SEQ)
         grads = _summed_grads(model, sp.group)
-        ratios = {"logits": _worst(logits, ref[0], plain[0]), "loss": _worst(res.loss.detach(), ref[1], plain[1])}
         assert set(grads) == set(ref[2]), (model_type, setting, set(grads) ^ set(ref[2]))
-        ratios.update({f"grad {n}": _worst(g, ref[2][n], plain[2][n]) for n, g in grads.items()})
+        ratios = _ratios(logits, res.loss.detach(), grads, ref, plain)
         worst = max(ratios, key=ratios.get)
         out.append((setting, ratios[worst], worst))
     return out
@@ -181,8 +185,8 @@ def check_packed(model_type, settings, bounds):
         res.loss.backward()
         logits = sp.unshard(res.logits.detach(), dim=1, seq_len=SEQ)
         grads = _summed_grads(model, sp.group)
-        ratios = {"logits": _worst(logits, ref[0], plain[0]), "loss": _worst(res.loss.detach(), ref[1], plain[1])}
-        ratios.update({f"grad {n}": _worst(g, ref[2][n], plain[2][n]) for n, g in grads.items()})
+        assert set(grads) == set(ref[2]), (model_type, setting, set(grads) ^ set(ref[2]))
+        ratios = _ratios(logits, res.loss.detach(), grads, ref, plain)
         worst = max(ratios, key=ratios.get)
         out.append((setting, ratios[worst], worst))
     return out
