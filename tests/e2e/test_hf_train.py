@@ -26,11 +26,11 @@ def model_dirs(tmp_path_factory):
 
 @pytest.mark.parametrize("kind,stage,name", [("weights", 2, "zigzag"), ("config", 1, "ulysses"),
                                              ("weights", 2, "hybrid"), ("weights", 3, "striped"),
-                                             ("hybrid", 2, "zigzag")])
+                                             ("hybrid", 2, "zigzag"), ("hybrid", 3, "ring")])
 def test_hf_model_training_matches_plain_data_parallel(pool, tmp_path, model_dirs, kind, stage, name):
     """dp 2 x sp 2 zigzag with from_pretrained weights under ZeRO-2; a random init (from_config) under
     ZeRO-1 with Ulysses; the 2D hybrid (ring of 2 Ulysses pairs, sp 4); ZeRO-3 with the plain recipe; a
-    Qwen3.5-style hybrid (gated DeltaNet, LASP state maps, conv halo) under zigzag at ZeRO-2."""
+    Qwen3.5-style hybrid (gated DeltaNet, LASP state maps, conv halo) under zigzag at ZeRO-2 and ring at ZeRO-3."""
     ds = shipped_config(name)
     ds["zero_optimization"]["stage"] = stage
     args = dict(HF_TINY, model=model_dirs[kind], deepspeed_config=ds)
