@@ -90,20 +90,26 @@ def unsharded(cfg, state, ids, labels, dtype):
                                             if p.grad is not None}
 
 
-def _ratios(logits, loss, grads, ref, plain):
-    """{what: error / derived bound} (<= 1 is exact) for logits, loss and every gradient.
-    transformers' linear ops compute in fp32 even for fp64 inputs, so the fp64 reference carries fp32
-    rounding in those layers and the fp32-vs-fp64 error of the unsharded model measures only part of
-    it: the bound is 10x that error plus 1e-5 x the largest reference entry (about 80 fp32 ulps: sums
-    of a few hundred fp32 terms in another order). A wrong state, halo or fold is off by orders of
-    magnitude more (test_a_bypassed_seam_and_a_wrong_halo_are_caught)."""
+def _worst_ratio(sp, model, res, ref, plain, what):
+    """(largest error / derived bound, its name) over the unsharded logits, the loss and every
+    parameter gradient summed over the sequence group; <= 1 is exact. transformers' linear ops compute
+    in fp32 even for fp64 inputs, so the fp64 reference carries fp32 rounding in those layers and the
+    fp32-vs-fp64 error of the unsharded model measures only part of it: the bound is 10x that error
+    plus 1e-5 x the largest reference entry (about 80 fp32 ulps: sums of a few hundred fp32 terms in
+    another order). A wrong state, halo or fold is off by orders of magnitude more
+    (test_a_bypassed_seam_and_a_wrong_halo_are_caught)."""
+    from .dist.test_hf import _summed_grads
     from .hf_zoo import _worst
 
-    def worst(got, r, p):
+    def ratio(got, r, p):
         return _worst(got, r, p, k=10.0, floor=1e-5)
-    out = {"logits": worst(logits, ref[0], plain[0]), "loss": worst(loss, ref[1], plain[1])}
-    out.update({f"grad {n}": worst(g, ref[2][n], plain[2][n]) for n, g in grads.items()})
-    return out
+    grads = _summed_grads(model, sp.group)
+    assert set(grads) == set(ref[2]), (what, set(grads) ^ set(ref[2]))
+    ratios = {"logits": ratio(sp.unshard(res.logits.detach(), dim=1, seq_len=SEQ), ref[0], plain[0]),
+              "loss": ratio(res.loss.detach(), ref[1], plain[1])}
+    ratios.update({f"grad {n}": ratio(g, ref[2][n], plain[2][n]) for n, g in grads.items()})
+    worst = max(ratios, key=ratios.get)
+    return ratios[worst], worst
 
 
 def check_hybrids(cases, checkpointing=False):
@@ -118,7 +124,6 @@ def check_hybrid(model_type, settings, checkpointing=False):
     from ds_seqpar import SequenceParallel
     from ds_seqpar.config import ConfigError
     from ds_seqpar.hf import apply_sequence_parallel
-    from .dist.test_hf import _summed_grads
     cfg = hybrid_config(model_type)
     state = build(cfg, torch.float32).state_dict()
     ids, labels = batch(cfg.vocab_size)
@@ -137,12 +142,7 @@ def check_hybrid(model_type, settings, checkpointing=False):
         except ConfigError as err:                 # refused: the same message on every rank, before any collective
             out.append((setting, None, str(err)))
             continue
-        logits = sp.unshard(res.logits.detach(), dim=1, seq_len=SEQ)
-        grads = _summed_grads(model, sp.group)
-        assert set(grads) == set(ref[2]), (model_type, setting, set(grads) ^ set(ref[2]))
-        ratios = _ratios(logits, res.loss.detach(), grads, ref, plain)
-        worst = max(ratios, key=ratios.get)
-        out.append((setting, ratios[worst], worst))
+        out.append((setting,) + _worst_ratio(sp, model, res, ref, plain, (model_type, setting)))
     return out
 
 
@@ -171,7 +171,6 @@ def check_packed(model_type, settings, bounds):
     each document run alone: [(settings, worst error / bound, what)]."""
     from ds_seqpar import SequenceParallel
     from ds_seqpar.hf import apply_sequence_parallel
-    from .dist.test_hf import _summed_grads
     cfg = hybrid_config(model_type)
     state = build(cfg, torch.float32).state_dict()
     ids, _ = batch(cfg.vocab_size, rows=1)
@@ -183,10 +182,5 @@ def check_packed(model_type, settings, bounds):
         model = apply_sequence_parallel(build(cfg, torch.float32, state), sp)
         res = model(**sp.shard_batch({"input_ids": ids, "labels": ids, "cu_seqlens": torch.tensor(bounds)}))
         res.loss.backward()
-        logits = sp.unshard(res.logits.detach(), dim=1, seq_len=SEQ)
-        grads = _summed_grads(model, sp.group)
-        assert set(grads) == set(ref[2]), (model_type, setting, set(grads) ^ set(ref[2]))
-        ratios = _ratios(logits, res.loss.detach(), grads, ref, plain)
-        worst = max(ratios, key=ratios.get)
-        out.append((setting, ratios[worst], worst))
+        out.append((setting,) + _worst_ratio(sp, model, res, ref, plain, (model_type, setting)))
     return out

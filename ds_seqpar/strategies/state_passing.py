@@ -106,6 +106,11 @@ def states_in(a_f: Tensor, b_f: Tensor, frags, rank: int, group, stats=None, las
         entering[r, j] = s
         s = apply_map(a_all[r, j], s) + b_all[r, j]
     every = torch.stack([entering[key] for key in sorted(entering)])
+    return _this_ranks(every, frags, rank)
+
+
+def _this_ranks(every: Tensor, frags, rank: int) -> Tensor:
+    """This rank's rows of a tensor with one row per fragment of every rank (rank-major)."""
     first = sum(len(fr) for fr in frags[:rank])
     return every[first:first + len(frags[rank])]
 
@@ -199,8 +204,7 @@ def halos(x_bcl: Tensor, width: int, frags, rank: int, group, stats=None, resets
     # every fragment's halo, then this rank's (see states_in: every rank runs the backward collective)
     every = torch.stack([gathered[ends[start]] if start and start not in resets else torch.zeros_like(tails[0])
                          for fr in frags for start, _, _ in fr])
-    first = sum(len(fr) for fr in frags[:rank])
-    return list(every[first:first + len(frags[rank])])
+    return list(_this_ranks(every, frags, rank))
 
 
 def check_fragments(frags, width: int, where: str) -> None:
