@@ -16,8 +16,9 @@ sequence-parallel:
   * conv: each run of consecutive global tokens a rank holds is convolved with the K-1 inputs
     before it (state_passing.halos), and the first K-1 outputs dropped;
   * ``linear_strategy: lasp``: one call of the original op on the widened problem (delta rule:
-    values [v, 0_K], initial state [0, I_K]; SSD: widened along headdim) returns, by linearity, the
-    zero-init output o0, the effective queries Q~ and the run's map (A, B) in the final state;
+    values [v, 0_K], initial state [0, I_K]) returns, by linearity, the zero-init output o0, the
+    effective queries Q~ and the run's map (A, B) in the final state (SSD, whose transition is a
+    scalar per head: the plain call and a width-1 probe of the decays, ssd_map);
     state_passing.states_in folds the maps in global order (allgather or ring); then
     o = o0 + Q~ . S_in. Autograd gives the backward (the maps' all-gather has a reduce-scatter dual);
   * ``linear_strategy: ulysses``: all-to-all to whole sequences of a P-th of the heads, the
@@ -130,6 +131,25 @@ def delta_rule_map(original, q, k, v, g, beta, call: dict):
     wide = torch.cat([v, v.new_zeros(v.shape[:-1] + (dk,))], -1)
     out, final = original(q, k, wide, g=g, beta=beta, initial_state=h0, output_final_state=True, **call)
     return out[..., :dv], out[..., dv:].float(), final[..., dv:], final[..., :dv]
+
+
+def ssd_map(original, x, dt, b, c, call: dict):
+    """One fragment of Mamba2's chunked scan as an affine map of its entering state [b, h, headdim, N]:
+    returns (o0, C~, A, B) as delta_rule_map, A a scalar per head [b, h, 1, 1]. The transition is
+    scalar, so no widened call is needed: the plain call from the zero state gives o0 and B (its
+    final state); a probe of width 1 (x = 0, B = 0, C = 1, initial state 1) returns each token's decay
+    from the run's start, exp(sum_{s<=t} dt_s A) [b, l, h], through the op's own dt handling (bias,
+    softplus, limits). Then C~_t = decay_t C_t (C's groups repeated to the heads) and A = the last
+    token's decay."""
+    o0, final = original(x, dt, B=b, C=c, initial_states=None, return_final_states=True, **call)
+    heads, groups = x.shape[2], b.shape[2]
+    one = x.new_ones(x.shape[:2] + (groups, 1))                                      # [b, l, groups, 1]
+    h0 = torch.ones(x.shape[0], heads, 1, 1, dtype=torch.float32, device=x.device)
+    probe = original(x.new_zeros(x.shape[:3] + (1,)), dt, B=torch.zeros_like(one), C=one, initial_states=h0,
+                     return_final_states=False, **call)
+    decay = probe[..., 0].float()                                                    # [b, l, h]
+    c_eff = decay[..., None] * c.float().repeat_interleave(heads // groups, dim=2)    # [b, l, h, N]
+    return o0, c_eff, decay[:, -1, :, None, None], final.float()
 
 
 def with_state_in(o0, q_eff, s_in):
@@ -250,8 +270,8 @@ class LinearMixers:
 
     def ssd(self, original, call: dict, where: str):
         """Mamba2's chunked scan: state [b, h, headdim, N], h_t = exp(dt A) h_{t-1} + dt x_t B_t^T,
-        y_t = h_t C_t + D x_t. Widened along headdim ([x, 0_N], initial rows I_N): the extra output
-        columns are the effective C's, the extra final rows exp(sum dt A) I (a scalar map per head)."""
+        y_t = h_t C_t + D x_t; each fragment's map from ssd_map (no widening: the transition is a
+        scalar per head)."""
         if call.get("initial_states") is not None or call.get("return_final_states"):
             raise UnsupportedModelError(f"ds_seqpar.hf: a recurrent state cache in {where} cannot be exact under "
                                         f"sequence parallelism; train with use_cache=False")
@@ -260,17 +280,8 @@ class LinearMixers:
         if self.sp.config.linear_strategy == "ulysses":
             return self._ssd_ulysses(original, x, dt, b, c, call, where)
         frags, resets = self.fragments(x.shape[1], 1, where)
-        p_dim, n_dim = x.shape[-1], b.shape[-1]
-        pieces = []
-        for _, n, off in frags[self.sp.rank]:
-            sl = slice(off, off + n)
-            h0 = torch.zeros(x.shape[0], x.shape[2], p_dim + n_dim, n_dim, dtype=torch.float32, device=x.device)
-            h0[..., p_dim:, :] = torch.eye(n_dim, dtype=torch.float32, device=x.device)
-            wide = torch.cat([x[:, sl], x.new_zeros(x.shape[:1] + (n,) + x.shape[2:3] + (n_dim,))], -1)
-            out, final = original(wide, dt[:, sl], B=b[:, sl], C=c[:, sl], initial_states=h0,
-                                  return_final_states=True, **call)
-            pieces.append((out[..., :p_dim], out[..., p_dim:].float(), final[..., p_dim:p_dim + 1, :1],
-                           final[..., :p_dim, :]))
+        pieces = [ssd_map(original, x[:, off:off + n], dt[:, off:off + n], b[:, off:off + n], c[:, off:off + n], call)
+                  for _, n, off in frags[self.sp.rank]]
         return self._fold(pieces, frags, resets, state_rows_are_values=True)
 
     def _heads_parallel(self, local, tensors, where: str):
@@ -341,4 +352,4 @@ def _lightning_forward(mixers, module, hidden_states, position_embeddings=None, 
 
 
 __all__ = ["LAYER_OPS", "LINEAR_LAYER_TYPES", "HYBRID_MODEL_TYPES", "LinearMixers", "install_seams", "linear_modules", "delta_rule_map",
-           "with_state_in"]
+           "ssd_map", "with_state_in"]

@@ -110,17 +110,21 @@ def lasp_bytes(p: int, sh: Shapes, rank: int, lasp_comm: str) -> Dict[str, int]:
 # -- hybrids' linear layers (state_passing.py) -------------------------------------------------
 
 
-def linear_state_bytes(frags, rank: int, rows: int, heads: int, dk: int, dv: int, lasp_comm: str) -> Dict[str, int]:
-    """One delta-rule layer, forward + backward, under linear_strategy lasp; ``frags`` = the layout's
-    runs (state_passing.fragments). Maps are fp32 [rows, heads, dk, dk] (A) and [.., dk, dv] (B).
-    allgather: A and B of the most runs any rank holds (f), all-gathered (P-1 pieces) and
-    reduce-scattered back ((P-1)/P of P pieces). ring: one B-sized state per hop this rank sends,
-    forward (to the next run's owner) and backward (to the previous one's). No term grows with N."""
+def linear_state_bytes(frags, rank: int, rows: int, heads: int, dk: int, dv: int, lasp_comm: str,
+                       transition: str = "matrix") -> Dict[str, int]:
+    """One linear layer, forward + backward, under linear_strategy lasp; ``frags`` = the layout's
+    runs (state_passing.fragments). Maps are fp32 [rows, heads, dk, dv] (B) and A: ``transition``
+    "matrix" [.., dk, dk] (the delta rule), "scalar" [.., 1, 1] (Mamba2 SSD: a data-dependent decay
+    per head) or "fixed" [.., 1, 1] (lightning attention: a constant decay per head, whose map has
+    no gradient to send back). allgather: A and B of the most runs any rank holds (f), all-gathered
+    (P-1 pieces) and reduce-scattered back ((P-1)/P of P pieces). ring: one B-sized state per hop
+    this rank sends, forward (to the next run's owner) and backward (to the previous one's). No term
+    grows with N."""
     p = len(frags)
-    state, transition = rows * heads * dk * dv * 4, rows * heads * dk * dk * 4
+    state, a_map = rows * heads * dk * dv * 4, rows * heads * (dk * dk if transition == "matrix" else 1) * 4
     if lasp_comm == "allgather":
         f = max(len(fr) for fr in frags)
-        return {"lasp_allgather": 2 * (p - 1) * f * (state + transition)}
+        return {"lasp_allgather": (p - 1) * f * (2 * state + (1 if transition == "fixed" else 2) * a_map)}
     order = sorted(((frags[r][j][0], r) for r in range(p) for j in range(len(frags[r]))))
     owners = [r for _, r in order]
     hops = sum(1 for i, r in enumerate(owners) if r == rank and i + 1 < len(owners) and owners[i + 1] != rank)
