@@ -145,38 +145,53 @@ def test_gradient_checkpointing_recomputes_the_exchanges_exactly(pool):
     assert ratio is not None and ratio <= 1.0, (setting, ratio, what)
 
 
-def _bytes(setting):
-    """Bytes per kind of one forward + backward of the tiny Qwen3.5 (one gated DeltaNet layer) and
-    the closed forms for its linear layer and conv."""
+def _bytes(setting, model_type="qwen3_5_text"):
+    """Bytes per kind of one forward + backward of a tiny hybrid (one linear layer) and the closed forms
+    for its linear layer and conv: gated DeltaNet (a K x K transition), Mamba2 SSD (a data-dependent
+    decay per head) and lightning attention (a constant decay per head, no conv)."""
     import torch
     from ds_seqpar import SequenceParallel
     from ds_seqpar.hf import apply_sequence_parallel
     from ds_seqpar.strategies.closed_form import conv_halo_bytes, linear_state_bytes, linear_ulysses_bytes
     from ds_seqpar.strategies.state_passing import fragments
     from ..hf_hybrids import SEQ, batch, build, hybrid_config
-    cfg = hybrid_config("qwen3_5_text")
+    cfg = hybrid_config(model_type)
     sp = SequenceParallel(setting)
     model = apply_sequence_parallel(build(cfg, torch.float32), sp)
     ids, labels = batch(cfg.vocab_size)
     b = sp.shard_batch({"input_ids": ids, "labels": labels})
     sp.stats.reset()
     model(**b).loss.backward()
-    frags = fragments(sp.layout, SEQ)
-    hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                      cfg.linear_value_head_dim)
-    if sp.config.linear_strategy == "ulysses":       # q, k; v and the output; g, beta
-        tokens = ids.shape[0] * SEQ // sp.size
-        want = linear_ulysses_bytes(sp.size, [tokens * hk * dk] * 2 + [tokens * hv * dv] * 2 + [tokens * hv] * 2, 4)
+    frags, rows, tokens = fragments(sp.layout, SEQ), ids.shape[0], ids.shape[0] * SEQ // sp.size
+    if model_type == "bamba":               # x and the output; dt; B and C
+        h, pd, n, g = cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state, cfg.mamba_n_groups
+        state, kind, elems = (h, pd, n), "scalar", [tokens * h * pd] * 2 + [tokens * h] + [tokens * g * n] * 2
+        halo = (cfg.mamba_expand * cfg.hidden_size + 2 * g * n, cfg.mamba_d_conv - 1)
+    elif model_type == "minimax":           # q, k, v and the output
+        h, d = cfg.num_attention_heads, cfg.head_dim
+        state, kind, elems, halo = (h, d, d), "fixed", [tokens * h * d] * 4, None
+    else:                                   # q, k; v and the output; g, beta
+        hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                          cfg.linear_value_head_dim)
+        state, kind = (hv, dk, dv), "matrix"
+        elems = [tokens * hk * dk] * 2 + [tokens * hv * dv] * 2 + [tokens * hv] * 2
+        halo = (2 * hk * dk + hv * dv, cfg.linear_conv_kernel_dim - 1)
+    if sp.config.linear_strategy == "ulysses":
+        want = linear_ulysses_bytes(sp.size, elems, 4)
     else:
-        want = linear_state_bytes(frags, sp.rank, ids.shape[0], hv, dk, dv, sp.config.lasp_comm)
-    want.update(conv_halo_bytes(frags, ids.shape[0], 2 * hk * dk + hv * dv, cfg.linear_conv_kernel_dim - 1, 4))
+        want = linear_state_bytes(frags, sp.rank, rows, *state, sp.config.lasp_comm, kind)
+    if halo:
+        want.update(conv_halo_bytes(frags, rows, halo[0], halo[1], 4))
     return {k: sp.stats.bytes.get(k, 0) for k in want}, want
 
 
-@pytest.mark.parametrize("setting", [dict(strategy="ring", size=2), dict(strategy="zigzag", size=4, lasp_comm="ring"),
-                                     dict(strategy="ulysses", size=2, linear_strategy="ulysses")])
-def test_linear_layer_bytes_equal_the_closed_forms(pool, setting):
-    for got, want in pool.run(_bytes, setting):
+@pytest.mark.parametrize("model_type,setting", [
+    ("qwen3_5_text", dict(strategy="ring", size=2)), ("qwen3_5_text", dict(strategy="zigzag", size=4, lasp_comm="ring")),
+    ("qwen3_5_text", dict(strategy="ulysses", size=2, linear_strategy="ulysses")),
+    ("bamba", dict(strategy="zigzag", size=2)), ("bamba", dict(strategy="ring", size=4, lasp_comm="ring")),
+    ("minimax", dict(strategy="zigzag", size=4)), ("minimax", dict(strategy="ring", size=2, linear_strategy="ulysses"))])
+def test_linear_layer_bytes_equal_the_closed_forms(pool, model_type, setting):
+    for got, want in pool.run(_bytes, setting, model_type):
         assert got == want and all(v > 0 for v in want.values()), (got, want)
 
 
