@@ -30,9 +30,12 @@ def model_dirs(tmp_path_factory):
 def test_hf_model_training_matches_plain_data_parallel(pool, tmp_path, model_dirs, kind, stage, name):
     """dp 2 x sp 2 zigzag with from_pretrained weights under ZeRO-2; a random init (from_config) under
     ZeRO-1 with Ulysses; the 2D hybrid (ring of 2 Ulysses pairs, sp 4); ZeRO-3 with the plain recipe; a
-    Qwen3.5-style hybrid (gated DeltaNet, LASP state maps, conv halo) under zigzag at ZeRO-2 and ring at ZeRO-3."""
+    Qwen3.5-style hybrid (gated DeltaNet, LASP state maps, conv halo) under zigzag at ZeRO-2 and ring at ZeRO-3,
+    with every decoder layer checkpointed (the recomputed forward exchanges its state maps and halos again)."""
     ds = shipped_config(name)
     ds["zero_optimization"]["stage"] = stage
+    if kind == "hybrid":
+        ds["activation_checkpointing"] = {}          # present: checkpoint every decoder layer
     args = dict(HF_TINY, model=model_dirs[kind], deepspeed_config=ds)
     results = pool.run(_train, dict(args, run_dir=str(tmp_path)))
     sp_size = ds["sequence_parallel"]["size"]

@@ -123,14 +123,17 @@ def test_no_launcher_bad_config_exits_with_one_message_per_rank(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("deepspeed") is None, reason="deepspeed launcher not on PATH")
-def test_deepspeed_launcher_trains_a_hugging_face_model(tmp_path):
-    """--model with the shipped Qwen2 config (random init), ring attention, wandb on (offline)."""
+@pytest.mark.parametrize("model,strategy,architecture", [("qwen2_small", "ring", "Qwen2Config"),
+                                                         ("bamba_small", "zigzag", "BambaConfig")])
+def test_deepspeed_launcher_trains_a_hugging_face_model(tmp_path, model, strategy, architecture):
+    """--model with a shipped config (random init), wandb on (offline): Qwen2 under ring attention, and
+    the Mamba2 hybrid (SSD state maps and conv halos, docs/hybrids.md) under zigzag."""
     runs = tmp_path / "runs"
     code, out = run(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module",
-                     "ds_seqpar.train", "--model", "configs/models/qwen2_small.json", "--deepspeed_config",
-                     "configs/ring_zero2.json", "--steps", "2", "--seq_len", "64", "--corpus_bytes", "65536",
+                     "ds_seqpar.train", "--model", f"configs/models/{model}.json", "--deepspeed_config",
+                     f"configs/{strategy}_zero2.json", "--steps", "2", "--seq_len", "64", "--corpus_bytes", "65536",
                      "--no_progress", "--run_dir", str(runs)])
     assert code == 0, out[-4000:]
     rows, config = metrics_of(runs, 2)
-    assert config["model"]["architecture"] == "Qwen2Config" and config["strategy"] == "ring", config
+    assert config["model"]["architecture"] == architecture and config["strategy"] == strategy, config
     assert list((runs / os.listdir(runs)[0] / "wandb").glob("offline-run-*")), f"no offline wandb run under {runs}"
