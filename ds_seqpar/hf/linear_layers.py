@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import sys
 from typing import Dict, List, Tuple
 
@@ -120,12 +121,17 @@ def install_seams(layers) -> None:
                 setattr(module, name, _seam(name, fn))
 
 
-def delta_rule_map(original, q, k, v, g, beta, call: dict):
+def delta_rule_map(original, q, k, v, g, beta, call: dict, enters_zero: bool = False):
     """One fragment of a delta-rule op as an affine map of its entering state, from one call of the
     op on the widened problem (values [v, 0_dk], initial state [0, I_dk]): returns (o0, Q~, A, B)
     with o0 the zero-state output [b, l, h, dv], Q~ the effective queries [b, l, h, dk] (fp32),
-    and the final state = A . S_in + B, A [b, h, dk, dk], B [b, h, dk, dv] (fp32)."""
+    and the final state = A . S_in + B, A [b, h, dk, dk], B [b, h, dk, dv] (fp32).
+    ``enters_zero``: the fragment starts the sequence or a document, so S_in = 0 and neither Q~ nor A
+    is ever used: the plain call gives o0 and B (Q~ None, A zeros: the fold multiplies it by 0)."""
     dk, dv = q.shape[-1], v.shape[-1]
+    if enters_zero:
+        out, final = original(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=True, **call)
+        return out, None, _unused_map(final, dk), final.float()
     h0 = torch.zeros(v.shape[0], v.shape[2], dk, dv + dk, dtype=torch.float32, device=v.device)
     h0[..., dv:] = torch.eye(dk, dtype=torch.float32, device=v.device)
     wide = torch.cat([v, v.new_zeros(v.shape[:-1] + (dk,))], -1)
@@ -133,27 +139,46 @@ def delta_rule_map(original, q, k, v, g, beta, call: dict):
     return out[..., :dv], out[..., dv:].float(), final[..., dv:], final[..., :dv]
 
 
-def ssd_map(original, x, dt, b, c, call: dict):
+def ssd_map(original, x, dt, b, c, call: dict, enters_zero: bool = False):
     """One fragment of Mamba2's chunked scan as an affine map of its entering state [b, h, headdim, N]:
     returns (o0, C~, A, B) as delta_rule_map, A a scalar per head [b, h, 1, 1]. The transition is
     scalar, so no widened call is needed: the plain call from the zero state gives o0 and B (its
     final state); a probe of width 1 (x = 0, B = 0, C = 1, initial state 1) returns each token's decay
     from the run's start, exp(sum_{s<=t} dt_s A) [b, l, h], through the op's own dt handling (bias,
-    softplus, limits). Then C~_t = decay_t C_t (C's groups repeated to the heads) and A = the last
-    token's decay."""
+    softplus, limits), in chunks of probe_chunk (the probe's cost is the chunks' decay matrices). Then
+    C~_t = decay_t C_t (C's groups repeated to the heads) and A = the last token's decay.
+    ``enters_zero``: as delta_rule_map's (no probe)."""
     o0, final = original(x, dt, B=b, C=c, initial_states=None, return_final_states=True, **call)
     heads, groups = x.shape[2], b.shape[2]
+    if enters_zero:
+        return o0, None, _unused_map(final, 1), final.float()
     one = x.new_ones(x.shape[:2] + (groups, 1))                                      # [b, l, groups, 1]
     h0 = torch.ones(x.shape[0], heads, 1, 1, dtype=torch.float32, device=x.device)
+    chunk = {"chunk_size": probe_chunk(x.shape[1])} if "chunk_size" in call else {}
     probe = original(x.new_zeros(x.shape[:3] + (1,)), dt, B=torch.zeros_like(one), C=one, initial_states=h0,
-                     return_final_states=False, **call)
+                     return_final_states=False, **dict(call, **chunk))
     decay = probe[..., 0].float()                                                    # [b, l, h]
     c_eff = decay[..., None] * c.float().repeat_interleave(heads // groups, dim=2)    # [b, l, h, N]
     return o0, c_eff, decay[:, -1, :, None, None], final.float()
 
 
+def _unused_map(final, k: int):
+    """Zeros [b, h, k, k] in the graph of ``final`` (zero gradient): every rank's gathered maps then
+    require a gradient alike, so every rank runs the all-gather's backward collective."""
+    return (final.float()[..., :1, :1] * 0).expand(*final.shape[:-2], k, k)
+
+
+def probe_chunk(n: int) -> int:
+    """The SSD probe's chunk: its work is about n x chunk (the decay matrix of each chunk) plus
+    (n / chunk)^2 (the decays between chunks); the power of two near the cube root of 2n balances them."""
+    return max(8, 1 << math.ceil(math.log2((2 * n) ** (1 / 3))))
+
+
 def with_state_in(o0, q_eff, s_in):
-    """o = o0 + Q~ . S_in, in o0's dtype."""
+    """o = o0 + Q~ . S_in, in o0's dtype. Q~ None: a fragment that enters with the zero state; its
+    output still depends on S_in (times 0), so every rank runs the exchange's backward collectives."""
+    if q_eff is None:
+        return o0 + (s_in.reshape(-1)[:1].sum() * 0).to(o0.dtype)
     return (o0.float() + torch.einsum("blhk,bhkv->blhv", q_eff, s_in.float())).to(o0.dtype)
 
 
@@ -265,7 +290,8 @@ class LinearMixers:
             return self._delta_ulysses(original, q, k, v, g, beta, call, where), None
         frags, resets = self.fragments(q.shape[1], 1, where)
         pieces = [delta_rule_map(original, q[:, off:off + n], k[:, off:off + n], v[:, off:off + n], g[:, off:off + n],
-                                 beta[:, off:off + n], call) for _, n, off in frags[self.sp.rank]]
+                                 beta[:, off:off + n], call, start == 0 or start in resets)
+                  for start, n, off in frags[self.sp.rank]]
         return self._fold(pieces, frags, resets), None
 
     def ssd(self, original, call: dict, where: str):
@@ -280,8 +306,8 @@ class LinearMixers:
         if self.sp.config.linear_strategy == "ulysses":
             return self._ssd_ulysses(original, x, dt, b, c, call, where)
         frags, resets = self.fragments(x.shape[1], 1, where)
-        pieces = [ssd_map(original, x[:, off:off + n], dt[:, off:off + n], b[:, off:off + n], c[:, off:off + n], call)
-                  for _, n, off in frags[self.sp.rank]]
+        pieces = [ssd_map(original, x[:, off:off + n], dt[:, off:off + n], b[:, off:off + n], c[:, off:off + n], call,
+                          start == 0 or start in resets) for start, n, off in frags[self.sp.rank]]
         return self._fold(pieces, frags, resets, state_rows_are_values=True)
 
     def _heads_parallel(self, local, tensors, where: str):
