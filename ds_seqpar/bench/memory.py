@@ -35,6 +35,11 @@ from .machine import command_line, machine_facts
 from .memory_step import MemorySpec, measure_peak, time_steps
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+# the per-strategy comparison: the main job on a Llama-architecture config (configs/models/llama_small.json's
+# sizes) with configs/long_context.json's memory features, the same tokens per rank at P = 1, 2, 4; and
+# a short length at P = 1, 2 (what a two-point "slope" from a short run would take as static)
+COMPARE = {"strategies": "zigzag,ring,striped,ulysses,hybrid", "P": (1, 2, 4), "tokens_per_rank": 8192,
+           "short_tokens": 256, "layers": 4, "tiled_loss_tokens": 1024, "tiled_mlp_tokens": 1024}
 PRESET = {"models": "llama,lm", "P": "1,2,4", "budget_gib": 2.0,
           "on_tokens": {1: [2048, 8192, 16384], 2: [2048, 8192], 4: [2048, 4096]},
           "off_tokens": {1: [1024, 2048], 2: [1024, 2048], 4: [1024, 2048]},
@@ -59,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--timing-tokens", type=int, default=PRESET["timing_tokens"],
                     help="tokens per rank of the step-time comparison (0: skip it)")
     ap.add_argument("--timing-rounds", type=int, default=PRESET["timing_rounds"])
+    ap.add_argument("--strategies", default=COMPARE["strategies"],
+                    help="the per-strategy comparison of the whole step's peak above static ('' to skip); hybrid = "
+                         "ulysses_size 2 at P=4")
+    ap.add_argument("--compare-tokens", type=int, default=COMPARE["tokens_per_rank"],
+                    help="tokens per rank of the per-strategy comparison")
     ap.add_argument("--malloc", choices=("mmap", "default"), default="mmap", help="glibc malloc setting of the ranks")
     ap.add_argument("--out", default="reports")
     ap.add_argument("--name", default="memory_cpu")
@@ -68,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def plan(args) -> List[MemorySpec]:
-    """Every peak measurement, in a fixed order (model, P, without before with, short before long)."""
-    specs = []
+    """Every peak measurement, in a fixed order: the per-strategy comparison, then per model, P,
+    without before with, short before long."""
+    specs = compare_plan(args)
     for model in args.models.split(","):
         if model not in ("llama", "lm"):
             raise MemoryBenchError(f"--models: unknown model {model!r}; choose llama, lm")
@@ -80,6 +91,30 @@ def plan(args) -> List[MemorySpec]:
                 for n in given or table.get(world, table[max(table)]):
                     specs.append(MemorySpec(model=model, world=world, tokens_per_rank=n, features=features,
                                             hidden=args.hidden, layers=args.layers))
+    return specs
+
+
+def compare_plan(args) -> List[MemorySpec]:
+    """The per-strategy comparison: P=1 once (no strategy runs at size 1), every strategy at P=2 and 4
+    (hybrid: 2 x 2 at P=4 only), and zigzag at a short length at P=1 and 2."""
+    names = [s for s in args.strategies.split(",") if s]
+    unknown = sorted(set(names) - set(COMPARE["strategies"].split(",")))
+    if unknown:
+        raise MemoryBenchError(f"--strategies: unknown {unknown}; choose from {COMPARE['strategies']}")
+    if not names:
+        return []
+    base = dict(model="llama", features=True, hidden=args.hidden, layers=COMPARE["layers"], purpose="strategies",
+                tiled_loss_tokens=COMPARE["tiled_loss_tokens"], tiled_mlp_tokens=COMPARE["tiled_mlp_tokens"])
+    n = args.compare_tokens
+    specs = [MemorySpec(world=1, tokens_per_rank=n, **base)]
+    for name in names:
+        for world in COMPARE["P"][1:]:
+            if name == "hybrid":
+                if world == 4:
+                    specs.append(MemorySpec(world=4, tokens_per_rank=n, strategy="hybrid", ulysses_size=2, **base))
+            else:
+                specs.append(MemorySpec(world=world, tokens_per_rank=n, strategy=name, **base))
+    specs += [MemorySpec(world=w, tokens_per_rank=COMPARE["short_tokens"], **base) for w in (1, 2)]
     return specs
 
 
@@ -107,8 +142,10 @@ def measure_one(spec: MemorySpec, malloc: str) -> Dict[str, Any]:
         pool.close()
     top = max(ranks, key=lambda r: r["peak_bytes"])          # the per-rank figure is the largest rank's
     phases = {p: max(r["phase_peak_bytes"][p] for r in ranks) for p in ranks[0]["phase_peak_bytes"]}
+    above = {p: max(r["phase_peak_bytes"][p] - r["resident_bytes"] for r in ranks) for p in phases}
     return dict(spec.as_dict(), ranks=ranks, peak_bytes=top["peak_bytes"], resident_bytes=top["resident_bytes"],
-                phase_peak_bytes=phases, step_s=top["step_s"])
+                phase_peak_bytes=phases, phase_above_static_bytes=above, above_static_bytes=max(above.values()),
+                step_s=top["step_s"])
 
 
 def measure_timing(model: str, world: int, args) -> Dict[str, Any]:
@@ -127,7 +164,8 @@ def measure_timing(model: str, world: int, args) -> Dict[str, Any]:
 
 
 def _spec_id(m: Dict[str, Any]) -> tuple:
-    return (m["model"], m["world"], m["features"], m["tokens_per_rank"], m["hidden"], m["layers"])
+    return (m["model"], m["world"], m["features"], m["tokens_per_rank"], m["hidden"], m["layers"],
+            m.get("purpose", "scaling"), m.get("strategy", "zigzag"), m.get("ulysses_size", 1))
 
 
 def run(args, argv: List[str]) -> Dict[str, Any]:
@@ -148,8 +186,8 @@ def run(args, argv: List[str]) -> Dict[str, Any]:
             continue
         if _spec_id(spec.as_dict()) in done:
             continue
-        print(f"ds-seqpar bench memory: {spec.model} P={spec.world} features={spec.features} "
-              f"{spec.tokens_per_rank} tokens/rank ...", flush=True)
+        print(f"ds-seqpar bench memory: {spec.model} P={spec.world} {spec.strategy} features={spec.features} "
+              f"{spec.tokens_per_rank} tokens/rank ({spec.purpose}) ...", flush=True)
         res["measurements"].append(measure_one(spec, args.malloc))
         _save(res, path)
     if args.timing_tokens:
@@ -170,8 +208,11 @@ def finish(res: Dict[str, Any], out: str) -> Dict[str, Any]:
     from . import memory_summary as S
     from .memory_report import write_report
     floor = res["meta"]["layers"] * res["meta"]["hidden"] * 4
-    res["variants"] = S.summarize(res["measurements"], floor, res["meta"]["budget_bytes"])
+    scaling = [m for m in res["measurements"] if m.get("purpose", "scaling") == "scaling"]
+    res["variants"] = S.summarize(scaling, floor, res["meta"]["budget_bytes"])
     res["checks"] = S.checks(res["variants"], floor)
+    res["strategy_rows"] = S.strategy_rows([m for m in res["measurements"] if m.get("purpose") == "strategies"])
+    res["checks"] += S.strategy_checks(res["strategy_rows"])
     res["timing_rows"] = S.timing_rows(res["timing"], res["meta"])
     res["checks"] += S.timing_checks(res["timing_rows"])
     res.setdefault("machine", machine_facts())

@@ -8,7 +8,7 @@ from typing import Any, Dict, List
 from ..report.plotting import colors, pyplot, save
 from .memory_summary import KIB, MIB, predict_peak
 
-PHASE_NOTE = ("forward; loss backward (fused head + loss, final norm); layers backward (recompute + backward of "
+PHASE_NOTE = ("data (the step's batch, sharded); forward; loss backward (fused head + loss, final norm); layers backward (recompute + backward of "
               "every layer); end of backward (embedding, DeepSpeed's last reductions); optimizer step")
 
 
@@ -40,9 +40,9 @@ def _setup(res: Dict[str, Any]) -> List[str]:
         f"({m['tiled_mlp_tokens']} tokens per chunk), activation checkpointing of every decoder layer with "
         f"`cpu_checkpointing` (on CPU the checkpoints are already in host memory: the offload hooks run, nothing "
         f"moves). Without: the plain step (full logits, every activation saved).", "",
-        "**Measurement.** Each point runs in fresh processes (a new pool of P ranks): a warm-up step at a short "
-        "sequence creates every buffer a step keeps (gradient buckets, Adam's moments), then one step at the measured "
-        "length. Peak = the kernel's high-water mark of the process's resident set (VmHWM in /proc/self/status), "
+        "**Measurement.** Each point runs the main job itself (`run_training`: its data, model, DeepSpeed engine "
+        "and training step) in fresh processes (a new pool of P ranks): its first step creates every buffer a step "
+        "keeps (gradient buckets, Adam's moments), the second is measured. Peak = the kernel's high-water mark of the process's resident set (VmHWM in /proc/self/status), "
         f"reset at each phase boundary through /proc/self/clear_refs, so each phase's peak is known ({PHASE_NOTE}); "
         f"the step's peak is the largest. Allocator: {malloc}. *Static* = the resident set just before the step "
         "(weights, gradient buffers, optimizer state, runtime). The per-rank figure is the largest rank's.", "",
@@ -105,6 +105,39 @@ def _points(res) -> List[str]:
     return lines + [""]
 
 
+def _strategies(res) -> List[str]:
+    comp = res.get("strategy_rows") or {}
+    if not comp.get("rows"):
+        return []
+    phases = list(comp["rows"][0]["phase_above_static_bytes"])
+    lines = ["## Every strategy: the whole step's peak above static, P ranks at P x N against one rank at N", "",
+             "The main job (`run_training`, as `python -m ds_seqpar.train` runs it) on a Llama-architecture config "
+             "(vocab 32000, hidden 256, 4 layers, 8 q / 2 k/v heads: configs/models/llama_small.json's sizes) with "
+             "configs/long_context.json's memory features (tiled loss and tiled MLP 1024 tokens, checkpointing), "
+             "ZeRO-2, the same tokens per rank at every P. *Static* = the rank's resident set just before the "
+             "measured step; each phase's figure is its peak minus static (the largest rank's). Hybrid = Ulysses 2 x "
+             "ring 2.", "",
+             "| strategy | P | tokens/rank | static (MiB) | peak (MiB) | above static (MiB) | / P=1 | peak phase | "
+             + " | ".join(phases) + " |", "|---|---:|---:|---:|---:|---:|---:|---|" + "---:|" * len(phases)]
+    for r in comp["rows"]:
+        ratio = "" if r["vs_p1"] is None else f"{r['vs_p1']:.3f}"
+        lines.append(f"| {r['strategy']} | {r['world']} | {r['tokens_per_rank']:,} | {_mib(r['static_bytes'])} | "
+                     f"{_mib(r['peak_bytes'])} | {_mib(r['above_static_bytes'])} | {ratio} | {r['peak_phase']} | "
+                     + " | ".join(_mib(r["phase_above_static_bytes"][p]) for p in phases) + " |")
+    if comp.get("two_point"):
+        lines += ["", "**Why a two-point figure misleads.** (peak at N - peak at a short length) / (N - short) is "
+                  "not what a token costs: at the short length a fixed phase holds the peak (the optimizer step, "
+                  "whose transient is larger at P=1, where ZeRO shards nothing), so the subtraction removes more than "
+                  "the static part there. Zigzag:", "",
+                  "| P | short tokens/rank | peak at short (MiB) | its phase | tokens/rank | peak (MiB) | two-point "
+                  "KiB/token | above static / token (KiB) |", "|---:|---:|---:|---|---:|---:|---:|---:|"]
+        for t in comp["two_point"]:
+            lines.append(f"| {t['world']} | {t['short_tokens']:,} | {_mib(t['short_peak_bytes'])} | "
+                         f"{t['short_peak_phase']} | {t['tokens_per_rank']:,} | {_mib(t['peak_bytes'])} | "
+                         f"{_kib(t['per_token'])} | {_kib(t['above_static_per_token'])} |")
+    return lines + [""]
+
+
 def _timing(res) -> List[str]:
     if not res.get("timing_rows"):
         return []
@@ -126,7 +159,7 @@ def _timing(res) -> List[str]:
 
 
 def render_markdown(res: Dict[str, Any], plots: List[str]) -> str:
-    lines = _setup(res) + _checks(res) + _variants(res) + _points(res) + _timing(res)
+    lines = _setup(res) + _checks(res) + _strategies(res) + _variants(res) + _points(res) + _timing(res)
     lines += [f"![{os.path.basename(p)}]({res['meta']['name']}/{os.path.basename(p)})" for p in plots] + [""]
     if res.get("skipped"):
         lines += ["## Not measured", ""] + [f"- {s}" for s in res["skipped"]] + [""]

@@ -1,20 +1,22 @@
-"""Rank side of ``ds-seqpar bench memory``: one full training step (forward, backward, optimizer
-step) of an LM under DeepSpeed ZeRO-2, with or without the memory features, and the process's
-peak resident memory.
+"""Rank side of ``ds-seqpar bench memory``: the main job itself (``run_training``, the code a user's
+``python -m ds_seqpar.train`` runs: its data, model, DeepSpeed engine and training step), with or
+without the memory features, and each phase's peak of its last step (the trainer's StepMemory).
 
 Peak memory is the kernel's high-water mark of this process's resident set (VmHWM in
-/proc/self/status): every byte the step touched, whoever allocated it (torch, DeepSpeed, gloo,
-the allocator's slack). It only grows, so the driver starts fresh processes for every
-measurement. A short warm-up step first creates what every step holds (gradient buffers, Adam's
-moments), then one step at the measured length: the high-water mark afterwards is that step's
-peak, static part included.
+/proc/self/status, reset per phase): every byte the step touched, whoever allocated it (torch,
+DeepSpeed, gloo, the allocator's slack). Static is the resident set just before the step. The
+main job's first step creates what every later step holds (gradient buffers, Adam's moments), so
+the measured step is the last of ``steps + 1``: its peak minus static is what the step itself costs.
 
-Models: "llama", Hugging Face LlamaForCausalLM built from a LlamaConfig (random init, sdpa
-attention; at P > 1 its attention goes through ds_seqpar.hf), or "lm", the project's LM.
+Models: "llama", Hugging Face LlamaForCausalLM from a LlamaConfig written to a config JSON and
+given to the main job as ``--model`` (random init, sdpa attention, ds_seqpar.hf at P > 1), or
+"lm", the project's LM with the same sizes.
 """
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Dict
@@ -39,8 +41,9 @@ class MemorySpec:
     tiled_loss_tokens: int = 256
     tiled_mlp_tokens: int = 1024
     strategy: str = "zigzag"
-    warmup_tokens: int = 256        # per rank, for the warm-up step
-    steps: int = 1                  # measured steps after the warm-up (timing runs use more)
+    ulysses_size: int = 1           # > 1: the 2D hybrid
+    purpose: str = "scaling"        # scaling: the per-token fits; strategies: the per-strategy comparison
+    steps: int = 1                  # measured steps after the first (timing runs: steps per round)
     seed: int = 0
 
     @property
@@ -54,6 +57,8 @@ class MemorySpec:
 
 def ds_config(spec: MemorySpec) -> dict:
     sp = {"strategy": spec.strategy, "size": spec.world}
+    if spec.ulysses_size > 1:
+        sp["ulysses_size"] = spec.ulysses_size
     ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
           "steps_per_print": 1 << 30,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
@@ -64,30 +69,6 @@ def ds_config(spec: MemorySpec) -> dict:
         sp.update(tiled_loss_tokens=spec.tiled_loss_tokens, tiled_mlp_tokens=spec.tiled_mlp_tokens)
         ds["activation_checkpointing"] = {"cpu_checkpointing": True}
     return ds
-
-
-def _status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {key} line (Linux only)")
-
-
-def peak_rss_bytes() -> int:
-    """VmHWM: the most resident memory this process has had (since the last reset_peak)."""
-    return _status_bytes("VmHWM")
-
-
-def rss_bytes() -> int:
-    """VmRSS: resident memory now."""
-    return _status_bytes("VmRSS")
-
-
-def reset_peak() -> None:
-    """Start VmHWM again from the current resident set (Linux >= 4.0: clear_refs value 5)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def build_model(spec: MemorySpec, sp, memory) -> torch.nn.Module:
@@ -143,77 +124,49 @@ def _join_deepspeed() -> None:
         os.unlink(name)
 
 
+def train_options(spec: MemorySpec, workdir: str) -> Dict[str, Any]:
+    """The main job's options (``python -m ds_seqpar.train``'s, as a dict) for this measurement."""
+    opts = dict(deepspeed_config=ds_config(spec), sp_size=spec.world, seq_len=spec.tokens_per_rank * spec.world,
+                steps=spec.steps + 1, seed=spec.seed, run_dir=os.path.join(workdir, "runs"), run_name="memory",
+                no_wandb=True, quiet=True)
+    if spec.ulysses_size > 1:
+        opts["ulysses_size"] = spec.ulysses_size
+    if spec.model == "lm":
+        return dict(opts, dim=spec.hidden, n_layers=spec.layers, n_heads=spec.heads, n_kv_heads=spec.kv_heads,
+                    mlp_hidden=spec.intermediate, untied=True, vocab_size=spec.vocab)
+    path = os.path.join(workdir, "llama.json")
+    with open(path, "w") as f:
+        json.dump(llama_config(spec), f)
+    return dict(opts, model=path)
+
+
+def llama_config(spec: MemorySpec) -> Dict[str, Any]:
+    return {"model_type": "llama", "vocab_size": spec.vocab, "hidden_size": spec.hidden,
+            "intermediate_size": spec.intermediate, "num_hidden_layers": spec.layers,
+            "num_attention_heads": spec.heads, "num_key_value_heads": spec.kv_heads,
+            "max_position_embeddings": 1 << 20, "tie_word_embeddings": False, "use_cache": False,
+            "attn_implementation": "sdpa"}
+
+
 def measure_peak(spec: MemorySpec) -> Dict[str, Any]:
-    """On every rank of a fresh P-rank pool: warm-up step, measured step(s); peak memory and times."""
-    import deepspeed
-    from ..memory import MemoryConfig
-    from ..sequence_parallel import SequenceParallel
+    """On every rank of a fresh P-rank pool: the main job for ``steps + 1`` steps; the last step's
+    static, peak and phase peaks (the trainer's StepMemory records)."""
+    from ..train import run_training
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    ds = ds_config(spec)
-    memory = MemoryConfig.from_ds_config(ds)
     _join_deepspeed()
-    sp = SequenceParallel.from_ds_config(ds)
-    model = build_model(spec, sp, memory)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds, mpu=sp.mpu)
-    after_setup = peak_rss_bytes()
-    _step(spec, engine, sp, _batch(spec, sp, spec.warmup_tokens, 0))       # buffers, Adam's moments
-    records = [_step(spec, engine, sp, _batch(spec, sp, spec.tokens_per_rank, 1 + i)) for i in range(spec.steps)]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = run_training(train_options(spec, tmp))
+    if not out["memory"] or out["memory"][-1]["static_bytes"] is None:
+        raise RuntimeError("ds-seqpar bench memory needs per-phase peaks (Linux /proc/self/clear_refs or CUDA)")
+    records = out["memory"][1:]                     # the first step creates the buffers every step holds
     last = records[-1]
-    return dict(last, after_setup_bytes=after_setup, rank=sp.rank,
-                step_s=[r["step_s"] for r in records], losses=[r["loss"] for r in records])
+    return {"resident_bytes": last["static_bytes"], "phase_peak_bytes": last["phases"],
+            "peak_bytes": last["peak_bytes"], "peak_phase": last["peak_phase"], "rank": out["rank"],
+            "step_s": [r["step_s"] for r in records], "losses": out["losses"][1:]}
 
 
-PHASES = ("forward", "loss_backward", "layers_backward", "end_of_backward", "optimizer")
-
-
-class PhasePeaks:
-    """The high-water mark of each phase of a step alone: ``mark(name)`` closes the phase running
-    (its VmHWM since the last reset is its peak) and resets the mark for the next one. The
-    boundaries come from hooks: the last decoder layer's output gradient starts the layers'
-    backward, the embedding output's gradient its end (DeepSpeed's last reductions)."""
-
-    def __init__(self, model: torch.nn.Module, spec: MemorySpec):
-        self.peaks: Dict[str, int] = {}
-        self.current = None
-        inner = model.model.model if spec.model == "llama" else model       # HFCausalLM -> Llama -> decoder
-        layers = inner.layers if spec.model == "llama" else inner.blocks
-        embed = inner.embed_tokens if spec.model == "llama" else inner.embed
-        self.handles = [self._on_output_grad(layers[-1], "layers_backward"),
-                        self._on_output_grad(embed, "end_of_backward")]
-
-    def _on_output_grad(self, module, phase):
-        def hook(mod, args, output):
-            out = output[0] if isinstance(output, (tuple, list)) else output
-            if torch.is_grad_enabled() and out.requires_grad:
-                out.register_hook(lambda grad: self.mark(phase))
-        return module.register_forward_hook(hook)
-
-    def mark(self, phase) -> None:
-        if self.current is not None:
-            self.peaks[self.current] = max(self.peaks.get(self.current, 0), peak_rss_bytes())
-        reset_peak()
-        self.current = phase
-
-
-def _step(spec: MemorySpec, engine, sp, local) -> Dict[str, Any]:
-    """One step: resident memory before it, the peak of each phase and of the whole step."""
-    phases = PhasePeaks(engine.module, spec)
-    reset_peak()
-    resident = rss_bytes()                  # weights, gradient buffers, optimizer state, runtime
-    t0 = time.perf_counter()
-    phases.mark("forward")
-    loss = loss_of(spec, engine, sp, local)
-    phases.mark("loss_backward")
-    engine.backward(loss)
-    phases.mark("optimizer")
-    engine.step()
-    phases.mark(None)
-    step_s = time.perf_counter() - t0
-    for h in phases.handles:
-        h.remove()
-    return {"resident_bytes": resident, "phase_peak_bytes": phases.peaks, "peak_bytes": max(phases.peaks.values()),
-            "step_s": step_s, "loss": loss.item()}
+PHASES = ("data", "forward", "loss_backward", "layers_backward", "end_of_backward", "optimizer")
 
 
 def time_steps(off: MemorySpec, on: MemorySpec, rounds: int) -> Dict[str, Any]:
@@ -248,4 +201,4 @@ def _timed_step(spec, engine, sp, step: int) -> float:
     return time.perf_counter() - t0
 
 
-__all__ = ["MemorySpec", "ds_config", "measure_peak", "time_steps", "peak_rss_bytes", "build_model", "PHASES"]
+__all__ = ["MemorySpec", "ds_config", "train_options", "measure_peak", "time_steps", "build_model", "PHASES"]

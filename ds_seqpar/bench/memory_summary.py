@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional
 
 KIB, MIB, GIB = 1024, 2 ** 20, 2 ** 30
 GOALS = {"features_vs_plain": 1 / 8, "features_vs_floor": 3.0, "p2_peak_vs_p1": 1.10, "max_seq_p2_vs_p1": 1.95,
-         "time_vs_implied": 1.10}
+         "time_vs_implied": 1.10, "above_static_vs_p1": {2: 0.10, 4: 0.15}}
 
 
 def key(model: str, world: int, features: bool) -> str:
@@ -136,6 +136,50 @@ def checks(variants: Dict[str, Dict[str, Any]], floor: int) -> List[Dict[str, An
     return out
 
 
+def strategy_rows(measurements: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The per-strategy comparison: each (strategy, P) at the comparison length with its whole step's
+    peak above static (largest rank), phase by phase, over P=1's at the same tokens per rank; and the
+    two-point figure (peak at N - peak at a short length) / N per P, which the optimizer step's fixed
+    transient distorts (it holds the short run's peak, more so at P=1 where ZeRO shards nothing)."""
+    if not measurements:
+        return {"rows": [], "two_point": []}
+    n = max(m["tokens_per_rank"] for m in measurements)
+    at_n = [m for m in measurements if m["tokens_per_rank"] == n]
+    one = next((m for m in at_n if m["world"] == 1), None)
+    rows = []
+    for m in sorted(at_n, key=lambda m: (m["world"], m["strategy"])):
+        name = m["strategy"] if m["world"] > 1 else "(none: P=1)"
+        rows.append({"strategy": name, "world": m["world"], "tokens_per_rank": n, "static_bytes": m["resident_bytes"],
+                     "peak_bytes": m["peak_bytes"], "above_static_bytes": m["above_static_bytes"],
+                     "phase_above_static_bytes": m["phase_above_static_bytes"],
+                     "peak_phase": max(m["phase_above_static_bytes"], key=m["phase_above_static_bytes"].get),
+                     "vs_p1": m["above_static_bytes"] / one["above_static_bytes"] if one else None})
+    two_point = []
+    for world in sorted({m["world"] for m in measurements}):
+        pts = sorted((m for m in measurements if m["world"] == world and m["strategy"] == "zigzag"),
+                     key=lambda m: m["tokens_per_rank"])
+        if len(pts) >= 2 and pts[-1]["tokens_per_rank"] == n:
+            short, long = pts[0], pts[-1]
+            two_point.append({"world": world, "short_tokens": short["tokens_per_rank"], "tokens_per_rank": n,
+                              "short_peak_bytes": short["peak_bytes"], "peak_bytes": long["peak_bytes"],
+                              "short_peak_phase": max(short["phase_peak_bytes"], key=short["phase_peak_bytes"].get),
+                              "per_token": (long["peak_bytes"] - short["peak_bytes"]) / (n - short["tokens_per_rank"]),
+                              "above_static_per_token": long["above_static_bytes"] / n})
+    return {"rows": rows, "two_point": two_point}
+
+
+def strategy_checks(strategy: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Every strategy's whole-step peak above static at P ranks within GOALS of P=1's."""
+    out = []
+    for r in strategy.get("rows", []):
+        tol = GOALS["above_static_vs_p1"].get(r["world"])
+        if tol is None or r["vs_p1"] is None:
+            continue
+        out.append(_check(f"{r['strategy']} P={r['world']}, {r['tokens_per_rank']} tokens/rank: whole-step peak above "
+                          f"static / P=1's", r["vs_p1"], f"{1 - tol:.2f}-{1 + tol:.2f}", abs(r["vs_p1"] - 1) <= tol))
+    return out
+
+
 def step_macs_per_token(meta: Dict[str, Any], world: int, tokens_per_rank: int, features: bool) -> float:
     """Multiply-accumulates per token of one training step's matmuls, backward = 2 x forward: what
     the features' recompute implies. Plain: every matmul runs forward once, backward once. With the
@@ -185,5 +229,5 @@ def timing_checks(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
                    r["ratio"] / r["implied"] <= limit) for r in rows]
 
 
-__all__ = ["GIB", "GOALS", "KIB", "MIB", "checks", "fit_line", "implied_ratio", "key", "max_tokens", "phase_model",
+__all__ = ["GIB", "GOALS", "KIB", "MIB", "checks", "strategy_checks", "strategy_rows", "fit_line", "implied_ratio", "key", "max_tokens", "phase_model",
            "predict_peak", "step_macs_per_token", "summarize", "timing_checks", "timing_rows"]

@@ -261,5 +261,46 @@ def closed_form_bytes(strategy: str, p: int, shapes: Shapes, rank: int = 0, ulys
                                    window).values())
 
 
-__all__ = ["Shapes", "closed_form_bytes", "closed_form_by_kind", "kv_replication", "E_ACC", "ring_key_ranges",
+def transient_bytes(strategy: str, p: int, shapes: Shapes, ulysses_size: int = 1) -> Dict[str, int]:
+    """{"forward", "backward"}: the most bytes of communication buffers a rank holds at once inside one
+    attention call, beyond what the single-device kernel holds for the same local tokens: the memory
+    a token costs at P ranks and not at one (upper bounds; ``shapes`` global, n = N / P per rank).
+
+    Ring family: the ring is double buffered (transport.py), so at most two K/V block sets are in
+    flight forward, and two K/V sets plus two fp32 dK/dV sets backward:
+        forward 2 S_kv' e, backward 2 S_kv' (e + e_acc)       S_kv' = elements of local k and v
+    Ulysses: the head-sharded, whole-sequence copies of q, k, v and out live next to the rank's own
+    (the all-to-all needs a send and a receive side), and backward the same again for dout, dq, dk, dv:
+        forward (S_q + S_o + f S_kv') e, backward twice that
+    Hybrid: the Ulysses form inside U ranks plus the ring form on the head-sharded, U-times-longer k/v.
+    LASP: one state per head, independent of N (no per-token term).
+    Tokens need no other buffer at P ranks: the loss, the data and ZeRO's buffers are per rank and
+    per parameter alike at every P (measured: reports/memory_cpu.md)."""
+    if p == 1 or strategy == "lasp":
+        return {"forward": 0, "backward": 0}
+    loc = shapes.local(p)
+    kv = loc.elements(shapes.kv_heads, shapes.head_dim + shapes.dv)
+
+    def ring_form(r: int, kv_elems: int) -> Dict[str, int]:
+        return {"forward": 2 * kv_elems * loc.elem, "backward": 2 * kv_elems * (loc.elem + E_ACC)} if r > 1 else \
+            {"forward": 0, "backward": 0}
+
+    def ulysses_form(u: int) -> Dict[str, int]:
+        f = kv_replication(shapes.heads, shapes.kv_heads, u)
+        fwd = (loc.elements(shapes.heads, shapes.head_dim) + loc.elements(shapes.heads, shapes.dv) + f * kv) * loc.elem
+        return {"forward": fwd, "backward": 2 * fwd}
+
+    if strategy == "ulysses":
+        return ulysses_form(p)
+    if strategy not in RING_STRATEGIES:
+        raise ValueError(f"no transient form for strategy {strategy!r}; known: lasp, ulysses, "
+                         f"{', '.join(RING_STRATEGIES)}")
+    if ulysses_size > 1:
+        inner = ulysses_form(ulysses_size)
+        outer = ring_form(p // ulysses_size, kv_replication(shapes.heads, shapes.kv_heads, ulysses_size) * kv)
+        return {k: inner[k] + outer[k] for k in inner}
+    return ring_form(p, kv)
+
+
+__all__ = ["Shapes", "closed_form_bytes", "transient_bytes", "closed_form_by_kind", "kv_replication", "E_ACC", "ring_key_ranges",
            "ring_masked_bytes", "lasp_document_bytes"]

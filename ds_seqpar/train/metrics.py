@@ -1,5 +1,5 @@
 """One object owns the step metrics from measurement to the loggers: each rank measures its own
-step (compute clock, attention bytes and seconds, peak memory), one small all-gather reduces them
+step (compute clock, attention bytes and seconds, memory: the trainer's StepMemory), one small all-gather reduces them
 across the sequence x data ranks (the slowest or largest rank is what limits a step), and rank 0
 writes the record to metrics.jsonl and wandb."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from .. import comm
 from . import runlog
 
 # rank-local measurements whose maximum over ranks is what the step costs
-WORST_OF = ("step_s", "compute_s", "attn_comm_bytes", "attn_comm_s", "peak_mem_mb")
+WORST_OF = ("step_s", "compute_s", "attn_comm_bytes", "attn_comm_s", "peak_mem_mb", "static_mem_mb", "step_mem_mb")
 
 
 class StepMetrics:
@@ -36,9 +36,6 @@ class StepMetrics:
     def attn_seconds(self) -> float:
         return sum(s for k, s in self.sp.stats.seconds.items() if k != "loss")
 
-    def peak_memory_mb(self) -> float:
-        return runlog.peak_memory_mb(self.sp.device)
-
     # -- reduction (every rank) ------------------------------------------------------------------
     def reduce(self, step: int, local: Dict[str, float], tokens: int, engine) -> Dict[str, Any]:
         """Gather every rank's numbers into the step's record; ``tokens`` trained this step."""
@@ -53,7 +50,8 @@ class StepMetrics:
                 "tokens_per_s": tokens / worst["step_s"], "step_s": worst["step_s"],
                 "compute_s_max": worst["compute_s"], "compute_imbalance": imbalance,
                 "attn_comm_bytes": int(worst["attn_comm_bytes"]), "attn_comm_s": worst["attn_comm_s"],
-                "peak_mem_mb": worst["peak_mem_mb"], "lr": engine.get_lr()[0],
+                "peak_mem_mb": worst["peak_mem_mb"], "static_mem_mb": worst["static_mem_mb"],
+                "step_mem_mb": worst["step_mem_mb"], "lr": engine.get_lr()[0],
                 "samples": engine.global_samples, "time": time.time()}
 
     # -- loggers (rank 0) ------------------------------------------------------------------------

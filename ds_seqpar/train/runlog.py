@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import time
 from contextlib import contextmanager
 from typing import Optional
-
-import torch
 
 from ..launch.env import restored_environ
 
@@ -111,12 +108,5 @@ def wandb_finish() -> None:
         wandb.finish()
 
 
-def peak_memory_mb(device: torch.device) -> float:
-    """CUDA: peak allocated by torch. CPU: peak resident set of this process (ru_maxrss is KiB)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 __all__ = ["RunLog", "run_name", "run_group", "unique_dir", "wandb_env", "attach_wandb", "wandb_log",
-           "wandb_offline", "wandb_finish", "peak_memory_mb"]
+           "wandb_offline", "wandb_finish"]

@@ -10,6 +10,7 @@ from typing import Any, Dict
 import torch
 
 from .. import comm
+from ..memory.usage import StepMemory
 from . import checkpoint, data, faults, runlog
 from .metrics import StepMetrics
 
@@ -34,6 +35,10 @@ class Trainer:
         self.config = self._run_config(ds_config, model)
         self.wandb_dir = runlog.attach_wandb(self.config) if self.is_writer else None
         self.metrics = StepMetrics(sp, self.run_dir, wandb_on=bool(self.wandb_dir), is_writer=self.is_writer)
+        self.memory = StepMemory(sp.device)             # each step's peak above what it started with
+        for module, phase in memory_watch_points(model):
+            self.memory.watch(module, phase)
+        self.memory_records = []
         self.metrics.log.write_config(self.config)
         self._say(f"run {self.name}: {sp!r}, {model.num_params():,} parameters, "
                   f"ZeRO-{self.config['zero_stage']}; {self._where()}")
@@ -85,32 +90,42 @@ class Trainer:
             self._say(f"done: {len(mean_losses)} steps, last loss {mean_losses[-1]:.4f}; {self._where()}")
         return {"losses": losses, "mean_losses": mean_losses, "grad_norms": grad_norms, "start_step": start,
                 "rank": self.rank, "sp_rank": self.sp.rank, "dp_rank": self.sp.dp_rank, "run_dir": self.run_dir,
-                "metrics_path": self.metrics.log.metrics_path, "wandb_dir": self.wandb_dir}
+                "metrics_path": self.metrics.log.metrics_path, "wandb_dir": self.wandb_dir,
+                "memory": self.memory_records}
 
     def step(self, step: int) -> Dict[str, float]:
         """One optimizer step over grad_accum micro-batches; this rank's raw measurements."""
         o, sp, eng, m = self.opts, self.sp, self.engine, self.metrics
         t0, bytes0, comm_s0 = time.perf_counter(), m.attn_bytes(), m.attn_seconds()
-        loss_sum, compute_s = 0.0, 0.0
+        loss_sum, compute_s, mem = 0.0, 0.0, self.memory
+        mem.begin()
         for micro in range(self.grad_accum):
+            mem.mark("data")
             batch = data.batch_for_step(self.tokens, step, micro, sp.dp_rank, sp.dp_size, self.micro_batch,
                                         o.seq_len, o.seed, o.ignore_frac)
             local = {k: v.to(eng.device) for k, v in sp.shard_batch(batch).items()}
             c0 = m.clock()
+            mem.mark("forward")
             # the model computes the loss: sp.loss, or the fused tiled head + loss (tiled_loss_tokens)
             loss = eng(local["input_ids"], local["position_ids"], labels=local["labels"])
+            mem.mark("loss_backward")       # until the last layer's output gradient (memory_watch_points)
             eng.backward(loss)
             compute_s += m.clock() - c0
             loss_sum += loss.item()
+            mem.mark("optimizer")
             eng.step()      # DeepSpeed counts micro-steps here; the optimizer runs at the boundary only
+        used = mem.end()
+        step_s = time.perf_counter() - t0
+        self.memory_records.append(dict(used, step=step + 1, step_s=step_s))
         grad_norm = eng.get_global_grad_norm()          # of the reduced gradient, before clipping
         grad_norm = float("nan" if grad_norm is None else grad_norm)
         return {"loss": loss_sum / self.grad_accum, "grad_norm": grad_norm,
-                "compute_s": compute_s, "step_s": time.perf_counter() - t0,
+                "compute_s": compute_s, "step_s": step_s,
                 "attn_comm_bytes": m.attn_bytes() - bytes0, "attn_comm_s": m.attn_seconds() - comm_s0,
-                "peak_mem_mb": m.peak_memory_mb()}
+                **memory_fields(used)}
 
     def close(self) -> None:
+        self.memory.close()
         if self.is_writer:
             runlog.wandb_finish()
         # DeepSpeed's optimizer holds a hook bound to the engine that gc never frees: without this, a
@@ -119,4 +134,29 @@ class Trainer:
         self.engine.destroy()
 
 
-__all__ = ["Trainer"]
+def memory_fields(used: Dict[str, Any]) -> Dict[str, float]:
+    """The step's memory in MiB for the metrics: its peak, what the process held before it (static)
+    and the difference, the part that grows with the tokens per rank (NaN where not measurable)."""
+    mib = lambda b: float("nan") if b is None else b / 2**20  # noqa: E731
+    return {"peak_mem_mb": mib(used["peak_bytes"]), "static_mem_mb": mib(used["static_bytes"]),
+            "step_mem_mb": mib(used["above_static_bytes"])}
+
+
+def memory_watch_points(model: torch.nn.Module):
+    """(module, phase) pairs splitting backward: the last decoder layer's output gradient starts the
+    layers' backward, the embedding output's gradient its end (DeepSpeed's last reductions). The
+    own LM (blocks, embed) and a wrapped transformers model (its input embeddings and its decoder
+    layers: the longest ModuleList); nothing for anything else (backward stays one phase)."""
+    inner = getattr(model, "model", None)
+    if hasattr(model, "blocks") and hasattr(model, "embed"):
+        layers, embed = model.blocks, model.embed
+    elif inner is not None and hasattr(inner, "get_input_embeddings"):
+        lists = [m for m in inner.modules() if isinstance(m, torch.nn.ModuleList)]
+        layers, embed = (max(lists, key=len) if lists else None), inner.get_input_embeddings()
+    else:
+        return []
+    points = [(layers[-1], "layers_backward")] if layers is not None and len(layers) else []
+    return points + ([(embed, "end_of_backward")] if embed is not None else [])
+
+
+__all__ = ["Trainer", "memory_fields", "memory_watch_points"]

@@ -80,6 +80,8 @@ def metrics_of(run_dir, steps):
         rows = [json.loads(line) for line in f]
     assert [r["step"] for r in rows] == list(range(1, steps + 1)), rows
     assert all(math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 for r in rows), rows
+    # each step's memory (memory/usage.py): what a rank held before it, and its peak above that
+    assert all(r["peak_mem_mb"] >= r["static_mem_mb"] > 0 and r["step_mem_mb"] > 0 for r in rows), rows
     with open(os.path.join(run_dir, name, "run.json")) as f:
         return rows, json.load(f)
 

@@ -68,16 +68,56 @@ def test_implied_step_time_ratio_counts_the_recompute():
 
 
 def test_plan_follows_the_preset_and_rejects_unknown_models():
-    specs = plan(build_parser().parse_args(["--models", "lm", "--P", "1,4"]))
+    specs = plan(build_parser().parse_args(["--models", "lm", "--P", "1,4", "--strategies", ""]))
     assert [(s.world, s.features, s.tokens_per_rank) for s in specs] == [
         (1, False, 1024), (1, False, 2048), (1, True, 2048), (1, True, 8192), (1, True, 16384),
         (4, False, 1024), (4, False, 2048), (4, True, 2048), (4, True, 4096)]
     with pytest.raises(ValueError, match="unknown model 'gpt'"):
         plan(build_parser().parse_args(["--models", "gpt"]))
+    with pytest.raises(ValueError, match=r"--strategies: unknown \['lasp'\]"):
+        plan(build_parser().parse_args(["--strategies", "zigzag,lasp"]))
+
+
+def test_strategy_comparison_plans_every_strategy_at_the_same_tokens_per_rank():
+    specs = [s for s in plan(build_parser().parse_args(["--models", "lm", "--strategies", "ring,hybrid",
+                                                        "--compare-tokens", "4096"])) if s.purpose == "strategies"]
+    assert [(s.world, s.strategy, s.ulysses_size, s.tokens_per_rank) for s in specs] == [
+        (1, "zigzag", 1, 4096), (2, "ring", 1, 4096), (4, "ring", 1, 4096), (4, "hybrid", 2, 4096),
+        (1, "zigzag", 1, 256), (2, "zigzag", 1, 256)]
+    # the shipped long-context recipe's memory features
+    with open(os.path.join(REPORTS, "..", "configs", "long_context.json")) as f:
+        shipped = json.load(f)["sequence_parallel"]
+    assert all((s.tiled_loss_tokens, s.tiled_mlp_tokens) == (shipped["tiled_loss_tokens"], shipped["tiled_mlp_tokens"])
+               and s.features and s.model == "llama" for s in specs)
+
+
+def _compared(world, strategy, n, above, phases=None):
+    m = _measurement("llama", world, True, n, {"optimizer": (700 * MIB, 0)}, resident=500 * MIB)
+    above_phases = phases or {"forward": above, "optimizer": 200 * MIB}
+    return dict(m, strategy=strategy, purpose="strategies", above_static_bytes=max(above_phases.values()),
+                phase_above_static_bytes=above_phases, peak_bytes=500 * MIB + max(above_phases.values()),
+                phase_peak_bytes={p: 500 * MIB + v for p, v in above_phases.items()})
+
+
+def test_strategy_rows_compare_above_static_and_explain_the_two_point_figure():
+    n = 8192
+    ms = [_compared(1, "zigzag", n, 300 * MIB), _compared(2, "zigzag", n, 310 * MIB),
+          _compared(4, "ring", n, 360 * MIB),
+          # short runs: the optimizer step (200 MiB above static) holds the peak
+          _compared(1, "zigzag", 256, 20 * MIB), _compared(2, "zigzag", 256, 20 * MIB)]
+    comp = S.strategy_rows(ms)
+    assert [(r["strategy"], r["world"]) for r in comp["rows"]] == [("(none: P=1)", 1), ("zigzag", 2), ("ring", 4)]
+    assert [round(r["vs_p1"], 4) for r in comp["rows"]] == [1.0, round(310 / 300, 4), 1.2]
+    assert comp["rows"][1]["peak_phase"] == "forward"
+    checks = {c["what"].split(",")[0]: c["result"] for c in S.strategy_checks(comp)}
+    assert checks == {"zigzag P=2": "PASS", "ring P=4": "FAIL"}        # 1.20 is outside 0.85-1.15
+    (one, two) = comp["two_point"]
+    assert one["short_peak_phase"] == "optimizer" and one["per_token"] == pytest.approx(100 * MIB / (n - 256))
+    assert one["above_static_per_token"] == pytest.approx(300 * MIB / n)
 
 
 TINY = dict(model="lm", world=2, tokens_per_rank=256, hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64,
-            tiled_loss_tokens=64, tiled_mlp_tokens=64, warmup_tokens=64)
+            tiled_loss_tokens=64, tiled_mlp_tokens=64)
 
 
 def _both(spec_args):

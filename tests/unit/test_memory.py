@@ -1,6 +1,8 @@
 """Memory features in one process: the fused tiled head + loss, the tiled MLP (the project's LM and
 Hugging Face Llama), per-layer checkpointing with the host-offload hooks, and the config keys.
 Each is compared with the plain computation against a float64 reference (derived tolerances)."""
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -203,3 +205,23 @@ def test_memory_config_refuses_what_it_cannot_honour(ds, message):
 def test_tile_mlps_needs_a_module_to_tile():
     with pytest.raises(ValueError, match="has no submodule named 'ffn'"):
         tile_mlps(CausalLM(ModelConfig(vocab_size=V, dim=32, n_layers=1, n_heads=4)), 8, attr="ffn")
+
+
+# -- StepMemory: each phase's peak above what the process held before the step -------------------
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="per-phase peaks need Linux /proc")
+def test_step_memory_puts_a_transient_in_its_phase_and_not_in_the_next():
+    from ds_seqpar.memory.usage import StepMemory
+    mem = StepMemory(torch.device("cpu"))
+    size = 96 * 2 ** 20                       # above glibc's largest mmap threshold: mapped, then unmapped
+    mem.begin()
+    mem.mark("big")
+    x = torch.ones(size // 4)                 # touched: resident
+    del x
+    mem.mark("small")
+    y = torch.ones(2 ** 16)
+    del y
+    used = mem.end()
+    assert used["peak_phase"] == "big" and used["phases"]["big"] - used["static_bytes"] >= 0.95 * size, used
+    assert used["phases"]["small"] - used["static_bytes"] < 0.5 * size, used
+    assert used["above_static_bytes"] == used["peak_bytes"] - used["static_bytes"]
