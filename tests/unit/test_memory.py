@@ -225,3 +225,20 @@ def test_step_memory_puts_a_transient_in_its_phase_and_not_in_the_next():
     assert used["peak_phase"] == "big" and used["phases"]["big"] - used["static_bytes"] >= 0.95 * size, used
     assert used["phases"]["small"] - used["static_bytes"] < 0.5 * size, used
     assert used["above_static_bytes"] == used["peak_bytes"] - used["static_bytes"]
+
+
+def test_transient_bytes_count_the_buffers_a_token_needs_only_at_p_ranks():
+    from ds_seqpar.strategies.closed_form import Shapes, transient_bytes
+    sh = Shapes(batch=1, seq=1024, heads=8, kv_heads=2, head_dim=16)          # n = 512 per rank at P=2
+    kv = 512 * 2 * 32                                                          # local k and v elements
+    assert transient_bytes("zigzag", 2, sh) == {"forward": 2 * kv * 4, "backward": 2 * kv * (4 + 4)}
+    q = 512 * 8 * 16
+    assert transient_bytes("ulysses", 2, sh) == {"forward": (2 * q + kv) * 4, "backward": 2 * (2 * q + kv) * 4}
+    # P=4 over 2 k/v heads: each k/v head is sent twice (replication 2); hybrid 2 x 2 = both forms
+    sh4 = Shapes(1, 2048, 8, 2, 16)
+    assert transient_bytes("ulysses", 4, sh4)["forward"] == (2 * q + 2 * kv) * 4
+    hybrid = transient_bytes("ring", 4, sh4, ulysses_size=2)
+    assert hybrid["forward"] == (2 * q + kv) * 4 + 2 * kv * 4
+    assert transient_bytes("ring", 1, sh) == transient_bytes("lasp", 4, sh) == {"forward": 0, "backward": 0}
+    with pytest.raises(ValueError, match="no transient form for strategy 'mystery'"):
+        transient_bytes("mystery", 2, sh)
