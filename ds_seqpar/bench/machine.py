@@ -34,4 +34,13 @@ def command_line(prefix: str, argv: List[str]) -> str:
     return " ".join([prefix] + shown)
 
 
-__all__ = ["command_line", "machine_facts"]
+def run_lines(meta: Dict[str, Any]) -> List[str]:
+    """The page lines saying how a one-page bench mode ran (--window, --hybrid): the command and the
+    machine with its load (meta from packed.measure_on_pool plus machine_facts)."""
+    return [f"Command: `{meta['command']}`", "",
+            f"Machine: {meta.get('cpu_model', '?')}, {meta['cpus']} CPUs, torch {meta.get('torch', '?')}, shared with "
+            f"other engineers' jobs: load average before {meta['load_before']}, after {meta['load_after']}, highest "
+            f"1-minute value at the end of the rounds {meta['load_during']:.2f}; whole run {meta['elapsed']:.0f} s.", ""]
+
+
+__all__ = ["command_line", "machine_facts", "run_lines"]

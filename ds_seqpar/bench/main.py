@@ -9,6 +9,7 @@ measured side by side in one run, with the ratios docs/design.md sets targets fo
     torchrun --nproc_per_node 2 -m ds_seqpar.cli bench ...   # under a launcher (GPUs: --device cuda)
     ds-seqpar bench --packed [--P 2 --seq 8192 --docs 8]     # packed documents (bench/packed.py)
     ds-seqpar bench --window [--P 2 --seq 8192 --windows 1024,2048]  # windows, softcap, sinks (bench/window.py)
+    ds-seqpar bench --hybrid [--P 2 --seq 8192 --families gdn,ssd]   # hybrids' linear layers, training step (bench/hybrid.py)
 
 Without a launcher the command starts P local CPU ranks itself (RankPool, one thread each, gloo).
 What it measures (cases.py on the ranks, train_step.py for training, summary.py for the ratios):
@@ -322,6 +323,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if "--packed" in argv:               # packed documents vs one document: its own options and page
         from .packed import main as packed_main
         return packed_main([a for a in argv if a != "--packed"])
+    if "--hybrid" in argv:               # hybrids' linear layers and training step (hybrid.py)
+        from .hybrid import main as hybrid_main
+        return hybrid_main([a for a in argv if a != "--hybrid"])
     if "--window" in argv:               # sliding windows, softcap, sinks vs plain attention (window.py)
         from .window import main as window_main
         return window_main([a for a in argv if a != "--window"])

@@ -175,11 +175,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--strategies", default=None, help="comma list (default: every strategy that runs at --P)")
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--sweep-trials", type=int, default=200, help="random packings in the balance sweep (0: skip)")
+    return page_options(ap, "packed_cpu")
+
+
+def page_options(ap: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The options every one-page bench mode shares (--packed, --window, --hybrid): rounds and the page."""
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--out", default="reports")
-    ap.add_argument("--name", default="packed_cpu")
-    ap.add_argument("--sweep-trials", type=int, default=200, help="random packings in the balance sweep (0: skip)")
+    ap.add_argument("--name", default=name)
     ap.add_argument("--notes", default="", help="free text added to the page")
     ap.add_argument("--render", metavar="JSON", help="measure nothing: rewrite the page of a saved results file")
     return ap
@@ -255,4 +260,4 @@ def write_page(page: str, saved: dict, out: str, name: str, prog: str) -> int:
 
 
 __all__ = ["main", "bench_rank", "strategy_config", "variant_bounds", "interleaved_rounds", "measure_on_pool",
-           "write_page"]
+           "page_options", "write_page"]

@@ -30,7 +30,7 @@ import os
 import sys
 from typing import Dict, List, Optional, Tuple
 
-from .machine import command_line
+from .machine import command_line, run_lines
 
 STRATEGIES = ("ring", "zigzag", "striped", "ulysses")
 GOAL_PER_WORK = 1.3             # time ratio / work ratio, ring and zigzag
@@ -219,10 +219,7 @@ def render(rows: Dict[str, dict], meta, pieces: Optional[List[dict]] = None) -> 
         f"warm-up round(s); times are medians (min-max) of the slowest rank's wall time; ratios are taken per "
         f"round (every variant of a strategy runs back to back with plain, under the same load), median "
         f"(min-max) over rounds; CPU ratio: the same with the busiest rank's thread CPU time.", "",
-        f"Command: `{meta['command']}`", "",
-        f"Machine: {meta.get('cpu_model', '?')}, {meta['cpus']} CPUs, torch {meta.get('torch', '?')}, shared with "
-        f"other engineers' jobs: load average before {meta['load_before']}, after {meta['load_after']}, highest "
-        f"1-minute value at the end of the rounds {meta['load_during']:.2f}; whole run {meta['elapsed']:.0f} s.", "",
+        *run_lines(meta),
         "## Sliding window: time with the window / time without it, against the work the mask leaves", "",
         "Work = visible causal (q, k) pairs per rank (query i sees min(i + 1, w) keys; a ring layout's rank holds "
         "layout.indices, Ulysses' every rank 1/P of the heads of all queries). Work ratio = busiest rank's work "
@@ -288,6 +285,7 @@ def render(rows: Dict[str, dict], meta, pieces: Optional[List[dict]] = None) -> 
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .packed import page_options
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("--P", type=int, default=2)
@@ -297,15 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--strategies", default=",".join(STRATEGIES), help="comma list of ring, zigzag, striped, ulysses")
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--kernel-rounds", type=int, default=3, help="rounds of the kernel-calls-alone timing on "
                     "rank 0 after the measurement (0: skip)")
-    ap.add_argument("--out", default="reports")
-    ap.add_argument("--name", default="window_cpu")
-    ap.add_argument("--notes", default="", help="free text added to the page")
-    ap.add_argument("--render", metavar="JSON", help="measure nothing: rewrite the page of a saved results file")
-    return ap
+    return page_options(ap, "window_cpu")
 
 
 def resolve(args) -> argparse.Namespace:

@@ -1,0 +1,459 @@
+"""``ds-seqpar bench --hybrid``: the linear-attention, SSM and convolution layers of Hugging Face
+hybrids under sequence parallelism against the same layer unsharded, and a whole training step of a
+Qwen3.5-style hybrid next to a Llama of equal size, in one run (not a test).
+
+    ds-seqpar bench --hybrid [--P 2] [--seq 8192] [--families gdn,kda,ssd,lightning,conv] [--hidden 512]
+                             [--repeats 5] [--warmup 1] [--op-rounds 3] [--train-model PATH]
+                             [--train-seq 4096] [--train-repeats 3] [--out reports] [--name hybrid_cpu]
+
+  layer  per family (FAMILIES), ONE transformers layer: the model's own mixer module (projections,
+         conv, gates, norm and the op), forward + backward of N tokens. Cases: "single" (rank 0, the
+         unapplied layer on all N tokens, one thread), "halves" (every rank the unapplied layer on its
+         N/P tokens, nothing exchanged: the bound no exact split beats here), and the layer applied by
+         ds_seqpar (softmax strategy ring: one contiguous run per rank) under linear_strategy lasp with
+         lasp_comm allgather and ring, and linear_strategy ulysses. The rounds are --packed's
+         (packed.interleaved_rounds: every case once per round after a barrier, so the baseline and
+         the cases share the load); speedup = single / case per round, median (min-max). Bytes per
+         rank of one fwd+bwd against strategies/closed_form.py (must be 1.000).
+  op     rank 0 after the rounds, one thread: the plain local op of a rank's N/P tokens against the
+         call(s) ds_seqpar makes for a run's affine map (delta rule: delta_rule_map, the widened call;
+         SSD: ssd_map, the plain call and a width-1 probe), same captured inputs, fwd+bwd.
+  train  a whole training step at --train-seq tokens, P ranks vs one (train_step.measure_training:
+         ZeRO-2, zigzag for the softmax layers, rounds alternate 1 and P ranks) of --train-model and
+         of a Llama config with its sizes (equal_llama: same width, depth, heads, vocabulary).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from typing import Dict, List, Optional
+
+from .machine import command_line, run_lines
+
+PROG = "ds-seqpar bench --hybrid"
+GOAL = 1.7                  # LASP speedup over the unsharded layer at P=2
+SP_CASES = {"lasp_allgather": dict(linear_strategy="lasp", lasp_comm="allgather"),
+            "lasp_ring": dict(linear_strategy="lasp", lasp_comm="ring"),
+            "ulysses": dict(linear_strategy="ulysses")}
+# family -> (as in, model type, config keys): one linear layer of the model's own classes; head sizes as
+# the named models', fewer heads (one CPU thread per rank)
+FAMILIES = {
+    "gdn": ("Qwen3.5 gated DeltaNet", "qwen3_5_text", dict(
+        layer_types=["linear_attention"], linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4)),
+    "kda": ("Kimi-Linear delta attention", "kimi_linear", dict(
+        layer_types=["linear_attention"], linear_num_heads=2, linear_head_dim=32, linear_conv_kernel_dim=4)),
+    "ssd": ("Bamba / Nemotron-H Mamba2 SSD", "bamba", dict(
+        attn_layer_indices=[], mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=2, mamba_d_state=128,
+        mamba_chunk_size=128, mamba_expand=1, mamba_d_conv=4)),
+    "lightning": ("MiniMax lightning attention", "minimax", dict(
+        layer_types=["linear_attention"], num_attention_heads=4, head_dim=128, block_size=256)),
+    "conv": ("LFM2 gated short convolution", "lfm2", dict(layer_types=["conv"], conv_L_cache=3)),
+}
+_BASE = dict(num_hidden_layers=1, intermediate_size=256, num_key_value_heads=4, vocab_size=256, use_cache=False,
+             tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2, num_local_experts=2,
+             num_experts=2, num_experts_per_tok=1, moe_intermediate_size=64)
+
+
+def family_config(name: str, hidden: int):
+    """The family's model type's own config class with one linear layer at width ``hidden``."""
+    from transformers import CONFIG_MAPPING
+    _, model_type, keys = FAMILIES[name]
+    cls = CONFIG_MAPPING[model_type]
+    known = cls().to_dict()
+    kw = {k: v for k, v in _BASE.items() if k in known}
+    return cls(**dict(kw, hidden_size=hidden, **keys))
+
+
+def family_cases(name: str) -> List[str]:
+    """A short conv has no state: lasp ring and ulysses run the same halo as allgather."""
+    return ["single", "halves"] + (["lasp_allgather"] if name == "conv" else list(SP_CASES))
+
+
+def _mixer(cfg, sp=None):
+    """(model, its one linear layer module), seeded, applied when ``sp`` is given."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from ..hf import apply_sequence_parallel
+    from ..hf.linear_layers import linear_modules
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float().train()
+    if sp is not None:
+        apply_sequence_parallel(model, sp)
+    (_, layer), = linear_modules(model)
+    return model, layer
+
+
+def _fwd_bwd(layer, x, dout):
+    out = layer(x.detach().requires_grad_(), **_extra(layer))
+    (out[0] if isinstance(out, tuple) else out).backward(dout)
+
+
+def _extra(layer) -> dict:
+    """MiniMax's lightning layer takes position_embeddings and attention_mask positionally (unused in training)."""
+    import inspect
+    return {k: None for k in ("position_embeddings", "attention_mask")
+            if k in inspect.signature(type(layer).forward).parameters}
+
+
+def _case_fns(args, rank: int):
+    """{(family, case): (run fwd+bwd or None on this rank, stats or None)} in a fixed order; models kept
+    alive by the closures. ``rank``: the global rank (single runs on rank 0 alone)."""
+    import torch
+    from ..sequence_parallel import SequenceParallel
+    mine = SequenceParallel(dict(strategy="ring", size=args.P)).rank      # halves: this rank's N/P tokens
+    fns = {}
+    for fam in args.families:
+        cfg = family_config(fam, args.hidden)
+        g = torch.Generator().manual_seed(1)
+        x, dout = (torch.randn(1, args.seq, args.hidden, generator=g) for _ in range(2))
+        for case in family_cases(fam):
+            if case in ("single", "halves"):
+                layer = _mixer(cfg)[1]
+                xs = (x, dout) if case == "single" else tuple(t.chunk(args.P, 1)[mine].clone() for t in (x, dout))
+                run = None if case == "single" and rank != 0 else \
+                    (lambda layer=layer, xs=xs: _fwd_bwd(layer, *xs))
+                fns[fam, case] = (run, None)
+                continue
+            sp = SequenceParallel(dict(strategy="ring", size=args.P, backend="torch", **SP_CASES[case]))
+            layer = _mixer(cfg, sp)[1]
+            xs = tuple(sp.shard(t, dim=1).clone() for t in (x, dout))
+            fns[fam, case] = (lambda layer=layer, xs=xs: _fwd_bwd(layer, *xs), sp.stats)
+    return fns
+
+
+def bench_rank(args) -> Dict[str, object]:
+    """Every rank: warmup + repeats interleaved rounds; then rank 0 alone times the ops (op_pieces)."""
+    from .. import comm
+    from .packed import interleaved_rounds
+    rounds = interleaved_rounds(_case_fns(args, comm.global_rank()), args.warmup, args.repeats)
+    out = {"rounds": rounds, "load_1min": os.getloadavg()[0]}
+    if comm.global_rank() == 0 and args.op_rounds:
+        out["ops"] = op_pieces(args)
+    comm.barrier()
+    return out
+
+
+# -- the local op alone ------------------------------------------------------------------------------
+
+OP_FAMILIES = {"gdn": "torch_chunk_gated_delta_rule", "kda": "chunk_kimi_delta_attention", "ssd": "mamba2_chunk_scan"}
+
+
+def _captured_call(fam: str, args):
+    """(the original op, its arguments as the unapplied layer calls it on N/P tokens)."""
+    import sys as _sys
+    import torch
+    cfg = family_config(fam, args.hidden)
+    _, layer = _mixer(cfg)
+    module, name = _sys.modules[type(layer).__module__], OP_FAMILIES[fam]
+    seam = getattr(module, name)
+    original = getattr(seam, "_ds_seqpar_original", seam)
+    seen = {}
+
+    def capture(*a, **kw):
+        seen["args"], seen["kwargs"] = a, kw
+        return original(*a, **kw)
+    setattr(module, name, capture)
+    try:
+        with torch.no_grad():
+            layer(torch.randn(1, args.seq // args.P, args.hidden, generator=torch.Generator().manual_seed(2)),
+                  **_extra(layer))
+    finally:
+        setattr(module, name, seam)
+    import inspect
+    bound = inspect.signature(original).bind(*seen["args"], **seen["kwargs"])
+    call = dict(bound.arguments)
+    call.update(call.pop("kwargs", {}))
+    return original, {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in call.items()}
+
+
+def _op_runs(fam: str, original, call: dict):
+    """(plain op fwd+bwd, ds_seqpar's map call(s) fwd+bwd) on the same inputs, gradients for every float input."""
+    import torch
+    from ..hf.linear_layers import delta_rule_map, ssd_map
+
+    def leaves():
+        return {k: (v.detach().requires_grad_() if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 1
+                    else v) for k, v in call.items()}
+
+    def backward(outs):
+        torch.autograd.backward([o for o in outs if o is not None and o.requires_grad],
+                                [torch.ones_like(o) for o in outs if o is not None and o.requires_grad])
+
+    if fam == "ssd":
+        names, state = ("hidden_states", "dt", "B", "C"), ("initial_states", "return_final_states")
+        mapped = ssd_map
+    else:
+        names, state = ("query", "key", "value", "g", "beta"), ("initial_state", "output_final_state")
+        mapped = delta_rule_map
+
+    def plain():
+        backward([original(**leaves())[0]] if fam != "ssd" else [original(**leaves())])
+
+    def widened():
+        kw = {k: v for k, v in leaves().items() if k not in state}
+        main = [kw.pop(n) for n in names]
+        if fam == "ssd":
+            backward(mapped(original, main[0], main[1], main[2], main[3], kw))
+        else:
+            backward(mapped(original, *main, kw))
+    return plain, widened
+
+
+def op_pieces(args) -> List[dict]:
+    from .cases import timed
+    rows = []
+    for fam in [f for f in args.families if f in OP_FAMILIES]:
+        original, call = _captured_call(fam, args)
+        plain, mapped = _op_runs(fam, original, call)
+        times = {"plain": [], "map": []}
+        for rnd in range(args.op_rounds + 1):
+            for key, fn in (("plain", plain), ("map", mapped)) if rnd % 2 else (("map", mapped), ("plain", plain)):
+                t = timed(fn)["cpu"]
+                if rnd:
+                    times[key].append(t)
+        ratios = [m / p for m, p in zip(times["map"], times["plain"])]
+        rows.append({"family": fam, "op": OP_FAMILIES[fam], "tokens": args.seq // args.P,
+                     "plain": statistics.median(times["plain"]), "map": statistics.median(times["map"]),
+                     "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)]})
+    return rows
+
+
+# -- what the bytes are held against -----------------------------------------------------------------
+
+
+def closed_form(fam: str, case: str, args) -> List[int]:
+    """Bytes per rank of one fwd+bwd of the family's layer (batch 1), strategies/closed_form.py."""
+    from ..sharding.layouts import make_layout
+    from ..strategies.closed_form import conv_halo_bytes, linear_state_bytes, linear_ulysses_bytes
+    from ..strategies.state_passing import fragments
+    c, p, t = family_config(fam, args.hidden), args.P, args.seq // args.P
+    frags = fragments(make_layout("contiguous", p), args.seq)
+    if fam == "gdn":
+        hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        state, kind, elems = (hv, dk, dv), "matrix", [t * hk * dk] * 2 + [t * hv * dv] * 2 + [t * hv] * 2
+        halo = (2 * hk * dk + hv * dv, c.linear_conv_kernel_dim - 1)
+    elif fam == "kda":
+        h, d = c.linear_num_heads, c.linear_head_dim
+        state, kind, elems = (h, d, d), "matrix", [t * h * d] * 5 + [t * h]          # q, k, v, g, out; beta
+        halo = (3 * h * d, c.linear_conv_kernel_dim - 1)
+    elif fam == "ssd":
+        h, pd, n, g = c.mamba_n_heads, c.mamba_d_head, c.mamba_d_state, c.mamba_n_groups
+        state, kind, elems = (h, pd, n), "scalar", [t * h * pd] * 2 + [t * h] + [t * g * n] * 2   # x, out; dt; B, C
+        halo = (int(c.mamba_expand * c.hidden_size) + 2 * g * n, c.mamba_d_conv - 1)
+    elif fam == "lightning":
+        h, d = c.num_attention_heads, c.head_dim
+        state, kind, elems, halo = (h, d, d), "fixed", [t * h * d] * 4, None
+    else:
+        state, halo = None, (c.hidden_size, c.conv_L_cache - 1)
+    out = []
+    for r in range(p):
+        total = conv_halo_bytes(frags, 1, halo[0], halo[1], 4)["conv_halo"] if halo else 0
+        if state and SP_CASES[case]["linear_strategy"] == "ulysses":
+            total += linear_ulysses_bytes(p, elems, 4)["linear_all_to_all"]
+        elif state:
+            total += sum(linear_state_bytes(frags, r, 1, *state, SP_CASES[case]["lasp_comm"], kind).values())
+        out.append(total)
+    return out
+
+
+def summarize(per_rank, args) -> Dict[str, dict]:
+    """Per family and case: times (packed_report.case_times), speedup over single per round, bytes vs form."""
+    from .packed_report import case_times, median_ratio, ratio_range
+    out = {}
+    for fam in args.families:
+        rows = {case: case_times(per_rank, f"{fam}/{case}") for case in family_cases(fam)}
+        single = rows["single"]
+        for case, r in rows.items():
+            r["speedup"] = median_ratio(single["walls"], r["walls"])
+            r["speedup_range"] = ratio_range(single["walls"], r["walls"])
+            r["cpu_speedup"] = median_ratio(single["cpu_rounds"], r["cpu_rounds"])
+            if case in SP_CASES:
+                r["form"] = closed_form(fam, case, args)
+                r["bytes_ratio"] = [m / f if f else float(m == 0) for m, f in zip(r["bytes"], r["form"])]
+        out[fam] = rows
+    return out
+
+
+# -- the whole training step -------------------------------------------------------------------------
+
+
+def equal_llama(path: str) -> dict:
+    """A Llama config with the sizes of the config at ``path``: width, MLP, depth, heads, k/v heads,
+    head size, vocabulary and tying (every layer softmax attention)."""
+    with open(path if path.endswith(".json") else os.path.join(path, "config.json")) as f:
+        src = json.load(f)
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "vocab_size", "tie_word_embeddings", "max_position_embeddings", "rms_norm_eps",
+            "initializer_range")
+    return dict({k: src[k] for k in keys if k in src}, model_type="llama", architectures=["LlamaForCausalLM"],
+                use_cache=False, attention_dropout=0.0)
+
+
+def measure_train(args) -> Dict[str, dict]:
+    """{label: measure_training's result for zigzag} for the hybrid and its equal Llama."""
+    from ..launch.rankpool import RankPool
+    from .train_step import measure_training
+    tmp = tempfile.mkdtemp(prefix="ds_seqpar_bench_hybrid_")
+    llama = os.path.join(tmp, "llama_equal.json")
+    with open(llama, "w") as f:
+        json.dump(equal_llama(args.train_model), f)
+    models = {os.path.basename(args.train_model): os.path.abspath(args.train_model), "llama (equal sizes)": llama}
+    pool, solo = RankPool(args.P, timeout_s=3600.0, threads_per_rank=1).start(), None
+    try:
+        solo = RankPool(1, timeout_s=3600.0, threads_per_rank=1).start()
+        out = {}
+        for label, path in models.items():
+            model = dict(seq_len=args.train_seq, micro_batch=1, steps=3, model=path)
+            out[label] = measure_training(pool, solo, ["zigzag"], model, 1, args.train_repeats)["zigzag"]
+        return out
+    finally:
+        pool.close()
+        if solo is not None:
+            solo.close()
+
+
+# -- the page ------------------------------------------------------------------------------------------
+
+
+def _sizes(fam: str, hidden: int) -> str:
+    c = family_config(fam, hidden)
+    keys = {"gdn": ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                    "linear_conv_kernel_dim"),
+            "kda": ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim"),
+            "ssd": ("mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_chunk_size", "mamba_d_conv"),
+            "lightning": ("num_attention_heads", "head_dim", "block_size"), "conv": ("conv_L_cache",)}[fam]
+    return ", ".join(f"{k}={getattr(c, k)}" for k in keys)
+
+
+def render(rows: Dict[str, dict], meta, ops: Optional[List[dict]], train: Optional[Dict[str, dict]]) -> str:
+    from .markdown import _spread
+    from .window import _j, _t
+    ok = lambda good: "**PASS**" if good else "**SHORT**"  # noqa: E731
+    p = meta["P"]
+    lines = [
+        "# Hybrid models' linear layers on CPU ranks: one transformers layer, sharded vs unsharded", "",
+        f"P={p} ranks x 1 thread (gloo), N={meta['seq']} tokens, batch 1, hidden {meta['hidden']}, fp32, forward + "
+        f"backward of ONE layer: the model's own mixer module (transformers {meta.get('transformers', '?')}, its "
+        f"torch fallbacks: no fla / mamba_ssm / causal_conv1d kernels on CPU), applied by ds_seqpar with softmax "
+        f"strategy ring (one contiguous run per rank). {meta['repeats']} interleaved rounds after {meta['warmup']} "
+        f"warm-up round(s), every case once per round after a barrier; times are medians (min-max) of the slowest "
+        f"rank's wall time; speedup = single / case per round, median (min-max); CPU speedup: the same with the "
+        f"busiest rank's thread CPU time.", "",
+        *run_lines(meta),
+        "Families (sizes of the one layer):", ""]
+    lines += [f"- `{fam}`: {FAMILIES[fam][0]} (`{FAMILIES[fam][1]}`), {_sizes(fam, meta['hidden'])}" for fam in rows]
+    lines += ["", f"## One layer, fwd+bwd at N={meta['seq']}, P={p}", "",
+              f"single: rank 0, the unapplied layer on all N tokens (the baseline). halves: every rank the unapplied "
+              f"layer on its N/P tokens, nothing exchanged: not the layer over the sequence, but the bound no exact "
+              f"split beats on this machine. Goal: LASP speedup >= {GOAL} at P=2. Bytes: what CommStats recorded per "
+              f"rank for one fwd+bwd against strategies/closed_form.py (`linear_state_bytes`, `conv_halo_bytes`, "
+              f"`linear_ulysses_bytes`); must be 1.000.", "",
+              "| family | case | wall s | speedup | CPU speedup | CPU s per rank | bytes per rank | closed form | "
+              "measured / form | goal |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for fam, r in rows.items():
+        for case, x in r.items():
+            goal = f">= {GOAL}: {ok(x['speedup'] >= GOAL)}" if case.startswith("lasp") else ""
+            lo, hi = x["speedup_range"]
+            lines.append(f"| {fam} | {case} | {_t(x)} | {x['speedup']:.2f} ({lo:.2f}-{hi:.2f}) | {x['cpu_speedup']:.2f} | "
+                         f"{_j(x['cpu'], '{:.3f}')} | {_j(x.get('bytes', []))} | {_j(x.get('form', []))} | "
+                         f"{_j(x.get('bytes_ratio', []), '{:.3f}')} | {goal} |")
+    if ops:
+        lines += ["", f"## The local op alone: plain vs the map ds_seqpar computes, {ops[0]['tokens']} tokens (N/P)", "",
+                  "Rank 0 after the rounds, one thread: the op as the unapplied layer calls it (inputs captured from "
+                  "that call), forward + backward, against the call(s) `linear_strategy: lasp` makes on the same "
+                  "inputs for a run's affine map: the delta rule's widened call (`delta_rule_map`: values [v, 0_K], "
+                  "initial state [0, I_K]), Mamba2's plain call plus a width-1 probe of the decays (`ssd_map`). "
+                  f"Median CPU s of {meta['op_rounds']} alternating rounds; ratio per round, median (min-max).", "",
+                  "| family | op | plain CPU s | map CPU s | map / plain |", "|---|---|---|---|---|"]
+        lines += [f"| {o['family']} | `{o['op']}` | {o['plain']:.3f} | {o['map']:.3f} | {o['ratio']:.2f} "
+                  f"({o['ratio_range'][0]:.2f}-{o['ratio_range'][1]:.2f}) |" for o in ops]
+    if train:
+        lines += ["", f"## Whole training step at {meta['train_seq']} tokens, ZeRO-2, sp={p} vs one rank", "",
+                  "Through train.run_training (train_step.measure_training): zigzag for the softmax layers, "
+                  "linear_strategy lasp (allgather) for the linear ones; 3 steps per run (the first is warm-up), "
+                  f"1 warm-up + {meta['train_repeats']} rounds alternating the 1-rank and the {p}-rank run; the "
+                  f"{p}-rank losses equal the 1-rank ones (rel. 1e-4). The Llama has the hybrid's sizes (width, MLP, "
+                  "depth, heads, vocabulary), every layer softmax attention. Compute speedup: the busiest rank's "
+                  "fwd+bwd CPU time, 1 rank over P.", "",
+                  f"| model | 1 rank s/step | {p} ranks s/step | speedup (min-max) | compute speedup | tokens/s 1 -> {p} "
+                  "| losses, max rel diff |", "|---|---|---|---|---|---|---|"]
+        for label, t in train.items():
+            lines.append(f"| {label} | {_spread(t['one_s'], 3)} | {_spread(t['p_s'], 3)} | {_spread(t['speedup'])} | "
+                         f"{_spread(t['compute_speedup'])} | {t['tokens_per_s'][0]:.0f} -> {t['tokens_per_s'][1]:.0f} | "
+                         f"{t['loss_rel_diff']:.1e} |")
+    lines += ["", meta.get("notes", ""), ""]
+    return "\n".join(lines)
+
+
+# -- command line ----------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .packed import page_options
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    ap.add_argument("--P", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--families", default=",".join(FAMILIES), help=f"comma list of {', '.join(FAMILIES)}")
+    ap.add_argument("--hidden", type=int, default=512, help="the layer's hidden size")
+    ap.add_argument("--op-rounds", type=int, default=3, help="rounds of the op-alone timing on rank 0 (0: skip)")
+    ap.add_argument("--train-model", default=os.path.join("configs", "models", "qwen3_5_small.json"),
+                    help="the hybrid of the training-step comparison (a config JSON or model directory)")
+    ap.add_argument("--train-seq", type=int, default=4096)
+    ap.add_argument("--train-repeats", type=int, default=3, help="measured training rounds (0: skip the training step)")
+    return page_options(ap, "hybrid_cpu")
+
+
+def resolve(args) -> argparse.Namespace:
+    args.families = tuple(f for f in args.families.split(",") if f)
+    bad = [f for f in args.families if f not in FAMILIES]
+    if bad or not args.families:
+        raise SystemExit(f"{PROG}: --families {bad or args.families}: choose from {', '.join(FAMILIES)}")
+    if args.P < 2 or args.seq % args.P or args.repeats < 1 or args.warmup < 0:
+        raise SystemExit(f"{PROG}: --P {args.P} must be >= 2 and divide --seq {args.seq}; --repeats >= 1, --warmup >= 0")
+    if args.train_repeats and not os.path.exists(args.train_model):
+        raise SystemExit(f"{PROG}: --train-model {args.train_model!r} does not exist")
+    return args
+
+
+def write(rows, meta, out: str, ops=None, train=None) -> int:
+    """<out>/<name>.md and the numbers behind it, <out>/<name>.json (--render re-writes the page)."""
+    from .packed import write_page
+    return write_page(render(rows, meta, ops, train), {"rows": rows, "ops": ops, "train": train, "meta": meta}, out,
+                      meta["name"], PROG)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    import transformers
+    from .machine import machine_facts
+    from .packed import measure_on_pool
+    from .summary import train_rows
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.render:
+        with open(args.render) as f:
+            saved = json.load(f)
+        return write(saved["rows"], saved["meta"], os.path.dirname(args.render) or ".", saved.get("ops"),
+                     saved.get("train"))
+    args = resolve(args)
+    per_rank, meta = measure_on_pool(bench_rank, args, command_line(PROG, argv))
+    train = None
+    if args.train_repeats:
+        train = {label: train_rows({"zigzag": m}, args.P)["zigzag"] for label, m in measure_train(args).items()}
+        meta.update(load_after=" ".join(f"{x:.2f}" for x in os.getloadavg()))
+    facts = machine_facts()
+    meta.update(cpu_model=facts["cpu_model"], torch=facts["torch"], deepspeed=facts["deepspeed"],
+                transformers=transformers.__version__)
+    return write(summarize(per_rank, args), meta, args.out, per_rank[0].get("ops"), train)
+
+
+__all__ = ["main", "bench_rank", "summarize", "render", "write", "closed_form", "equal_llama", "family_config", "family_cases",
+           "FAMILIES"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

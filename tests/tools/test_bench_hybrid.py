@@ -1,0 +1,45 @@
+"""``ds-seqpar bench --hybrid`` at a tiny length on the session pool (P=2: ranks 0 and 1 form the first
+sequence group): every family's layer runs sharded and unsharded, the bytes each rank sends equal the
+closed forms (ratio 1), the map call and the plain op are timed on the same captured inputs, and the
+page is written; the Llama of the training comparison has the hybrid's sizes."""
+import json
+import os
+
+from ds_seqpar.bench.hybrid import FAMILIES, bench_rank, build_parser, equal_llama, family_cases, resolve, summarize, write
+
+ROOT = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir)
+
+
+def test_hybrid_bench_runs_bytes_match_closed_forms_and_page_is_written(pool, tmp_path):
+    args = resolve(build_parser().parse_args(["--P", "2", "--seq", "256", "--repeats", "1", "--warmup", "0",
+                                              "--op-rounds", "1", "--train-repeats", "0", "--out", str(tmp_path)]))
+    per_rank = pool.run(bench_rank, args)[:2]
+    rows = summarize(per_rank, args)
+    assert list(rows) == list(FAMILIES)
+    for fam, r in rows.items():
+        assert list(r) == family_cases(fam), (fam, list(r))
+        for case, x in r.items():
+            if case in ("single", "halves"):
+                continue
+            assert x["bytes_ratio"] == [1.0, 1.0] and min(x["form"]) > 0, (fam, case, x["bytes"], x["form"])
+    # the state maps do not grow with N: the ring sends one state per hop, less than the gathered maps
+    assert rows["gdn"]["lasp_ring"]["bytes"][0] < rows["gdn"]["lasp_allgather"]["bytes"][0]
+    ops = per_rank[0]["ops"]
+    assert [o["family"] for o in ops] == ["gdn", "kda", "ssd"] and all(o["plain"] > 0 and o["map"] > 0 for o in ops)
+    meta = dict(vars(args), cpus=2, elapsed=1.0, load_before="0", load_after="0", load_during=0.0, command="x y")
+    assert write(rows, meta, str(tmp_path), ops) == 0
+    page = (tmp_path / "hybrid_cpu.md").read_text()
+    assert "Command: `x y`" in page and "| gdn | lasp_ring |" in page and "| conv | lasp_allgather |" in page, page
+    assert "1.000 / 1.000" in page and "`torch_chunk_gated_delta_rule`" in page, page
+    assert json.loads((tmp_path / "hybrid_cpu.json").read_text())["meta"]["seq"] == 256
+
+
+def test_the_llama_of_the_training_comparison_has_the_hybrids_sizes():
+    path = os.path.join(ROOT, "configs", "models", "qwen3_5_small.json")
+    with open(path) as f:
+        hybrid = json.load(f)
+    llama = equal_llama(path)
+    assert llama["model_type"] == "llama" and "layer_types" not in llama
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "vocab_size", "tie_word_embeddings"):
+        assert llama[key] == hybrid[key], key
