@@ -72,14 +72,9 @@ def train(deepspeed, output_dir, max_steps=4, gradient_accumulation_steps=3, per
     import transformers as T
     from ds_seqpar.hf import SequenceParallelTrainer
 
-    args = T.TrainingArguments(
-        output_dir=output_dir, deepspeed=deepspeed, max_steps=max_steps,
-        per_device_train_batch_size=per_device_train_batch_size,
-        gradient_accumulation_steps=gradient_accumulation_steps, learning_rate=3e-3, warmup_steps=1,
-        max_grad_norm=1.0, logging_steps=1, save_strategy="steps" if save_steps else "no",
-        save_steps=save_steps or 500, report_to="none", seed=0,
-        per_device_eval_batch_size=per_device_train_batch_size, gradient_checkpointing=gradient_checkpointing,
-        dataloader_num_workers=0, use_cpu=not torch.cuda.is_available())
+    args = arguments(deepspeed, output_dir, max_steps, gradient_accumulation_steps, per_device_train_batch_size,
+                     gradient_checkpointing=gradient_checkpointing, save_strategy="steps" if save_steps else "no",
+                     save_steps=save_steps or 500)
     if pretrained:      # under ZeRO-3, transformers loads it into partitioned parameters (zero.Init)
         model = T.AutoModelForCausalLM.from_pretrained(pretrained, attn_implementation="sdpa")
     else:
@@ -102,9 +97,28 @@ def train(deepspeed, output_dir, max_steps=4, gradient_accumulation_steps=3, per
         evaluated = (metrics["eval_loss"], pred.predictions, pred.label_ids)
     if not trainer.is_world_process_zero():
         return None
-    steps = [{k: e[k] for k in ("step", "loss", "grad_norm", "learning_rate")} for e in trainer.state.log_history
-             if "loss" in e]
+    steps = logged_steps(trainer)
     return (steps, params) if evaluated is None else (steps, params, evaluated)
+
+
+def arguments(deepspeed, output_dir, max_steps, gradient_accumulation_steps, per_device_train_batch_size,
+              **overrides):
+    """The run's TrainingArguments: one log record per step, no checkpoints, no reporting, seed 0, fp32;
+    ``overrides`` replace or add any TrainingArguments field (ds_seqpar/bench/trainer.py uses them)."""
+    import transformers as T
+    options = dict(output_dir=output_dir, deepspeed=deepspeed, max_steps=max_steps,
+                   per_device_train_batch_size=per_device_train_batch_size,
+                   gradient_accumulation_steps=gradient_accumulation_steps, learning_rate=3e-3, warmup_steps=1,
+                   max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to="none", seed=0,
+                   per_device_eval_batch_size=per_device_train_batch_size, dataloader_num_workers=0,
+                   use_cpu=not torch.cuda.is_available(), disable_tqdm=True)
+    return T.TrainingArguments(**dict(options, **overrides))
+
+
+def logged_steps(trainer):
+    """The Trainer's per-step log records: step, loss, grad_norm, learning_rate."""
+    return [{k: e[k] for k in ("step", "loss", "grad_norm", "learning_rate")} for e in trainer.state.log_history
+            if "loss" in e]
 
 
 def final_parameters(trainer):

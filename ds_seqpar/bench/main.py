@@ -9,6 +9,7 @@ measured side by side in one run, with the ratios docs/design.md sets targets fo
     torchrun --nproc_per_node 2 -m ds_seqpar.cli bench ...   # under a launcher (GPUs: --device cuda)
     ds-seqpar bench --packed [--P 2 --seq 8192 --docs 8]     # packed documents (bench/packed.py)
     ds-seqpar bench --window [--P 2 --seq 8192 --windows 1024,2048]  # windows, softcap, sinks (bench/window.py)
+    ds-seqpar bench --trainer [--rounds 3 --steps 6]        # HF Trainer vs plain dp, DeepSpeed's ALST, own loop (bench/trainer.py)
     ds-seqpar bench --hybrid [--P 2 --seq 8192 --families gdn,ssd]   # hybrids' linear layers, training step (bench/hybrid.py)
 
 Without a launcher the command starts P local CPU ranks itself (RankPool, one thread each, gloo).
@@ -329,6 +330,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if "--window" in argv:               # sliding windows, softcap, sinks vs plain attention (window.py)
         from .window import main as window_main
         return window_main([a for a in argv if a != "--window"])
+    if "--trainer" in argv:              # HF Trainer: exactness vs plain dp and DeepSpeed's ALST, overhead (trainer.py)
+        from .trainer import main as trainer_main
+        return trainer_main([a for a in argv if a != "--trainer"])
     if argv[:1] == ["memory"]:              # the memory case: its own options (memory.py)
         from .memory import main as memory_main
         return memory_main(argv[1:])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import statistics
 from typing import Any, Dict, List
 
 from ..report.plotting import MIB
@@ -218,4 +219,129 @@ def write_report(res: Dict[str, Any], out_dir: str) -> str:
     return path
 
 
-__all__ = ["render_markdown", "write_report"]
+def _layout(meta, name) -> str:
+    c = meta["cases"][name]
+    sp = c["sequence_parallel"] or {"size": 2}
+    size, where = sp["size"], "transformers' Trainer + ParallelismConfig(sp_backend='deepspeed')" \
+        if c["runner"] == "alst" else "SequenceParallelTrainer"
+    extra = f", ulysses_size {sp['ulysses_size']}" if sp.get("ulysses_size", 1) > 1 else ""
+    return f"dp{meta['world'] // size} x sp{size}{extra}, micro {c['micro']} | {where}"
+
+
+def _trainer_cases(res) -> List[str]:
+    m = res["meta"]
+    lines = ["| case | ranks, micro batch | trainer | loss: max rel. dev. | grad_norm: max rel. dev. | final params: "
+             "max abs diff | learning rates | step s (min-max) | step time / plain (min-max) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in res["cases"].items():
+        if "error" in r:
+            lines.append(f"| {name} | {_layout(m, name)} | failed in round {r['round']} on rank {r['rank']}: "
+                         f"`{r['error']}` ({r['at']}) | | | | | |")
+            continue
+        v = r["vs_plain"]
+        lines.append(f"| {name} | {_layout(m, name)} | {max(r['loss_dev']):.1e} | {max(r['grad_norm_dev']):.1e} | "
+                     f"{r['param_dev']:.1e} | {'equal' if r['lr_equal'] else 'differ'} | {_spread(r['step_s'], 3)} | "
+                     f"{v['median']:.2f} ({v['range'][0]:.2f}-{v['range'][1]:.2f}) |")
+    return lines
+
+
+def _trainer_steps(res) -> List[str]:
+    cases = res["cases"]
+    ours = [n for n in cases if n not in ("plain", "deepspeed_alst") and "error" not in cases[n]]
+    alst = cases.get("deepspeed_alst", {})
+    lines = ["| step | plain loss | plain grad_norm | ds_seqpar, every strategy: largest rel. dev. of loss / grad_norm | "
+             "DeepSpeed ALST loss | ALST grad_norm | ALST grad_norm / plain |", "|---|---|---|---|---|---|---|"]
+    for i, w in enumerate(cases["plain"]["steps"]):
+        worst = (f"{max(cases[n]['loss_dev'][i] for n in ours):.1e} / {max(cases[n]['grad_norm_dev'][i] for n in ours):.1e}"
+                 if ours else "")
+        a = alst["steps"][i] if "steps" in alst else None
+        tail = f"{a['loss']:.6f} | {a['grad_norm']:.6f} | {a['grad_norm'] / w['grad_norm']:.3f}" if a else " | | "
+        lines.append(f"| {w['step']} | {w['loss']:.6f} | {w['grad_norm']:.6f} | {worst} | {tail} |")
+    return lines
+
+
+def _trainer_gloo(res) -> List[str]:
+    g = res["gloo"]
+    lines = []
+    for key, what in (("variable widths", "ALST's loader adapter all-gathers each rank's batch at its own width "
+                       "(deepspeed/runtime/sequence_parallel/ulysses_sp.py, `UlyssesSPDataLoaderAdapter.refill`); "
+                       "gloo requires equal sizes"),
+                      ("loss backward", "the ALST loss (transformers' `deepspeed_sp_compute_loss`) all-gathers "
+                       "per-rank losses with torch's differentiable `all_gather`, whose backward on gloo scatters with "
+                       "the group-local index as a global source rank")):
+        errors = sorted({e for e in (r[key] for r in g) if e})
+        failed = [i for i, r in enumerate(g) if r[key]]
+        got = f"ranks {failed} raise `{'` / `'.join(errors)}`" if failed else "no rank raises (fixed in this version?)"
+        lines.append(f"- {what}, tried on 4 ranks in groups of 2: {got}.")
+    return lines
+
+
+def render_trainer(res: Dict[str, Any]) -> str:
+    """The page of ``ds-seqpar bench --trainer`` (bench/trainer.py) from its results dict."""
+    m, cases, over = res["meta"], res["cases"], res.get("overhead")
+    alst = cases.get("deepspeed_alst", {})
+    from .machine import run_lines
+    lines = ["# Hugging Face Trainer with sequence parallelism on CPU ranks: exactness and step time", ""]
+    lines += run_lines(m) + [f"Load average after the side-by-side part: {m['load_mid']}. Versions: deepspeed "
+                             f"{m['deepspeed']}, transformers {m['transformers']}, accelerate {m['accelerate']}, "
+                             f"python {m['python']}; {m['world']} gloo ranks of one thread.", ""]
+    if m.get("notes"):
+        lines += [f"Notes: {m['notes']}", ""]
+    lines += ["## Side by side: plain data parallelism, ds_seqpar, DeepSpeed's Ulysses (ALST)", "",
+              f"examples/hf_trainer.py's tiny Llama-architecture model (2 layers, hidden 64, 4 query / 2 key-value "
+              f"heads, vocabulary 96, seed 0, fp32) and data set (64 samples of 20-44 tokens, the first 4-11 masked "
+              f"with -100), right padding to {m['width']} tokens in every case, ZeRO-2, gradient accumulation "
+              f"{m['accumulation']}, AdamW, lr 3e-3 (1 warm-up step, linear decay), clipping 1.0, {m['steps']} "
+              f"optimizer steps per run, {m['repeats']} timed rounds after {m['warmup']} untimed (every case once "
+              f"per round, in the order below). "
+              f"Plain: 4 replicas of micro batch 1; a size-P case has 4/P replicas of micro batch P, so every "
+              f"optimizer step covers the same 12 samples as plain's. Deviations: round 0, per step "
+              f"|x - plain| / |plain|, the largest over the steps (every round logged the same values: "
+              f"{'yes' if all(r.get('repeatable', True) for r in cases.values()) else 'NO'}). Step time: median "
+              f"wall time between step ends on rank 0 (first {m['skip_steps']} interval(s) dropped), median (min-max) "
+              f"over rounds; the ratio to plain is taken per round.", ""]
+    lines += _trainer_cases(res) + ["", "Per step (round 0):", ""] + _trainer_steps(res) + [""]
+    if "steps" in alst:
+        ratio = statistics.median(a["grad_norm"] / w["grad_norm"] for a, w in zip(alst["steps"], cases["plain"]["steps"]))
+        lines += ["Why DeepSpeed's path is not step-exact (its design, read from transformers' and DeepSpeed's code; "
+                  "the numbers above measure it):", "",
+                  "- data: accelerate shards the loader per world rank and each sequence group consumes its P ranks' "
+                  "batches one after another, so with gradient accumulation 3 (not a multiple of P=2) an optimizer "
+                  "step does not see plain's samples;",
+                  "- loss: the mean over the tokens of one micro-batch of the group, divided by the accumulation "
+                  "steps, instead of the Trainer's sum over the window's tokens (`num_items_in_batch`): "
+                  "micro-batches with fewer unmasked tokens weigh more;",
+                  f"- gradient: every rank of a group back-propagates the group's whole loss (the all-gathered "
+                  f"mean), and DeepSpeed divides the reduced gradient by the data-parallel size only: the gradient "
+                  f"and grad_norm come out P times plain's (median ALST / plain grad_norm here: {ratio:.3f}; "
+                  f"clipping at 1.0 then acts on the wrong norm; Adam hides most of the scale).", ""]
+    lines += ["What the installed versions need on CPU (gloo) to run DeepSpeed's path at all:", ""]
+    lines += _trainer_gloo(res)
+    lines += ["- so every case here pads to one width, and the ALST case replaces that one backward by what the NCCL "
+              "path computes (a reduce-scatter: all-reduce of the stacked gradients, own slice; "
+              "bench/trainer.py `_gather_with_group_ranks`); the rest of DeepSpeed's path runs as installed;",
+              "- `ParallelismConfig` needs `dp_replicate_size` = world / sp_size: without it accelerate writes "
+              "`train_batch_size` for one replica and DeepSpeed's batch assertion stops the run;",
+              "- on a pool whose world is already up, `deepspeed.init_distributed` must adopt it before the Trainer "
+              "prepares the model (under a launcher `TrainingArguments` does it).", ""]
+    if over:
+        good = over["ratio"]["median"] <= m["goal"]
+        lines += ["## Trainer overhead: SequenceParallelTrainer vs this project's own loop", "",
+                  f"The same model (`{m['model']}`, "
+                  f"random init, seed 0, fp32), rows of {m['overhead_seq']} tokens of the embedded corpus (labels = ids), "
+                  f"micro batch 1, no accumulation, zigzag P=2 x 2 replicas at ZeRO-2, AdamW, clipping 1.0, one log "
+                  f"record per step; {m['overhead_steps']} steps per run, step time as above. Rounds alternate own "
+                  f"loop (`train.run_training`) / Trainer; the first {m['warmup']} round(s) (imports, first allocations) "
+                  f"not counted. "
+                  f"Goal: Trainer / own <= {m['goal']}.", "",
+                  "| round | own loop s/step | SequenceParallelTrainer s/step | Trainer / own | load (1 min) |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {i} | {r['own_s']:.3f} | {r['trainer_s']:.3f} | {r['ratio']:.3f} | {r['load_1min']:.1f} |"
+                  for i, r in enumerate(over["rounds"], 1)]
+        lines += [f"| median (min-max) | {_spread(over['own_s'], 3)} | {_spread(over['trainer_s'], 3)} | "
+                  f"**{_spread(over['ratio'], 3)}** | |", "",
+                  f"Goal <= {m['goal']}: **{'PASS' if good else 'SHORT'}** (median).", ""]
+    return "\n".join(lines)
+
+
+__all__ = ["render_markdown", "render_trainer", "write_report"]
