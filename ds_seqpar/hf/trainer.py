@@ -50,15 +50,18 @@ class SequenceParallelMixin:
         kwargs.update(zip(_init_parameters(type(self)), args))
         targs = kwargs.get("args")
         self.sp: Optional[SequenceParallel] = _sequence_parallel(targs)
+        one_wandb_run(targs)
         if self.sp is not None:
             _refuse_inexact(targs, kwargs)
             _refuse_unverified_loss(type(self))
+            _refuse_unverified_eval(type(self), targs, kwargs)
         super().__init__(**kwargs)
         if self.sp is None:
             return
         apply_sequence_parallel(_base_model(self.model), self.sp)
         self._sp_engine_checked = False
         self._wrap_prepare()
+        self.add_callback(_run_config(self.sp))
 
     # -- DeepSpeed gets sp.mpu ------------------------------------------------------------------
     def _wrap_prepare(self) -> None:
@@ -134,12 +137,12 @@ class SequenceParallelMixin:
     def _shard_batch(self, batch):
         """One global batch (the same on the group's ranks: checked) -> this rank's shard."""
         batch = dict(batch)
-        check_group_batch(batch, self.sp)
-        drop_right_padding(batch)
-        if batch.get("labels") is None:
+        if batch.get("labels") is None:             # before the group's collective: every rank says it
             raise ConfigError("ds_seqpar.hf: the data collator returned no labels; sequence parallelism shifts them "
                               "over the whole sequence before sharding: use a collator that sets labels "
                               "(DataCollatorForLanguageModeling(mlm=False), DataCollatorWithFlattening, TRL's)")
+        check_group_batch(batch, self.sp)
+        drop_right_padding(batch)
         out = self.sp.shard_batch(batch)
         out["shift_labels"] = out["labels"]                # what the Trainer counts: the shards' targets
         return out
@@ -272,6 +275,14 @@ def _refuse_inexact(targs, kwargs) -> None:
     if getattr(targs, "average_tokens_across_devices", True) is False:
         refuse("average_tokens_across_devices=False", "each rank would normalise by its own shard's token count",
                "leave it True (the default)")
+    dispatch = getattr(getattr(targs, "accelerator_config", None), "dispatch_batches", None)
+    if dispatch:
+        refuse("accelerator_config.dispatch_batches=True", "rank 0 reads and slices every batch by world rank",
+               "set dispatch_batches=False")
+    if dispatch is None and isinstance(kwargs.get("train_dataset"), torch.utils.data.IterableDataset):
+        refuse("an IterableDataset with dispatch_batches unset (accelerate then dispatches)",
+               "rank 0 reads and slices every batch by world rank", "pass accelerator_config={'dispatch_batches': "
+               "False} (each process then iterates its own IterableDatasetShard)")
     if kwargs.get("model_init") is not None:
         refuse("model_init", "the model must exist when sequence parallelism is applied", "pass model=")
     if getattr(targs, "predict_with_generate", False):
@@ -290,6 +301,52 @@ def _refuse_unverified_loss(cls) -> None:
         raise ConfigError(f"ds_seqpar.hf: {owner.__name__} overrides compute_loss; sequence parallelism is verified "
                           f"equal to plain data parallelism with the losses of {', '.join(VERIFIED_LOSSES)} only; "
                           f"compute the loss through the model (model.loss_function) or use SequenceParallelTrainer")
+
+
+def _refuse_unverified_eval(cls, targs, kwargs) -> None:
+    """A subclass with its own prediction_step (TRL's: it normalises by each rank's own token count) is not
+    exact in evaluation yet: refused at construction when the run evaluates (an eval set or an eval
+    strategy), not in the middle of training; ``evaluate()`` on such a trainer is refused as well."""
+    owner = _owner(cls, "prediction_step")
+    strategy = getattr(getattr(targs, "eval_strategy", "no"), "value", getattr(targs, "eval_strategy", "no"))
+    if owner.__name__ != "Trainer" and (kwargs.get("eval_dataset") is not None or strategy != "no"):
+        raise ConfigError(f"ds_seqpar.hf: evaluation with {owner.__name__} (its own prediction_step) is not yet "
+                          f"exact under sequence parallelism; pass no eval_dataset and eval_strategy='no', and "
+                          f"evaluate with SequenceParallelTrainer or with size 1")
+
+
+def one_wandb_run(targs) -> None:
+    """One wandb run per job: the Trainer's (its metrics, plus sp/* from ``log``). DeepSpeed's own "wandb"
+    block would start a second run from DeepSpeed's monitor, logging the loss as each rank's engine sees
+    it (scaled by the world size for the Trainer's token-count normalisation); it is switched off and
+    the Trainer reports to wandb instead, under the block's project, team and group (WANDB_PROJECT,
+    WANDB_ENTITY, WANDB_RUN_GROUP, unless already set)."""
+    ds = targs.hf_deepspeed_config.config
+    block = ds.get("wandb") or {}
+    if not block.get("enabled"):
+        return
+    import os
+    block["enabled"] = False
+    for key, env in (("project", "WANDB_PROJECT"), ("team", "WANDB_ENTITY"), ("group", "WANDB_RUN_GROUP")):
+        if block.get(key):
+            os.environ.setdefault(env, str(block[key]))
+    report = [r for r in (targs.report_to or []) if r != "none"]
+    targs.report_to = report + ([] if "wandb" in report or "all" in report else ["wandb"])
+
+
+def _run_config(sp):
+    """A callback that puts the sequence_parallel section (strategy, size, ...) in the wandb run's config
+    (the run the Trainer's WandbCallback starts, or one the user started)."""
+    from transformers import TrainerCallback
+    section = sp.config.model_dump()
+
+    class RunConfig(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            import sys
+            wandb = sys.modules.get("wandb")
+            if state.is_world_process_zero and getattr(wandb, "run", None) is not None:
+                wandb.config.update({"sequence_parallel": section}, allow_val_change=True)
+    return RunConfig()
 
 
 def _owner(cls, name):

@@ -234,3 +234,44 @@ def test_from_pretrained_under_zero3_equals_plain_data_parallelism(pool, tmp_pat
     assert plain[0][0]["loss"] != plain_run(pool, 3)[0][0]["loss"], "from_pretrained did not load the saved weights"
     got = pool.run(run_pretrained, ds_config(3, strategy="zigzag", size=2), 2, str(tmp_path))[0]
     assert_same_training("from_pretrained ZeRO-3 zigzag P=2", got, plain)
+
+
+def bad_batch_messages():
+    """On every rank, the mixin's batch step (no Trainer needed) on batches a user's data can produce:
+    a group whose ranks got batches of different lengths (one rank's padded 2 tokens longer: the same
+    tokens otherwise), a collator without labels, left padding. Returns {case: message}."""
+    from ds_seqpar import SequenceParallel, comm
+    from ds_seqpar.hf.trainer import SequenceParallelMixin
+    trainer = SequenceParallelMixin.__new__(SequenceParallelMixin)
+    trainer.sp = SequenceParallel({"strategy": "zigzag", "size": 2})
+    ids = torch.arange(3, 19).reshape(1, 16)
+    out = {}
+
+    def message(batch):
+        try:
+            trainer._shard_batch(batch)
+        except Exception as err:
+            return f"{type(err).__name__}: {err}"
+        return "no error"
+
+    longer = torch.nn.functional.pad(ids, (0, 2 * (trainer.sp.rank % 2)))
+    out["length differs in a group"] = message({"input_ids": longer, "labels": longer})
+    out["same batch"] = message({"input_ids": ids, "labels": ids})
+    out["no labels"] = message({"input_ids": ids})
+    mask = torch.ones_like(ids)
+    mask[:, :2] = 0
+    out["left padding"] = message({"input_ids": ids, "labels": ids, "attention_mask": mask})
+    comm.barrier()
+    return out
+
+
+def test_bad_batches_are_refused_on_every_rank_with_the_fix(pool):
+    expected = {"length differs in a group": "ConfigError: ds_seqpar.hf: the ranks of one sequence group got "
+                "different batches", "same batch": "no error",
+                "no labels": "ConfigError: ds_seqpar.hf: the data collator returned no labels",
+                "left padding": "ConfigError: ds_seqpar.hf: a batch with left or inner padding"}
+    results = pool.run(bad_batch_messages)
+    for case, want in expected.items():
+        messages = [r[case] for r in results]
+        assert len(set(messages)) == 1, f"{case}: ranks disagree: {messages}"
+        assert messages[0].startswith(want), f"{case}: {messages[0]!r} does not start with {want!r}"

@@ -96,3 +96,84 @@ def test_no_sequence_parallel_key_or_size_one_is_plain_and_no_deepspeed_config_i
     monkeypatch.setattr(module.comm, "world_size", lambda: 4)
     with pytest.raises(ConfigError, match="train_batch_size=12"):
         _sequence_parallel(_targs({"sequence_parallel": {"strategy": "zigzag", "size": 2}, "train_batch_size": 12}))
+
+
+def test_dispatch_batches_is_refused_before_any_collective():
+    """accelerate's dispatcher reads every batch on rank 0 and slices it by world rank: a sequence group
+    could not get whole batches. Refused when asked for, and for an IterableDataset that leaves it unset
+    (accelerate then dispatches); an IterableDataset with dispatch_batches=False is sharded per process."""
+    from types import SimpleNamespace
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(())
+
+    def targs(dispatch):
+        return SimpleNamespace(label_smoothing_factor=0.0, accelerator_config=SimpleNamespace(dispatch_batches=dispatch))
+
+    with pytest.raises(ConfigError, match=r"dispatch_batches=True .*set dispatch_batches=False"):
+        _refuse_inexact(targs(True), {"train_dataset": [1, 2]})
+    with pytest.raises(ConfigError, match=r"IterableDataset with dispatch_batches unset"):
+        _refuse_inexact(targs(None), {"train_dataset": Stream()})
+    _refuse_inexact(targs(False), {"train_dataset": Stream()})
+    _refuse_inexact(targs(None), {"train_dataset": [1, 2]})
+
+
+def test_trl_evaluation_is_refused_at_construction():
+    """TRL's prediction_step normalises by each rank's own token count: a run that evaluates (an eval set or
+    an eval strategy) is refused when the trainer is built, not after hours of training; training alone
+    and transformers' own prediction_step are accepted."""
+    from types import SimpleNamespace
+
+    import transformers
+    from trl import SFTTrainer
+
+    from ds_seqpar.hf.trainer import _refuse_unverified_eval
+    sft = sequence_parallel(SFTTrainer)
+    with pytest.raises(ConfigError, match=r"evaluation with SFTTrainer .*eval_strategy='no'"):
+        _refuse_unverified_eval(sft, SimpleNamespace(eval_strategy=transformers.IntervalStrategy.STEPS), {})
+    with pytest.raises(ConfigError, match="evaluation with SFTTrainer"):
+        _refuse_unverified_eval(sft, SimpleNamespace(eval_strategy="no"), {"eval_dataset": [1]})
+    _refuse_unverified_eval(sft, SimpleNamespace(eval_strategy=transformers.IntervalStrategy.NO), {})
+    _refuse_unverified_eval(sequence_parallel(transformers.Trainer), SimpleNamespace(eval_strategy="steps"),
+                            {"eval_dataset": [1]})
+
+
+def test_deepspeed_wandb_block_becomes_the_trainers_one_run(monkeypatch):
+    """DeepSpeed's "wandb" block would start a second run (its monitor, with the engine's scaled loss): it
+    is switched off and the Trainer reports to wandb under the block's project, team and group."""
+    from ds_seqpar.hf.trainer import one_wandb_run
+    for env in ("WANDB_PROJECT", "WANDB_ENTITY", "WANDB_RUN_GROUP"):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setenv("WANDB_ENTITY", "mine")
+    config = {"wandb": {"enabled": True, "project": "p", "team": "t", "group": "g"}}
+    targs = _targs(config)
+    targs.report_to = ["none"]
+    one_wandb_run(targs)
+    assert config["wandb"]["enabled"] is False and targs.report_to == ["wandb"], (config, targs.report_to)
+    import os
+    assert (os.environ["WANDB_PROJECT"], os.environ["WANDB_ENTITY"], os.environ["WANDB_RUN_GROUP"]) == ("p", "mine", "g")
+    targs.report_to = ["tensorboard", "wandb"]
+    config["wandb"]["enabled"] = True
+    one_wandb_run(targs)
+    assert targs.report_to == ["tensorboard", "wandb"] and not config["wandb"]["enabled"]
+    untouched = _targs({"wandb": {"enabled": False}})
+    untouched.report_to = ["none"]
+    one_wandb_run(untouched)
+    assert untouched.report_to == ["none"]
+
+
+def test_an_engine_without_sp_mpu_stops_the_run():
+    """If accelerate ever stops calling deepspeed.initialize inside accelerator.prepare, the engine has no
+    sp.mpu (DeepSpeed would reduce over the world as plain data parallelism): the first step refuses."""
+    from types import SimpleNamespace
+
+    from ds_seqpar.hf.trainer import SequenceParallelMixin
+    trainer = SequenceParallelMixin.__new__(SequenceParallelMixin)
+    trainer.sp = SimpleNamespace(mpu=object())
+    trainer.deepspeed = SimpleNamespace(mpu=None)
+    with pytest.raises(ConfigError, match="did not receive sp.mpu"):
+        trainer._check_engine(None)
+    trainer.deepspeed = SimpleNamespace(mpu=trainer.sp.mpu)
+    trainer._check_engine(None)
+    assert trainer._sp_engine_checked
