@@ -21,7 +21,7 @@ import ds_seqpar
 PACKAGE = "ds_seqpar"
 CORE = frozenset({"config", "sequence_parallel", "topology", "comm", "loss", "zero", "sharding", "strategies",
                   "kernels", "memory"})
-TOOLS = frozenset({"models", "launch", "train", "bench", "report", "hf"})
+TOOLS = frozenset({"models", "launch", "train", "bench", "report", "hf", "plan"})
 # layer -> the layers it may import besides itself ("report.plotting": that one module of report)
 ALLOWED = {
     "core": {"core"},
@@ -31,8 +31,9 @@ ALLOWED = {
     "train": {"core", "models", "launch", "hf"},
     "bench": {"core", "models", "launch", "hf", "train", "report.plotting"},
     "report": {"core"},
+    "plan": {"core", "hf"},                 # the cost model reads HF configs through hf/ (model_io, checks)
     "root": {"core"},                       # ds_seqpar/__init__.py: the public API is the core's
-    "cli": {"core", "models", "launch", "hf", "train", "bench", "report"},     # the entry point over all commands
+    "cli": {"core", "models", "launch", "hf", "train", "bench", "report", "plan"},     # the entry point over all commands
 }
 DIST_ALLOWED = ("comm", "launch", "train")  # may call torch.distributed
 DIST = "torch.distributed"

@@ -1,0 +1,171 @@
+"""``ds-seqpar plan``: which strategy, sizes, ZeRO stage and memory features for a model, a sequence
+length and a cluster; predicted, ranked, with the reason for every rejection.
+
+    ds-seqpar plan --model configs/models/llama_small.json --seq-len 131072 --gpus 16 --gpus-per-node 8 \
+        --gpu h100 --out ds.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import OrderedDict
+from typing import List, Optional
+
+from ..config import ConfigError
+from . import hardware
+from .ds_json import ds_config
+from .hardware import PlanError
+from .model_shape import ModelShape, from_hf_config
+from .search import Cluster, Prediction, gpus_needed, longest_sequence, plan
+
+GB, KB, MB = 1e9, 1e3, 1e6
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ds-seqpar plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="Hugging Face model directory (with config.json) or config JSON file")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (one sequence per data-parallel replica)")
+    p.add_argument("--gpus", type=int, help="GPUs in all")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu", default="h100", help=f"{' | '.join(hardware.known_gpus())} | a JSON profile path")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--zero", type=int, choices=(1, 2, 3), help="ZeRO stage (default: try 1, 2 and 3)")
+    p.add_argument("--top", type=int, default=12, help="feasible configurations to print")
+    p.add_argument("--out", help="write the best configuration's DeepSpeed JSON here")
+    p.add_argument("--json", dest="json_out", help="write every prediction here (machine-readable)")
+    p.add_argument("--calibrate", action="store_true", help="measure this machine's alpha/beta and kernel throughput")
+    return p
+
+
+def load_model(path: str) -> ModelShape:
+    """The HF config through the project's loader, checked as the main job checks it."""
+    from ..hf.checks import check_config, text_config
+    from ..hf.linear_layers import HYBRID_MODEL_TYPES
+    from ..hf.model_io import load_config
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
+        raise PlanError(f"--model {path!r} is a directory without config.json; pass a Hugging Face model directory "
+                        f"or a config JSON file (e.g. configs/models/llama_small.json)")
+    config = load_config(path)
+    hybrid = getattr(text_config(config), "model_type", None) in HYBRID_MODEL_TYPES
+    check_config(config, training=True, linear_ok=hybrid)
+    return from_hf_config(config, os.path.basename(path.rstrip("/")), HYBRID_MODEL_TYPES)
+
+
+def check_args(opts) -> None:
+    for name in ("model", "seq_len", "gpus"):
+        if getattr(opts, name) is None:
+            raise PlanError(f"--{name.replace('_', '-')} is required")
+    if opts.seq_len < 2 or opts.gpus < 1 or opts.gpus_per_node < 1:
+        raise PlanError(f"--seq-len={opts.seq_len} must be >= 2, --gpus={opts.gpus} and "
+                        f"--gpus-per-node={opts.gpus_per_node} >= 1")
+    if opts.gpus > opts.gpus_per_node and opts.gpus % opts.gpus_per_node:
+        raise PlanError(f"--gpus={opts.gpus} is not a whole number of nodes of --gpus-per-node={opts.gpus_per_node}")
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:.1f}"
+
+
+def render(shape: ModelShape, opts, cluster: Cluster, ok: List[Prediction], rejected: List[Prediction]) -> str:
+    gpu = cluster.gpu
+    lines = [f"model {shape.name}: {shape.params() / 1e9:.2f}B parameters, {shape.layers} layers "
+             f"({', '.join(f'{k} x{shape.count(k)}' for k in dict.fromkeys(shape.layer_kinds))}), hidden {shape.hidden}, "
+             f"heads {shape.heads}/{shape.kv_heads} kv, vocab {shape.vocab}",
+             f"sequence {opts.seq_len:,} tokens; {cluster.gpus} x {gpu.name} ({gpu.description}), "
+             f"{cluster.gpus_per_node} per node, {cluster.dtype}; usable memory {_gb(gpu.usable_bytes)} GB per GPU",
+             f"assumed: matmul {gpu.assumed['matmul_efficiency']:.0%} and attention {gpu.assumed['attention_efficiency']:.0%}"
+             f" of the datasheet peak, NVLink {gpu.assumed['nvlink_efficiency']:.0%}, inter-node "
+             f"{gpu.assumed['inter_node_efficiency']:.0%} of theirs (docs/plan.md)", ""]
+    hdr = ("rank", "strategy", "size", "u", "lin", "dp", "zero", "features", "static GB", "KB/token", "peak GB (phase)",
+           "comm MB/layer", "comm s", "compute s", "step s", "tokens/s", "MFU")
+    rows = []
+    for i, p in enumerate(ok[:opts.top], 1):
+        c = p.candidate
+        comm_mb = ", ".join(f"{k} {v / MB:.0f}" for k, v in p.comm_bytes.items()) or "-"
+        comm_s = ", ".join(f"{k} {v:.2f}" for k, v in p.comm_s.items() if v > 0.005) or "0"
+        rows.append((str(i), c.strategy, str(c.size), str(c.ulysses_size), c.linear_strategy if shape.hybrid else "-",
+                     str(p.dp), str(c.zero), c.features.label, _gb(p.static_bytes), f"{p.per_token_bytes / KB:.0f}",
+                     f"{_gb(p.peak_bytes)} ({p.peak_phase})", comm_mb, comm_s, f"{p.compute_s:.2f}", f"{p.step_s:.2f}",
+                     f"{p.tokens_s:,.0f}", f"{p.mfu:.0%}"))
+    lines += _table(hdr, rows) if rows else ["no configuration fits (see the rejections)"]
+    if len(ok) > opts.top:
+        lines.append(f"... {len(ok) - opts.top} more feasible configurations (--top N)")
+    lines += ["", f"rejected: {len(rejected)} configurations"]
+    groups: "OrderedDict[str, List[Prediction]]" = OrderedDict()
+    for p in sorted(rejected, key=lambda p: (p.reason.split(":")[0], -p.max_seq)):
+        key = p.reason.split(";")[0] if p.reason.startswith("does not fit") else p.reason
+        groups.setdefault(key if not key.startswith("does not fit") else p.candidate.label(), []).append(p)
+    shown = 0
+    for key, ps in groups.items():
+        if shown >= 20:
+            lines.append(f"  ... {len(groups) - shown} more reasons")
+            break
+        what = ps[0].candidate.label() if not ps[0].reason.startswith("does not fit") else key
+        lines.append(f"  {what}: {ps[0].reason}" + (f" (and {len(ps) - 1} alike)" if len(ps) > 1 else ""))
+        shown += 1
+    return "\n".join(lines)
+
+
+def _table(hdr, rows) -> List[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(hdr)]
+    fmt = lambda r: "  ".join(x.ljust(w) for x, w in zip(r, widths))       # noqa: E731
+    return [fmt(hdr), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+
+
+def no_fit_message(shape: ModelShape, opts, cluster: Cluster) -> str:
+    longest = longest_sequence(shape, cluster, opts.zero)
+    need = gpus_needed(shape, opts.seq_len, cluster, opts.zero)
+    more = (f"{need} x {cluster.gpu.name} ({cluster.gpus_per_node} per node) would fit it" if need else
+            "no cluster up to 16384 GPUs fits it")
+    return (f"ds-seqpar plan: no configuration fits {opts.seq_len:,} tokens of {shape.name} on {cluster.gpus} x "
+            f"{cluster.gpu.name}: the longest sequence these GPUs fit is {longest:,} tokens; {more}")
+
+
+def _as_json(p: Prediction) -> dict:
+    c = p.candidate
+    return {"strategy": c.strategy, "size": c.size, "ulysses_size": c.ulysses_size, "linear_strategy": c.linear_strategy,
+            "zero": c.zero, "features": c.features.label, "dp": p.dp, "ok": p.ok, "reason": p.reason,
+            "static_bytes": p.static_bytes, "per_token_bytes": p.per_token_bytes, "peak_bytes": p.peak_bytes,
+            "peak_phase": p.peak_phase, "host_bytes": p.host_bytes, "comm_bytes_per_layer": p.comm_bytes,
+            "comm_s": p.comm_s, "compute_s": p.compute_s, "step_s": p.step_s, "tokens_s": p.tokens_s, "mfu": p.mfu,
+            "max_seq": p.max_seq}
+
+
+def run(opts) -> int:
+    if opts.calibrate:
+        raise PlanError("--calibrate is not implemented yet: the profiles' efficiencies and latencies are assumptions "
+                        "(docs/plan.md, 'What is missing'); edit a copy of ds_seqpar/plan/profiles/*.json with "
+                        "measured values and pass it as --gpu path.json")
+    check_args(opts)
+    gpu = hardware.load_gpu(opts.gpu)
+    shape = load_model(opts.model)
+    cluster = Cluster(opts.gpus, min(opts.gpus_per_node, opts.gpus), gpu, opts.dtype)
+    ok, rejected = plan(shape, opts.seq_len, cluster, opts.zero)
+    print(render(shape, opts, cluster, ok, rejected))
+    if opts.json_out:
+        with open(opts.json_out, "w") as f:
+            json.dump({"model": shape.name, "seq_len": opts.seq_len, "gpus": opts.gpus, "gpu": hardware.describe(gpu),
+                       "feasible": [_as_json(p) for p in ok], "rejected": [_as_json(p) for p in rejected]}, f, indent=1)
+    if not ok:
+        print(no_fit_message(shape, opts, cluster), file=sys.stderr)
+        return 1
+    if opts.out:
+        with open(opts.out, "w") as f:
+            json.dump(ds_config(ok[0].candidate, opts.dtype, shape.hybrid), f, indent=2)
+            f.write("\n")
+        print(f"\nwrote {opts.out}: {ok[0].candidate.label()}")
+    return 0
+
+
+def main(argv: Optional[list] = None) -> int:
+    opts = build_parser().parse_args(argv)
+    try:
+        return run(opts)
+    except (ConfigError, OSError) as err:
+        print(f"ds-seqpar plan: error: {err}", file=sys.stderr)
+        return 2
+
+
+__all__ = ["build_parser", "load_model", "main", "render", "run"]

@@ -1,0 +1,158 @@
+"""The numbers of a model the cost model needs, read from a Hugging Face config (any object with
+the config's attributes; nothing is built, no weights are read).
+
+Legend: h hidden size, L layers, H / H_kv query / key-value heads, d head dim, I MLP width,
+V vocabulary. Layer kinds: "attention" (softmax over the whole sequence), "sliding" (softmax in a
+window), "linear" (a linear-attention / delta-rule layer: a [H_lin, dk, dv] state), "mamba"
+(Mamba2 SSD: a [heads, d_head, d_state] state), "mlp" (a layer without a token mixer).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+SOFTMAX_KINDS = ("attention", "sliding")
+LINEAR_KINDS = ("linear", "mamba")
+_KIND_OF = {"full_attention": "attention", "attention": "attention", "sliding_attention": "sliding",
+            "chunked_attention": "sliding", "linear_attention": "linear", "mamba": "mamba", "hybrid": "mamba",
+            "conv": "linear", "mlp": "mlp", "moe": "mlp"}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool = False
+    kinds: Tuple[str, ...] = ()              # one per layer; () = every layer "attention"
+    window: Optional[int] = None
+    v_head_dim: Optional[int] = None
+    experts: int = 0                         # MoE: routed experts (0: dense MLP)
+    active_experts: int = 0
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0
+    lin_heads: int = 0                       # linear / SSD layers: heads, key (state) and value dims
+    lin_dk: int = 0
+    lin_dv: int = 0
+    conv_channels: int = 0
+    conv_width: int = 0
+    transition: str = "matrix"               # linear layers' state map: matrix (delta rule) | scalar (SSD)
+    model_type: str = ""
+    hybrid: bool = False                     # transformers hybrid (linear layers through hf/linear_layers)
+    notes: List[str] = field(default_factory=list, compare=False)
+
+    @property
+    def dv(self) -> int:
+        return self.v_head_dim or self.head_dim
+
+    @property
+    def layer_kinds(self) -> Tuple[str, ...]:
+        return self.kinds or ("attention",) * self.layers
+
+    def count(self, kind: str) -> int:
+        return sum(1 for k in self.layer_kinds if k == kind)
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    # -- parameters ------------------------------------------------------------------------------
+
+    def mixer_params(self, kind: str) -> int:
+        h = self.hidden
+        if kind in SOFTMAX_KINDS:
+            return h * self.q_dim + 2 * h * self.kv_dim + self.heads * self.dv * h
+        if kind == "linear":                 # q, k (dk), v (dv), gates ~ z (dv), out
+            return h * self.lin_heads * (2 * self.lin_dk + 2 * self.lin_dv) + self.lin_heads * self.lin_dv * h
+        if kind == "mamba":                  # in_proj (x, z, B, C, dt) and out_proj
+            inner = self.lin_heads * self.lin_dv
+            return h * (2 * inner + 2 * self.conv_channels + self.lin_heads) + inner * h
+        return 0
+
+    def mlp_params(self, active: bool = False) -> int:
+        """Dense MLP (gate, up, down), or MoE: routed experts (all of them, or the active ones) +
+        shared experts + router."""
+        h = self.hidden
+        if not self.experts:
+            return 3 * h * self.intermediate
+        n = self.active_experts if active else self.experts
+        return 3 * h * self.expert_intermediate * n + 3 * h * self.shared_intermediate + h * self.experts
+
+    def params(self) -> int:
+        """All parameters (norm weights left out: h per norm, negligible)."""
+        per_layer = sum(self.mixer_params(k) + self.mlp_params() for k in self.layer_kinds)
+        return per_layer + self.vocab * self.hidden * (1 if self.tied else 2)
+
+
+def _get(tc, *names, default=None):
+    for n in names:
+        v = getattr(tc, n, None)
+        if v is not None:
+            return v
+    return default
+
+
+def _layer_kinds(tc, layers: int) -> Tuple[str, ...]:
+    types = _get(tc, "layer_types")
+    if types:
+        return tuple(_KIND_OF.get(t, t) for t in types)
+    block = _get(tc, "layers_block_type")
+    if block:
+        return tuple(_KIND_OF.get(t, t) for t in block)
+    attn = _get(tc, "attn_layer_indices")
+    if attn is not None:
+        return tuple("attention" if i in attn else "mamba" for i in range(layers))
+    return ()
+
+
+def from_hf_config(config, name: str = "model", hybrid_types=()) -> ModelShape:
+    """ModelShape of a transformers config (its text config for a multimodal one)."""
+    getter = getattr(config, "get_text_config", None)
+    tc = getter(decoder=True) if getter else config
+    h, layers = int(tc.hidden_size), int(tc.num_hidden_layers)
+    heads = int(_get(tc, "num_attention_heads"))
+    kv = int(_get(tc, "num_key_value_heads", default=heads))
+    head_dim = int(_get(tc, "head_dim", default=h // heads))
+    kinds = _layer_kinds(tc, layers)
+    window = _get(tc, "sliding_window")
+    if window is not None and (getattr(tc, "use_sliding_window", True) is False or
+                               (kinds and "sliding" not in kinds and _get(tc, "layer_types"))):
+        window = None
+    if window is not None and not _get(tc, "layer_types"):
+        kinds = ("sliding",) * layers                    # Mistral-style: every layer windowed
+    experts = int(_get(tc, "num_local_experts", "num_experts", "n_routed_experts", default=0) or 0)
+    mamba_heads = _get(tc, "mamba_n_heads")
+    lin = dict(lin_heads=0, lin_dk=0, lin_dv=0, conv_channels=0, conv_width=0, transition="matrix")
+    if mamba_heads:
+        groups, state = int(_get(tc, "mamba_n_groups", default=1)), int(_get(tc, "mamba_d_state"))
+        lin = dict(lin_heads=int(mamba_heads), lin_dk=state, lin_dv=int(_get(tc, "mamba_d_head")),
+                   conv_channels=groups * state, conv_width=int(_get(tc, "mamba_d_conv", default=4)),
+                   transition="scalar")
+    elif _get(tc, "linear_num_value_heads"):
+        lin = dict(lin_heads=int(tc.linear_num_value_heads), lin_dk=int(tc.linear_key_head_dim),
+                   lin_dv=int(tc.linear_value_head_dim),
+                   conv_channels=int(tc.linear_num_key_heads) * int(tc.linear_key_head_dim) * 2
+                   + int(tc.linear_num_value_heads) * int(tc.linear_value_head_dim),
+                   conv_width=int(_get(tc, "linear_conv_kernel_dim", default=4)), transition="matrix")
+    return ModelShape(
+        name=name, hidden=h, layers=layers, heads=heads, kv_heads=kv, head_dim=head_dim,
+        intermediate=int(_get(tc, "intermediate_size", default=4 * h)), vocab=int(tc.vocab_size),
+        tied=bool(_get(tc, "tie_word_embeddings", default=False)), kinds=kinds,
+        window=None if window is None else int(window), v_head_dim=_get(tc, "v_head_dim"),
+        experts=experts, active_experts=int(_get(tc, "num_experts_per_tok", default=0) or 0),
+        expert_intermediate=int(_get(tc, "moe_intermediate_size", default=_get(tc, "intermediate_size")) or 0),
+        shared_intermediate=int(_get(tc, "shared_expert_intermediate_size", default=0) or 0),
+        model_type=str(getattr(tc, "model_type", "")), hybrid=str(getattr(tc, "model_type", "")) in hybrid_types,
+        **lin)
+
+
+__all__ = ["LINEAR_KINDS", "ModelShape", "SOFTMAX_KINDS", "from_hf_config"]
