@@ -62,19 +62,19 @@ COLLATORS = {"pad_right": lambda: pad_right, "flattening": flattening,
 
 def train(deepspeed, output_dir, max_steps=4, gradient_accumulation_steps=3, per_device_train_batch_size=2,
           samples=64, eval_samples=0, gradient_checkpointing=False, lora=False, save_steps=0,
-          resume_from_checkpoint=None, collator="pad_right", pretrained=None):
+          resume_from_checkpoint=None, collator="pad_right", pretrained=None, **overrides):
     """Train; returns (per-step log [{step, loss, grad_norm, learning_rate}], final parameters) on world
     rank 0 (None elsewhere); with ``eval_samples``, also (eval metrics, predict() logits, label ids)
     after training. ``deepspeed``: a path or a dict; ``lora``: LoRA adapters (peft) on q/v projections;
     ``save_steps``: a checkpoint every that many steps in output_dir; ``resume_from_checkpoint``: as
     ``Trainer.train`` takes it; ``collator``: one of COLLATORS; ``pretrained``: a directory to load the
-    model from (else the tiny model below, seed 0)."""
+    model from (else the tiny model below, seed 0); ``overrides``: other TrainingArguments fields."""
     import transformers as T
     from ds_seqpar.hf import SequenceParallelTrainer
 
     args = arguments(deepspeed, output_dir, max_steps, gradient_accumulation_steps, per_device_train_batch_size,
                      gradient_checkpointing=gradient_checkpointing, save_strategy="steps" if save_steps else "no",
-                     save_steps=save_steps or 500)
+                     save_steps=save_steps or 500, **overrides)
     if pretrained:      # under ZeRO-3, transformers loads it into partitioned parameters (zero.Init)
         model = T.AutoModelForCausalLM.from_pretrained(pretrained, attn_implementation="sdpa")
     else:

@@ -275,3 +275,45 @@ def test_bad_batches_are_refused_on_every_rank_with_the_fix(pool):
         messages = [r[case] for r in results]
         assert len(set(messages)) == 1, f"{case}: ranks disagree: {messages}"
         assert messages[0].startswith(want), f"{case}: {messages[0]!r} does not start with {want!r}"
+
+
+def run_with_wandb(cfg, micro, directory):
+    """On every rank: the example with report_to="none" and a DeepSpeed config whose "wandb" block is on
+    (offline, runs under ``directory``); rank 0 returns the wandb run directories written, and the
+    summary and config of the run active when training ended (read before it is finished)."""
+    import glob
+    import wandb
+    from ds_seqpar import comm
+    old = os.environ.get("WANDB_DIR")
+    os.environ.update(WANDB_DIR=directory, WANDB_MODE="offline")
+    active = None
+    try:
+        run_trainer(cfg, micro, steps=2, report_to="none")
+        if wandb.run is not None:
+            active = (dict(wandb.run.summary), dict(wandb.run.config))
+    finally:
+        if wandb.run is not None:
+            wandb.finish()
+        os.environ.pop("WANDB_DIR") if old is None else os.environ.update(WANDB_DIR=old)
+    comm.barrier()
+    if comm.global_rank() != 0:
+        return None
+    return sorted(glob.glob(os.path.join(directory, "wandb", "offline-run-*"))), active
+
+
+def test_one_wandb_run_per_job_with_trainer_and_sp_metrics(pool, tmp_path):
+    """DeepSpeed's "wandb" block on: one run (the Trainer's, although report_to="none" asked for none),
+    with the Trainer's loss and the sp/* metrics and the sequence_parallel section in its config; no
+    second run from DeepSpeed's monitor (which would log the engine's loss, scaled for the Trainer's
+    token-count normalisation)."""
+    cfg = ds_config(2, strategy="zigzag", size=2)
+    cfg["wandb"] = {"enabled": True, "project": "ds_seqpar_test"}
+    runs, active = pool.run(run_with_wandb, cfg, 2, str(tmp_path))[0]
+    assert len(runs) == 1, f"{len(runs)} wandb runs for one job: {runs}"
+    assert active is not None, "no wandb run was active after training"
+    summary, config = active
+    for key in ("train/loss", "train/grad_norm", "train/sp/size", "train/sp/comm_bytes", "train/sp/comm_seconds"):
+        assert key in summary, (key, sorted(summary))
+    assert summary["train/sp/size"] == 2 and summary["train/sp/comm_bytes"] > 0, summary
+    assert config["sequence_parallel"]["strategy"] == "zigzag" and config["sequence_parallel"]["size"] == 2, config
+    assert not any(k.startswith("Train/Samples") for k in summary), summary       # DeepSpeed's monitor keys
