@@ -50,8 +50,9 @@ def run_trainer(cfg, micro, steps=3, eval_samples=0, **options):
     example = _example()
     with tempfile.TemporaryDirectory() as out:
         try:
-            return example.train(cfg, out, max_steps=steps, gradient_accumulation_steps=3,
-                                 per_device_train_batch_size=micro, eval_samples=eval_samples, **options)
+            options.setdefault("gradient_accumulation_steps", 3)
+            return example.train(cfg, out, max_steps=steps, per_device_train_batch_size=micro,
+                                 eval_samples=eval_samples, **options)
         finally:
             reset_worker_state()
 
@@ -317,3 +318,11 @@ def test_one_wandb_run_per_job_with_trainer_and_sp_metrics(pool, tmp_path):
     assert summary["train/sp/size"] == 2 and summary["train/sp/comm_bytes"] > 0, summary
     assert config["sequence_parallel"]["strategy"] == "zigzag" and config["sequence_parallel"]["size"] == 2, config
     assert not any(k.startswith("Train/Samples") for k in summary), summary       # DeepSpeed's monitor keys
+
+
+def test_gradient_accumulation_1_equals_plain_data_parallelism(pool):
+    """Without accumulation every micro-batch is a step (the tests above use 3, not a multiple of P)."""
+    plain = pool.run(run_trainer, ds_config(2, strategy="zigzag", size=1), 1, 4, 0, gradient_accumulation_steps=1)[0]
+    for sp in (dict(strategy="zigzag", size=2), dict(strategy="ulysses", size=4)):
+        got = pool.run(run_trainer, ds_config(2, **sp), sp["size"], 4, 0, gradient_accumulation_steps=1)[0]
+        assert_same_training(f"accumulation 1 {sp}", got, plain)
