@@ -88,8 +88,8 @@ def _measured_variants():
 
 def test_bytes_per_token_agree_with_the_measured_step():
     """fp32, ZeRO-2, CPU (checkpoints stay in the same memory): the tensor count within 10% of every
-    measured variant's bytes per token, and the count plus the strategy's comm buffers an upper
-    bound within 5%."""
+    measured variant's bytes per token (the plain step's phases within 5% each), and the count plus
+    the strategy's comm buffers an upper bound within 5%."""
     ms, variants = _measured_variants()
     checked = []
     for key, v in variants.items():
@@ -103,6 +103,11 @@ def test_bytes_per_token_agree_with_the_measured_step():
         with_comm = max(line["b"] for line in lines.values())
         measured = v["bytes_per_token"]
         assert abs(bare / measured - 1) <= 0.10, f"{key}: predicted {bare:.0f} B/token, measured {measured:.0f}"
+        if not v["features"]:       # the plain step: every phase's slope within 5% (the head would hide the layers)
+            ours = memory.per_token(shape, 4, f, True)
+            for phase in ("forward", "loss_backward", "layers_backward"):
+                got = v["phase_model"][phase]["b"]
+                assert abs(ours[phase] / got - 1) <= 0.05, f"{key} {phase}: predicted {ours[phase]:.0f}, measured {got:.0f}"
         assert measured <= with_comm * 1.05, f"{key}: measured {measured:.0f} above the bound {with_comm:.0f}"
         checked.append(key)
     assert checked
