@@ -44,8 +44,9 @@ def dataset(n: int, seed: int = 0):
 
 
 def train(deepspeed, output_dir, max_steps=3, gradient_accumulation_steps=3, per_device_train_batch_size=2,
-          samples=48, padding_free=False):
-    """Returns (per-step log, final parameters) on world rank 0 (None elsewhere)."""
+          samples=48, padding_free=False, packing=False):
+    """Returns (per-step log, final parameters) on world rank 0 (None elsewhere). ``packing``: TRL's
+    best-fit-decreasing packing of the samples into rows of up to 96 tokens (padding-free rows)."""
     import transformers as T
     from trl import SFTConfig, SFTTrainer
     from ds_seqpar.hf import sequence_parallel
@@ -54,8 +55,9 @@ def train(deepspeed, output_dir, max_steps=3, gradient_accumulation_steps=3, per
                      per_device_train_batch_size=per_device_train_batch_size,
                      gradient_accumulation_steps=gradient_accumulation_steps, learning_rate=3e-3, warmup_steps=1,
                      max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to="none", seed=0,
-                     dataloader_num_workers=0, use_cpu=not torch.cuda.is_available(), completion_only_loss=True, bf16=False, padding_free=padding_free,
-                     max_length=None, dataset_num_proc=None)
+                     dataloader_num_workers=0, use_cpu=not torch.cuda.is_available(), completion_only_loss=True,
+                     bf16=False, padding_free=padding_free, packing=packing, max_length=96 if packing else None,
+                     dataset_num_proc=None)
     config = T.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256,
                            attention_dropout=0.0, use_cache=False, pad_token_id=0, eos_token_id=1)

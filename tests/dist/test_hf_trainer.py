@@ -125,13 +125,13 @@ def test_gradient_checkpointing_and_lora_equal_plain(pool, option):
     assert_same_training(f"{option} zigzag P=2", got, plain)
 
 
-def run_sft(cfg, micro, padding_free=False):
+def run_sft(cfg, micro, padding_free=False, packing=False):
     """On every rank: TRL's SFTTrainer with the mixin (examples/trl_sft.py); rank 0 returns (steps, params)."""
     example = _example("trl_sft")
     with tempfile.TemporaryDirectory() as out:
         try:
             return example.train(cfg, out, max_steps=3, gradient_accumulation_steps=3,
-                                 per_device_train_batch_size=micro, padding_free=padding_free)
+                                 per_device_train_batch_size=micro, padding_free=padding_free, packing=packing)
         finally:
             reset_worker_state()
 
@@ -326,3 +326,15 @@ def test_gradient_accumulation_1_equals_plain_data_parallelism(pool):
     for sp in (dict(strategy="zigzag", size=2), dict(strategy="ulysses", size=4)):
         got = pool.run(run_trainer, ds_config(2, **sp), sp["size"], 4, 0, gradient_accumulation_steps=1)[0]
         assert_same_training(f"accumulation 1 {sp}", got, plain)
+
+
+def test_trl_bfd_packing_equals_plain_data_parallelism(pool):
+    """TRL's packing (best-fit decreasing into rows of up to 96 tokens, padding-free): a sequence-parallel
+    micro-batch of P packed rows becomes one row of documents; plain reads one packed row per micro-batch.
+    Loss, grad_norm, learning rate and parameters are compared. TRL's entropy and mean_token_accuracy are
+    not: they are means over micro-batches (not normalised over the window as the loss is), and in this
+    run step 2's differ from plain's (accuracy 0.005 vs 0.0, entropy by 2e-5 relative) while its loss is
+    bitwise equal; not yet traced (which rows share a micro-step at the epoch's end is the suspect)."""
+    plain = pool.run(run_sft, ds_config(2, strategy="zigzag", size=1), 1, False, True)[0]
+    got = pool.run(run_sft, ds_config(2, strategy="zigzag", size=2), 2, False, True)[0]
+    assert_same_training("SFTTrainer BFD packing zigzag P=2", got, plain)
