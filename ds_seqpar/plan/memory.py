@@ -42,7 +42,7 @@ class Features:
     on: bool = False                       # tiled loss + tiled MLP + checkpointing of every layer
     cpu_checkpointing: bool = True         # checkpoints in host memory (only matters with on)
     offload_optimizer: bool = False        # ZeRO optimizer state in host memory
-    tiled_loss_tokens: int = 4096
+    tiled_loss_tokens: int = 1024
     tiled_mlp_tokens: int = 4096
 
     @property
