@@ -297,10 +297,14 @@ def _spread(xs: List[float]) -> Dict[str, float]:
 def side_by_side(pool, opts, root: str) -> Dict[str, Any]:
     """Every case once per round in CASES' order, the first ``--warmup`` rounds (first imports and
     allocations) not timed; then the per-case summary against plain."""
+    from ..launch.rankpool import RankFailure
     runs: Dict[str, list] = {name: [] for name in CASES}
     for rnd in range(opts.warmup + opts.repeats):
         for name in CASES:
-            results = pool.run(run_case, name, opts.steps, root, timeout=600.0)
+            try:
+                results = pool.run(run_case, name, opts.steps, root, timeout=300.0)
+            except RankFailure as err:          # a rank hung or died (the pool restarts): the page says so
+                results = [{"error": f"RankFailure: {str(err).splitlines()[0]}", "at": "the rank pool", "rank": "-"}]
             runs[name].append(next((r for r in results if r and "error" in r), results[0]))
             got = runs[name][-1]
             print(f"round {rnd} {name}: {got.get('error') or step_time(got['ends'], opts.skip_steps)}", flush=True)
