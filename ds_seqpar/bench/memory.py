@@ -38,7 +38,7 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 # the per-strategy comparison: the main job on a Llama-architecture config (configs/models/llama_small.json's
 # sizes) with configs/long_context.json's memory features, the same tokens per rank at P = 1, 2, 4; and
 # a short length at P = 1, 2 (what a two-point "slope" from a short run would take as static)
-COMPARE = {"strategies": "zigzag,ring,striped,ulysses,hybrid", "P": (1, 2, 4), "tokens_per_rank": 8192,
+COMPARE = {"strategies": "zigzag,ring,striped,ulysses,hybrid", "tokens_per_rank": {2: 8192, 4: 4096},
            "short_tokens": 256, "layers": 4, "tiled_loss_tokens": 1024, "tiled_mlp_tokens": 1024}
 PRESET = {"models": "llama,lm", "P": "1,2,4", "budget_gib": 2.0,
           "on_tokens": {1: [2048, 8192, 16384], 2: [2048, 8192], 4: [2048, 4096]},
@@ -67,8 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--strategies", default=COMPARE["strategies"],
                     help="the per-strategy comparison of the whole step's peak above static ('' to skip); hybrid = "
                          "ulysses_size 2 at P=4")
-    ap.add_argument("--compare-tokens", type=int, default=COMPARE["tokens_per_rank"],
-                    help="tokens per rank of the per-strategy comparison")
+    ap.add_argument("--compare-tokens", type=int, default=None,
+                    help="tokens per rank of the per-strategy comparison (default: 8192 at P=2, 4096 at P=4)")
     ap.add_argument("--malloc", choices=("mmap", "default"), default="mmap", help="glibc malloc setting of the ranks")
     ap.add_argument("--out", default="reports")
     ap.add_argument("--name", default="memory_cpu")
@@ -95,8 +95,9 @@ def plan(args) -> List[MemorySpec]:
 
 
 def compare_plan(args) -> List[MemorySpec]:
-    """The per-strategy comparison: P=1 once (no strategy runs at size 1), every strategy at P=2 and 4
-    (hybrid: 2 x 2 at P=4 only), and zigzag at a short length at P=1 and 2."""
+    """The per-strategy comparison: every strategy at P=2 and 4 (hybrid: 2 x 2 at P=4 only), P=1 at
+    each of their tokens per rank (no strategy runs at size 1), and zigzag at a short length at P=1
+    and 2 (what a two-point "slope" would take as static)."""
     names = [s for s in args.strategies.split(",") if s]
     unknown = sorted(set(names) - set(COMPARE["strategies"].split(",")))
     if unknown:
@@ -105,10 +106,10 @@ def compare_plan(args) -> List[MemorySpec]:
         return []
     base = dict(model="llama", features=True, hidden=args.hidden, layers=COMPARE["layers"], purpose="strategies",
                 tiled_loss_tokens=COMPARE["tiled_loss_tokens"], tiled_mlp_tokens=COMPARE["tiled_mlp_tokens"])
-    n = args.compare_tokens
-    specs = [MemorySpec(world=1, tokens_per_rank=n, **base)]
+    tokens = {p: args.compare_tokens or n for p, n in COMPARE["tokens_per_rank"].items()}
+    specs = [MemorySpec(world=1, tokens_per_rank=n, **base) for n in sorted(set(tokens.values()), reverse=True)]
     for name in names:
-        for world in COMPARE["P"][1:]:
+        for world, n in tokens.items():
             if name == "hybrid":
                 if world == 4:
                     specs.append(MemorySpec(world=4, tokens_per_rank=n, strategy="hybrid", ulysses_size=2, **base))

@@ -137,34 +137,36 @@ def checks(variants: Dict[str, Dict[str, Any]], floor: int) -> List[Dict[str, An
 
 
 def strategy_rows(measurements: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """The per-strategy comparison: each (strategy, P) at the comparison length with its whole step's
-    peak above static (largest rank), phase by phase, over P=1's at the same tokens per rank; and the
-    two-point figure (peak at N - peak at a short length) / N per P, which the optimizer step's fixed
+    """The per-strategy comparison: each (strategy, P, N) with its whole step's peak above static
+    (largest rank), phase by phase, over P=1's at the same tokens per rank; and per P the two-point
+    figure (peak at N - peak at a short length) / (N - short), which the optimizer step's fixed
     transient distorts (it holds the short run's peak, more so at P=1 where ZeRO shards nothing)."""
     if not measurements:
         return {"rows": [], "two_point": []}
-    n = max(m["tokens_per_rank"] for m in measurements)
-    at_n = [m for m in measurements if m["tokens_per_rank"] == n]
-    one = next((m for m in at_n if m["world"] == 1), None)
+    short = min(m["tokens_per_rank"] for m in measurements)
+    long_runs = [m for m in measurements if m["tokens_per_rank"] > short]
+    one = {m["tokens_per_rank"]: m for m in long_runs if m["world"] == 1}
     rows = []
-    for m in sorted(at_n, key=lambda m: (m["world"], m["strategy"])):
-        name = m["strategy"] if m["world"] > 1 else "(none: P=1)"
-        rows.append({"strategy": name, "world": m["world"], "tokens_per_rank": n, "static_bytes": m["resident_bytes"],
+    for m in sorted(long_runs, key=lambda m: (m["world"], -m["tokens_per_rank"], m["strategy"])):
+        base = one.get(m["tokens_per_rank"])
+        above = m["phase_above_static_bytes"]
+        rows.append({"strategy": m["strategy"] if m["world"] > 1 else "(none: P=1)", "world": m["world"],
+                     "tokens_per_rank": m["tokens_per_rank"], "static_bytes": m["resident_bytes"],
                      "peak_bytes": m["peak_bytes"], "above_static_bytes": m["above_static_bytes"],
-                     "phase_above_static_bytes": m["phase_above_static_bytes"],
-                     "peak_phase": max(m["phase_above_static_bytes"], key=m["phase_above_static_bytes"].get),
-                     "vs_p1": m["above_static_bytes"] / one["above_static_bytes"] if one else None})
+                     "phase_above_static_bytes": above, "peak_phase": max(above, key=above.get),
+                     "vs_p1": m["above_static_bytes"] / base["above_static_bytes"] if base else None})
     two_point = []
     for world in sorted({m["world"] for m in measurements}):
         pts = sorted((m for m in measurements if m["world"] == world and m["strategy"] == "zigzag"),
                      key=lambda m: m["tokens_per_rank"])
-        if len(pts) >= 2 and pts[-1]["tokens_per_rank"] == n:
-            short, long = pts[0], pts[-1]
-            two_point.append({"world": world, "short_tokens": short["tokens_per_rank"], "tokens_per_rank": n,
-                              "short_peak_bytes": short["peak_bytes"], "peak_bytes": long["peak_bytes"],
-                              "short_peak_phase": max(short["phase_peak_bytes"], key=short["phase_peak_bytes"].get),
-                              "per_token": (long["peak_bytes"] - short["peak_bytes"]) / (n - short["tokens_per_rank"]),
-                              "above_static_per_token": long["above_static_bytes"] / n})
+        if len(pts) >= 2 and pts[0]["tokens_per_rank"] == short:
+            lo, hi = pts[0], pts[-1]
+            n = hi["tokens_per_rank"]
+            two_point.append({"world": world, "short_tokens": short, "tokens_per_rank": n,
+                              "short_peak_bytes": lo["peak_bytes"], "peak_bytes": hi["peak_bytes"],
+                              "short_peak_phase": max(lo["phase_peak_bytes"], key=lo["phase_peak_bytes"].get),
+                              "per_token": (hi["peak_bytes"] - lo["peak_bytes"]) / (n - short),
+                              "above_static_per_token": hi["above_static_bytes"] / n})
     return {"rows": rows, "two_point": two_point}
 
 
