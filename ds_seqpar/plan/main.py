@@ -35,7 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=12, help="feasible configurations to print")
     p.add_argument("--out", help="write the best configuration's DeepSpeed JSON here")
     p.add_argument("--json", dest="json_out", help="write every prediction here (machine-readable)")
-    p.add_argument("--calibrate", action="store_true", help="measure this machine's alpha/beta and kernel throughput")
+    p.add_argument("--calibrate", action="store_true", help="measure this machine's alpha/beta (gloo, local ranks) and "
+                   "kernel throughput; write the profile and the predicted-vs-measured report (--reports, --name)")
+    p.add_argument("--reports", default="reports", help="--calibrate: where the measured reports are and the report goes")
+    p.add_argument("--name", default="plan_cpu", help="--calibrate: report name (REPORTS/NAME.md, .json, _profile.json)")
     return p
 
 
@@ -135,9 +138,7 @@ def _as_json(p: Prediction) -> dict:
 
 def run(opts) -> int:
     if opts.calibrate:
-        raise PlanError("--calibrate is not implemented yet: the profiles' efficiencies and latencies are assumptions "
-                        "(docs/plan.md, 'What is missing'); edit a copy of ds_seqpar/plan/profiles/*.json with "
-                        "measured values and pass it as --gpu path.json")
+        return calibrate_here(opts)
     check_args(opts)
     gpu = hardware.load_gpu(opts.gpu)
     shape = load_model(opts.model)
@@ -156,6 +157,25 @@ def run(opts) -> int:
             json.dump(ds_config(ok[0].candidate, opts.dtype, shape.hybrid), f, indent=2)
             f.write("\n")
         print(f"\nwrote {opts.out}: {ok[0].candidate.label()}")
+    return 0
+
+
+def calibrate_here(opts) -> int:
+    """Measure, write REPORTS/NAME_profile.json (usable as --gpu) and REPORTS/NAME.md."""
+    import time as _time
+    from . import calibrate, calibrate_report
+    start = _time.time()
+    load = os.getloadavg()[0]
+    kernels = calibrate.measure_kernels()
+    comm = calibrate.measure_comm(2, 7)
+    profile = calibrate.cpu_profile(comm, kernels)
+    os.makedirs(opts.reports, exist_ok=True)
+    with open(os.path.join(opts.reports, f"{opts.name}_profile.json"), "w") as f:
+        json.dump(hardware.describe(profile), f, indent=2)
+    note = (f"Machine: {os.cpu_count()} cores, 1-minute load {load:.1f} before and {os.getloadavg()[0]:.1f} after "
+            f"(the rates move with the load); calibration took {_time.time() - start:.0f} s.")
+    md = calibrate_report.write({"kernels": kernels, "comm": comm}, opts.reports, opts.name, note)
+    print(f"wrote {md} and {os.path.join(opts.reports, opts.name + '_profile.json')} (usable as --gpu)")
     return 0
 
 

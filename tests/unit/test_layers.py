@@ -31,7 +31,7 @@ ALLOWED = {
     "train": {"core", "models", "launch", "hf"},
     "bench": {"core", "models", "launch", "hf", "train", "report.plotting"},
     "report": {"core"},
-    "plan": {"core", "hf"},                 # the cost model reads HF configs through hf/ (model_io, checks)
+    "plan": {"core", "hf", "launch"},       # HF configs through hf/ (model_io, checks); --calibrate's local ranks
     "root": {"core"},                       # ds_seqpar/__init__.py: the public API is the core's
     "cli": {"core", "models", "launch", "hf", "train", "bench", "report", "plan"},     # the entry point over all commands
 }

@@ -238,8 +238,6 @@ def test_bad_inputs(tmp_path, capsys):
     assert "without config.json" in capsys.readouterr().err
     assert plan_main(["--model", LLAMA, "--seq-len", "4096", "--gpus", "12", "--gpus-per-node", "8"]) == 2
     assert "whole number of nodes" in capsys.readouterr().err
-    assert plan_main(["--model", LLAMA, "--seq-len", "4096", "--gpus", "8", "--calibrate"]) == 2
-    assert "not implemented" in capsys.readouterr().err
 
 
 def test_a_sequence_nothing_fits_says_what_would(capsys):
@@ -255,3 +253,35 @@ def test_a_sequence_nothing_fits_says_what_would(capsys):
     shape = load_model(LLAMA)
     assert longest_sequence(shape, Cluster(need, 8, gpu, "bf16"), zero=3) >= seq
     assert longest_sequence(shape, Cluster(need // 2, 8, gpu, "bf16"), zero=3) < seq
+
+
+# -- --calibrate's arithmetic (the measurement itself needs ranks: not here) ------------------------
+
+def test_alpha_beta_fit_recovers_a_line():
+    from ds_seqpar.plan.calibrate import fit_alpha_beta
+    points = [(b, 2e-4 + b / 3e9) for b in (1 << 14, 1 << 18, 1 << 20, 1 << 24)]
+    fit = fit_alpha_beta(points)
+    assert fit["alpha_s"] == pytest.approx(2e-4, rel=1e-6) and fit["beta_bytes_s"] == pytest.approx(3e9, rel=1e-6)
+
+
+def test_calibrated_speedups_are_the_compute_bounds_when_comm_is_free():
+    from ds_seqpar.plan.calibrate import predict_speedups
+    free = {"alpha_s": 0.0, "beta_bytes_s": 1e30}
+    meta = {"world": 2, "dtype": "fp32", "heads": 8, "kv_heads": 8, "head_dim": 64, "batch": 1}
+    got = predict_speedups({"all_to_all": free, "ring": free}, {"attention_flops_s": 1e10}, meta, 8192)
+    assert got["ulysses"] == pytest.approx(2.0) and got["zigzag"] == pytest.approx(2.0)
+    assert got["ring"] == pytest.approx(4 / 3)             # P^2 / (2P - 1): the causal contiguous ring
+    slow = {"alpha_s": 1e-3, "beta_bytes_s": 1e8}
+    worse = predict_speedups({"all_to_all": slow, "ring": slow}, {"attention_flops_s": 1e10}, meta, 8192, overlap=False)
+    assert all(worse[s] < got[s] for s in got)
+
+
+def test_calibrate_report_memory_rows_follow_the_measurements():
+    from ds_seqpar.plan.calibrate_report import memory_rows
+    base = {"model": "llama", "world": 1, "features": False, "hidden": 256, "layers": 8, "heads": 8, "kv_heads": 2,
+            "intermediate": 688, "vocab": 32000, "tiled_loss_tokens": 256, "tiled_mlp_tokens": 1024, "strategy": "zigzag"}
+    ms = [dict(base, tokens_per_rank=n, phase_peak_bytes={"forward": 1e9 + 400_000 * n, "optimizer": 1.2e9})
+          for n in (1024, 2048)]
+    rows = memory_rows({"measurements": ms})
+    assert len(rows) == 1 and rows[0]["measured"] == pytest.approx(400_000)
+    assert rows[0]["predicted"] == max(memory.per_token(_shape_of(base, False), 4, Features(), True).values())
