@@ -6,6 +6,7 @@ reports/memory_cpu.json (bytes per token per rank of a training step); never wri
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any, Dict, List, Optional
 
@@ -36,6 +37,30 @@ def speedup_rows(cal: Dict[str, Any], full: Dict[str, Any]) -> List[Dict[str, An
             rows.append({"n": n, "strategy": s, "measured": measured, "predicted_overlap": ideal[s],
                          "predicted_serial": serial[s], "bytes": cases[s].get("bytes", [None])[0],
                          "bytes_form": cases[s].get("bytes_form", [None])[0]})
+    return rows
+
+
+def step_rows(cal: Dict[str, Any], full: Dict[str, Any], profile) -> List[Dict[str, Any]]:
+    """cpu_full's whole training step (the project's LM, fp32, ZeRO-2, byte vocabulary, tied
+    embeddings) at P=2 over P=1, predicted by search.predict with the calibrated profile."""
+    from .search import Candidate, Cluster, predict
+    tm = full.get("train_model") or {}
+    if not tm:
+        return []
+    dim, heads = tm["dim"], tm["n_heads"]
+    mlp = 16 * math.ceil(8 * dim / 3 / 16)                  # models/lm.py's default MLP width
+    shape = ModelShape("lm", dim, tm["n_layers"], heads, heads, dim // heads, mlp, 256, tied=True)
+    one = predict(Candidate("ulysses", 1, 1, 2, Features()), shape, tm["seq_len"], Cluster(1, 1, profile, "fp32"))
+    rows = []
+    for strategy, measured in sorted(full.get("train", {}).items()):
+        if strategy not in ("zigzag", "ulysses"):
+            continue
+        c = Candidate(strategy, 2, 2 if strategy == "ulysses" else 1, 2, Features())
+        two = predict(c, shape, tm["seq_len"], Cluster(2, 2, profile, "fp32"))
+        rows.append({"strategy": strategy, "measured": measured["speedup"]["median"],
+                     "predicted": one.step_s / two.step_s, "comm_s": two.comm_s, "compute_s": two.compute_s,
+                     "one_s_measured": measured["one_s"]["median"], "one_s_predicted": one.step_s,
+                     "p_s_measured": measured["p_s"]["median"], "p_s_predicted": two.step_s})
     return rows
 
 
@@ -70,7 +95,8 @@ def memory_rows(report: Dict[str, Any]) -> List[Dict[str, Any]]:
     return rows
 
 
-def render(cal: Dict[str, Any], speed: List[Dict[str, Any]], mem: List[Dict[str, Any]], note: str) -> str:
+def render(cal: Dict[str, Any], speed: List[Dict[str, Any]], mem: List[Dict[str, Any]], note: str,
+           steps: Optional[List[Dict[str, Any]]] = None) -> str:
     k, c = cal["kernels"], cal["comm"]
     out = ["# `ds-seqpar plan --calibrate`: predicted vs measured on this machine", "",
            "Command: `ds-seqpar plan --calibrate`. " + note, "",
@@ -99,6 +125,20 @@ def render(cal: Dict[str, Any], speed: List[Dict[str, Any]], mem: List[Dict[str,
                 f"{', '.join(at_n) or 'none'}. Not modelled: per-block kernel overheads (many small blocks at short N, "
                 f"striped's token-granular blocks), gloo's copies competing with compute on 2 cores, and the load of "
                 f"the machine during either run; so the predictions are optimistic where those dominate."]
+    if steps:
+        out += ["", "## Whole training-step speedup at P=2 (reports/cpu_full.json, the project's LM, ZeRO-2)", "",
+                "Predicted by the plan itself (search.predict) with the calibrated profile: compute from FLOPs, "
+                "the strategy's exchanges and ZeRO-2's collectives from the alpha/beta fit.", "",
+                "| strategy | speedup measured | predicted | ratio | step s P=1 measured / predicted | step s P=2 measured / "
+                "predicted | predicted comm s (P=2) |", "|---|---:|---:|---:|---:|---:|---|"]
+        out += [f"| {r['strategy']} | {r['measured']:.2f} | {r['predicted']:.2f} | {r['predicted'] / r['measured']:.2f} | "
+                f"{r['one_s_measured']:.2f} / {r['one_s_predicted']:.2f} | {r['p_s_measured']:.2f} / {r['p_s_predicted']:.2f} | "
+                f"{', '.join(f'{k} {v:.3f}' for k, v in r['comm_s'].items())} |" for r in steps]
+        factor = steps[0]["one_s_predicted"] / steps[0]["one_s_measured"]
+        out += ["", f"The absolute step times are {factor:.1f}x the measured ones: the single-thread rates were measured "
+                f"on this machine as loaded now (see the load above; cpu_full recorded a peak 1-minute load of "
+                f"{cal.get('full_load_peak', float('nan')):.1f}), so they are what a shared core gave; the ratios "
+                f"cancel most of that."]
     out += ["", "## Bytes per token per rank of a training step (reports/memory_cpu.json)", ""]
     if mem:
         out += ["| variant | measured | predicted | ratio | with comm buffers (bound) | ratio |", "|---|---:|---:|---:|---:|---:|"]
@@ -110,16 +150,19 @@ def render(cal: Dict[str, Any], speed: List[Dict[str, Any]], mem: List[Dict[str,
     return "\n".join(out) + "\n"
 
 
-def write(cal: Dict[str, Any], reports: str, name: str, note: str) -> str:
+def write(cal: Dict[str, Any], reports: str, name: str, note: str, profile=None) -> str:
     full = _load(os.path.join(reports, "cpu_full.json"))
     mem_report = _load(os.path.join(reports, "memory_cpu.json")) or {}
     speed = speedup_rows(cal, full) if full else []
     mem = memory_rows(mem_report)
+    steps = step_rows(cal, full, profile) if full and profile is not None else []
+    if full:
+        cal = dict(cal, full_load_peak=float(full.get("machine", {}).get("load_peak", float("nan"))))
     md = os.path.join(reports, f"{name}.md")
     with open(md, "w") as f:
-        f.write(render(cal, speed, mem, note))
+        f.write(render(cal, speed, mem, note, steps))
     with open(os.path.join(reports, f"{name}.json"), "w") as f:
-        json.dump({"calibration": cal, "speedups": speed, "memory": mem}, f, indent=1)
+        json.dump({"calibration": cal, "speedups": speed, "memory": mem, "steps": steps}, f, indent=1)
     return md
 
 

@@ -174,7 +174,7 @@ def calibrate_here(opts) -> int:
         json.dump(hardware.describe(profile), f, indent=2)
     note = (f"Machine: {os.cpu_count()} cores, 1-minute load {load:.1f} before and {os.getloadavg()[0]:.1f} after "
             f"(the rates move with the load); calibration took {_time.time() - start:.0f} s.")
-    md = calibrate_report.write({"kernels": kernels, "comm": comm}, opts.reports, opts.name, note)
+    md = calibrate_report.write({"kernels": kernels, "comm": comm}, opts.reports, opts.name, note, profile)
     print(f"wrote {md} and {os.path.join(opts.reports, opts.name + '_profile.json')} (usable as --gpu)")
     return 0
 
