@@ -8,6 +8,8 @@
     search.py       every configuration, checked as the main job checks it, predicted and ranked
     ds_json.py      the chosen configuration as a DeepSpeed JSON
     main.py         the command line
+    calibrate.py    --calibrate: this machine's alpha/beta (gloo ranks) and kernel rates
+    calibrate_report.py  reports/plan_cpu.md: the calibrated predictions beside what reports/ measured
 
 Bytes per rank come from strategies/closed_form.py (closed_form_by_kind, transient_bytes), the
 same oracle the distributed tests hold the strategies to. docs/plan.md has the model and how its
