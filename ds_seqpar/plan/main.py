@@ -133,7 +133,7 @@ def _as_json(p: Prediction) -> dict:
             "static_bytes": p.static_bytes, "per_token_bytes": p.per_token_bytes, "peak_bytes": p.peak_bytes,
             "peak_phase": p.peak_phase, "host_bytes": p.host_bytes, "comm_bytes_per_layer": p.comm_bytes,
             "comm_s": p.comm_s, "compute_s": p.compute_s, "step_s": p.step_s, "tokens_s": p.tokens_s, "mfu": p.mfu,
-            "max_seq": p.max_seq}
+            "max_seq": p.max_seq, "phases": p.phases}
 
 
 def run(opts) -> int:

@@ -66,6 +66,7 @@ class Prediction:
     tokens_s: float = 0.0
     mfu: float = 0.0
     max_seq: int = 0
+    phases: Dict[str, Dict[str, float]] = field(default_factory=dict)   # {phase: {"a": bytes, "b": bytes/token}}
 
 
 def divisors(n: int) -> List[int]:
@@ -190,6 +191,7 @@ def predict(c: Candidate, shape: ModelShape, seq: int, cl: Cluster, own_linear: 
     on_device = not (c.features.on and c.features.cpu_checkpointing)
     lines = memory.phase_lines(shape, c.strategy, c.size, c.ulysses_size, cl.gpus, c.zero, cl.dtype, c.features,
                                on_device)
+    p.phases = lines
     p.static_bytes = sum(memory.static_bytes(shape, cl.gpus, c.zero, cl.dtype, c.features.offload_optimizer).values())
     p.peak_phase = max(lines, key=lambda k: lines[k]["a"] + lines[k]["b"] * n)
     p.per_token_bytes = max(line["b"] for line in lines.values())

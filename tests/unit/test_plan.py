@@ -285,3 +285,37 @@ def test_calibrate_report_memory_rows_follow_the_measurements():
     rows = memory_rows({"measurements": ms})
     assert len(rows) == 1 and rows[0]["measured"] == pytest.approx(400_000)
     assert rows[0]["predicted"] == max(memory.per_token(_shape_of(base, False), 4, Features(), True).values())
+
+
+def test_the_cost_model_imports_only_the_core():
+    """The cost model (everything but the command line and --calibrate) stays importable by the core's
+    users, bench included: it imports nothing of hf, launch, train, bench or report."""
+    import ast
+    import ds_seqpar.plan as plan_pkg
+    from tests.unit.test_layers import CORE
+    folder = os.path.dirname(plan_pkg.__file__)
+    tools_only = {"main.py", "calibrate.py", "calibrate_report.py"}
+    bad = []
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".py") or name in tools_only:
+            continue
+        tree = ast.parse(open(os.path.join(folder, name)).read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level >= 1:
+                tops = [node.module.split(".")[0]] if node.module else [a.name for a in node.names]
+                if node.level == 2 and any(t not in CORE for t in tops):
+                    bad.append(f"{name}: from {'.' * node.level}{node.module or ''} import {tops}")
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                mod = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
+                if mod and mod.startswith("ds_seqpar.") and mod.split(".")[1] not in CORE | {"plan"}:
+                    bad.append(f"{name}: import {mod}")
+    assert not bad, bad
+
+
+def test_json_output_has_the_phases(tmp_path, capsys):
+    out = tmp_path / "all.json"
+    assert plan_main(["--model", LLAMA, "--seq-len", "65536", "--gpus", "2", "--zero", "2", "--json", str(out)]) == 0
+    best = json.loads(out.read_text())["feasible"][0]
+    n = -(-65536 // best["size"])
+    peak = max(line["a"] + line["b"] * n for line in best["phases"].values())
+    assert peak == pytest.approx(best["peak_bytes"]) and set(best["phases"]) == set(memory.PHASES)
