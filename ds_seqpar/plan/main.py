@@ -96,18 +96,18 @@ def render(shape: ModelShape, opts, cluster: Cluster, ok: List[Prediction], reje
     if len(ok) > opts.top:
         lines.append(f"... {len(ok) - opts.top} more feasible configurations (--top N)")
     lines += ["", f"rejected: {len(rejected)} configurations"]
+    # a refusal reads the same for many candidates: one line per reason, first; a candidate that does
+    # not fit is listed by itself (nearest misses first), its twins (other linear_strategy) folded in
     groups: "OrderedDict[str, List[Prediction]]" = OrderedDict()
-    for p in sorted(rejected, key=lambda p: (p.reason.split(":")[0], -p.max_seq)):
-        key = p.reason.split(";")[0] if p.reason.startswith("does not fit") else p.reason
-        groups.setdefault(key if not key.startswith("does not fit") else p.candidate.label(), []).append(p)
-    shown = 0
-    for key, ps in groups.items():
-        if shown >= 20:
-            lines.append(f"  ... {len(groups) - shown} more reasons")
+    for p in sorted(rejected, key=lambda p: (p.reason.startswith("does not fit"), p.reason.split(":")[0], -p.max_seq)):
+        fits = p.reason.startswith("does not fit")
+        groups.setdefault(p.candidate.label() if fits else p.reason, []).append(p)
+    for i, ps in enumerate(groups.values()):
+        if i == 20:
+            lines.append(f"  ... {len(groups) - 20} more reasons")
             break
-        what = ps[0].candidate.label() if not ps[0].reason.startswith("does not fit") else key
-        lines.append(f"  {what}: {ps[0].reason}" + (f" (and {len(ps) - 1} alike)" if len(ps) > 1 else ""))
-        shown += 1
+        twins = f" (and {len(ps) - 1} alike)" if len(ps) > 1 else ""
+        lines.append(f"  {ps[0].candidate.label()}: {ps[0].reason}{twins}")
     return "\n".join(lines)
 
 
