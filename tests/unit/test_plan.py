@@ -319,3 +319,12 @@ def test_json_output_has_the_phases(tmp_path, capsys):
     n = -(-65536 // best["size"])
     peak = max(line["a"] + line["b"] * n for line in best["phases"].values())
     assert peak == pytest.approx(best["peak_bytes"]) and set(best["phases"]) == set(memory.PHASES)
+
+
+def test_the_command_is_registered(capsys):
+    from ds_seqpar.cli import main as cli_main
+    assert cli_main(["plan", "--model", LLAMA, "--seq-len", "4096", "--gpus", "1", "--zero", "2", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "rank" in out and "tokens/s" in out
+    cli_main(["--help"])
+    assert "plan" in capsys.readouterr().out
