@@ -145,11 +145,10 @@ OP_FAMILIES = {"gdn": "torch_chunk_gated_delta_rule", "kda": "chunk_kimi_delta_a
 
 def _captured_call(fam: str, args):
     """(the original op, its arguments as the unapplied layer calls it on N/P tokens)."""
-    import sys as _sys
+    import inspect
     import torch
-    cfg = family_config(fam, args.hidden)
-    _, layer = _mixer(cfg)
-    module, name = _sys.modules[type(layer).__module__], OP_FAMILIES[fam]
+    _, layer = _mixer(family_config(fam, args.hidden))
+    module, name = sys.modules[type(layer).__module__], OP_FAMILIES[fam]
     seam = getattr(module, name)
     original = getattr(seam, "_ds_seqpar_original", seam)
     seen = {}
@@ -164,7 +163,6 @@ def _captured_call(fam: str, args):
                   **_extra(layer))
     finally:
         setattr(module, name, seam)
-    import inspect
     bound = inspect.signature(original).bind(*seen["args"], **seen["kwargs"])
     call = dict(bound.arguments)
     call.update(call.pop("kwargs", {}))
@@ -184,23 +182,17 @@ def _op_runs(fam: str, original, call: dict):
         torch.autograd.backward([o for o in outs if o is not None and o.requires_grad],
                                 [torch.ones_like(o) for o in outs if o is not None and o.requires_grad])
 
-    if fam == "ssd":
-        names, state = ("hidden_states", "dt", "B", "C"), ("initial_states", "return_final_states")
-        mapped = ssd_map
-    else:
-        names, state = ("query", "key", "value", "g", "beta"), ("initial_state", "output_final_state")
-        mapped = delta_rule_map
+    names, state, mapped = (("hidden_states", "dt", "B", "C"), ("initial_states", "return_final_states"), ssd_map) \
+        if fam == "ssd" else (("query", "key", "value", "g", "beta"), ("initial_state", "output_final_state"),
+                              delta_rule_map)
 
     def plain():
-        backward([original(**leaves())[0]] if fam != "ssd" else [original(**leaves())])
+        out = original(**leaves())
+        backward([out[0] if isinstance(out, tuple) else out])
 
     def widened():
         kw = {k: v for k, v in leaves().items() if k not in state}
-        main = [kw.pop(n) for n in names]
-        if fam == "ssd":
-            backward(mapped(original, main[0], main[1], main[2], main[3], kw))
-        else:
-            backward(mapped(original, *main, kw))
+        backward(mapped(original, *[kw.pop(n) for n in names], kw))
     return plain, widened
 
 
