@@ -3,6 +3,7 @@ with ``-m "not launcher"``): deepspeed, mpirun, torchrun and no launcher (``--np
 to the end; and under each, one rank failing at step 0 ends the whole job non-zero within
 seconds, its error said once with its rank. Plus: a bad config with no launcher says one line
 per rank. (A killed and a hung rank: test_failures.py.)"""
+import glob
 import json
 import math
 import os
@@ -130,11 +131,16 @@ def test_no_launcher_bad_config_exits_with_one_message_per_rank(tmp_path):
 def test_deepspeed_launcher_trains_a_hugging_face_model(tmp_path, model, strategy, architecture):
     """--model with a shipped config (random init), wandb on (offline): Qwen2 under ring attention, and
     the Mamba2 hybrid (SSD state maps and conv halos, docs/hybrids.md) under zigzag."""
-    runs = tmp_path / "runs"
-    code, out = run(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module",
-                     "ds_seqpar.train", "--model", f"configs/models/{model}.json", "--deepspeed_config",
-                     f"configs/{strategy}_zero2.json", "--steps", "2", "--seq_len", "64", "--corpus_bytes", "65536",
-                     "--no_progress", "--run_dir", str(runs)])
+    runs, port = tmp_path / "runs", free_port()
+    try:
+        code, out = run(["deepspeed", "--num_gpus", "2", "--master_port", str(port), "--module", "ds_seqpar.train",
+                         "--model", f"configs/models/{model}.json", "--deepspeed_config",
+                         f"configs/{strategy}_zero2.json", "--steps", "2", "--seq_len", "64", "--corpus_bytes",
+                         "65536", "--no_progress", "--run_dir", str(runs)])
+    finally:
+        # DeepSpeed's CPU all-reduce leaves a 66 MB /dev/shm buffer per rank behind (memory, until reboot)
+        for leftover in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+            os.remove(leftover)
     assert code == 0, out[-4000:]
     rows, config = metrics_of(runs, 2)
     assert config["model"]["architecture"] == architecture and config["strategy"] == strategy, config
