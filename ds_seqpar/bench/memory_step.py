@@ -109,19 +109,14 @@ def _batch(spec: MemorySpec, sp, tokens_per_rank: int, step: int):
 
 
 def _join_deepspeed() -> None:
-    """deepspeed.init_distributed, then drop the name of this rank's /dev/shm all-reduce buffer:
-    DeepSpeed's CPU shared-memory all-reduce (deepspeed/ops/csrc/cpu/comm/shm.cpp) creates one
-    per rank (~70 MB of RAM) and never unlinks it, so every fresh process would leak one. Once
-    every rank is past init (the barrier) each has mapped its peers' buffers; the mappings stay."""
+    """deepspeed.init_distributed, then drop the name of this rank's /dev/shm all-reduce buffer
+    (launch/env.py release_deepspeed_shm): every fresh process would leak one otherwise."""
     import deepspeed
     from .. import comm
+    from ..launch.env import release_deepspeed_shm
     deepspeed.init_distributed(dist_backend="gloo")
     comm.barrier()
-    env = os.environ
-    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{env.get('MASTER_ADDR')}_{env.get('MASTER_PORT')}_"
-            f"{env.get('RANK')}")
-    if os.path.exists(name):
-        os.unlink(name)
+    release_deepspeed_shm(os.environ)
 
 
 def train_options(spec: MemorySpec, workdir: str) -> Dict[str, Any]:

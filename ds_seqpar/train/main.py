@@ -112,6 +112,12 @@ def _join_world(opts, timeout_s: float) -> None:
                                    timeout=datetime.timedelta(seconds=timeout_s))
     else:
         deepspeed.init_distributed(dist_backend=comm.backend_name())   # adopt the existing world
+    if not torch.cuda.is_available():
+        # DeepSpeed's CPU all-reduce leaves a 66 MB /dev/shm file per rank behind every job; once
+        # every rank has mapped its peers' (the barrier) the names can go
+        from ..launch.env import release_deepspeed_shm
+        comm.barrier()
+        release_deepspeed_shm(os.environ)
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
         # ranks share the machine's cores; oversubscribed intra-op threads only thrash
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", comm.world_size()))

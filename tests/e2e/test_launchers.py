@@ -138,10 +138,13 @@ def test_deepspeed_launcher_trains_a_hugging_face_model(tmp_path, model, strateg
                          f"configs/{strategy}_zero2.json", "--steps", "2", "--seq_len", "64", "--corpus_bytes",
                          "65536", "--no_progress", "--run_dir", str(runs)])
     finally:
-        # DeepSpeed's CPU all-reduce leaves a 66 MB /dev/shm buffer per rank behind (memory, until reboot)
-        for leftover in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+        # DeepSpeed's CPU all-reduce creates a 66 MB /dev/shm buffer per rank and never removes it; the
+        # main job drops the names once every rank has mapped them (launch/env.release_deepspeed_shm)
+        leftovers = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")
+        for leftover in leftovers:
             os.remove(leftover)
     assert code == 0, out[-4000:]
+    assert not leftovers, f"the job left DeepSpeed's shared-memory buffers behind: {leftovers}"
     rows, config = metrics_of(runs, 2)
     assert config["model"]["architecture"] == architecture and config["strategy"] == strategy, config
     assert list((runs / os.listdir(runs)[0] / "wandb").glob("offline-run-*")), f"no offline wandb run under {runs}"
