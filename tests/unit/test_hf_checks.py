@@ -149,7 +149,7 @@ def test_shipped_model_configs_load_small_gqa_and_supported():
         assert 2 <= cfg.num_key_value_heads <= 4, f"{path}: GQA with 2-4 k/v heads"
         hybrid = any(t in LINEAR_LAYER_TYPES for t in getattr(cfg, "layer_types", None) or ())
         check_config(cfg, training=True, linear_ok=hybrid)
-    assert set(kinds) == {"llama", "qwen2", "qwen3_5_text"} and 32000 in kinds.values(), kinds
+    assert set(kinds) == {"llama", "qwen2", "qwen3_5_text", "bamba"} and 32000 in kinds.values(), kinds
 
 
 def test_model_paths_load_weights_or_config(tmp_path):
