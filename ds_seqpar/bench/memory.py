@@ -112,7 +112,8 @@ def compare_plan(args) -> List[MemorySpec]:
         for world, n in tokens.items():
             if name == "hybrid":
                 if world == 4:
-                    specs.append(MemorySpec(world=4, tokens_per_rank=n, strategy="hybrid", ulysses_size=2, **base))
+                    # the 2D hybrid: zigzag across 2 groups of 2 Ulysses ranks (sequence_parallel.ulysses_size)
+                    specs.append(MemorySpec(world=4, tokens_per_rank=n, strategy="zigzag", ulysses_size=2, **base))
             else:
                 specs.append(MemorySpec(world=world, tokens_per_rank=n, strategy=name, **base))
     specs += [MemorySpec(world=w, tokens_per_rank=COMPARE["short_tokens"], **base) for w in (1, 2)]

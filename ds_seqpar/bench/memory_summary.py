@@ -150,14 +150,16 @@ def strategy_rows(measurements: List[Dict[str, Any]]) -> Dict[str, Any]:
     for m in sorted(long_runs, key=lambda m: (m["world"], -m["tokens_per_rank"], m["strategy"])):
         base = one.get(m["tokens_per_rank"])
         above = m["phase_above_static_bytes"]
-        rows.append({"strategy": m["strategy"] if m["world"] > 1 else "(none: P=1)", "world": m["world"],
+        name = m["strategy"] if m.get("ulysses_size", 1) == 1 else f"hybrid ({m['strategy']} x Ulysses {m['ulysses_size']})"
+        rows.append({"strategy": name if m["world"] > 1 else "(none: P=1)", "world": m["world"],
                      "tokens_per_rank": m["tokens_per_rank"], "static_bytes": m["resident_bytes"],
                      "peak_bytes": m["peak_bytes"], "above_static_bytes": m["above_static_bytes"],
                      "phase_above_static_bytes": above, "peak_phase": max(above, key=above.get),
                      "vs_p1": m["above_static_bytes"] / base["above_static_bytes"] if base else None})
     two_point = []
     for world in sorted({m["world"] for m in measurements}):
-        pts = sorted((m for m in measurements if m["world"] == world and m["strategy"] == "zigzag"),
+        pts = sorted((m for m in measurements if m["world"] == world and m["strategy"] == "zigzag"
+                      and m.get("ulysses_size", 1) == 1),
                      key=lambda m: m["tokens_per_rank"])
         if len(pts) >= 2 and pts[0]["tokens_per_rank"] == short:
             lo, hi = pts[0], pts[-1]

@@ -82,7 +82,7 @@ def test_strategy_comparison_plans_every_strategy_at_the_same_tokens_per_rank():
     specs = [s for s in plan(build_parser().parse_args(["--models", "lm", "--strategies", "ring,hybrid",
                                                         "--compare-tokens", "4096"])) if s.purpose == "strategies"]
     assert [(s.world, s.strategy, s.ulysses_size, s.tokens_per_rank) for s in specs] == [
-        (1, "zigzag", 1, 4096), (2, "ring", 1, 4096), (4, "ring", 1, 4096), (4, "hybrid", 2, 4096),
+        (1, "zigzag", 1, 4096), (2, "ring", 1, 4096), (4, "ring", 1, 4096), (4, "zigzag", 2, 4096),
         (1, "zigzag", 1, 256), (2, "zigzag", 1, 256)]
     default = [(s.world, s.tokens_per_rank) for s in plan(build_parser().parse_args(["--strategies", "ulysses"]))
                if s.purpose == "strategies"]
@@ -106,17 +106,18 @@ def test_strategy_rows_compare_above_static_and_explain_the_two_point_figure():
     n = 8192
     ms = [_compared(1, "zigzag", n, 300 * MIB), _compared(2, "zigzag", n, 310 * MIB),
           _compared(4, "ring", n, 360 * MIB), _compared(1, "zigzag", 4096, 200 * MIB),
-          _compared(4, "ulysses", 4096, 210 * MIB),
+          _compared(4, "ulysses", 4096, 210 * MIB), dict(_compared(4, "zigzag", 4096, 200 * MIB), ulysses_size=2),
           # short runs: the optimizer step (200 MiB above static) holds the peak
           _compared(1, "zigzag", 256, 20 * MIB), _compared(2, "zigzag", 256, 20 * MIB)]
     comp = S.strategy_rows(ms)
     assert [(r["strategy"], r["world"], r["tokens_per_rank"]) for r in comp["rows"]] == [
-        ("(none: P=1)", 1, n), ("(none: P=1)", 1, 4096), ("zigzag", 2, n), ("ring", 4, n), ("ulysses", 4, 4096)]
-    assert [round(r["vs_p1"], 4) for r in comp["rows"]] == [1.0, 1.0, round(310 / 300, 4), 1.2, 1.05]
+        ("(none: P=1)", 1, n), ("(none: P=1)", 1, 4096), ("zigzag", 2, n), ("ring", 4, n),
+        ("ulysses", 4, 4096), ("hybrid (zigzag x Ulysses 2)", 4, 4096)]
+    assert [round(r["vs_p1"], 4) for r in comp["rows"]] == [1.0, 1.0, round(310 / 300, 4), 1.2, 1.05, 1.0]
     assert comp["rows"][2]["peak_phase"] == "forward"
     checks = {c["what"].split(":")[0]: c["result"] for c in S.strategy_checks(comp)}
     assert checks == {f"zigzag P=2, {n} tokens/rank": "PASS", f"ring P=4, {n} tokens/rank": "FAIL",   # 1.20 > 1.15
-                      "ulysses P=4, 4096 tokens/rank": "PASS"}
+                      "ulysses P=4, 4096 tokens/rank": "PASS", "hybrid (zigzag x Ulysses 2) P=4, 4096 tokens/rank": "PASS"}
     (one, two) = comp["two_point"]
     assert one["short_peak_phase"] == "optimizer" and one["per_token"] == pytest.approx(100 * MIB / (n - 256))
     assert one["above_static_per_token"] == pytest.approx(300 * MIB / n)
