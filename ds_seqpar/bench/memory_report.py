@@ -34,7 +34,8 @@ def _setup(res: Dict[str, Any]) -> List[str]:
         f"# Memory of a training step per rank: `{m['name']}`", "",
         f"Model: vocab {m['vocab']}, hidden {m['hidden']}, {m['layers']} layers, {m['heads']} heads "
         f"({m['kv_heads']} k/v heads, GQA), MLP {m['intermediate']}; `llama` = Hugging Face LlamaForCausalLM built "
-        f"from a LlamaConfig (random init, sdpa attention), `lm` = the project's LM with the same sizes. DeepSpeed "
+        f"from a LlamaConfig (random init, sdpa attention), `lm` = the project's LM with the same sizes (the "
+        f"models the command measured: {', '.join(sorted({x['model'] for x in res['measurements']}))}). DeepSpeed "
         f"ZeRO-2, fp32, AdamW, strategy {m['strategy']}, micro batch 1, one thread per rank, CPU (gloo).", "",
         f"With the features: fused tiled loss ({m['tiled_loss_tokens']} tokens per chunk), tiled MLP "
         f"({m['tiled_mlp_tokens']} tokens per chunk), activation checkpointing of every decoder layer with "
@@ -126,9 +127,10 @@ def _strategies(res) -> List[str]:
                      + " | ".join(_mib(r["phase_above_static_bytes"][p]) for p in phases) + " |")
     if comp.get("two_point"):
         lines += ["", "**Why a two-point figure misleads.** (peak at N - peak at a short length) / (N - short) is "
-                  "not what a token costs: at the short length a fixed phase holds the peak (the optimizer step, "
-                  "whose transient is larger at P=1, where ZeRO shards nothing), so the subtraction removes more than "
-                  "the static part there. Zigzag:", "",
+                  "not what a token costs: at the short length a fixed phase holds the peak (at P=1 the optimizer "
+                  "step, whose transient is twice P=2's with nothing sharded; at P=2 the end of backward, ZeRO's "
+                  "reduction buckets), so the subtraction removes more than the static part, and more at P=1. "
+                  "Zigzag:", "",
                   "| P | short tokens/rank | peak at short (MiB) | its phase | tokens/rank | peak (MiB) | two-point "
                   "KiB/token | above static / token (KiB) |", "|---:|---:|---:|---|---:|---:|---:|---:|"]
         for t in comp["two_point"]:
