@@ -3,6 +3,7 @@ it delegates to: checkpoint.py (save/resume), metrics.py (measure, reduce across
 data.py (the batch of each step), runlog.py (run directory and wandb)."""
 from __future__ import annotations
 
+import collections
 import os
 import time
 from typing import Any, Dict
@@ -38,7 +39,7 @@ class Trainer:
         self.memory = StepMemory(sp.device)             # each step's peak above what it started with
         for module, phase in memory_watch_points(model):
             self.memory.watch(module, phase)
-        self.memory_records = []
+        self.memory_records = collections.deque(maxlen=64)     # the latest steps' records (bench, tests)
         self.metrics.log.write_config(self.config)
         self._say(f"run {self.name}: {sp!r}, {model.num_params():,} parameters, "
                   f"ZeRO-{self.config['zero_stage']}; {self._where()}")
@@ -91,7 +92,7 @@ class Trainer:
         return {"losses": losses, "mean_losses": mean_losses, "grad_norms": grad_norms, "start_step": start,
                 "rank": self.rank, "sp_rank": self.sp.rank, "dp_rank": self.sp.dp_rank, "run_dir": self.run_dir,
                 "metrics_path": self.metrics.log.metrics_path, "wandb_dir": self.wandb_dir,
-                "memory": self.memory_records}
+                "memory": list(self.memory_records)}
 
     def step(self, step: int) -> Dict[str, float]:
         """One optimizer step over grad_accum micro-batches; this rank's raw measurements."""
