@@ -13,6 +13,8 @@ forms' unit), so each formula below divides them by one link's bandwidth:
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from .hardware import Gpu, Link
 
 
@@ -36,12 +38,13 @@ def ring_link(gpu: Gpu, r: int, stride: int, gpus_per_node: int) -> Link:
 
 
 def ring_time(gpu: Gpu, nbytes: float, r: int, stride: int, gpus_per_node: int, compute_s: float,
-              overlap: bool = True) -> float:
+              overlap: bool = True, hops: Optional[int] = None) -> float:
     """Exposed time of ``nbytes`` sent over r - 1 hops (forward and backward passes together: 2 (r-1)
-    hops) beside ``compute_s`` seconds of attention compute spread evenly over the r steps."""
+    hops; ``hops`` fewer where a mask leaves peers with nothing to send) beside ``compute_s`` seconds
+    of attention compute spread evenly over the r steps."""
     if r <= 1 or nbytes <= 0:
         return 0.0
-    hops = 2 * (r - 1)
+    hops = 2 * (r - 1) if hops is None else max(hops, 1)
     link = ring_link(gpu, r, stride, gpus_per_node)
     per_hop = link.alpha_s + nbytes / hops / link.beta_bytes_s
     if not overlap:

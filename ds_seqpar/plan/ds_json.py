@@ -13,6 +13,8 @@ def ds_config(c: Candidate, dtype: str, hybrid: bool) -> Dict[str, Any]:
         section["ulysses_size"] = c.ulysses_size
     if hybrid:
         section["linear_strategy"] = c.linear_strategy
+    if c.strategy == "lasp":
+        section["lasp_comm"] = c.lasp_comm
     zero: Dict[str, Any] = {"stage": c.zero, "overlap_comm": False, "contiguous_gradients": True,
                             "reduce_bucket_size": 50_000_000}
     adam = {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01, "torch_adam": True}

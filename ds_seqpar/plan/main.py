@@ -17,6 +17,7 @@ from ..config import ConfigError
 from . import hardware
 from .ds_json import ds_config
 from .hardware import PlanError
+from .masks import equal_documents
 from .model_shape import ModelShape, from_hf_config
 from .search import Cluster, Prediction, gpus_needed, longest_sequence, plan
 
@@ -31,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu", default="h100", help=f"{' | '.join(hardware.known_gpus())} | a JSON profile path")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--doc-len", type=int, default=None, help="packed documents of this many tokens (the last one "
+                   "shorter): attention work and ring bytes follow their mask")
     p.add_argument("--zero", type=int, choices=(1, 2, 3), help="ZeRO stage (default: try 1, 2 and 3)")
     p.add_argument("--top", type=int, default=12, help="feasible configurations to print")
     p.add_argument("--out", help="write the best configuration's DeepSpeed JSON here")
@@ -42,14 +45,44 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+OWN_LM = "ds_seqpar_lm"
+
+
+def own_lm_shape(raw: dict, name: str) -> ModelShape:
+    """The project's own LM (models/lm.py) from a JSON of its ModelConfig fields with "model_type":
+    "ds_seqpar_lm" (configs/plan/own_lm_linear.json); validated by ModelConfig itself. Softmax: a
+    Llama-style shape; linear: every layer "lasp" (strategy lasp, one [d, d] state per q head)."""
+    from ..models.lm import ModelConfig
+    fields = {k: v for k, v in raw.items() if k != "model_type"}
+    try:
+        cfg = ModelConfig(**fields)
+    except (TypeError, ValueError) as err:
+        raise PlanError(f"--model {name}: not a ds_seqpar_lm config ({err}); keys are ModelConfig's: "
+                        f"{', '.join(ModelConfig.__dataclass_fields__)}") from None
+    linear = cfg.attention == "linear"
+    return ModelShape(name, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_hidden,
+                      cfg.vocab_size, tied=cfg.tie_embeddings, kinds=("lasp",) * cfg.n_layers if linear else (),
+                      lin_heads=cfg.n_heads if linear else 0, lin_dk=cfg.head_dim if linear else 0,
+                      lin_dv=cfg.head_dim if linear else 0, transition="fixed", model_type=OWN_LM)
+
+
 def load_model(path: str) -> ModelShape:
-    """The HF config through the project's loader, checked as the main job checks it."""
+    """The HF config through the project's loader, checked as the main job checks it; or the
+    project's own LM (own_lm_shape)."""
     from ..hf.checks import check_config, text_config
     from ..hf.linear_layers import HYBRID_MODEL_TYPES
     from ..hf.model_io import load_config
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
         raise PlanError(f"--model {path!r} is a directory without config.json; pass a Hugging Face model directory "
                         f"or a config JSON file (e.g. configs/models/llama_small.json)")
+    if path.endswith(".json") and os.path.isfile(path):
+        with open(path) as f:
+            try:
+                raw = json.load(f)
+            except json.JSONDecodeError as err:
+                raise PlanError(f"--model {path!r} is not valid JSON: {err}") from None
+        if isinstance(raw, dict) and raw.get("model_type") == OWN_LM:
+            return own_lm_shape(raw, os.path.basename(path))
     config = load_config(path)
     hybrid = getattr(text_config(config), "model_type", None) in HYBRID_MODEL_TYPES
     check_config(config, training=True, linear_ok=hybrid)
@@ -63,6 +96,8 @@ def check_args(opts) -> None:
     if opts.seq_len < 2 or opts.gpus < 1 or opts.gpus_per_node < 1:
         raise PlanError(f"--seq-len={opts.seq_len} must be >= 2, --gpus={opts.gpus} and "
                         f"--gpus-per-node={opts.gpus_per_node} >= 1")
+    if opts.doc_len is not None and opts.doc_len < 1:
+        raise PlanError(f"--doc-len={opts.doc_len} must be >= 1 (tokens per packed document)")
     if opts.gpus > opts.gpus_per_node and opts.gpus % opts.gpus_per_node:
         raise PlanError(f"--gpus={opts.gpus} is not a whole number of nodes of --gpus-per-node={opts.gpus_per_node}")
 
@@ -75,7 +110,9 @@ def render(shape: ModelShape, opts, cluster: Cluster, ok: List[Prediction], reje
     gpu = cluster.gpu
     lines = [f"model {shape.name}: {shape.params() / 1e9:.2f}B parameters, {shape.layers} layers "
              f"({', '.join(f'{k} x{shape.count(k)}' for k in dict.fromkeys(shape.layer_kinds))}), hidden {shape.hidden}, "
-             f"heads {shape.heads}/{shape.kv_heads} kv, vocab {shape.vocab}",
+             f"heads {shape.heads}/{shape.kv_heads} kv, vocab {shape.vocab}"
+             + "".join(f"; window {w} on {k} layers" for w, k in shape.softmax_windows().items() if w),
+             *([f"packed documents of {opts.doc_len:,} tokens"] if getattr(opts, "doc_len", None) else []),
              f"sequence {opts.seq_len:,} tokens; {cluster.gpus} x {gpu.name} ({gpu.description}), "
              f"{cluster.gpus_per_node} per node, {cluster.dtype}; usable memory {_gb(gpu.usable_bytes)} GB per GPU",
              f"assumed: matmul {gpu.assumed['matmul_efficiency']:.0%} and attention {gpu.assumed['attention_efficiency']:.0%}"
@@ -88,7 +125,8 @@ def render(shape: ModelShape, opts, cluster: Cluster, ok: List[Prediction], reje
         c = p.candidate
         comm_mb = ", ".join(f"{k} {v / MB:.0f}" for k, v in p.comm_bytes.items()) or "-"
         comm_s = ", ".join(f"{k} {v:.2f}" for k, v in p.comm_s.items() if v > 0.005) or "0"
-        rows.append((str(i), c.strategy, str(c.size), str(c.ulysses_size), c.linear_strategy if shape.hybrid else "-",
+        rows.append((str(i), c.strategy, str(c.size), str(c.ulysses_size), c.linear_strategy if shape.hybrid else
+                     (c.lasp_comm if c.strategy == "lasp" else "-"),
                      str(p.dp), str(c.zero), c.features.label, _gb(p.static_bytes), f"{p.per_token_bytes / KB:.0f}",
                      f"{_gb(p.peak_bytes)} ({p.peak_phase})", comm_mb, comm_s, f"{p.compute_s:.2f}", f"{p.step_s:.2f}",
                      f"{p.tokens_s:,.0f}", f"{p.mfu:.0%}"))
@@ -117,9 +155,9 @@ def _table(hdr, rows) -> List[str]:
     return [fmt(hdr), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
 
 
-def no_fit_message(shape: ModelShape, opts, cluster: Cluster) -> str:
-    longest = longest_sequence(shape, cluster, opts.zero)
-    need = gpus_needed(shape, opts.seq_len, cluster, opts.zero)
+def no_fit_message(shape: ModelShape, opts, cluster: Cluster, own_linear: bool = False) -> str:
+    longest = longest_sequence(shape, cluster, opts.zero, own_linear)
+    need = gpus_needed(shape, opts.seq_len, cluster, opts.zero, own_linear)
     more = (f"{need} x {cluster.gpu.name} ({cluster.gpus_per_node} per node) would fit it" if need else
             "no cluster up to 16384 GPUs fits it")
     return (f"ds-seqpar plan: no configuration fits {opts.seq_len:,} tokens of {shape.name} on {cluster.gpus} x "
@@ -129,7 +167,7 @@ def no_fit_message(shape: ModelShape, opts, cluster: Cluster) -> str:
 def _as_json(p: Prediction) -> dict:
     c = p.candidate
     return {"strategy": c.strategy, "size": c.size, "ulysses_size": c.ulysses_size, "linear_strategy": c.linear_strategy,
-            "zero": c.zero, "features": c.features.label, "dp": p.dp, "ok": p.ok, "reason": p.reason,
+            "lasp_comm": c.lasp_comm if c.strategy == "lasp" else None, "zero": c.zero, "features": c.features.label, "dp": p.dp, "ok": p.ok, "reason": p.reason,
             "static_bytes": p.static_bytes, "per_token_bytes": p.per_token_bytes, "peak_bytes": p.peak_bytes,
             "peak_phase": p.peak_phase, "host_bytes": p.host_bytes, "comm_bytes_per_layer": p.comm_bytes,
             "comm_s": p.comm_s, "compute_s": p.compute_s, "step_s": p.step_s, "tokens_s": p.tokens_s, "mfu": p.mfu,
@@ -142,21 +180,27 @@ def run(opts) -> int:
     check_args(opts)
     gpu = hardware.load_gpu(opts.gpu)
     shape = load_model(opts.model)
+    own_linear = shape.count("lasp") > 0
     cluster = Cluster(opts.gpus, min(opts.gpus_per_node, opts.gpus), gpu, opts.dtype)
-    ok, rejected = plan(shape, opts.seq_len, cluster, opts.zero)
+    docs = equal_documents(opts.seq_len, opts.doc_len)
+    ok, rejected = plan(shape, opts.seq_len, cluster, opts.zero, own_linear, docs=docs)
     print(render(shape, opts, cluster, ok, rejected))
     if opts.json_out:
         with open(opts.json_out, "w") as f:
             json.dump({"model": shape.name, "seq_len": opts.seq_len, "gpus": opts.gpus, "gpu": hardware.describe(gpu),
                        "feasible": [_as_json(p) for p in ok], "rejected": [_as_json(p) for p in rejected]}, f, indent=1)
     if not ok:
-        print(no_fit_message(shape, opts, cluster), file=sys.stderr)
+        print(no_fit_message(shape, opts, cluster, own_linear), file=sys.stderr)
         return 1
     if opts.out:
         with open(opts.out, "w") as f:
             json.dump(ds_config(ok[0].candidate, opts.dtype, shape.hybrid), f, indent=2)
             f.write("\n")
         print(f"\nwrote {opts.out}: {ok[0].candidate.label()}")
+        if shape.model_type == OWN_LM:
+            print(f"run it with the model's sizes: python -m ds_seqpar.train --deepspeed_config {opts.out} "
+                  f"--dim {shape.hidden} --n_layers {shape.layers} --n_heads {shape.heads} --n_kv_heads "
+                  f"{shape.kv_heads} --mlp_hidden {shape.intermediate}" + (" --untied" if not shape.tied else ""))
     return 0
 
 

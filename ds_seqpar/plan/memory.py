@@ -75,8 +75,9 @@ def _mlp_saved(shape: ModelShape, e: int) -> float:
 
 
 def _mixer_widths(shape: ModelShape, kind: str) -> Dict[str, int]:
-    if kind in SOFTMAX_KINDS:
-        return {"q": shape.q_dim, "kv": shape.kv_dim, "o": shape.heads * shape.dv, "lse": shape.heads}
+    if kind in SOFTMAX_KINDS or kind == "lasp":          # lasp (own LM): the same projections, no lse
+        return {"q": shape.q_dim, "kv": shape.kv_dim, "o": shape.heads * shape.dv,
+                "lse": shape.heads if kind in SOFTMAX_KINDS else 0}
     width = shape.mixer_params(kind) // max(shape.hidden, 1)        # projection outputs (approximate)
     return {"q": width // 2, "kv": width // 4, "o": width // 4, "lse": 0}
 

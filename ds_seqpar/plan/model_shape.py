@@ -4,15 +4,17 @@ the config's attributes; nothing is built, no weights are read).
 Legend: h hidden size, L layers, H / H_kv query / key-value heads, d head dim, I MLP width,
 V vocabulary. Layer kinds: "attention" (softmax over the whole sequence), "sliding" (softmax in a
 window), "linear" (a linear-attention / delta-rule layer: a [H_lin, dk, dv] state), "mamba"
-(Mamba2 SSD: a [heads, d_head, d_state] state), "mlp" (a layer without a token mixer).
+(Mamba2 SSD: a [heads, d_head, d_state] state), "lasp" (the project's own LM with --attention
+linear: q, k, v, o projections like softmax, a [H, d, d] state per head, sp.linear_attention),
+"mlp" (a layer without a token mixer).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 SOFTMAX_KINDS = ("attention", "sliding")
-LINEAR_KINDS = ("linear", "mamba")
+LINEAR_KINDS = ("linear", "mamba", "lasp")
 _KIND_OF = {"full_attention": "attention", "attention": "attention", "sliding_attention": "sliding",
             "chunked_attention": "sliding", "linear_attention": "linear", "mamba": "mamba", "hybrid": "mamba",
             "conv": "linear", "mlp": "mlp", "moe": "mlp"}
@@ -54,6 +56,20 @@ class ModelShape:
     def layer_kinds(self) -> Tuple[str, ...]:
         return self.kinds or ("attention",) * self.layers
 
+    @property
+    def layer_windows(self) -> Tuple[Optional[int], ...]:
+        """Each layer's sliding window (None: none). transformers gives the window to the layers that
+        layer_types marks sliding (every layer of a Mistral-style config without layer_types)."""
+        return tuple(self.window if k == "sliding" else None for k in self.layer_kinds)
+
+    def softmax_windows(self) -> Dict[Optional[int], int]:
+        """{window: softmax layers with it} (None: full attention)."""
+        out: Dict[Optional[int], int] = {}
+        for k, w in zip(self.layer_kinds, self.layer_windows):
+            if k in SOFTMAX_KINDS:
+                out[w] = out.get(w, 0) + 1
+        return out
+
     def count(self, kind: str) -> int:
         return sum(1 for k in self.layer_kinds if k == kind)
 
@@ -69,7 +85,7 @@ class ModelShape:
 
     def mixer_params(self, kind: str) -> int:
         h = self.hidden
-        if kind in SOFTMAX_KINDS:
+        if kind in SOFTMAX_KINDS or kind == "lasp":
             return h * self.q_dim + 2 * h * self.kv_dim + self.heads * self.dv * h
         if kind == "linear":                 # q, k (dk), v (dv), gates ~ z (dv), out
             return h * self.lin_heads * (2 * self.lin_dk + 2 * self.lin_dv) + self.lin_heads * self.lin_dv * h
