@@ -31,22 +31,27 @@ def tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1", unk_token="t2")
 
 
-def dataset(n: int, seed: int = 0):
-    """Pre-tokenized prompt/completion pairs of varying lengths (TRL skips its own tokenization)."""
+def dataset(n: int, seed: int = 0, completion_length=None):
+    """Pre-tokenized prompt/completion pairs of varying lengths (TRL skips its own tokenization);
+    ``completion_length``: every completion that long (prompts still vary)."""
     from datasets import Dataset
     g = torch.Generator().manual_seed(seed)
     rows = {"input_ids": [], "completion_mask": []}
     for _ in range(n):
         prompt, completion = int(torch.randint(4, 12, (1,), generator=g)), int(torch.randint(10, 30, (1,), generator=g))
+        completion = completion_length or completion
         rows["input_ids"].append(torch.randint(3, VOCAB, (prompt + completion,), generator=g).tolist() + [1])
         rows["completion_mask"].append([0] * prompt + [1] * (completion + 1))
     return Dataset.from_dict(rows)
 
 
 def train(deepspeed, output_dir, max_steps=3, gradient_accumulation_steps=3, per_device_train_batch_size=2,
-          samples=48, padding_free=False, packing=False):
-    """Returns (per-step log, final parameters) on world rank 0 (None elsewhere). ``packing``: TRL's
-    best-fit-decreasing packing of the samples into rows of up to 96 tokens (padding-free rows)."""
+          samples=48, padding_free=False, packing=False, eval_samples=0, evaluate=None, **overrides):
+    """Returns (per-step log, final parameters) on world rank 0 (None elsewhere), with ``eval_samples``
+    also ``evaluate(trainer, eval_set)`` (default: ``trainer.evaluate()``'s metrics). ``packing``: TRL's
+    best-fit-decreasing packing of the samples into rows of up to 96 tokens (padding-free rows). The eval
+    set's completions are all 16 tokens long (as many targets in every row). ``overrides``: other SFTConfig
+    fields."""
     import transformers as T
     from trl import SFTConfig, SFTTrainer
     from ds_seqpar.hf import sequence_parallel
@@ -57,21 +62,23 @@ def train(deepspeed, output_dir, max_steps=3, gradient_accumulation_steps=3, per
                      max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to="none", seed=0,
                      dataloader_num_workers=0, use_cpu=not torch.cuda.is_available(), completion_only_loss=True,
                      bf16=False, padding_free=padding_free, packing=packing, max_length=96 if packing else None,
-                     dataset_num_proc=None)
+                     dataset_num_proc=None, per_device_eval_batch_size=per_device_train_batch_size, **overrides)
     config = T.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256,
                            attention_dropout=0.0, use_cache=False, pad_token_id=0, eos_token_id=1)
     torch.manual_seed(0)
     model = T.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    eval_set = dataset(eval_samples, seed=1, completion_length=16) if eval_samples else None
     trainer = sequence_parallel(SFTTrainer)(model=model, args=args, train_dataset=dataset(samples),
-                                            processing_class=tokenizer())
+                                            eval_dataset=eval_set, processing_class=tokenizer())
     trainer.train()
     params = final_parameters(trainer)
+    metrics = None if eval_set is None else evaluate(trainer, eval_set) if evaluate else trainer.evaluate()
     if not trainer.is_world_process_zero():
         return None
-    keys = ("step", "loss", "grad_norm", "learning_rate", "mean_token_accuracy", "entropy")
+    keys = ("step", "loss", "grad_norm", "learning_rate", "mean_token_accuracy", "entropy", "num_tokens")
     steps = [{k: e[k] for k in keys if k in e} for e in trainer.state.log_history if "loss" in e]
-    return steps, params
+    return (steps, params) if metrics is None else (steps, params, metrics)
 
 
 def main():

@@ -40,6 +40,7 @@ import torch
 from .. import comm
 from ..config import ConfigError, SequenceParallelConfig
 from ..sequence_parallel import SequenceParallel
+from . import trl_support
 from .apply import apply_sequence_parallel
 
 
@@ -58,6 +59,9 @@ class SequenceParallelMixin:
         super().__init__(**kwargs)
         if self.sp is None:
             return
+        self._sp_trl = trl_support.is_trl(type(self))
+        if self._sp_trl:
+            trl_support.refuse_inexact(self)
         apply_sequence_parallel(_base_model(self.model), self.sp)
         self._sp_engine_checked = False
         self._wrap_prepare()
@@ -97,6 +101,11 @@ class SequenceParallelMixin:
         if self.sp is not None and not self._sp_engine_checked:
             self._check_engine(model)
         return super().training_step(model, inputs, *args, **kwargs)
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        if self.sp is None or not self._sp_trl:
+            return super().compute_loss(model, inputs, *args, **kwargs)
+        return trl_support.compute_loss(self, super().compute_loss, model, inputs, *args, **kwargs)
 
     # -- data: one stream per replica, sharded batches ------------------------------------------
     def get_train_dataloader(self):
@@ -142,9 +151,12 @@ class SequenceParallelMixin:
                               "over the whole sequence before sharding: use a collator that sets labels "
                               "(DataCollatorForLanguageModeling(mlm=False), DataCollatorWithFlattening, TRL's)")
         check_group_batch(batch, self.sp)
+        tokens = trl_support.tokens_of(batch) if getattr(self, "_sp_trl", False) else None  # before the mask goes
         drop_right_padding(batch)
         out = self.sp.shard_batch(batch)
         out["shift_labels"] = out["labels"]                # what the Trainer counts: the shards' targets
+        if tokens is not None:
+            out[trl_support.TOKENS] = tokens
         return out
 
     # -- eval and predict: sequence-parallel, gathered over the replicas -------------------------
@@ -154,15 +166,13 @@ class SequenceParallelMixin:
         logits unsharded to full length, the labels as the collator gave them."""
         if self.sp is None:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
-        owner = _owner(type(self), "prediction_step")
-        if owner.__name__ != "Trainer":
-            # TRL's eval step normalises by each rank's own token count: the group's mean of those is not
-            # plain's (training is: it gets num_items_in_batch)
-            raise ConfigError(f"ds_seqpar.hf: evaluation with {owner.__name__} (its own prediction_step) is not yet exact "
-                              f"under sequence parallelism; evaluate with SequenceParallelTrainer, or with size 1")
+        _refuse_unverified_eval(type(self), None, {"eval_dataset": True})
         labels, length = inputs.get("labels"), inputs["input_ids"].shape[1]
-        loss, logits, _ = super().prediction_step(model, self._shard_batch(inputs), prediction_loss_only, ignore_keys)
-        if loss is not None:
+        shard = self._shard_batch(inputs)
+        loss, logits, _ = super().prediction_step(model, dict(shard), prediction_loss_only, ignore_keys)
+        if loss is not None and self._sp_trl:      # TRL: this rank's mean over its own targets
+            loss = trl_support.eval_loss(loss, shard, self.sp)
+        elif loss is not None:                     # Trainer: this rank's share of the step's global count
             loss = comm.all_reduce(loss.detach().float().reshape(1).clone(), self.sp.group, stats=self.sp.stats,
                                    kind="eval_loss")[0] / self.sp.size
         if logits is not None:
@@ -304,15 +314,16 @@ def _refuse_unverified_loss(cls) -> None:
 
 
 def _refuse_unverified_eval(cls, targs, kwargs) -> None:
-    """A subclass with its own prediction_step (TRL's: it normalises by each rank's own token count) is not
-    exact in evaluation yet: refused at construction when the run evaluates (an eval set or an eval
-    strategy), not in the middle of training; ``evaluate()`` on such a trainer is refused as well."""
+    """A subclass with its own prediction_step other than the verified ones (transformers' Trainer; TRL's
+    SFTTrainer: trl_support makes its eval loss and metrics the replica's) is refused at construction
+    when the run evaluates (an eval set or an eval strategy), not in the middle of training; ``evaluate()``
+    on such a trainer is refused as well."""
     owner = _owner(cls, "prediction_step")
     strategy = getattr(getattr(targs, "eval_strategy", "no"), "value", getattr(targs, "eval_strategy", "no"))
-    if owner.__name__ != "Trainer" and (kwargs.get("eval_dataset") is not None or strategy != "no"):
-        raise ConfigError(f"ds_seqpar.hf: evaluation with {owner.__name__} (its own prediction_step) is not yet "
-                          f"exact under sequence parallelism; pass no eval_dataset and eval_strategy='no', and "
-                          f"evaluate with SequenceParallelTrainer or with size 1")
+    if owner.__name__ not in VERIFIED_LOSSES and (kwargs.get("eval_dataset") is not None or strategy != "no"):
+        raise ConfigError(f"ds_seqpar.hf: evaluation with {owner.__name__} (its own prediction_step) is not "
+                          f"verified exact under sequence parallelism; pass no eval_dataset and eval_strategy='no', "
+                          f"and evaluate with SequenceParallelTrainer or with size 1")
 
 
 def one_wandb_run(targs) -> None:

@@ -125,28 +125,70 @@ def test_gradient_checkpointing_and_lora_equal_plain(pool, option):
     assert_same_training(f"{option} zigzag P=2", got, plain)
 
 
-def run_sft(cfg, micro, padding_free=False, packing=False):
-    """On every rank: TRL's SFTTrainer with the mixin (examples/trl_sft.py); rank 0 returns (steps, params)."""
+def run_sft(cfg, micro, padding_free=False, packing=False, eval_samples=0, samples=48, evaluate=None):
+    """On every rank: TRL's SFTTrainer with the mixin (examples/trl_sft.py); rank 0 returns (steps, params[,
+    eval metrics])."""
     example = _example("trl_sft")
     with tempfile.TemporaryDirectory() as out:
         try:
-            return example.train(cfg, out, max_steps=3, gradient_accumulation_steps=3,
-                                 per_device_train_batch_size=micro, padding_free=padding_free, packing=packing)
+            return example.train(cfg, out, max_steps=3, gradient_accumulation_steps=3, samples=samples,
+                                 per_device_train_batch_size=micro, padding_free=padding_free, packing=packing,
+                                 eval_samples=eval_samples, evaluate=evaluate)
         finally:
             reset_worker_state()
 
 
+def evaluate_with_padding_rows(trainer, eval_set):
+    """The plain run's evaluate() on the eval set, and on the eval set followed by its first rows up to a
+    whole last step (the rows accelerate pads an uneven last batch with)."""
+    from datasets import concatenate_datasets
+    step = trainer.args.per_device_eval_batch_size * trainer.accelerator.num_processes
+    wrap = -len(eval_set) % step
+    return trainer.evaluate(), trainer.evaluate(concatenate_datasets([eval_set, eval_set.select(range(wrap))]))
+
+
+def assert_same_trl_metrics(what, got, want, prefix=""):
+    """TRL's metrics, per logged step (or of evaluate() with prefix "eval_"): token counts and accuracies are
+    counts (exact in fp32 at these sizes), entropy a sum of fp32 terms in another order (1e-5 relative)."""
+    for g, w in zip(got, want):
+        for key in ("num_tokens", "mean_token_accuracy", "entropy"):
+            if prefix + key not in w:
+                continue
+            exact = key != "entropy"
+            g_value, w_value = g[prefix + key], w[prefix + key]
+            assert (g_value == w_value) if exact else abs(g_value - w_value) <= 1e-5 * abs(w_value), \
+                (what, prefix + key, g_value, w_value)
+
+
 @pytest.mark.parametrize("padding_free", [False, True])
 def test_trl_sft_trainer_equals_plain_data_parallelism(pool, padding_free):
-    """TRL's own loss (its fused LM head on the shards' shift_labels), metrics and collators; right-padded
-    rows, or padding-free rows (one packed row per micro-batch, documents from position_ids)."""
-    plain = plain_run(pool, 2, 0, run_sft, padding_free)
+    """TRL's own loss (its fused LM head on the shards' shift_labels), metrics (num_tokens, accuracy, entropy)
+    and collators; right-padded rows, or padding-free rows (one packed row per micro-batch, documents from
+    position_ids). With right-padded rows also TRL's evaluation, sequence-parallel, of 10 samples: the last
+    eval step holds 2 real rows of 4 (accelerate pads the batch with the first rows and truncates after
+    gathering). The reference is plain data parallelism on the same replicas (2 processes, eval batch 2),
+    which the pool's plain run (4 processes of 1 row) stands for as follows:
+      * eval_loss: the Trainer gathers one loss per row and drops the padding rows' (here both drop the
+        same 2); TRL's eval loss is a process's mean over its own batch's targets, so a process of 2 rows
+        and 2 processes of 1 row average the same numbers when every row has as many targets: the eval
+        set's completions are all 16 tokens (prompts and widths still vary);
+      * eval_entropy / eval_mean_token_accuracy: TRL gathers one sum per process and accelerate keeps the
+        first `remainder` (2) values: plain on 2 replicas keeps both processes' sums, padding rows
+        included; the pool's plain run keeps 2 rows. Its metrics over the eval set followed by the 2
+        padding rows (no remainder: nothing dropped) are plain-on-2-replicas' metrics."""
+    evaluated = 0 if padding_free else 10
+    plain = plain_run(pool, 2, 0, run_sft, padding_free, False, evaluated, 48, evaluate_with_padding_rows)
     cases = [dict(strategy="zigzag", size=2)] + ([] if padding_free else [dict(strategy="ulysses", size=4)])
-    for sp in cases:
-        got = pool.run(run_sft, ds_config(2, **sp), sp["size"], padding_free)[0]
-        assert_same_training(f"SFTTrainer padding_free={padding_free} {sp}", got, plain)
-        for g, w in zip(got[0], plain[0]):
-            assert g["mean_token_accuracy"] == w["mean_token_accuracy"], (sp, g, w)
+    for i, sp in enumerate(cases):
+        what = f"SFTTrainer padding_free={padding_free} {sp}"
+        got = pool.run(run_sft, ds_config(2, **sp), sp["size"], padding_free, False, evaluated if i == 0 else 0)[0]
+        assert_same_training(what, got, plain)
+        assert_same_trl_metrics(what, got[0], plain[0])
+        if i == 0 and evaluated:
+            metrics, (ref, ref_padded) = got[2], plain[2]
+            assert abs(metrics["eval_loss"] - ref["eval_loss"]) <= 1e-5 * ref["eval_loss"], (what, metrics, ref)
+            assert {"eval_entropy", "eval_mean_token_accuracy"} <= set(ref_padded), ref_padded
+            assert_same_trl_metrics(what, [metrics], [ref_padded], prefix="eval_")
 
 
 def run_resumed(cfg, micro, out, steps=4, stop=2):

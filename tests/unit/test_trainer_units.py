@@ -119,24 +119,30 @@ def test_dispatch_batches_is_refused_before_any_collective():
     _refuse_inexact(targs(None), {"train_dataset": [1, 2]})
 
 
-def test_trl_evaluation_is_refused_at_construction():
-    """TRL's prediction_step normalises by each rank's own token count: a run that evaluates (an eval set or
-    an eval strategy) is refused when the trainer is built, not after hours of training; training alone
-    and transformers' own prediction_step are accepted."""
+def test_unverified_evaluation_is_refused_at_construction():
+    """A Trainer subclass with its own prediction_step other than TRL's SFTTrainer (whose eval loss and
+    metrics ds_seqpar/hf/trl_support.py makes the replica's) is refused when the trainer is built, if the run
+    evaluates (an eval set or an eval strategy), not after hours of training."""
     from types import SimpleNamespace
 
     import transformers
     from trl import SFTTrainer
 
     from ds_seqpar.hf.trainer import _refuse_unverified_eval
-    sft = sequence_parallel(SFTTrainer)
-    with pytest.raises(ConfigError, match=r"evaluation with SFTTrainer .*eval_strategy='no'"):
-        _refuse_unverified_eval(sft, SimpleNamespace(eval_strategy=transformers.IntervalStrategy.STEPS), {})
-    with pytest.raises(ConfigError, match="evaluation with SFTTrainer"):
-        _refuse_unverified_eval(sft, SimpleNamespace(eval_strategy="no"), {"eval_dataset": [1]})
-    _refuse_unverified_eval(sft, SimpleNamespace(eval_strategy=transformers.IntervalStrategy.NO), {})
-    _refuse_unverified_eval(sequence_parallel(transformers.Trainer), SimpleNamespace(eval_strategy="steps"),
-                            {"eval_dataset": [1]})
+
+    class OwnEval(transformers.Trainer):
+        def prediction_step(self, *a, **k):
+            return super().prediction_step(*a, **k)
+
+    own = sequence_parallel(OwnEval)
+    with pytest.raises(ConfigError, match=r"evaluation with OwnEval .*eval_strategy='no'"):
+        _refuse_unverified_eval(own, SimpleNamespace(eval_strategy=transformers.IntervalStrategy.STEPS), {})
+    with pytest.raises(ConfigError, match="evaluation with OwnEval"):
+        _refuse_unverified_eval(own, SimpleNamespace(eval_strategy="no"), {"eval_dataset": [1]})
+    _refuse_unverified_eval(own, SimpleNamespace(eval_strategy=transformers.IntervalStrategy.NO), {})
+    for verified in (SFTTrainer, transformers.Trainer):
+        _refuse_unverified_eval(sequence_parallel(verified), SimpleNamespace(eval_strategy="steps"),
+                                {"eval_dataset": [1]})
 
 
 def test_deepspeed_wandb_block_becomes_the_trainers_one_run(monkeypatch):
