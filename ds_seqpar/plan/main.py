@@ -210,7 +210,9 @@ def calibrate_here(opts) -> int:
     from . import calibrate, calibrate_report
     start = _time.time()
     load = os.getloadavg()[0]
+    from . import kernel_model
     kernels = calibrate.measure_kernels()
+    blocks = kernel_model.measure_blocks()
     comm = calibrate.measure_comm(2, 7)
     profile = calibrate.cpu_profile(comm, kernels)
     os.makedirs(opts.reports, exist_ok=True)
@@ -218,7 +220,8 @@ def calibrate_here(opts) -> int:
         json.dump(hardware.describe(profile), f, indent=2)
     note = (f"Machine: {os.cpu_count()} cores, 1-minute load {load:.1f} before and {os.getloadavg()[0]:.1f} after "
             f"(the rates move with the load); calibration took {_time.time() - start:.0f} s.")
-    md = calibrate_report.write({"kernels": kernels, "comm": comm}, opts.reports, opts.name, note, profile)
+    md = calibrate_report.write({"kernels": kernels, "comm": comm, "blocks": blocks}, opts.reports, opts.name, note,
+                                profile)
     print(f"wrote {md} and {os.path.join(opts.reports, opts.name + '_profile.json')} (usable as --gpu)")
     return 0
 
