@@ -129,4 +129,44 @@ def hybrid_rows(hybrid: Dict[str, Any], fit: Dict[str, float]) -> List[Dict[str,
     return rows
 
 
-__all__ = ["exchange_s", "fit_exchange", "hybrid_rows", "lasp_rows", "messages", "predict_softmax", "softmax_rows"]
+__all__ = ["exchange_s", "fit_exchange", "hybrid_rows", "lasp_rows", "messages", "predict_softmax", "softmax_rows",
+           "step_rows"]
+
+
+def step_rows(full: Dict[str, Any], fit: Dict[str, float], profile) -> List[Dict[str, Any]]:
+    """cpu_full's whole training step at P = 2 (the project's LM, fp32, ZeRO-2): the measured P = 1
+    step scaled by the plan's compute ratio (search.predict: busiest rank's FLOPs at P over P = 1's),
+    plus every exchange of the step at the softmax rows' (alpha, beta): the layers' bytes from the
+    closed forms (per layer x layers) and ZeRO-2's reduce-scatter + all-gather (2 messages)."""
+    import math
+    from . import comm_model
+    from .memory import Features
+    from .model_shape import ModelShape
+    from .search import Candidate, Cluster, predict
+    tm = full.get("train_model") or {}
+    if not tm:
+        return []
+    dim, heads, layers = tm["dim"], tm["n_heads"], tm["n_layers"]
+    mlp = 16 * math.ceil(8 * dim / 3 / 16)                  # models/lm.py's default MLP width
+    rows = []
+    for strategy, measured in sorted(full.get("train", {}).items()):
+        linear = strategy == "lasp"
+        shape = ModelShape("lm", dim, layers, heads, heads, dim // heads, mlp, 256, tied=True,
+                           kinds=("lasp",) * layers if linear else (), lin_heads=heads if linear else 0,
+                           lin_dk=dim // heads if linear else 0, lin_dv=dim // heads if linear else 0,
+                           transition="fixed")
+        p = 2
+        one = predict(Candidate(strategy if linear else "ulysses", 1, 1, 2, Features()), shape, tm["seq_len"],
+                      Cluster(1, 1, profile, "fp32"), own_linear=linear)
+        two = predict(Candidate(strategy, p, p if strategy == "ulysses" else 1, 2, Features()), shape,
+                      tm["seq_len"], Cluster(p, p, profile, "fp32"), own_linear=linear)
+        if not (one.compute_s and two.compute_s):
+            continue
+        layer_bytes = sum(two.comm_bytes.values()) * layers
+        zero = comm_model.zero_bytes(shape.params(), p, 2, 4, 4)
+        t = (measured["one_s"]["median"] * two.compute_s / one.compute_s
+             + exchange_s(fit, messages(strategy, p) * layers + 2, layer_bytes + zero))
+        rows.append({"strategy": strategy, "measured": measured["speedup"]["median"],
+                     "predicted": measured["one_s"]["median"] / t, "compute_ratio": two.compute_s / one.compute_s,
+                     "bytes": layer_bytes + zero})
+    return rows

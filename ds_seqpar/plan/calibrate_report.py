@@ -97,7 +97,8 @@ def memory_rows(report: Dict[str, Any]) -> List[Dict[str, Any]]:
 
 
 def fit_sections(cal: Dict[str, Any], speed: List[Dict[str, Any]], fitted: Optional[Dict[str, Any]],
-                 lasp: List[Dict[str, Any]], hybrid: List[Dict[str, Any]]) -> List[str]:
+                 lasp: List[Dict[str, Any]], hybrid: List[Dict[str, Any]],
+                 steps: Optional[List[Dict[str, Any]]] = None) -> List[str]:
     """The kernel-calls + fitted-exchange model (calibrate_fit.py) beside the measured speedups."""
     out: List[str] = []
     blocks = cal.get("blocks")
@@ -150,6 +151,16 @@ def fit_sections(cal: Dict[str, Any], speed: List[Dict[str, Any]], fitted: Optio
         out += [f"| {r['family']} | {r['case']} | {r['measured']:.2f} | {r['predicted']:.2f} | "
                 f"{r['predicted'] / r['measured']:.2f} | {r['map_extra_s']:.3f} | {r['bytes']:,} |" for r in hybrid]
         out += ["", f"Within 15%: {near} of {len(hybrid)} rows."]
+    if steps:
+        out += ["", "## Whole training step at P=2 with the fitted exchange (reports/cpu_full.json, the project's LM, "
+                "ZeRO-2)", "",
+                "Predicted = measured P=1 step x the plan's compute ratio (busiest rank's FLOPs at P=2 / at P=1) + every "
+                "exchange of the step (the layers' closed-form bytes, ZeRO-2's reduce-scatter and all-gather) at the "
+                "softmax rows' (alpha, beta), not overlapped. Elementwise work is assumed to halve like the FLOPs.", "",
+                "| strategy | measured | predicted | ratio | compute ratio | bytes/rank per step |",
+                "|---|---:|---:|---:|---:|---:|"]
+        out += [f"| {r['strategy']} | {r['measured']:.2f} | {r['predicted']:.2f} | {r['predicted'] / r['measured']:.2f} | "
+                f"{r['compute_ratio']:.3f} | {r['bytes']:,.0f} |" for r in steps]
     return out
 
 
@@ -219,14 +230,15 @@ def write(cal: Dict[str, Any], reports: str, name: str, note: str, profile=None)
     lasp = calibrate_fit.lasp_rows(full, fitted["fit"]) if fitted else []
     hybrid_report = _load(os.path.join(reports, "hybrid_cpu.json"))
     hybrid = calibrate_fit.hybrid_rows(hybrid_report, fitted["fit"]) if fitted and hybrid_report else []
+    steps_fit = calibrate_fit.step_rows(full, fitted["fit"], profile) if fitted and profile is not None else []
     if full:
         cal = dict(cal, full_load_peak=float(full.get("machine", {}).get("load_peak", float("nan"))))
     md = os.path.join(reports, f"{name}.md")
     with open(md, "w") as f:
-        f.write(render(cal, speed, mem, note, steps, fit_sections(cal, speed, fitted, lasp, hybrid)))
+        f.write(render(cal, speed, mem, note, steps, fit_sections(cal, speed, fitted, lasp, hybrid, steps_fit)))
     with open(os.path.join(reports, f"{name}.json"), "w") as f:
         json.dump({"calibration": cal, "speedups": speed, "memory": mem, "steps": steps,
-                   "kernel_calls": fitted, "lasp": lasp, "hybrid": hybrid}, f, indent=1)
+                   "kernel_calls": fitted, "lasp": lasp, "hybrid": hybrid, "steps_fitted": steps_fit}, f, indent=1)
     return md
 
 

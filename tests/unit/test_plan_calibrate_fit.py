@@ -72,3 +72,14 @@ def test_exchange_fit_recovers_alpha_beta():
             for m, b in ((8, 4e6), (3, 6e6), (8, 3e7), (3, 5e7))]
     fit = calibrate_fit.fit_exchange(rows)
     assert fit["alpha_s"] == pytest.approx(2e-4, rel=1e-6) and fit["beta_bytes_s"] == pytest.approx(5e8, rel=1e-6)
+
+
+def test_training_step_speedups_within_15_percent():
+    """cpu_full's P=2 training steps (zigzag, ulysses, lasp): the measured P=1 step x the plan's compute
+    ratio + the step's exchanges at the softmax fit, within 15% of the measured speedups."""
+    from ds_seqpar.plan.hardware import load_gpu
+    full = _load(FULL)
+    fit = calibrate_fit.predict_softmax(calibrate_fit.softmax_rows(full, {}))["fit"]
+    rows = calibrate_fit.step_rows(full, fit, load_gpu("h100"))
+    assert {r["strategy"] for r in rows} == set(full["train"])
+    assert all(abs(r["predicted"] / r["measured"] - 1) <= 0.15 for r in rows), rows
