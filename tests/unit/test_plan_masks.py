@@ -154,3 +154,22 @@ def test_bad_own_lm_config_names_the_keys(tmp_path, capsys):
     assert plan_main(["--model", str(bad), "--seq-len", "4096", "--gpus", "2"]) == 2
     err = capsys.readouterr().err
     assert "ds_seqpar_lm" in err and "n_heads" in err
+
+
+def test_doc_len_reaches_the_plan(tmp_path, capsys):
+    """--doc-len packs documents: the JSON's attention bytes of a ring candidate fall, and a bad length
+    is refused with the flag named."""
+    from ds_seqpar.plan.main import main as plan_main
+    llama = os.path.join(ROOT, "configs", "models", "llama_small.json")
+    got = {}
+    for extra in ([], ["--doc-len", "4096"]):
+        out = tmp_path / f"all{len(extra)}.json"
+        assert plan_main(["--model", llama, "--seq-len", "65536", "--gpus", "4", "--zero", "2", "--json", str(out)]
+                         + extra) == 0
+        rows = json.loads(out.read_text())["feasible"]
+        got[bool(extra)] = next(r for r in rows if r["strategy"] == "zigzag" and r["size"] == 4)
+    assert got[True]["comm_bytes_per_layer"]["attention"] < got[False]["comm_bytes_per_layer"]["attention"] / 4
+    assert got[True]["compute_s"] < got[False]["compute_s"]
+    capsys.readouterr()
+    assert plan_main(["--model", llama, "--seq-len", "4096", "--gpus", "2", "--doc-len", "0"]) == 2
+    assert "--doc-len" in capsys.readouterr().err
