@@ -162,9 +162,9 @@ def test_doc_len_reaches_the_plan(tmp_path, capsys):
     from ds_seqpar.plan.main import main as plan_main
     llama = os.path.join(ROOT, "configs", "models", "llama_small.json")
     got = {}
-    for extra in ([], ["--doc-len", "4096"]):
+    for extra in ([], ["--doc-len", "1024"]):
         out = tmp_path / f"all{len(extra)}.json"
-        assert plan_main(["--model", llama, "--seq-len", "65536", "--gpus", "4", "--zero", "2", "--json", str(out)]
+        assert plan_main(["--model", llama, "--seq-len", "16384", "--gpus", "4", "--zero", "2", "--json", str(out)]
                          + extra) == 0
         rows = json.loads(out.read_text())["feasible"]
         got[bool(extra)] = next(r for r in rows if r["strategy"] == "zigzag" and r["size"] == 4)
