@@ -176,7 +176,7 @@ def render(cal: Dict[str, Any], speed: List[Dict[str, Any]], mem: List[Dict[str,
     for kind in ("all_to_all", "ring"):
         out.append(f"| {kind} (2 ranks, gloo): alpha / beta | {c[kind]['alpha_s'] * 1e3:.2f} ms / "
                    f"{c[kind]['beta_bytes_s'] / 1e9:.2f} GB/s (largest residual {c[kind]['max_rel_residual']:.0%}) |")
-    out += ["", "## Attention fwd+bwd speedup at P=2 (reports/cpu_full.json)", "",
+    out += ["", "## Attention fwd+bwd speedup at P=2, first model: FLOPs and gloo's alpha/beta (reports/cpu_full.json)", "",
             "Predicted: single-process time from the SDPA rate, the busiest rank's share, plus the all-to-alls, or "
             "the ring's exposed time with ideal overlap / with none (the two bounds).", "",
             "| N | strategy | measured | predicted (overlap) | ratio | predicted (no overlap) | ratio | bytes/rank measured / closed form |",
@@ -196,7 +196,7 @@ def render(cal: Dict[str, Any], speed: List[Dict[str, Any]], mem: List[Dict[str,
                 f"the load above; the next sections replace those terms."]
     out += fit_lines or []
     if steps:
-        out += ["", "## Whole training-step speedup at P=2 (reports/cpu_full.json, the project's LM, ZeRO-2)", "",
+        out += ["", "## Whole training-step speedup at P=2, first model (reports/cpu_full.json, the project's LM, ZeRO-2)", "",
                 "Predicted by the plan itself (search.predict) with the calibrated profile: compute from FLOPs, "
                 "the strategy's exchanges and ZeRO-2's collectives from the alpha/beta fit.", "",
                 "| strategy | speedup measured | predicted | ratio | step s P=1 measured / predicted | step s P=2 measured / "
