@@ -132,10 +132,15 @@ class SequenceParallelMixin:
             raise ConfigError(f"ds_seqpar.hf: the dataloader ({type(loader).__name__}) is not one accelerate shards "
                               f"per process (dispatch_batches / a custom sampler?); its batches cannot be given to "
                               f"each sequence group whole; use a map-style dataset with dispatch_batches=False")
-        if training and getattr(loader, "worker_init_fn", None) is not None:
+        base = getattr(loader, "base_dataloader", loader)      # accelerate's adapter iterates this DataLoader
+        if training and getattr(base, "worker_init_fn", None) is not None:
             from transformers.trainer_utils import seed_worker
-            loader.worker_init_fn = partial(seed_worker, num_workers=self.args.dataloader_num_workers,
-                                            rank=self.sp.dp_rank)
+            base.worker_init_fn = partial(seed_worker, num_workers=self.args.dataloader_num_workers,
+                                          rank=self.sp.dp_rank)
+            # a worker's seed also holds the base seed each epoch's iterator draws from the loader's generator
+            # (default: the process's torch RNG, which differs between the ranks of a group): one generator,
+            # seeded alike on every rank, gives the group's ranks equal seeds (the replica term still differs)
+            base.generator = torch.Generator().manual_seed(self.args.seed)
         return loader
 
     def get_batch_samples(self, epoch_iterator, num_batches, *args, **kwargs):

@@ -199,7 +199,7 @@ def test_loader_is_resharded_per_replica_and_workers_seeded_by_replica():
     from ds_seqpar.hf.trainer import SequenceParallelMixin
     trainer = SequenceParallelMixin.__new__(SequenceParallelMixin)
     trainer.sp = SimpleNamespace(dp_size=2, dp_rank=1)
-    trainer.args = SimpleNamespace(dataloader_num_workers=2)
+    trainer.args = SimpleNamespace(dataloader_num_workers=2, seed=0)
     shard = BatchSamplerShard(torch.utils.data.BatchSampler(range(16), 2, False), num_processes=4, process_index=3)
     loader = SimpleNamespace(batch_sampler=shard, dataset=list(range(16)),
                              worker_init_fn=partial(seed_worker, num_workers=2, rank=3))
