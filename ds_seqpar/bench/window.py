@@ -88,10 +88,11 @@ def _policies(name: str, args, window: Optional[int]):
     from ..strategies.varlen import document_blocks, one_document, whole_sequence_blocks
     kernel, n = get_kernel("torch", "cpu"), args.seq
     tile = lambda size: kernel.causal_tile(size, "cpu")  # noqa: E731
+    column = lambda width: kernel.band_column(width, "cpu")  # noqa: E731
     if name == "ulysses":
         if window is None:
             return 0, lambda me, src: plain_blocks(0, 0, 1, True, n), 1, n, args.heads // args.P
-        policy = whole_sequence_blocks(one_document(n, None), True, tile, window)
+        policy = whole_sequence_blocks(one_document(n, None), True, tile, window, column)
         return 0, lambda me, src: policy(me, src, 1, True, n), 1, n, args.heads // args.P
     work = window_work(name, args.P, n, window)
     busiest, n = work.index(max(work)), n // args.P
@@ -99,7 +100,7 @@ def _policies(name: str, args, window: Optional[int]):
         blocks = STRATEGIES[name].blocks
         return busiest, lambda me, src: blocks(me, src, args.P, True, n), args.P, n, args.heads
     layout = make_layout(get_strategy(name).layout_name, args.P)
-    policy = document_blocks(one_document(args.seq, None), layout, True, tile, window)
+    policy = document_blocks(one_document(args.seq, None), layout, True, tile, window, column)
     return busiest, lambda me, src: policy(me, src, args.P, True, n), args.P, n, args.heads
 
 

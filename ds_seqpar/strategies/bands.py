@@ -28,6 +28,15 @@ Both edges: rows in tiles of t <= hi - lo; each tile [a, b) needs keys [a + lo, 
 split into a lower-edge part [a + lo, b + lo), a full middle [b + lo, a + hi) and an upper-edge
 part [a + hi, b + hi), each with one edge only (t <= hi - lo keeps the parts disjoint).
 
+Key columns (a kernel that computes tall causal blocks, kernels/base.py: band_column). Cut by
+rows, a window of w costs two t x t triangles per t rows, each a whole square to a kernel that skips
+masked work only in big key tiles: small squares cost twice their pairs. Cut by key tiles of c
+columns instead, each tile's visible rows [c0 - hi, c1 - lo) are one tall top-left causal block (its
+upper triangle, then the rows that see the whole tile) and the c x c anti square of its lower triangle:
+the wasted triangle halves are small against w, and the anti square, which kernels run reversed, is
+only c rows (c <= hi - lo + 1 keeps the tall block above the far edge). Where the block boundary clips
+a triangle, that piece falls back to the row cut; without an upper edge the tall block is a full one.
+
 Every visible pair is computed exactly once and no hidden pair at all (tests/unit/test_bands.py
 renders the pieces and compares with the predicate).
 """
@@ -37,9 +46,10 @@ from typing import List, NamedTuple, Optional
 
 
 class SubBlock(NamedTuple):
-    """One kernel call: queries q_bshd[:, q] against keys kv[:, k]; ``causal``: a square block where
-    query i sees keys j <= i; ``anti``: a square block where query i sees keys j >= i; neither:
-    every pair."""
+    """One kernel call: queries q_bshd[:, q] against keys kv[:, k]; ``causal``: query i sees keys
+    j <= i (top-left; square except from band_columns); ``anti``: its mirror, query i sees keys
+    j >= i - (nq - nk) (bottom-right; j >= i on a square); neither: every pair. Tall causal / anti
+    blocks (band_columns) have nq > nk, never fewer rows than keys."""
 
     q: slice
     k: slice
@@ -50,7 +60,10 @@ class SubBlock(NamedTuple):
 def visible_pairs(sub: SubBlock) -> int:
     """(q, k) pairs a sub-block computes."""
     nq, nk = sub.q.stop - sub.q.start, sub.k.stop - sub.k.start
-    return nq * (nq + 1) // 2 if sub.causal or sub.anti else nq * nk
+    if not (sub.causal or sub.anti):
+        return nq * nk
+    m = min(nq, nk)                               # the triangle, then rows that see every key
+    return m * (m + 1) // 2 + (nq - m) * nk
 
 
 def _rect(qa, ka, r0, r1, c0, c1) -> List[SubBlock]:
@@ -111,19 +124,46 @@ def lower_edge(qa, ka, r0, r1, c0, c1, l, tile=None) -> List[SubBlock]:
             + _rect(qa, ka, ra, rb, rb + l, c1))
 
 
+def band_columns(qa, nq, ka, nk, lo: int, hi: Optional[int], column: int, tile=None) -> List[SubBlock]:
+    """The band lo <= j - i <= hi (lo given: a window's far edge) cut into key tiles of ``column``
+    keys, a tall causal block and an anti square per tile (module doc); needs column <= hi - lo + 1."""
+    subs: List[SubBlock] = []
+    stop = nk if hi is None else min(nk, nq + hi)  # keys [max(0, lo), stop) are seen by some row
+    for c0 in range(max(0, lo), stop, column):
+        c1 = min(c0 + column, stop)
+        end = c1 - lo                              # rows before this one see some key of the tile
+        top = 0 if hi is None else c0 - hi         # first row that sees key c0
+        split = end - (c1 - c0)                    # the lower part: the tile's anti square
+        # blocks keep seq_q >= seq_k: keys past a short block's triangle are seen by none of its rows
+        a, b = max(top, 0), min(split, nq)         # upper part: its far edge sees every key
+        if a < b and hi is None:
+            subs += _rect(qa, ka, a, b, c0, c1)
+        elif a < b:
+            subs += ([SubBlock(slice(qa + a, qa + b), slice(ka + c0, ka + min(c1, c0 + b - a)), True)] if a == top
+                     else upper_edge(qa, ka, a, b, c0, c1, hi, tile))
+        a, b = max(split, 0), min(end, nq)         # lower part: its near edge sees every key
+        if a < b:
+            subs += ([SubBlock(slice(qa + a, qa + b), slice(ka + max(c0, c1 - (b - a)), ka + c1), False, True)]
+                     if b == end else lower_edge(qa, ka, a, b, c0, c1, lo, tile))
+    return subs
+
+
 def band_blocks(qa: int, nq: int, ka: int, nk: int, lo: Optional[int], hi: Optional[int],
-                tile: Optional[int] = None) -> List[SubBlock]:
+                tile: Optional[int] = None, column: Optional[int] = None) -> List[SubBlock]:
     """Sub-blocks of rows [0, nq) x keys [0, nk) (offset by qa, ka) where key j is visible to query i
     iff lo <= j - i <= hi (None: unbounded on that side); see the module doc. ``tile`` bounds the
-    size of causal / anti squares (a kernel's preference, kernels/base.py: causal_tile)."""
+    size of causal / anti squares (a kernel's preference, kernels/base.py: causal_tile); ``column``:
+    cut a band with a far edge (lo given) into key tiles of that many keys instead (band_column)."""
+    if hi is not None and lo is not None and hi < lo:
+        return []
+    if column is not None and lo is not None:
+        return band_columns(qa, nq, ka, nk, lo, hi, column if hi is None else min(column, hi - lo + 1), tile)
     if lo is None and hi is None:
         return _rect(qa, ka, 0, nq, 0, nk)
     if lo is None:
         return upper_edge(qa, ka, 0, nq, 0, nk, hi, tile)
     if hi is None:
         return lower_edge(qa, ka, 0, nq, 0, nk, lo, tile)
-    if hi < lo:
-        return []
     r0, r1 = max(0, -hi), min(nq, nk - lo)        # rows that see at least one key
     t = max(1, hi - lo if tile is None else min(tile, hi - lo))
     subs: List[SubBlock] = []
@@ -136,5 +176,5 @@ def band_blocks(qa: int, nq: int, ka: int, nk: int, lo: Optional[int], hi: Optio
     return subs
 
 
-__all__ = ["SubBlock", "band_blocks", "causal_square", "anti_square", "upper_edge", "lower_edge",
+__all__ = ["SubBlock", "band_blocks", "band_columns", "causal_square", "anti_square", "upper_edge", "lower_edge",
            "visible_pairs"]

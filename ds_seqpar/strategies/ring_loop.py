@@ -287,9 +287,10 @@ def masked_policy(ctx, layout, docs, padded: int, seq_len, causal: bool, window,
     """varlen.DocumentBlocks over ``layout``'s positions (a single one for Ulysses' whole sequence):
     documents, or the sequence as one document, under the window."""
     from .varlen import document_blocks, one_document
-    kernel = ctx.kernel                     # how it wants causal / anti squares cut (kernels/base.py)
+    kernel = ctx.kernel                     # how it wants squares and window bands cut (kernels/base.py)
     docs = docs if docs is not None else one_document(padded, seq_len)
-    return document_blocks(docs, layout, causal, lambda size: kernel.causal_tile(size, device), window)
+    return document_blocks(docs, layout, causal, lambda size: kernel.causal_tile(size, device), window,
+                           lambda width: kernel.band_column(width, device))
 
 
 def plain_blocks(me: int, src: int, p: int, causal: bool, n: int) -> Sequence[SubBlock]:

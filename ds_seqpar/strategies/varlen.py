@@ -18,7 +18,8 @@ Decomposition. Only segments of the same document interact. For a query segment 
     window, both ways D + s(j - i) <   w     ->  j - i <= hi = ceil((w - D) / s) - 1
 
 so Q x K is a band of diagonals, cut by bands.py into full rectangles, causal squares and
-anti-causal squares: no mask tensor, no new kernel. A kernel that wastes work on small causal
+anti-causal squares (or, for a window and a kernel that takes tall causal blocks, into key columns of
+two tall blocks each: kernels' band_column): no mask tensor, no new kernel. A kernel that wastes work on small causal
 blocks (the CPU flash kernel skips masked keys only in tiles of 512) gets its squares cut further
 (kernels: causal_tile). One masked block instead (the CPU kernel's attn_mask) measured 3.7x slower
 than per-document sub-blocks for two documents in a 4096-token block and 8x for eight
@@ -58,15 +59,19 @@ def diagonal_bounds(qs: Segment, ks: Segment, causal: bool, window: Optional[int
 
 
 def pair_blocks(qs: Segment, ks: Segment, causal: bool, tile: TileFn = None,
-                window: Optional[int] = None) -> List[SubBlock]:
+                window: Optional[int] = None, column: TileFn = None) -> List[SubBlock]:
     """Sub-blocks of query segment ``qs`` x key segment ``ks`` (same document), see the module doc;
-    ``tile(size)`` may cut causal / anti squares into smaller pieces (kernels/base.py: causal_tile)."""
+    ``tile(size)`` may cut causal / anti squares into smaller pieces (kernels/base.py: causal_tile),
+    ``column(width)`` a window's band of ``width`` diagonals into key columns (band_column)."""
     lo, hi = diagonal_bounds(qs, ks, causal, window)
     width = None if lo is None or hi is None else hi - lo
     t = None
     if tile is not None:
         t = tile(min(qs.length, ks.length) if width is None else max(width, 1))
-    return band_blocks(qs.start, qs.length, ks.start, ks.length, lo, hi, t)
+    c = None
+    if column is not None and lo is not None:
+        c = column(min(qs.length, ks.length) if width is None else width + 1)
+    return band_blocks(qs.start, qs.length, ks.start, ks.length, lo, hi, t, c)
 
 
 def _by_doc(segments: Sequence[Segment]) -> Dict[int, List[Segment]]:
@@ -83,9 +88,10 @@ class DocumentBlocks:
     attention call; sub-blocks of every (me, src) pair are computed on first use and kept."""
 
     def __init__(self, docs: Documents, local_indices: Sequence[torch.Tensor], causal: bool, tile: TileFn = None,
-                 window: Optional[int] = None):
+                 window: Optional[int] = None, column: TileFn = None):
         stride = layout_stride(local_indices)
         self.docs, self.causal, self.p, self.tile, self.window = docs, causal, len(local_indices), tile, window
+        self.column = column
         self.n = int(local_indices[0].numel())
         self._segs = [_by_doc(docs.segments(g, stride)) for g in local_indices]
         self._cache: Dict[Tuple[int, int], List[SubBlock]] = {}
@@ -97,7 +103,7 @@ class DocumentBlocks:
             for doc in sorted(mine.keys() & theirs.keys()):
                 for qs in mine[doc]:
                     for ks in theirs[doc]:
-                        subs.extend(pair_blocks(qs, ks, self.causal, self.tile, self.window))
+                        subs.extend(pair_blocks(qs, ks, self.causal, self.tile, self.window, self.column))
             self._cache[me, src] = subs
         return self._cache[me, src]
 
@@ -118,17 +124,18 @@ class DocumentBlocks:
 
 
 def document_blocks(docs: Documents, ring_layout, causal: bool, tile: TileFn = None,
-                    window: Optional[int] = None) -> DocumentBlocks:
+                    window: Optional[int] = None, column: TileFn = None) -> DocumentBlocks:
     """The policy over the ring positions of ``ring_layout`` for a sequence of docs.padded_len tokens."""
     n = docs.padded_len
-    return DocumentBlocks(docs, [ring_layout.indices(n, r) for r in range(ring_layout.size)], causal, tile, window)
+    return DocumentBlocks(docs, [ring_layout.indices(n, r) for r in range(ring_layout.size)], causal, tile, window,
+                          column)
 
 
 def whole_sequence_blocks(docs: Documents, causal: bool, tile: TileFn = None,
-                          window: Optional[int] = None) -> DocumentBlocks:
+                          window: Optional[int] = None, column: TileFn = None) -> DocumentBlocks:
     """The policy of one process holding the whole sequence in global order (Ulysses after its
     all-to-all): a single position."""
-    return DocumentBlocks(docs, [torch.arange(docs.padded_len)], causal, tile, window)
+    return DocumentBlocks(docs, [torch.arange(docs.padded_len)], causal, tile, window, column)
 
 
 def one_document(padded_len: int, seq_len: Optional[int]) -> Documents:

@@ -24,6 +24,9 @@ MASK_CASES = [(64, None, 5, None, False, None), (64, None, 40, None, False, None
               (64, None, 7, 2.0, True, None), (64, None, 6, None, False, [0, 11, 40, 64]),
               (64, None, 3, None, True, [0, 30, 64]), (61, 61, 9, None, True, None)]
 HEADS = ((4, 4), (4, 2))
+# windows of >= 256 diagonals, which the CPU kernel cuts into key columns of tall blocks (bands.py):
+# with sinks, and softcapped inside documents (the written-out path on tall blocks)
+LONG_CASES = [(640, None, 260, None, True, None), (640, None, 270, 2.0, False, [0, 300, 640])]
 
 
 def _check_masks(cfgs, cases=MASK_CASES):
@@ -70,6 +73,15 @@ def test_masks_and_score_modifiers_match_dense_reference(pool, size):
         assert counts == [len(MASK_CASES) * 2 * len(HEADS)] * len(cfgs), counts
 
 
+@pytest.mark.parametrize("size", [2, 4])
+def test_long_windows_cut_into_key_columns_match_dense_reference(pool, size):
+    cfgs = [{"strategy": s, "size": size} for s in ("ulysses", "ring", "zigzag")]
+    if size == 4:
+        cfgs.append({"strategy": "zigzag", "size": 4, "ulysses_size": 2})
+    for counts in pool.run(_check_masks, cfgs, LONG_CASES):
+        assert counts == [len(LONG_CASES) * 2 * len(HEADS)] * len(cfgs), counts
+
+
 # -- work and bytes follow the window -------------------------------------------------------------
 
 
@@ -85,9 +97,8 @@ def _window_work_and_bytes(cfgs, seq, window, causal):
     return out
 
 
-@pytest.mark.parametrize("window,causal", [(5, True), (20, True), (9, False)])
-def test_window_work_is_the_band_and_bytes_match_closed_form(pool, window, causal):
-    seq = 64
+@pytest.mark.parametrize("seq,window,causal", [(64, 5, True), (64, 20, True), (64, 9, False), (2048, 300, True)])
+def test_window_work_is_the_band_and_bytes_match_closed_form(pool, seq, window, causal):
     cfgs = [{"strategy": s, "size": 4} for s in ("ring", "zigzag", "striped")]
     cfgs.append({"strategy": "zigzag", "size": 4, "ulysses_size": 2})
     for per_cfg in pool.run(_window_work_and_bytes, cfgs, seq, window, causal):
@@ -98,6 +109,10 @@ def test_window_work_is_the_band_and_bytes_match_closed_form(pool, window, causa
                     assert sum(calls[phase]) == visible, \
                         f"{what} {phase}: computed {sum(calls[phase])} (q, k) pairs, {visible} inside the window"
             assert got == want, f"{what}: sent {got}, closed form {want}"
+            if window >= 256 and cfg["strategy"] == "ring":
+                # the CPU kernel's key columns (bands.py): most of the band in tall causal / anti blocks
+                # (zigzag's 128-token chunks here are shorter than a column; striped's band is w / P wide)
+                assert sum(calls["tall"]) > visible // 2, f"{what}: {sum(calls['tall'])} of {visible} pairs tall"
             if cfg["strategy"] == "ring" and causal and window <= seq // 4:
                 # the contiguous ring moves the last w-1 tokens of one neighbour: k and v (2 kv heads x 8)
                 # forward and backward, and an fp32 dK/dV share back

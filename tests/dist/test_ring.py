@@ -102,14 +102,23 @@ class CountingKernel(AttentionKernel):
 
     def __init__(self, inner):
         self.inner, self.name = inner, inner.name
-        self.calls = {"forward": [], "backward": []}
+        self.calls = {"forward": [], "backward": [], "tall": []}     # tall: forward calls with sq > sk
 
     @staticmethod
     def _pairs(sq, sk, causal):
-        return sq * (sq + 1) // 2 if causal else sq * sk
+        m = min(sq, sk)                     # causal: top-left, tall blocks' rows past sk see every key
+        return m * (m + 1) // 2 + (sq - m) * sk if causal else sq * sk
+
+    def causal_tile(self, size, device):
+        return self.inner.causal_tile(size, device)
+
+    def band_column(self, width, device):
+        return self.inner.band_column(width, device)
 
     def forward(self, q, k, v, causal, scale, softcap=None):
         self.calls["forward"].append(self._pairs(q.shape[1], k.shape[1], causal))
+        if causal and q.shape[1] > k.shape[1]:
+            self.calls["tall"].append(self.calls["forward"][-1])
         return self.inner.forward(q, k, v, causal, scale, softcap)
 
     def backward(self, dout, q, k, v, out, lse, causal, scale, softcap=None):
