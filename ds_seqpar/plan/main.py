@@ -17,6 +17,7 @@ from ..config import ConfigError
 from . import hardware
 from .ds_json import ds_config
 from .hardware import PlanError
+from . import masks
 from .masks import equal_documents
 from .model_shape import ModelShape, from_hf_config
 from .search import Cluster, Prediction, gpus_needed, longest_sequence, plan
@@ -32,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu", default="h100", help=f"{' | '.join(hardware.known_gpus())} | a JSON profile path")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--exact-bytes", action="store_true", help="find the masked layers' exact ring spans at any "
+                   "size (slow past 8M positions x tokens: minutes at 4M tokens on 32 GPUs)")
     p.add_argument("--doc-len", type=int, default=None, help="packed documents of this many tokens (the last one "
                    "shorter): attention work and ring bytes follow their mask")
     p.add_argument("--zero", type=int, choices=(1, 2, 3), help="ZeRO stage (default: try 1, 2 and 3)")
@@ -183,8 +186,15 @@ def run(opts) -> int:
     own_linear = shape.count("lasp") > 0
     cluster = Cluster(opts.gpus, min(opts.gpus_per_node, opts.gpus), gpu, opts.dtype)
     docs = equal_documents(opts.seq_len, opts.doc_len)
+    if opts.exact_bytes:
+        masks.EXACT_SPAN_BUDGET[0] = float("inf")
+    masks.BOUNDED.clear()
     ok, rejected = plan(shape, opts.seq_len, cluster, opts.zero, own_linear, docs=docs)
     print(render(shape, opts, cluster, ok, rejected))
+    if masks.BOUNDED:
+        print(f"note: the ring bytes of windowed / packed layers are the no-mask closed form (an upper bound) for "
+              f"{', '.join(sorted({f'{s} x{r}' for s, r, _ in masks.BOUNDED}))}: their exact spans cost seconds to minutes at this "
+              f"size; --exact-bytes computes them")
     if opts.json_out:
         with open(opts.json_out, "w") as f:
             json.dump({"model": shape.name, "seq_len": opts.seq_len, "gpus": opts.gpus, "gpu": hardware.describe(gpu),

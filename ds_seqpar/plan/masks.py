@@ -166,6 +166,14 @@ def busiest_keys_per_token(strategy: str, size: int, ulysses: int, seq: int, mas
     return max(pairs_per_rank(strategy, size, ulysses, seq, mask)) / (seq / size)
 
 
+# The spans cost O(R N) searches: ~0.2-2 s at 1M tokens x 32 positions on a quiet core, ten times
+# that on a loaded one, for each (layout, size) a plan visits. Past this many positions x tokens the
+# masked layers' ring bytes fall back to the no-mask closed form (an upper bound) and the layout is
+# recorded in BOUNDED so the command can say so; ``--exact-bytes`` lifts the limit.
+EXACT_SPAN_BUDGET = [1 << 23]
+BOUNDED: set = set()
+
+
 @functools.lru_cache(maxsize=64)
 def _ranges(layout_name: str, r: int, bounds: Tuple[int, ...], padded: int, causal: bool, window: Optional[int]):
     return ring_key_ranges(list(bounds), make_layout(layout_name, r), padded, causal, window)
@@ -179,6 +187,9 @@ def rank_bytes(strategy: str, size: int, ulysses: int, shapes: Shapes, mask: Mas
     plain = closed_form_by_kind(strategy, size, shapes, 0, ulysses, causal=mask.causal)
     r = _ring_of(strategy, size, ulysses)
     if strategy == "ulysses" or r <= 1 or (mask.window is None and mask.docs is None and real == shapes.seq):
+        return [dict(plain)] * size
+    if r * shapes.seq > EXACT_SPAN_BUDGET[0]:
+        BOUNDED.add((strategy, r, shapes.seq))
         return [dict(plain)] * size
     ranges = _ranges(get_strategy(strategy).layout_name, r, tuple(mask.bounds(real)), shapes.seq, mask.causal,
                      mask.window)
@@ -204,7 +215,7 @@ def busiest_bytes(strategy: str, size: int, ulysses: int, shapes: Shapes, mask: 
     if r > 1 and (mask.window is not None or mask.docs is not None):
         real = mask.bounds(shapes.seq)[-1] if mask.docs else shapes.seq
         m = mask.for_length(real)
-        if m.window is not None or m.docs is not None:
+        if (m.window is not None or m.docs is not None) and r * shapes.seq <= EXACT_SPAN_BUDGET[0]:
             ranges = _ranges(get_strategy(strategy).layout_name, r, tuple(m.bounds(real)), shapes.seq, m.causal,
                              m.window)
             me = rank // ulysses
@@ -212,5 +223,5 @@ def busiest_bytes(strategy: str, size: int, ulysses: int, shapes: Shapes, mask: 
     return per_rank[rank], peers
 
 
-__all__ = ["Mask", "busiest_bytes", "busiest_keys_per_token", "cut_documents", "equal_documents", "padded_length",
+__all__ = ["BOUNDED", "EXACT_SPAN_BUDGET", "Mask", "busiest_bytes", "busiest_keys_per_token", "cut_documents", "equal_documents", "padded_length",
            "pairs_per_rank", "pairs_total", "rank_bytes", "seen_keys"]

@@ -173,3 +173,19 @@ def test_doc_len_reaches_the_plan(tmp_path, capsys):
     capsys.readouterr()
     assert plan_main(["--model", llama, "--seq-len", "4096", "--gpus", "2", "--doc-len", "0"]) == 2
     assert "--doc-len" in capsys.readouterr().err
+
+
+def test_span_budget_falls_back_to_the_upper_bound_and_says_so():
+    sh = Shapes(1, 1024, 8, 8, 16, 2)
+    exact = masks.rank_bytes("zigzag", 4, 1, sh, Mask(True, 64))
+    old = masks.EXACT_SPAN_BUDGET[0]
+    masks.BOUNDED.clear()
+    try:
+        masks.EXACT_SPAN_BUDGET[0] = 1024                      # 4 positions x 1024 tokens is past it
+        bound = masks.rank_bytes("zigzag", 4, 1, sh, Mask(True, 64))
+    finally:
+        masks.EXACT_SPAN_BUDGET[0] = old
+    assert bound == [closed_form_by_kind("zigzag", 4, sh, r) for r in range(4)]
+    assert all(sum(b.values()) >= sum(e.values()) for b, e in zip(bound, exact))
+    assert masks.BOUNDED == {("zigzag", 4, 1024)}
+    masks.BOUNDED.clear()
