@@ -170,7 +170,8 @@ def no_fit_message(shape: ModelShape, opts, cluster: Cluster, own_linear: bool =
 def _as_json(p: Prediction) -> dict:
     c = p.candidate
     return {"strategy": c.strategy, "size": c.size, "ulysses_size": c.ulysses_size, "linear_strategy": c.linear_strategy,
-            "lasp_comm": c.lasp_comm if c.strategy == "lasp" else None, "zero": c.zero, "features": c.features.label, "dp": p.dp, "ok": p.ok, "reason": p.reason,
+            "lasp_comm": c.lasp_comm if c.strategy == "lasp" else None, "zero": c.zero, "features": c.features.label,
+            "dp": p.dp, "ok": p.ok, "reason": p.reason,
             "static_bytes": p.static_bytes, "per_token_bytes": p.per_token_bytes, "peak_bytes": p.peak_bytes,
             "peak_phase": p.peak_phase, "host_bytes": p.host_bytes, "comm_bytes_per_layer": p.comm_bytes,
             "comm_s": p.comm_s, "compute_s": p.compute_s, "step_s": p.step_s, "tokens_s": p.tokens_s, "mfu": p.mfu,

@@ -223,5 +223,6 @@ def busiest_bytes(strategy: str, size: int, ulysses: int, shapes: Shapes, mask: 
     return per_rank[rank], peers
 
 
-__all__ = ["BOUNDED", "EXACT_SPAN_BUDGET", "Mask", "busiest_bytes", "busiest_keys_per_token", "cut_documents", "equal_documents", "padded_length",
-           "pairs_per_rank", "pairs_total", "rank_bytes", "seen_keys"]
+__all__ = ["BOUNDED", "EXACT_SPAN_BUDGET", "Mask", "busiest_bytes", "busiest_keys_per_token", "cut_documents",
+           "equal_documents", "padded_length", "pairs_per_rank", "pairs_total", "plain_position_pairs", "rank_bytes",
+           "seen_keys"]
