@@ -9,7 +9,6 @@ compute time from FLOPs (flops.py) at the profile's assumed efficiency, the step
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
