@@ -137,10 +137,6 @@ class SequenceParallelMixin:
             from transformers.trainer_utils import seed_worker
             base.worker_init_fn = partial(seed_worker, num_workers=self.args.dataloader_num_workers,
                                           rank=self.sp.dp_rank)
-            # a worker's seed also holds the base seed each epoch's iterator draws from the loader's generator
-            # (default: the process's torch RNG, which differs between the ranks of a group): one generator,
-            # seeded alike on every rank, gives the group's ranks equal seeds (the replica term still differs)
-            base.generator = torch.Generator().manual_seed(self.args.seed)
         return loader
 
     def get_batch_samples(self, epoch_iterator, num_batches, *args, **kwargs):

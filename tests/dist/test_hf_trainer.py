@@ -415,16 +415,20 @@ def run_with_workers(cfg, micro):
         return check(batch, sp)
 
     # the pool's ranks are daemonic (they end with the test session), and multiprocessing refuses children
-    # to a daemonic process: lifted for this run so that the DataLoader can start its (daemonic) workers
-    me = multiprocessing.current_process()
+    # to a daemonic process: lifted for this run so that the DataLoader can start its (daemonic) workers.
+    # They were also spawned, which makes spawn their default start method (each worker would import torch
+    # and this module again: seconds on 2 cores); ranks started by a launcher fork their workers, as here.
+    me, method = multiprocessing.current_process(), multiprocessing.get_start_method()
     daemon = me._config.get("daemon")
     me._config["daemon"], module.check_group_batch = False, recording
+    multiprocessing.set_start_method("fork", force=True)
     try:
         with tempfile.TemporaryDirectory() as out:
             result = example.train(cfg, out, max_steps=2, gradient_accumulation_steps=3, collator="random_pad",
                                    per_device_train_batch_size=micro, dataloader_num_workers=2)
     finally:
         me._config["daemon"], module.check_group_batch = daemon, check
+        multiprocessing.set_start_method(method, force=True)
         reset_worker_state()
     return result, seen
 

@@ -188,8 +188,8 @@ def test_an_engine_without_sp_mpu_stops_the_run():
 def test_loader_is_resharded_per_replica_and_workers_seeded_by_replica():
     """accelerate shards the loader over the world (process 3 of 4); under size 2 it becomes replica 1 of 2
     (the batches plain data parallelism's process 1 reads) and its dataloader workers are seeded by the
-    replica, so both ranks of a group draw the same random numbers in a random collator. (The pool's
-    ranks are daemonic and cannot start dataloader workers, hence this check of the wiring.)"""
+    replica, so both ranks of a group draw the same random numbers in a random collator (with real
+    workers and accelerate's loader: tests/dist/test_hf_trainer.py)."""
     from functools import partial
     from types import SimpleNamespace
 
@@ -199,7 +199,7 @@ def test_loader_is_resharded_per_replica_and_workers_seeded_by_replica():
     from ds_seqpar.hf.trainer import SequenceParallelMixin
     trainer = SequenceParallelMixin.__new__(SequenceParallelMixin)
     trainer.sp = SimpleNamespace(dp_size=2, dp_rank=1)
-    trainer.args = SimpleNamespace(dataloader_num_workers=2, seed=0)
+    trainer.args = SimpleNamespace(dataloader_num_workers=2)
     shard = BatchSamplerShard(torch.utils.data.BatchSampler(range(16), 2, False), num_processes=4, process_index=3)
     loader = SimpleNamespace(batch_sampler=shard, dataset=list(range(16)),
                              worker_init_fn=partial(seed_worker, num_workers=2, rank=3))
