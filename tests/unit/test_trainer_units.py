@@ -207,3 +207,20 @@ def test_loader_is_resharded_per_replica_and_workers_seeded_by_replica():
     assert (shard.num_processes, shard.process_index) == (2, 1)
     assert [b for b in shard] == [[2, 3], [6, 7], [10, 11], [14, 15]]
     assert loader.worker_init_fn.func is seed_worker and loader.worker_init_fn.keywords == {"num_workers": 2, "rank": 1}
+
+
+def test_trl_num_tokens_counted_on_the_whole_batch_and_moe_router_loss_refused():
+    """TRL adds the attention mask's ones (else the row width) to num_tokens; the mixin counts that on the
+    batch before sharding (the shards have no mask and a padded width). TRL's MoE router loss is a mean
+    over each rank's own tokens: refused."""
+    from types import SimpleNamespace
+
+    from ds_seqpar.hf import trl_support
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    assert int(trl_support.tokens_of({"attention_mask": mask, "position_ids": torch.zeros(2, 4)})) == 5
+    assert int(trl_support.tokens_of({"position_ids": torch.zeros(1, 7)})) == 7
+    with pytest.raises(ConfigError, match="attention_mask or position_ids"):
+        trl_support.tokens_of({"input_ids": mask})
+    trl_support.refuse_inexact(SimpleNamespace(aux_loss_enabled=False))
+    with pytest.raises(ConfigError, match="output_router_logits"):
+        trl_support.refuse_inexact(SimpleNamespace(aux_loss_enabled=True))
