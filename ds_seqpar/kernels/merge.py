@@ -28,9 +28,8 @@ def merge_(out_acc_bshd: torch.Tensor, lse_acc_bhs: torch.Tensor,
     """Fold a block's (out, lse) into fp32 accumulators, in place."""
     lse_blk_bhs = lse_blk_bhs.float()
     lse_new_bhs = torch.logaddexp(lse_acc_bhs, lse_blk_bhs)
-    w_acc = _weight_bsh1(lse_acc_bhs, lse_new_bhs)
-    w_blk = _weight_bsh1(lse_blk_bhs, lse_new_bhs)
-    out_acc_bshd.mul_(w_acc).add_(w_blk * out_blk_bshd.float())
+    # the two weights sum to 1, so the weighted sum is one fused lerp: acc + w_blk * (blk - acc)
+    out_acc_bshd.lerp_(out_blk_bshd.float(), _weight_bsh1(lse_blk_bhs, lse_new_bhs))
     lse_acc_bhs.copy_(lse_new_bhs)
 
 
