@@ -33,7 +33,7 @@ ALLOWED = {
     "train": {"core", "models", "launch", "hf"},
     "bench": {"core", "models", "launch", "hf", "train", "report.plotting"},
     "report": {"core"},
-    "plan": {"core", "hf", "launch"},       # HF configs through hf/ (model_io, checks); --calibrate's local ranks
+    "plan": {"core", "models", "hf", "launch"},   # the own LM's ModelConfig; HF configs through hf/; --calibrate's ranks
     "root": {"core"},                       # ds_seqpar/__init__.py: the public API is the core's
     "cli": {"core", "models", "launch", "hf", "train", "bench", "report", "plan"},     # the entry point over all commands
 }
