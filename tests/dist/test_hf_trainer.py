@@ -111,6 +111,7 @@ def test_trainer_equals_plain_data_parallelism(pool, stage):
         assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (sp, loss, ref_loss)
         assert logits.shape[0] == ref_logits.shape[0] == 10, (logits.shape, ref_logits.shape)
         n = min(logits.shape[1], ref_logits.shape[1])      # batches pad to their own widths (-100 beyond)
+        assert not (ref_labels[:, n:] != -100).any(), f"{sp}: logits cut short of real positions"
         real = ref_labels[:, :n] != -100
         assert np.abs(logits[:, :n][real] - ref_logits[:, :n][real]).max() <= 1e-4, sp
         assert (labels[:, :n][real] == ref_labels[:, :n][real]).all(), sp
@@ -138,13 +139,24 @@ def run_sft(cfg, micro, padding_free=False, packing=False, eval_samples=0, sampl
             reset_worker_state()
 
 
+def predicted(trainer, eval_set):
+    """predict(): the logits (full length, gathered) and the collator's labels."""
+    pred = trainer.predict(eval_set)
+    return pred.predictions, pred.label_ids
+
+
 def evaluate_with_padding_rows(trainer, eval_set):
     """The plain run's evaluate() on the eval set, and on the eval set followed by its first rows up to a
-    whole last step (the rows accelerate pads an uneven last batch with)."""
+    whole last step (the rows accelerate pads an uneven last batch with); and its predict()."""
     from datasets import concatenate_datasets
     step = trainer.args.per_device_eval_batch_size * trainer.accelerator.num_processes
     wrap = -len(eval_set) % step
-    return trainer.evaluate(), trainer.evaluate(concatenate_datasets([eval_set, eval_set.select(range(wrap))]))
+    return (trainer.evaluate(), trainer.evaluate(concatenate_datasets([eval_set, eval_set.select(range(wrap))])),
+            predicted(trainer, eval_set))
+
+
+def evaluate_and_predict(trainer, eval_set):
+    return trainer.evaluate(), predicted(trainer, eval_set)
 
 
 def assert_same_trl_metrics(what, got, want, prefix=""):
@@ -181,14 +193,22 @@ def test_trl_sft_trainer_equals_plain_data_parallelism(pool, padding_free):
     cases = [dict(strategy="zigzag", size=2)] + ([] if padding_free else [dict(strategy="ulysses", size=4)])
     for i, sp in enumerate(cases):
         what = f"SFTTrainer padding_free={padding_free} {sp}"
-        got = pool.run(run_sft, ds_config(2, **sp), sp["size"], padding_free, False, evaluated if i == 0 else 0)[0]
+        got = pool.run(run_sft, ds_config(2, **sp), sp["size"], padding_free, False, evaluated if i == 0 else 0, 48,
+                       evaluate_and_predict)[0]
         assert_same_training(what, got, plain)
         assert_same_trl_metrics(what, got[0], plain[0])
         if i == 0 and evaluated:
-            metrics, (ref, ref_padded) = got[2], plain[2]
+            (metrics, (logits, labels)), (ref, ref_padded, (ref_logits, ref_labels)) = got[2], plain[2]
             assert abs(metrics["eval_loss"] - ref["eval_loss"]) <= 1e-5 * ref["eval_loss"], (what, metrics, ref)
             assert {"eval_entropy", "eval_mean_token_accuracy"} <= set(ref_padded), ref_padded
             assert_same_trl_metrics(what, [metrics], [ref_padded], prefix="eval_")
+            # predict(): full-length logits of every eval sample (batches pad to their own widths, -100 beyond)
+            assert logits.shape[0] == ref_logits.shape[0] == evaluated, (logits.shape, ref_logits.shape)
+            n = min(logits.shape[1], ref_logits.shape[1])
+            assert not (ref_labels[:, n:] != -100).any(), f"{what}: logits cut short of real positions"
+            real = ref_labels[:, :n] != -100
+            assert real.any() and abs(logits[:, :n][real] - ref_logits[:, :n][real]).max() <= 1e-4, what
+            assert (labels[:, :n][real] == ref_labels[:, :n][real]).all(), what
 
 
 def run_resumed(cfg, micro, out, steps=4, stop=2):
