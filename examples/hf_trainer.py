@@ -28,9 +28,10 @@ def synthetic_sft(n: int, vocab: int, seed: int = 0):  # noqa: D401
     return rows
 
 
-def pad_right(rows):
-    """Right padding (pad id 0, label -100) and an attention_mask, as HF's SFT collators do."""
-    width = max(len(r["input_ids"]) for r in rows)
+def pad_right(rows, extra: int = 0):
+    """Right padding (pad id 0, label -100) and an attention_mask, as HF's SFT collators do, to the
+    longest row (plus ``extra`` columns)."""
+    width = max(len(r["input_ids"]) for r in rows) + extra
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     labels = torch.full((len(rows), width), -100, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.long)

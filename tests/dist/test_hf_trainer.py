@@ -8,6 +8,7 @@ and the final parameters must agree: gradient accumulation 3 (not a multiple of 
 samples with -100 prompt masks, right padding in the sequence-parallel runs only, ZeRO 1/2/3.
 Tolerance: fp32 runs that differ only in the order of sums; 100x the few ulps observed (module doc of
 tests/e2e/test_hf_trainer.py)."""
+import functools
 import importlib.util
 import json
 import os
@@ -410,14 +411,12 @@ def random_right_padding(rows):
     """Right padding (pad 0, label -100, an attention mask) to the longest row plus 0-3 more columns drawn
     from torch's generator: in a dataloader worker the draw follows the worker's seed. The extra pads
     change no loss (causal attention, pads last, their targets -100), only the batch's width."""
-    width = max(len(r["input_ids"]) for r in rows) + int(torch.randint(0, 4, ()))
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    labels = torch.full((len(rows), width), -100, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        n = len(r["input_ids"])
-        ids[i, :n], labels[i, :n], mask[i, :n] = r["input_ids"], r["labels"], 1
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    return _example_pad_right()(rows, extra=int(torch.randint(0, 4, ())))
+
+
+@functools.lru_cache(maxsize=None)
+def _example_pad_right():
+    return _example().pad_right
 
 
 def run_with_workers(cfg, micro):
