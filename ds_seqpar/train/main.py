@@ -44,7 +44,8 @@ from .trainer import Trainer
 
 def run_training(args: Mapping[str, Any], model_factory: Optional[Callable] = None) -> Dict[str, Any]:
     """Train as the command line would with these options; return this rank's summary:
-    ``losses`` (this replica's loss per step run), ``mean_losses`` (over replicas), ranks, paths.
+    ``losses`` (this replica's loss per step run), ``mean_losses`` (over replicas), ranks, paths, and
+    ``memory_features`` (what apply_memory_features did: tiled MLPs, checkpointed layers, offload).
     ``model_factory(model_cfg, sp, ds_config)``: another way to build the (seeded) own LM, e.g.
     under deepspeed.zero.Init; it goes to deepspeed.initialize as it comes back."""
     opts = resolve_args(args)
@@ -72,10 +73,10 @@ def run_training(args: Mapping[str, Any], model_factory: Optional[Callable] = No
         # data-parallel group, which is every rank (topology.py)
         model = build_model(opts, model_cfg, hf_config, vocab_size, sp).to(sp.device)
     # tiled MLPs, per-layer checkpointing, host offload: on the transformers model itself for --model
-    apply_memory_features(model.model if hf_config is not None else model, memory)
+    features = apply_memory_features(model.model if hf_config is not None else model, memory)
     trainer = Trainer(opts, ds_config, sp, model, tokens)
     try:
-        return trainer.train()
+        return dict(trainer.train(), memory_features=features)
     finally:
         trainer.close()
 

@@ -44,6 +44,7 @@ def test_hf_model_training_matches_plain_data_parallel(pool, tmp_path, model_dir
         what = f"--model {kind} {name} ZeRO-{stage} rank {r['rank']} (dp_rank {r['dp_rank']}, sp_rank {r['sp_rank']})"
         assert_close_losses(r["losses"], ref[r["dp_rank"]], what)
         assert_close_losses(r["grad_norms"], ref_norms, what, NORM_REL, "gradient norm")
+        assert ("checkpointing" in r["memory_features"]) == (kind == "hybrid"), (what, r["memory_features"])
 
 
 def test_hf_checkpoint_resume_reproduces_losses(pool, tmp_path, model_dirs):
