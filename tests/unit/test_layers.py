@@ -38,7 +38,8 @@ ALLOWED = {
     "cli": {"core", "models", "launch", "hf", "train", "bench", "report", "plan"},     # the entry point over all commands
 }
 DIST_ALLOWED = ("comm", "launch", "train")  # may call torch.distributed
-DIST_ALLOWED_MODULES = ("ds_seqpar.bench.trainer",)   # a third party's calls, reproduced as it makes them
+# a third party's calls (DeepSpeed's ALST under --trainer), reproduced as it makes them
+DIST_ALLOWED_MODULES = ("ds_seqpar.bench.trainer", "ds_seqpar.bench.trainer_alst")
 DIST = "torch.distributed"
 
 
