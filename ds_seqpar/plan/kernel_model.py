@@ -11,7 +11,12 @@ one made of rectangles (zigzag: a causal square and a full rectangle), and the p
 many small blocks (short sequences, windows cut into tiles) fall short of the FLOP bound.
 
 The blocks of a rank are the strategies' own (``STRATEGIES[name].blocks``, the ring loop's plan);
-Ulysses runs one causal call over the whole sequence with H / P heads.
+Ulysses runs one causal call over the whole sequence with H / P heads. With a sliding window they are
+the masked policy's sub-blocks (strategies/varlen.py with the CPU kernel's causal_tile and band_column,
+what the ring loop runs): per 128 keys one tall top-left causal block and one 128 x 128 anti square.
+Those two shapes are timed too (WINDOW_BLOCKS): a tall block costs a few percent more per computed
+pair than the line through the square blocks, an anti square more still (kernels run it on reversed
+copies), so each gets its measured factor over the line (``tall_factor``, ``anti_factor``).
 """
 from __future__ import annotations
 
@@ -74,9 +79,35 @@ def measure_blocks(heads: int = 8, head_dim: int = 64, repeats: int = 3) -> Dict
                 if i:
                     times.append(time.perf_counter() - t0)
             points.append((computed_pairs(nq, nk, masked) * heads, min(times)))
+        window_points = [(nq, nk, kind, _time_block(kernel, scale, nq, nk, heads, head_dim, kind, repeats))
+                         for nq, nk, kind in WINDOW_BLOCKS]
     finally:
         torch.set_num_threads(threads)
-    return dict(fit_call_cost(points), points=points, heads=heads, head_dim=head_dim)
+    fit = fit_call_cost(points)
+    line = lambda nq, nk: fit["c_call_s"] + fit["t_pair_s"] * computed_pairs(nq, nk, True) * heads  # noqa: E731
+    factors = {kind: sum(t for _, _, k, t in window_points if k == kind)
+               / sum(line(nq, nk) for nq, nk, k, _ in window_points if k == kind) for kind in ("tall", "anti")}
+    return dict(fit, points=points, heads=heads, head_dim=head_dim, window_points=window_points,
+                tall_factor=factors["tall"], anti_factor=factors["anti"])
+
+
+# a window's pieces at w = 1024 and 2048 (band_column 128): tall causal blocks of about w + 128 rows
+# over 128 keys, and the 128 x 128 anti squares of the far edge
+WINDOW_BLOCKS = ((1152, 128, "tall"), (2176, 128, "tall"), (128, 128, "anti"))
+
+
+def _time_block(kernel, scale, nq, nk, heads, head_dim, kind, repeats) -> float:
+    import torch
+    q, dout = torch.randn(1, nq, heads, head_dim), torch.randn(1, nq, heads, head_dim)
+    k, v = torch.randn(1, nk, heads, head_dim), torch.randn(1, nk, heads, head_dim)
+    causal, anti, times = kind == "tall", kind == "anti", []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        out, lse = kernel.forward_block(q, k, v, causal, anti, scale)
+        kernel.backward_block(dout, q, k, v, out, lse, causal, anti, scale)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return min(times)
 
 
 def rank_calls(strategy: str, p: int, seq: int, causal: bool = True) -> List[List[Tuple[int, int, bool]]]:
@@ -97,6 +128,38 @@ def rank_calls(strategy: str, p: int, seq: int, causal: bool = True) -> List[Lis
     return out
 
 
+def window_calls(strategy: str, p: int, seq: int, window: int) -> List[List[Tuple[int, int, bool, bool]]]:
+    """Per rank, (queries, keys, causal, anti) of every sub-block the masked policy gives a causal
+    sliding window on CPU: strategies/varlen.py with the torch kernel's causal_tile and band_column
+    (what the ring loop runs, and what ``ds-seqpar bench --window`` times). Ulysses: one position holding
+    the whole sequence (its H / P heads counted by the caller)."""
+    from ..kernels import get_kernel
+    from ..sharding.layouts import make_layout
+    from ..strategies import get_strategy
+    from ..strategies.varlen import document_blocks, one_document, whole_sequence_blocks
+    kernel = get_kernel("torch", "cpu")
+    tile = lambda size: kernel.causal_tile(size, "cpu")  # noqa: E731
+    column = lambda width: kernel.band_column(width, "cpu")  # noqa: E731
+    docs = one_document(seq, None)
+    if strategy == "ulysses" or p == 1:
+        policy, positions, n = whole_sequence_blocks(docs, True, tile, window, column), 1, seq
+    else:
+        layout = make_layout(get_strategy(strategy).layout_name, p)
+        policy, positions, n = document_blocks(docs, layout, True, tile, window, column), p, seq // p
+    out = []
+    for me in range(positions):
+        subs = [b for src in range(positions) for b in policy(me, src, positions, True, n)]
+        out.append([(b.q.stop - b.q.start, b.k.stop - b.k.start, bool(b.causal), bool(b.anti)) for b in subs])
+    return out * p if positions == 1 else out
+
+
+def call_s(cost: Dict[str, float], nq: int, nk: int, causal: bool, anti: bool, heads: float) -> float:
+    """One sub-block's seconds: c_call + t_pair x computed pairs x heads, times the measured factor of
+    a tall causal block or an anti square (1 when the cost has none)."""
+    factor = cost.get("anti_factor", 1.0) if anti else cost.get("tall_factor", 1.0) if causal and nq > nk else 1.0
+    return factor * (cost["c_call_s"] + cost["t_pair_s"] * computed_pairs(nq, nk, causal or anti) * heads)
+
+
 def busiest_kernel_s(strategy: str, p: int, seq: int, heads: int, cost: Dict[str, float], causal: bool = True) -> float:
     """Seconds of kernel work of the busiest rank: its calls at c_call each plus t_pair per computed
     pair (per head; Ulysses' rank holds H / P heads)."""
@@ -105,4 +168,5 @@ def busiest_kernel_s(strategy: str, p: int, seq: int, heads: int, cost: Dict[str
                for calls in rank_calls(strategy, p, seq, causal))
 
 
-__all__ = ["BLOCKS", "KEY_TILE", "busiest_kernel_s", "computed_pairs", "fit_call_cost", "measure_blocks", "rank_calls"]
+__all__ = ["BLOCKS", "KEY_TILE", "WINDOW_BLOCKS", "busiest_kernel_s", "call_s", "computed_pairs", "fit_call_cost",
+           "measure_blocks", "rank_calls", "window_calls"]

@@ -1,0 +1,80 @@
+"""``--calibrate``'s sliding-window rows: reports/window_cpu.json's time ratio window / plain per strategy
+and window at P = 2, predicted from the kernel calls the masked policy makes, and its bytes per rank.
+
+    t(plain)  = the busiest rank's plain calls (kernel_model.rank_calls) + exchange
+    t(window) = the busiest rank's window sub-blocks (kernel_model.window_calls: strategies/varlen.py
+                with the CPU kernel's causal_tile and band_column, so the call count and the computed
+                pairs are what runs) + exchange with the window's bytes (masks.rank_bytes)
+    exchange  = alpha x messages + bytes / beta (calibrate_fit: fitted on cpu_full's softmax rows)
+
+The cost per computed pair is the window run's own plain case's (its measured time less the exchange
+and the per-call cost, over its computed pairs), as the softmax rows take the single case's rate: the
+machine's speed when window_cpu ran cancels, and the ratio tests how the window is cut and priced.
+c_call and the tall / anti factors are this machine's timed blocks (kernel_model.measure_blocks), used
+only when their fit is trusted (calibrate_fit.TRUSTED_RESIDUAL). Not counted: the ring loop's merges
+and gradient sums, one per sub-block (a window has 70-120 sub-blocks where plain has 1-2), and the
+anti squares' reversed copies beyond the timed one; both make the prediction optimistic.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+from ..strategies.closed_form import Shapes, closed_form_by_kind
+from . import calibrate_fit, kernel_model, masks
+from .masks import Mask
+
+
+def trusted_cost(blocks: Optional[Dict[str, Any]]) -> Dict[str, float]:
+    """c_call and the window factors of the timed blocks, or none of them when the fit is untrusted."""
+    if not blocks or blocks.get("max_rel_residual", 1.0) > calibrate_fit.TRUSTED_RESIDUAL:
+        return {"c_call_s": 0.0, "tall_factor": 1.0, "anti_factor": 1.0}
+    return {"c_call_s": blocks["c_call_s"], "tall_factor": blocks.get("tall_factor", 1.0),
+            "anti_factor": blocks.get("anti_factor", 1.0)}
+
+
+def _busiest_s(calls, cost: Dict[str, float], heads: float) -> float:
+    return max(sum(kernel_model.call_s(cost, *c, heads) for c in rank) for rank in calls)
+
+
+def plan_bytes(strategy: str, p: int, ulysses: int, shapes: Shapes, window: Optional[int]) -> List[int]:
+    """Bytes each rank sends per fwd + bwd as the plan counts them (masks.rank_bytes)."""
+    return [sum(b.values()) for b in masks.rank_bytes(strategy, p, ulysses, shapes, Mask(True, window))]
+
+
+def form_bytes(strategy: str, p: int, ulysses: int, shapes: Shapes, window: Optional[int]) -> List[int]:
+    return [sum(closed_form_by_kind(strategy, p, shapes, r, ulysses, causal=True, window=window).values())
+            for r in range(p)]
+
+
+def window_rows(report: Dict[str, Any], fit: Dict[str, float], blocks: Optional[Dict[str, Any]]
+                ) -> List[Dict[str, Any]]:
+    """Per (strategy, window) of window_cpu: predicted and measured time ratio window / plain, the
+    busiest rank's sub-blocks, and bytes per rank (plan, closed form, measured)."""
+    meta, rows = report["meta"], []
+    p, n, heads = meta["P"], meta["seq"], meta["heads"]
+    shapes = Shapes(1, n, heads, heads, meta["head_dim"])
+    base = trusted_cost(blocks)
+    for s in meta["strategies"]:
+        r = report["rows"][s]
+        h = heads / p if s == "ulysses" else heads
+        msgs = calibrate_fit.messages(s, p)
+        plain_x = calibrate_fit.exchange_s(fit, msgs, max(plan_bytes(s, p, p if s == "ulysses" else 1, shapes, None)))
+        plain_calls = [[(nq, nk, m, False) for nq, nk, m in c] for c in kernel_model.rank_calls(s, p, n)]
+        unit = _busiest_s(plain_calls, dict(base, c_call_s=0.0, t_pair_s=1.0), h)
+        c_calls = base["c_call_s"] * max(len(c) for c in plain_calls)
+        cost = dict(base, t_pair_s=(r["plain"]["time"] - plain_x - c_calls) / unit)
+        for w in meta["windows"]:
+            case = r[f"window={w}"]
+            calls = kernel_model.window_calls(s, p, n, w)
+            ours = plan_bytes(s, p, p if s == "ulysses" else 1, shapes, w)
+            kernel = _busiest_s(calls, cost, h)
+            x = calibrate_fit.exchange_s(fit, msgs, max(ours))
+            rows.append({"strategy": s, "window": w, "measured": case["ratio"],
+                         "predicted": (kernel + x) / r["plain"]["time"], "kernel_s": kernel, "exchange_s": x,
+                         "calls": max(len(c) for c in calls), "t_pair_s": cost["t_pair_s"], "bytes_plan": ours,
+                         "bytes_form": form_bytes(s, p, p if s == "ulysses" else 1, shapes, w),
+                         "bytes_measured": case["bytes"]})
+    return rows
+
+
+__all__ = ["form_bytes", "plan_bytes", "trusted_cost", "window_rows"]
