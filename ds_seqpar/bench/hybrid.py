@@ -350,15 +350,12 @@ def write(rows, meta, out: str, ops=None, train=None) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     import transformers
     from .machine import machine_facts
-    from .packed import measure_on_pool
+    from .packed import measure_on_pool, render_saved
     from .summary import train_rows
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.render:
-        with open(args.render) as f:
-            saved = json.load(f)
-        return write(saved["rows"], saved["meta"], os.path.dirname(args.render) or ".", saved.get("ops"),
-                     saved.get("train"))
+        return render_saved(args.render, write, "ops", "train")
     args = resolve(args)
     per_rank, meta = measure_on_pool(bench_rank, args, command_line(PROG, argv))
     train = None

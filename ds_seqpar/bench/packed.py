@@ -245,6 +245,15 @@ def _write(rows, masked, meta, out: str) -> int:
                       "ds-seqpar bench --packed")
 
 
+def render_saved(path: str, write, *extras: str) -> int:
+    """--render of a one-page mode: ``write(rows, meta, out, *extras)`` from the JSON ``write_page`` saved at
+    ``path``, the page written beside it."""
+    import json
+    with open(path) as f:
+        saved = json.load(f)
+    return write(saved["rows"], saved["meta"], os.path.dirname(path) or ".", *(saved.get(k) for k in extras))
+
+
 def write_page(page: str, saved: dict, out: str, name: str, prog: str) -> int:
     """<out>/<name>.md = ``page`` and <out>/<name>.json = ``saved`` (what --render reads back)."""
     import json

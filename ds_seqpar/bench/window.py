@@ -324,14 +324,11 @@ def write(rows, meta, out: str, pieces: Optional[List[dict]] = None) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     from .machine import machine_facts
-    from .packed import measure_on_pool
+    from .packed import measure_on_pool, render_saved
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.render:
-        import json
-        with open(args.render) as f:
-            saved = json.load(f)
-        return write(saved["rows"], saved["meta"], os.path.dirname(args.render) or ".", saved.get("pieces"))
+        return render_saved(args.render, write, "pieces")
     args = resolve(args)
     per_rank, meta = measure_on_pool(bench_rank, args, command_line(PROG, argv))
     facts = machine_facts()
