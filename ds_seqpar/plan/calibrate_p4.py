@@ -67,7 +67,8 @@ def memory_rows(report: Dict[str, Any], world: int = P) -> List[Dict[str, Any]]:
                          "lengths": lengths, "measured": measured, "predicted": ours[phase]})
         step = max(r["measured"] for r in rows[-3:])
         rows.append({"variant": rows[-1]["variant"], "phase": "step (largest slope)", "lengths": lengths,
-                     "measured": step, "predicted": max(ours[p] for p in ("forward", "loss_backward", "layers_backward"))})
+                     "measured": step,
+                     "predicted": max(ours[p] for p in ("forward", "loss_backward", "layers_backward"))})
     return rows
 
 
