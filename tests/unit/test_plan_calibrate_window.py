@@ -73,8 +73,7 @@ def test_p4_bytes_per_rank_are_the_closed_form():
 
 def test_p4_memory_per_token_against_the_measured_step():
     """memory_cpu's P=4 scaling rows: the plain step within 5% in every phase; with the features the
-    step's slope (layers backward) within 15% (its fit stops at 4096 tokens per rank: 1.10) and the
-    loss backward within 5%."""
+    step's slope (layers backward, fitted on 2048-8192 tokens per rank) and the loss backward within 5%."""
     rows = {(r["variant"], r["phase"]): r["predicted"] / r["measured"]
             for r in calibrate_p4.memory_rows(_load("memory_cpu.json"))}
     if not rows:
@@ -82,4 +81,4 @@ def test_p4_memory_per_token_against_the_measured_step():
     off = {k: v for k, v in rows.items() if k[0].endswith("/off")}
     assert len(off) == 4 and all(abs(v - 1) <= 0.05 for v in off.values()), off
     assert abs(rows["llama/P4/on", "loss_backward"] - 1) <= 0.05, rows
-    assert abs(rows["llama/P4/on", "step (largest slope)"] - 1) <= 0.15, rows
+    assert abs(rows["llama/P4/on", "step (largest slope)"] - 1) <= 0.05, rows
