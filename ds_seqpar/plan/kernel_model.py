@@ -66,20 +66,13 @@ def measure_blocks(heads: int = 8, head_dim: int = 64, repeats: int = 3) -> Dict
     kernel, scale = get_kernel("torch", "cpu"), head_dim ** -0.5
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    points: List[Tuple[float, float]] = []
+    points: List[Tuple[float, float]]
     try:
-        for nq, nk, masked in BLOCKS:
-            q, dout = torch.randn(1, nq, heads, head_dim), torch.randn(1, nq, heads, head_dim)
-            k, v = torch.randn(1, nk, heads, head_dim), torch.randn(1, nk, heads, head_dim)
-            times = []
-            for i in range(repeats + 1):
-                t0 = time.perf_counter()
-                out, lse = kernel.forward_block(q, k, v, masked, False, scale)
-                kernel.backward_block(dout, q, k, v, out, lse, masked, False, scale)
-                if i:
-                    times.append(time.perf_counter() - t0)
-            points.append((computed_pairs(nq, nk, masked) * heads, min(times)))
-        window_points = [(nq, nk, kind, _time_block(kernel, scale, nq, nk, heads, head_dim, kind, repeats))
+        points = [(computed_pairs(nq, nk, masked) * heads,
+                   _time_block(kernel, scale, nq, nk, heads, head_dim, masked, False, repeats))
+                  for nq, nk, masked in BLOCKS]
+        window_points = [(nq, nk, kind, _time_block(kernel, scale, nq, nk, heads, head_dim, kind == "tall",
+                                                    kind == "anti", repeats))
                          for nq, nk, kind in WINDOW_BLOCKS]
     finally:
         torch.set_num_threads(threads)
@@ -96,11 +89,12 @@ def measure_blocks(heads: int = 8, head_dim: int = 64, repeats: int = 3) -> Dict
 WINDOW_BLOCKS = ((1152, 128, "tall"), (2176, 128, "tall"), (128, 128, "anti"))
 
 
-def _time_block(kernel, scale, nq, nk, heads, head_dim, kind, repeats) -> float:
+def _time_block(kernel, scale, nq, nk, heads, head_dim, causal, anti, repeats) -> float:
+    """The fastest of ``repeats`` fwd+bwd of one block (after one untimed)."""
     import torch
     q, dout = torch.randn(1, nq, heads, head_dim), torch.randn(1, nq, heads, head_dim)
     k, v = torch.randn(1, nk, heads, head_dim), torch.randn(1, nk, heads, head_dim)
-    causal, anti, times = kind == "tall", kind == "anti", []
+    times = []
     for i in range(repeats + 1):
         t0 = time.perf_counter()
         out, lse = kernel.forward_block(q, k, v, causal, anti, scale)
