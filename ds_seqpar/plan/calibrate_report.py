@@ -18,6 +18,11 @@ from .memory import Features
 from .model_shape import ModelShape
 
 
+def within(rows: List[Dict[str, Any]], tol: float = 0.15) -> int:
+    """How many rows' predicted / measured lies within ``tol`` of 1 (the goal of every time table)."""
+    return sum(1 for r in rows if abs(r["predicted"] / r["measured"] - 1) <= tol)
+
+
 def _load(path: str) -> Optional[Dict[str, Any]]:
     if not os.path.exists(path):
         return None
@@ -126,7 +131,7 @@ def fit_sections(cal: Dict[str, Any], speed: List[Dict[str, Any]], fitted: Optio
     if fitted:
         f = fitted["fit"]
         rows = fitted["rows"]
-        near = sum(1 for r in rows if abs(r["predicted"] / r["measured"] - 1) <= 0.15)
+        near = within(rows)
         out += ["", "## Attention fwd+bwd speedup at P=2: kernel calls + exchange (reports/cpu_full.json)", "",
                 "Predicted = single-process time / (the busiest rank's kernel calls, counted as computed pairs at the "
                 "rate of the run's own single case, + c_call per call + alpha x messages + bytes / beta, no overlap). "
@@ -139,7 +144,7 @@ def fit_sections(cal: Dict[str, Any], speed: List[Dict[str, Any]], fitted: Optio
                 f"{r['predicted'] / r['measured']:.2f} | {r['kernel_only']:.2f} | {r['calls']} |" for r in rows]
         out += ["", f"Within 15%: {near} of {len(rows)} rows."]
     if lasp:
-        near = sum(1 for r in lasp if abs(r["predicted"] / r["measured"] - 1) <= 0.15)
+        near = within(lasp)
         out += ["", "## LASP at P=2 (reports/cpu_full.json: lasp2 / lasp1 over the single-process linear kernel)", "",
                 "Predicted with nothing fitted on these rows: the linear kernel's time is a + b N (least squares over "
                 "the single_linear rows), a rank runs it on N / 2 tokens, plus 2 messages and the state bytes at the "
@@ -149,7 +154,7 @@ def fit_sections(cal: Dict[str, Any], speed: List[Dict[str, Any]], fitted: Optio
                 f"{r['predicted'] / r['measured']:.2f} | {r['bytes']:,} |" for r in lasp]
         out += ["", f"Within 15%: {near} of {len(lasp)} rows."]
     if hybrid:
-        near = sum(1 for r in hybrid if abs(r["predicted"] / r["measured"] - 1) <= 0.15)
+        near = within(hybrid)
         out += ["", "## Hybrids' linear layers under LASP at P=2 (reports/hybrid_cpu.json, N=8192)", "",
                 "Not a prediction from first principles: the layer's local time on N / 2 tokens is the run's own "
                 "'halves' case (these ops are more than linear in N, hence speedups above 2), plus the transition "
@@ -180,7 +185,7 @@ def window_p4_sections(window: List[Dict[str, Any]], p4_bytes: List[Dict[str, An
     out: List[str] = []
     if window:
         cost = calibrate_window.trusted_cost(blocks)
-        near = sum(1 for r in window if abs(r["predicted"] / r["measured"] - 1) <= 0.15)
+        near = within(window)
         exact = all(r["bytes_plan"] == r["bytes_form"] == r["bytes_measured"] for r in window)
         out += ["", "## Sliding windows at P=2: time with the window / without it (reports/window_cpu.json, N=8192)", "",
                 "Predicted = (the busiest rank's window sub-blocks + exchange) / the measured plain time. The "
