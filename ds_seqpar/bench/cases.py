@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..strategies import RING_STRATEGIES
+from .harness import attention_inputs, fwd_bwd, saved_bytes, timed
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
@@ -79,59 +80,6 @@ class BenchSpec:
     warmup: int = 1
     repeats: int = 5
     lasp_breakdown: bool = False    # kernel work per LASP rank position (lasp_pieces.py), rank 0 alone
-
-
-# ---------------------------------------------------------------------------------------------
-# timing helpers (lasp_pieces.py and the tests use them too)
-
-
-def attention_inputs(seq, heads, head_dim, kv_heads=None, batch=1, dtype=torch.float32, device="cpu", seed=0):
-    """Global-order q, k, v, dout (the same on every rank: the seed is fixed)."""
-    g = torch.Generator().manual_seed(seed)
-    kv = kv_heads or heads
-    shapes = [(batch, seq, heads, head_dim), (batch, seq, kv, head_dim), (batch, seq, kv, head_dim),
-              (batch, seq, heads, head_dim)]
-    return [torch.randn(s, generator=g).to(device=device, dtype=dtype) for s in shapes]
-
-
-def _fwd_bwd(attend, q, k, v, dout):
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    attend(q, k, v).backward(dout)
-
-
-def timed(fn, stats=None, device="cpu") -> dict:
-    """Run ``fn`` once: wall and this thread's CPU seconds (on CUDA: wall for both); the stats are reset first."""
-    if stats is not None:
-        stats.reset()
-    cuda = torch.device(device).type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-    wall, cpu = time.perf_counter(), time.thread_time()
-    fn()
-    if cuda:
-        torch.cuda.synchronize()
-    res = {"wall": time.perf_counter() - wall, "cpu": time.thread_time() - cpu}
-    if cuda:
-        res["cpu"] = res["wall"]        # GPU kernels are asynchronous: CPU time says nothing there
-    if stats is not None:
-        res.update(wait=stats.total_seconds, bytes=stats.total_bytes)
-    return res
-
-
-def saved_bytes(forward: Callable[[], Any]) -> int:
-    """Bytes the autograd graph of ``forward()`` keeps for backward: every tensor saved through
-    save_for_backward, counted once per storage (views and re-saves of one buffer share it)."""
-    storages: Dict[Tuple[int, str], int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        storages[(s.data_ptr(), str(t.device))] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = forward()
-    del out
-    return sum(storages.values())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,7 +199,7 @@ def measure(cases: "RankCases", seq_lens: List[int]) -> Dict[int, Dict[str, Any]
     out = {}
     for seq in seq_lens:
         shards = {name: cases.inputs(name, seq) for name in spec.cases}
-        fns = {name: (lambda a=cases.attend(name), x=shards[name]: _fwd_bwd(a, *x)) for name in spec.cases}
+        fns = {name: (lambda a=cases.attend(name), x=shards[name]: fwd_bwd(a, *x)) for name in spec.cases}
         rounds: Dict[str, List[dict]] = {name: [] for name in spec.cases}
         for rnd in range(spec.warmup + spec.repeats):
             for name in spec.cases:

@@ -37,7 +37,7 @@ from ..kernels.base import check_head_groups
 from ..report.plotting import require_matplotlib
 from ..strategies import STRATEGIES
 from .cases import BASELINE, CASES, DTYPES, BenchSpec
-from .machine import command_line, machine_facts
+from .harness import command_line, machine_facts
 
 ALIASES = {"lasp": ["lasp2", "lasp1"], "deepspeed": ["ds_ulysses"]}
 # every registered strategy (lasp: both exchanges) and DeepSpeed's Ulysses

@@ -31,7 +31,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ..report.plotting import require_matplotlib
-from .machine import command_line, machine_facts
+from .harness import command_line, machine_facts
 from .memory_step import MemorySpec, measure_peak, time_steps
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}

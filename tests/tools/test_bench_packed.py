@@ -3,8 +3,8 @@ sequence group): every case and variant runs, bytes equal the document closed fo
 the ratio beside the ideal."""
 import argparse
 
-from ds_seqpar.bench.packed import bench_rank, build_parser, resolve
-from ds_seqpar.bench.packed_report import imbalance_sweep, render, summarize
+from ds_seqpar.bench.packed import bench_rank, build_parser, render, resolve, summarize
+from ds_seqpar.bench.predict import imbalance_sweep
 
 
 def test_packed_bench_runs_and_bytes_match_closed_forms(pool):

@@ -3,7 +3,8 @@
 - the core (config, sequence_parallel, topology, comm, loss, zero, sharding, strategies, kernels,
   memory) imports nothing from models, launch, train, bench, report, hf;
 - models, launch and hf import the core only; train the core, models, launch and hf; bench those,
-  train (it times the training step through train.run_training) and report's plotting helper;
+  train (it times the training step through train.run_training) and report's plotting helper, rows,
+  renderer and targets;
   report the core only (nothing of train or bench);
 - only comm.py talks to torch.distributed (launch/ and train/, which start the world, may too; and
   bench/trainer.py, which runs DeepSpeed's own Ulysses path: it reproduces that path's raw calls and
@@ -31,7 +32,8 @@ ALLOWED = {
     "launch": {"core"},
     "hf": {"core"},
     "train": {"core", "models", "launch", "hf"},
-    "bench": {"core", "models", "launch", "hf", "train", "report.plotting"},
+    "bench": {"core", "models", "launch", "hf", "train", "report.plotting", "report.rows", "report.render",
+              "report.targets"},                    # bench writes rows and renders them; report never reads bench
     "report": {"core"},
     "plan": {"core", "models", "hf", "launch"},   # the own LM's ModelConfig; HF configs through hf/; --calibrate's ranks
     "root": {"core"},                       # ds_seqpar/__init__.py: the public API is the core's
