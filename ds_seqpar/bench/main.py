@@ -7,10 +7,15 @@ measured side by side in one run, with the ratios docs/design.md sets targets fo
     ds-seqpar bench --preset lasp                      # LASP-1/LASP-2 vs the halves bound, per-piece kernel work
     ds-seqpar bench --strategies zigzag,lasp --P 4 --seq-lens 4096,8192 --no-causal --name mine
     torchrun --nproc_per_node 2 -m ds_seqpar.cli bench ...   # under a launcher (GPUs: --device cuda)
-    ds-seqpar bench --packed [--P 2 --seq 8192 --docs 8]     # packed documents (bench/packed.py)
-    ds-seqpar bench --window [--P 2 --seq 8192 --windows 1024,2048]  # windows, softcap, sinks (bench/window.py)
-    ds-seqpar bench --trainer [--rounds 3 --steps 6]        # HF Trainer vs plain dp, DeepSpeed's ALST, own loop (bench/trainer.py)
-    ds-seqpar bench --hybrid [--P 2 --seq 8192 --families gdn,ssd]   # hybrids' linear layers, training step (bench/hybrid.py)
+    ds-seqpar bench packed [--P 2 --seq 8192 --docs 8]       # packed documents (bench/packed.py)
+    ds-seqpar bench window [--P 2 --seq 8192 --windows 1024,2048]   # windows, softcap, sinks (bench/window.py)
+    ds-seqpar bench trainer [--repeats 3 --steps 6]          # HF Trainer vs plain dp, DeepSpeed's ALST, own loop (bench/trainer.py)
+    ds-seqpar bench hybrid [--P 2 --seq 8192 --families gdn,ssd]    # hybrids' linear layers, training step (bench/hybrid.py)
+    ds-seqpar bench memory [--models lm --P 1,2]              # peak memory of a training step (bench/memory.py)
+
+``ds-seqpar bench SUITE``: attention (the default when no suite is named), packed, window, hybrid,
+trainer, memory; the old flags (``--packed``, ``--window``, ``--hybrid``, ``--trainer``) still work
+and print one deprecation line.
 
 Without a launcher the command starts P local CPU ranks itself (RankPool, one thread each, gloo).
 What it measures (cases.py on the ranks, train_step.py for training, summary.py for the ratios):
@@ -21,8 +26,6 @@ attention and vs the no-communication "halves" bound (with --lasp-breakdown, the
 each LASP rank position: lasp_pieces.py), ours vs deepspeed.sequence.layer.DistributedAttention,
 and the whole training step of the small LM (ZeRO-2) at P ranks vs one. Writes <out>/<name>.json,
 <out>/<name>.md and <out>/<name>/*.png; with --wandb one wandb run per case, grouped by the bench name.
-``ds-seqpar bench memory`` is the memory case (memory.py: peak memory per rank of a training step
-with and without the long-context memory features).
 """
 from __future__ import annotations
 
@@ -319,23 +322,29 @@ def render_saved(path: str) -> str:
     return write_report(res, os.path.dirname(path) or ".")
 
 
+# suite -> the module whose main(argv) measures it; "attention" is this module's own
+SUITES = {"attention": None, "packed": "packed", "window": "window", "hybrid": "hybrid", "trainer": "trainer",
+          "memory": "memory"}
+OLD_FLAGS = {"--packed": "packed", "--window": "window", "--hybrid": "hybrid", "--trainer": "trainer"}
+
+
+def suite_of(argv: List[str]):
+    """(suite, its arguments): ``ds-seqpar bench SUITE ...``; the old spelling (a flag anywhere, e.g.
+    ``--window``) still works and says once what replaced it; no suite named: attention."""
+    if argv[:1] and argv[0] in SUITES:
+        return argv[0], argv[1:]
+    for flag, suite in OLD_FLAGS.items():
+        if flag in argv:
+            print(f"ds-seqpar bench: {flag} is deprecated; use `ds-seqpar bench {suite} ...`", file=sys.stderr)
+            return suite, [a for a in argv if a != flag]
+    return "attention", argv
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--packed" in argv:               # packed documents vs one document: its own options and page
-        from .packed import main as packed_main
-        return packed_main([a for a in argv if a != "--packed"])
-    if "--hybrid" in argv:               # hybrids' linear layers and training step (hybrid.py)
-        from .hybrid import main as hybrid_main
-        return hybrid_main([a for a in argv if a != "--hybrid"])
-    if "--window" in argv:               # sliding windows, softcap, sinks vs plain attention (window.py)
-        from .window import main as window_main
-        return window_main([a for a in argv if a != "--window"])
-    if "--trainer" in argv:              # HF Trainer: exactness vs plain dp and DeepSpeed's ALST, overhead (trainer.py)
-        from .trainer import main as trainer_main
-        return trainer_main([a for a in argv if a != "--trainer"])
-    if argv[:1] == ["memory"]:              # the memory case: its own options (memory.py)
-        from .memory import main as memory_main
-        return memory_main(argv[1:])
+    suite, argv = suite_of(list(sys.argv[1:] if argv is None else argv))
+    if SUITES[suite]:
+        import importlib
+        return importlib.import_module(f"{__package__}.{SUITES[suite]}").main(argv)
     if "--render" in argv:
         print(f"ds-seqpar bench: wrote {render_saved(build_parser().parse_args(argv).render)}")
         return 0

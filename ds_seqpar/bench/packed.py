@@ -1,7 +1,7 @@
-"""``ds-seqpar bench --packed``: packed documents (cu_seqlens) against one document of the same
+"""``ds-seqpar bench packed``: packed documents (cu_seqlens) against one document of the same
 length, for every strategy, side by side in one run (not a test).
 
-    ds-seqpar bench --packed [--P 2] [--seq 8192] [--docs 8] [--heads 8] [--head-dim 64]
+    ds-seqpar bench packed [--P 2] [--seq 8192] [--docs 8] [--heads 8] [--head-dim 64]
                              [--repeats 5] [--warmup 1] [--out reports] [--name packed_cpu]
 
 Per strategy three variants of the same N tokens: one document (cu_seqlens=None, the ordinary
@@ -136,7 +136,7 @@ def masked_vs_subblocks(args) -> List[dict]:
 
 def build_parser() -> argparse.ArgumentParser:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
-    ap = argparse.ArgumentParser(prog="ds-seqpar bench --packed", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("--P", type=int, default=2)
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--docs", type=int, default=8, help="equal documents of the packed variant")
@@ -152,7 +152,7 @@ def resolve(args) -> argparse.Namespace:
     default = SOFTMAX + (("hybrid",) if args.P >= 4 and args.P % 2 == 0 else ()) + LINEAR
     args.strategies = default if args.strategies is None else tuple(args.strategies.split(","))
     if sum(args.mixed) != args.seq or args.seq % args.docs or args.seq % (4 * args.P):
-        raise SystemExit(f"ds-seqpar bench --packed: --seq {args.seq} must be a multiple of --docs {args.docs} and of "
+        raise SystemExit(f"{PROG}: --seq {args.seq} must be a multiple of --docs {args.docs} and of "
                          f"4*P, and --mixed must sum to it (sums to {sum(args.mixed)})")
     return args
 

@@ -1,7 +1,7 @@
-"""``ds-seqpar bench --trainer``: the Hugging Face Trainer with sequence parallelism, measured on 4 local
+"""``ds-seqpar bench trainer``: the Hugging Face Trainer with sequence parallelism, measured on 4 local
 CPU ranks (gloo, one thread each; not a test).
 
-    ds-seqpar bench --trainer [--repeats 3] [--warmup 1] [--steps 6] [--skip-steps 1] [--overhead-rounds 4]
+    ds-seqpar bench trainer [--repeats 3] [--warmup 1] [--steps 6] [--skip-steps 1] [--overhead-rounds 4]
                               [--overhead-steps 6] [--overhead-seq 512] [--model PATH] [--out reports]
                               [--name hf_trainer_cpu]
 
@@ -38,7 +38,7 @@ from .harness import (command_line, machine_facts, median_ratio, page_options, r
                       strategy_config)
 from .trainer_alst import gather_with_group_ranks, gloo_errors
 
-PROG = "ds-seqpar bench --trainer"
+PROG = "ds-seqpar bench trainer"
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 WORLD, ACCUMULATION = 4, 3
 # name -> (runner, sequence_parallel section, micro batch). Plain: 4 replicas of micro batch 1; a size-P case

@@ -120,3 +120,17 @@ def test_bench_training_case_takes_a_hugging_face_model(tmp_path):
         resolve(build_parser().parse_args(["--model", path, "--train-strategies", "zigzag,lasp"]))
     with pytest.raises(BenchError, match="does not exist"):
         resolve(build_parser().parse_args(["--model", str(tmp_path / "nope")]))
+
+
+def test_bench_runs_a_suite_by_name_and_the_old_flags_as_aliases(capsys):
+    from ds_seqpar.bench.main import main, suite_of
+    assert suite_of(["window", "--P", "2"]) == ("window", ["--P", "2"])
+    assert suite_of(["memory"]) == ("memory", [])
+    assert suite_of(["--preset", "quick"]) == ("attention", ["--preset", "quick"])
+    assert capsys.readouterr().err == ""
+    for flag in ("--packed", "--window", "--hybrid", "--trainer"):
+        assert suite_of(["--P", "2", flag]) == (flag[2:], ["--P", "2"])
+        err = capsys.readouterr().err
+        assert err == f"ds-seqpar bench: {flag} is deprecated; use `ds-seqpar bench {flag[2:]} ...`\n", err
+    with pytest.raises(SystemExit, match="ds-seqpar bench packed: --seq 100 must be a multiple"):
+        main(["packed", "--seq", "100"])           # the suite's own options and checks
