@@ -228,7 +228,6 @@ def run(args: argparse.Namespace, argv: List[str], pools=None) -> Optional[Dict[
            "train": S.train_rows(train, args.P) if train else {}, "train_skipped": skipped,
            "train_model": _train_model(args), "load_by_length": load_by_length,
            "lasp_breakdown": per_rank[0].get("lasp_breakdown"), "raw": {"ranks": per_rank, "train": train}}
-    res["checks"] = S.checks(res)
     _write(res, args)
     return res
 
@@ -295,31 +294,39 @@ def _measure_under_launcher(args, spec: BenchSpec):
 
 
 def _write(res: Dict[str, Any], args) -> None:
-    from .markdown import write_report
+    from ..report.render import result
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)
-    md = write_report(res, args.out)
+    md, rows = render_results(res, args.out)
     if args.wandb:
         from .wandb_log import log_bench
-        log_bench(res, os.path.join(args.out, args.name), args.wandb_project)
-    width = max(len(c["what"]) for c in res["checks"])
-    print("\n".join(f"{c['what']:<{width}}  {c['measured']:8.3f}  {c['target']:>9}  {c['result']}"
-                    for c in res["checks"]))
+        log_bench(res, rows, os.path.join(args.out, args.name), args.wandb_project)
+    held = [r for r in rows if r.target]
+    width = max([len(f"{r.case} {r.variant}") for r in held] or [0])
+    print("\n".join(f"{r.case + ' ' + r.variant:<{width}}  {r.metric[:40]:<40}  {max(r.values()):8.3f}  "
+                    f"{result(r)}" for r in held))
     print(f"ds-seqpar bench: wrote {md}, {os.path.join(args.out, args.name + '.json')} and "
           f"{os.path.join(args.out, args.name)}/*.png")
 
 
+def render_results(res: Dict[str, Any], out_dir: str):
+    """(<out>/<name>.md, its rows): the rows of a results dict (attention.py), rendered with their plots."""
+    from ..report.render import write
+    from .attention import facts, rows, write_plots
+    found = rows(res)
+    write_plots(found, res["meta"], os.path.join(out_dir, res["meta"]["name"]))
+    return write(out_dir, res["meta"]["name"], found, facts(res)), found
+
+
 def render_saved(path: str) -> str:
-    """Re-summarise and re-render a results JSON next to itself; the measurements are untouched."""
-    from .markdown import write_report
-    from .summary import checks
+    """Re-render a results JSON next to itself (page, rows and plots); the measurements are untouched."""
     with open(path) as f:
         res = json.load(f)
-    res["checks"] = checks(res)
+    res.pop("checks", None)                 # results saved before the rows carried their checks this way
     with open(path, "w") as f:
         json.dump(res, f, indent=1, default=str)
-    return write_report(res, os.path.dirname(path) or ".")
+    return render_results(res, os.path.dirname(path) or ".")[0]
 
 
 # suite -> the module whose main(argv) measures it; "attention" is this module's own

@@ -12,6 +12,29 @@ from typing import Dict, List
 from .harness import LINEAR, strategy_config
 
 
+def speedup_bound(case: str, p: int, causal: bool) -> float:
+    """Ideal speedup on P ranks: P, except the contiguous ring under a causal mask, whose busiest
+    rank does P - 1/2 of the P^2/2 blocks (ring.py)."""
+    if case == "ring" and causal:
+        return p * p / (2 * p - 1)
+    return float(p)
+
+
+def expected_imbalance(case: str, p: int, causal: bool) -> float:
+    """max/mean of per-rank work: contiguous causal ring (P - 1/2) / (P/2), the others ~1."""
+    return (2 * p - 1) / p if case == "ring" and causal else 1.0
+
+
+def attention_closed_form(cfg: dict, meta: dict, seq: int) -> List[int]:
+    """Bytes per rank of one fwd+bwd of an attention case (its sequence_parallel keys), strategies/closed_form.py."""
+    from ..strategies.closed_form import Shapes, closed_form_bytes
+    from .cases import DTYPES
+    p = meta["world"]
+    shapes = Shapes(meta["batch"], seq, meta["heads"], meta["kv_heads"], meta["head_dim"], DTYPES[meta["dtype"]].itemsize)
+    return [closed_form_bytes(cfg.get("strategy", "ulysses"), p, shapes, rank=r, ulysses_size=cfg.get("ulysses_size", 1),
+                              lasp_comm=cfg.get("lasp_comm", "allgather")) for r in range(p)]
+
+
 def work_per_rank(name: str, args, bounds) -> List[int]:
     """(q, k) pairs each rank computes for these documents (causal), from the mask policy itself."""
     import torch
@@ -136,5 +159,5 @@ def hybrid_closed_form(fam: str, case: str, args, family_config, sp_cases) -> Li
     return out
 
 
-__all__ = ["work_per_rank", "packed_closed_form", "imbalance_sweep", "window_work", "policy_work",
+__all__ = ["speedup_bound", "expected_imbalance", "attention_closed_form", "work_per_rank", "packed_closed_form", "imbalance_sweep", "window_work", "policy_work",
            "window_closed_form", "hybrid_closed_form"]

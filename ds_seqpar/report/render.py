@@ -56,7 +56,7 @@ def _table(rows: List[Row]) -> List[str]:
     if any(r.target for r in rows):
         cols += [("target", lambda r: TARGETS[r.target].text(r.bound) if r.target else ""),
                  ("result", lambda r: f"**{result(r)}**" if r.target else "")]
-    keys = list(dict.fromkeys(k for r in rows for k in r.detail))
+    keys = list(dict.fromkeys(k for r in rows for k in r.detail if k != "why"))   # why: the targets table's
     cols += [(k, lambda r, k=k: fmt(r.detail.get(k))) for k in keys]
     out = ["| " + " | ".join(c for c, _ in cols) + " |", "|---" * len(cols) + "|"]
     return out + ["| " + " | ".join(f(r) for _, f in cols) + " |" for r in rows]

@@ -27,7 +27,8 @@ class Target:
 
     def text(self, bound: Optional[float] = None) -> str:
         t = self.threshold(bound)
-        return {"==": f"== {t:.3f}", "within": f"{1 - t:.2f}-{1 + t:.2f}"}.get(self.op, f"{self.op} {t:.3g}")
+        digits = 2 if round(t, 2) == round(t, 3) else 3
+        return {"==": f"== {t:.3f}", "within": f"{1 - t:.2f}-{1 + t:.2f}"}.get(self.op, f"{self.op} {t:.{digits}f}")
 
 
 TARGETS = {

@@ -84,7 +84,7 @@ def test_presets(preset, cases, breakdown):
 
 def test_bounds_and_the_longest_sequence_search():
     from ds_seqpar.bench.cases import _largest
-    from ds_seqpar.bench.summary import expected_imbalance, speedup_bound
+    from ds_seqpar.bench.predict import expected_imbalance, speedup_bound
     assert speedup_bound("ring", 2, True) == pytest.approx(4 / 3) and speedup_bound("ring", 2, False) == 2.0
     assert speedup_bound("zigzag", 4, True) == 4.0 and expected_imbalance("ring", 4, True) == pytest.approx(7 / 4)
     probed = []
@@ -101,13 +101,12 @@ def test_bounds_and_the_longest_sequence_search():
 def test_the_committed_full_report_renders_from_its_json():
     # the page is a function of the saved results: a change to the layout must re-render the
     # committed report (ds-seqpar bench --render reports/cpu_full.json)
-    from ds_seqpar.bench.markdown import render_markdown
-    from ds_seqpar.bench.summary import checks
+    from ds_seqpar.bench.attention import facts, rows
+    from ds_seqpar.report.render import render
     with open(os.path.join(REPORTS, "cpu_full.json")) as f:
         res = json.load(f)
-    res["checks"] = checks(res)
     with open(os.path.join(REPORTS, "cpu_full.md")) as f:
-        assert render_markdown(res) == f.read()
+        assert render(rows(res), facts(res)) == f.read()
 
 
 def test_bench_training_case_takes_a_hugging_face_model(tmp_path):
