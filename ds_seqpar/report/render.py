@@ -25,6 +25,8 @@ def fmt(x: Any, unit: str = "") -> str:
         return str(x)
     if isinstance(x, int) or (unit in ("B", "tokens") and float(x).is_integer()):
         return str(int(x))
+    if abs(x) >= 1000:
+        return f"{x:.0f}"
     return f"{x:.3f}" if abs(x) >= 1e-3 or x == 0 else f"{x:.1e}"
 
 

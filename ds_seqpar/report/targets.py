@@ -53,6 +53,11 @@ TARGETS = {
     "memory.features_vs_floor": Target("<=", 3.0, "memory: bytes/token with the features / layers x hidden x bytes"),
     "memory.p2_vs_p1": Target("within", 0.10, "memory: per-rank peak follows tokens per rank, P=2 / P=1"),
     "memory.max_seq": Target(">=", 1.95, "memory: longest sequence in a fixed budget, P=2 / P=1"),
+    "memory.peak_p2_vs_p1": Target("<=", 1.10, "memory: step peak per rank, P=2 / P=1 at equal tokens per rank"),
+    "memory.strategy_p2": Target("within", 0.10, "memory: every strategy's peak above static, P=2 / P=1"),
+    "memory.strategy_p4": Target("within", 0.15, "memory: every strategy's peak above static, P=4 / P=1"),
+    "memory.time_vs_implied": Target("<=", 1.10, "memory: step time with / without the features over the recompute's "
+                                     "implied ratio", of_predicted=True),
 }
 
 

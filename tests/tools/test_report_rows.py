@@ -21,7 +21,9 @@ QUOTED = {"speedup.ulysses": ("Ulysses >= 1.85", 1.85), "speedup.zigzag": ("zigz
           "packed": ("<= 0.20", 0.20), "window": ("<= 1.3", 1.3), "sinks": ("<= 1.03", 1.03),
           "hybrid_layer": (">= 1.7", 1.7), "trainer": ("<= 1.05", 1.05), "memory.features_vs_plain": ("<= 1/8", 1 / 8),
           "memory.features_vs_floor": ("<= 3", 3.0), "memory.p2_vs_p1": ("0.90-1.10", 0.10),
-          "memory.max_seq": (">= 1.95", 1.95)}
+          "memory.max_seq": (">= 1.95", 1.95), "memory.peak_p2_vs_p1": ("<= 1.10", 1.10),
+          "memory.strategy_p2": ("0.90-1.10", 0.10), "memory.strategy_p4": ("0.85-1.15", 0.15),
+          "memory.time_vs_implied": ("<= 1.10", 1.10)}
 
 
 def _design_targets() -> str:
