@@ -49,8 +49,9 @@ def result(r: Row) -> str:
 
 
 def _table(rows: List[Row]) -> List[str]:
-    cols = [("case", lambda r: r.case), ("variant", lambda r: r.variant),
-            (f"value{' ' + rows[0].unit if rows[0].unit not in ('', 'x') else ''}", _value)]
+    cols = [("case", lambda r: r.case), ("variant", lambda r: r.variant)]
+    if any(r.value is not None for r in rows):            # a table of facts (training runs) has no value column
+        cols.append((f"value{' ' + rows[0].unit if rows[0].unit not in ('', 'x') else ''}", _value))
     if any(r.predicted is not None for r in rows):
         cols += [("predicted", lambda r: fmt(r.predicted, r.unit)), ("measured / predicted", _ratio)]
     if any(r.bound is not None for r in rows):

@@ -79,6 +79,13 @@ def test_rows_round_trip_through_json(tmp_path):
     assert open(md).read() == render(rows, back)
 
 
+def test_report_re_renders_saved_rows(tmp_path):
+    from ds_seqpar.report.main import main
+    write(str(tmp_path), "x", ROWS, {"title": "T"})
+    assert main(["--rows", str(tmp_path / "x.rows.json"), "--out", str(tmp_path / "again.md")]) == 0
+    assert (tmp_path / "again.md").read_text() == (tmp_path / "x.md").read_text()
+
+
 def test_bench_and_report_hold_no_import_circle():
     sys.path.insert(0, os.path.join(ROOT, "tests", "unit"))
     try:
