@@ -208,7 +208,7 @@ def run(args, argv: List[str]) -> Dict[str, Any]:
 def finish(res: Dict[str, Any], out: str) -> Dict[str, Any]:
     """Summaries and machine facts; JSON, plots, and the page with its rows (memory_rows.py)."""
     from ..report.render import result, write
-    from . import memory_summary as S
+    from . import predict as S
     from .memory_plots import write_plots
     from .memory_rows import facts, rows
     floor = res["meta"]["layers"] * res["meta"]["hidden"] * 4

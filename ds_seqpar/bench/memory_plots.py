@@ -6,7 +6,8 @@ import os
 from typing import Any, Dict, List
 
 from ..report.plotting import colors, pyplot, save
-from .memory_summary import KIB, MIB, predict_peak
+from .memory_summary import KIB, MIB
+from .predict import predict_peak
 
 
 def _label(v: Dict[str, Any]) -> str:

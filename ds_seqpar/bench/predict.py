@@ -1,15 +1,17 @@
 """The seam between bench and the cost model: every prediction a suite writes beside its measurement
-(work per rank, closed-form bytes, bounds) comes through this module and nowhere else.
+(bounds, closed-form bytes, work per rank, the memory phase model) comes through this module.
 
-These are the functions bench held so far; when plan/cost.py carries them, this module becomes
-imports from there (the suites do not change).
+The bodies below are the ones bench held so far (from summary.py, packed_report.py, window.py and
+hybrid.py); the memory phase model is memory_summary.py's, imported. When plan/cost.py carries them,
+this module becomes imports from there, under the same names: the suites do not change.
 """
 from __future__ import annotations
 
 import statistics
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from .harness import LINEAR, strategy_config
+from .memory_summary import implied_ratio, predict_peak, strategy_rows, summarize, timing_rows  # noqa: F401
 
 
 def speedup_bound(case: str, p: int, causal: bool) -> float:
@@ -159,5 +161,5 @@ def hybrid_closed_form(fam: str, case: str, args, family_config, sp_cases) -> Li
     return out
 
 
-__all__ = ["speedup_bound", "expected_imbalance", "attention_closed_form", "work_per_rank", "packed_closed_form", "imbalance_sweep", "window_work", "policy_work",
+__all__ = ["implied_ratio", "predict_peak", "strategy_rows", "summarize", "timing_rows", "speedup_bound", "expected_imbalance", "attention_closed_form", "work_per_rank", "packed_closed_form", "imbalance_sweep", "window_work", "policy_work",
            "window_closed_form", "hybrid_closed_form"]

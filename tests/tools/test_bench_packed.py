@@ -1,4 +1,4 @@
-"""``ds-seqpar bench --packed`` at a tiny size on the session pool (P=2: ranks 0 and 1 form the first
+"""``ds-seqpar bench packed`` at a tiny size on the session pool (P=2: ranks 0 and 1 form the first
 sequence group): every case and variant runs, bytes equal the document closed forms, the page shows
 the ratio beside the ideal."""
 import argparse

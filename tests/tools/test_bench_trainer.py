@@ -1,4 +1,4 @@
-"""``ds-seqpar bench --trainer`` at a tiny size on the session pool: the side-by-side cases run (plain,
+"""``ds-seqpar bench trainer`` at a tiny size on the session pool: the side-by-side cases run (plain,
 one ds_seqpar strategy, DeepSpeed's ALST through accelerate's ParallelismConfig), ds_seqpar's steps and
 final parameters equal plain's while ALST's do not (the distinction the page reports), the overhead
 part times both loops, and the page and JSON are written from the results (and re-rendered from

@@ -1,4 +1,4 @@
-"""``ds-seqpar bench --window`` at a tiny size on the session pool (P=2: ranks 0 and 1 form the first
+"""``ds-seqpar bench window`` at a tiny size on the session pool (P=2: ranks 0 and 1 form the first
 sequence group): every strategy and variant runs, bytes equal the window-aware closed forms (ratio
 1), the work the page divides by is what the masked policy computes, and the page is written."""
 import json
