@@ -133,3 +133,29 @@ def test_bench_runs_a_suite_by_name_and_the_old_flags_as_aliases(capsys):
         assert err == f"ds-seqpar bench: {flag} is deprecated; use `ds-seqpar bench {flag[2:]} ...`\n", err
     with pytest.raises(SystemExit, match="ds-seqpar bench packed: --seq 100 must be a multiple"):
         main(["packed", "--seq", "100"])           # the suite's own options and checks
+
+
+def _page(name: str) -> str:
+    """A committed report's page, rendered again from its saved results by its suite's rows."""
+    from ds_seqpar.bench import attention, hybrid, packed, trainer_rows, window
+    from ds_seqpar.report.render import render
+    with open(os.path.join(REPORTS, f"{name}.json")) as f:
+        saved = json.load(f)
+    if name.startswith("packed"):
+        d = packed._load(os.path.join(REPORTS, f"{name}.json"))
+        return packed.render(d["summary"], d["masked"], d["meta"])
+    if name.startswith("window"):
+        return render(window.rows(saved["rows"], saved["meta"], saved["pieces"]), window.facts(saved["meta"]))
+    if name.startswith("hybrid"):
+        return render(hybrid.rows(saved["rows"], saved["meta"], saved["ops"], saved["train"]),
+                      hybrid.facts(saved["meta"], list(saved["rows"])))
+    if name.startswith("hf_trainer"):
+        return render(trainer_rows.rows(saved), trainer_rows.facts(saved))
+    return render(attention.rows(saved), attention.facts(saved))
+
+
+@pytest.mark.parametrize("name", ["packed_cpu", "window_cpu", "hybrid_cpu", "hf_trainer_cpu",
+                                  "hf_train_step/hf_qwen2_small_cpu", "hf_train_step/hf_llama_small_cpu"])
+def test_every_committed_suite_page_is_its_rows_rendered(name):
+    with open(os.path.join(REPORTS, f"{name}.md")) as f:
+        assert _page(name) == f.read(), f"reports/{name}.md differs from its JSON's rendering (re-render it)"
