@@ -3,10 +3,10 @@ strategy, DeepSpeed's own Ulysses, the no-communication "halves" bound) timed si
 interleaved rounds, plus the bytes each case saves for backward. Runs on every rank (RankPool or a
 launcher); main.py drives it and summary.py turns what it returns into ratios.
 
-Round structure: for each sequence length, ``warmup + repeats`` rounds; each round runs every case
-once in a fixed order after a barrier (A B C A B C ...), so load from other processes hits all
-cases alike. A "single" case runs on rank 0 only (one thread, the whole sequence) while the other
-ranks wait in the next barrier. Per case and round each rank returns its wall time, the main
+Round structure: for each sequence length, the harness's ``warmup + repeats`` interleaved rounds;
+each round runs every case once in a fixed order after a barrier (A B C A B C ...), so load from
+other processes hits all cases alike. A "single" case runs on rank 0 only (one thread, the whole
+sequence) while the other ranks wait in the next barrier. Per case and round each rank returns its wall time, the main
 thread's CPU time (the compute: waiting in a collective costs little CPU), the seconds it sat
 blocked in communication and the bytes it sent (CommStats; None for DeepSpeed's collectives,
 which bypass it). On CUDA "cpu" is the wall time between synchronisations instead.
@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from ..strategies import RING_STRATEGIES
-from .harness import attention_inputs, fwd_bwd, saved_bytes, timed
+from .harness import attention_inputs, fwd_bwd, interleaved_rounds, saved_bytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
@@ -199,17 +198,11 @@ def measure(cases: "RankCases", seq_lens: List[int]) -> Dict[int, Dict[str, Any]
     out = {}
     for seq in seq_lens:
         shards = {name: cases.inputs(name, seq) for name in spec.cases}
-        fns = {name: (lambda a=cases.attend(name), x=shards[name]: fwd_bwd(a, *x)) for name in spec.cases}
-        rounds: Dict[str, List[dict]] = {name: [] for name in spec.cases}
-        for rnd in range(spec.warmup + spec.repeats):
-            for name in spec.cases:
-                comm.barrier()
-                if shards[name] is None:
-                    continue
-                res = timed(fns[name], cases.stats(name), spec.device)
-                if rnd >= spec.warmup:
-                    rounds[name].append(res)
-        comm.barrier()
+        fns = {(name, seq): (None if shards[name] is None else
+                             (lambda a=cases.attend(name), x=shards[name]: fwd_bwd(a, *x)), cases.stats(name))
+               for name in spec.cases}
+        timed_rounds = interleaved_rounds(fns, spec.warmup, spec.repeats, spec.device)
+        rounds = {name: timed_rounds[f"{name}/{seq}"] for name in spec.cases}
         memory = {name: _saved(cases, name, shards[name]) for name in spec.cases}
         # the 1-minute load average as this length's rounds end: a neighbour's burst mid-run shows here
         out[seq] = {"rounds": rounds, "saved_bytes": memory, "load_1min": os.getloadavg()[0]}

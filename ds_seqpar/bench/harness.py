@@ -90,10 +90,10 @@ def saved_bytes(forward: Callable[[], Any]) -> int:
 # -- rounds ------------------------------------------------------------------------------------------
 
 
-def interleaved_rounds(fns, warmup: int, repeats: int) -> Dict[str, list]:
-    """{(strategy, variant): (run or None, stats or None)} -> {"strategy/variant": measured rounds}:
-    warmup + repeats rounds, each running every case once after a barrier, in a fixed order (--window
-    shares it). A round's entry: wall and CPU seconds, and with stats the bytes sent, by CommStats kind."""
+def interleaved_rounds(fns, warmup: int, repeats: int, device: str = "cpu") -> Dict[str, list]:
+    """{(case, variant): (run or None, stats or None)} -> {"case/variant": measured rounds}: warmup +
+    repeats rounds, each running every case once after a barrier, in a fixed order (every suite's
+    rounds). A round's entry: wall and CPU seconds, and with stats the bytes sent, by CommStats kind."""
     from .. import comm
     rounds = {f"{n}/{v}": [] for n, v in fns}
     for rnd in range(warmup + repeats):
@@ -101,7 +101,7 @@ def interleaved_rounds(fns, warmup: int, repeats: int) -> Dict[str, list]:
             comm.barrier()
             if run is None:
                 continue
-            res = timed(run, stats)
+            res = timed(run, stats, device)
             if stats is not None:
                 res["by_kind"] = {kd: b for kd, b in stats.bytes.items() if kd != "cu_seqlens_check"}
             if rnd >= warmup:
