@@ -11,7 +11,7 @@ import torch
 from . import flash_attn_kernel
 from .base import AttentionKernel, LocalAttention, local_attention
 from .math_kernel import MathKernel
-from .merge import empty_accumulators, merge_
+from .merge import acc_dtype, empty_accumulators, merge_
 from .torch_kernel import TorchKernel
 
 logger = logging.getLogger("ds_seqpar")
@@ -41,4 +41,4 @@ def get_kernel(backend: str, device: torch.device) -> AttentionKernel:
 
 
 __all__ = ["AttentionKernel", "LocalAttention", "local_attention", "get_kernel", "MathKernel", "TorchKernel",
-           "merge_", "empty_accumulators"]
+           "merge_", "empty_accumulators", "acc_dtype"]
