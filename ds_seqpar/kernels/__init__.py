@@ -8,6 +8,7 @@ import logging
 
 import torch
 
+from ..errors import ConfigError
 from . import flash_attn_kernel
 from .base import AttentionKernel, LocalAttention, local_attention
 from .math_kernel import MathKernel
@@ -26,7 +27,6 @@ def get_kernel(backend: str, device: torch.device) -> AttentionKernel:
         logger.info("ds_seqpar: sequence_parallel.backend=auto picked %r on %s", backend, device.type)
     if backend == "flash_attn":
         if device.type != "cuda" or not flash_attn_kernel.available():
-            from ..config import ConfigError
             raise ConfigError(
                 f"sequence_parallel.backend='flash_attn' needs CUDA and the flash-attn package "
                 f"(device here: {device.type}, flash-attn installed: {flash_attn_kernel.available()}); "
@@ -36,7 +36,6 @@ def get_kernel(backend: str, device: torch.device) -> AttentionKernel:
         return TorchKernel()
     if backend == "math":
         return MathKernel()
-    from ..config import ConfigError
     raise ConfigError(f"sequence_parallel.backend={backend!r} is not valid; choose one of: {', '.join(BACKENDS)}")
 
 
