@@ -42,7 +42,7 @@ import torch.nn as nn
 from .. import comm
 from ..kernels.linear import linear_attention
 from ..strategies.state_passing import check_fragments, cut_at_documents, fragments, halos, states_in
-from .checks import UnsupportedModelError
+from ..errors import UnsupportedModelError
 
 CONV = "causal_conv1d_fn"
 SSD = "mamba2_chunk_scan"
