@@ -1,7 +1,8 @@
 """The harness every suite of ``ds-seqpar bench`` runs on (one module per suite beside it: attention
-in cases.py, packed.py, window.py, hybrid.py, trainer.py, memory.py): the case vocabulary, timing,
-interleaved rounds after a barrier, a fresh local rank pool, the machine and load facts, and the
-options every suite shares.
+(cases.py, summary.py, attention.py), packed.py, window.py, hybrid.py, trainer.py, memory.py; each
+turns its measurements into report/rows.py's rows): the case vocabulary, timing, interleaved rounds
+after a barrier, a fresh local rank pool, the machine and load facts, and the options every suite
+shares.
 
 Rounds: ``warmup + repeats``, each running every case once after a barrier in a fixed order (A B C A
 B C ...), so load from other processes hits all cases alike; a case's time in a round is its slowest
@@ -28,6 +29,8 @@ LINEAR = ("lasp2", "lasp1")
 
 
 def strategy_config(name: str, world: int) -> dict:
+    """The sequence_parallel keys of a case named in the suites' vocabulary (lasp2 / lasp1: LASP's two
+    exchanges; hybrid: Ulysses 2 x zigzag)."""
     if name in LINEAR:
         return {"strategy": "lasp", "size": world, "lasp_comm": "allgather" if name == "lasp2" else "ring"}
     if name == "hybrid":
@@ -161,7 +164,7 @@ def measure_on_pool(rank_fn, args, command: str):
 
 
 def page_options(ap: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
-    """The options every one-page bench mode shares (--packed, --window, --hybrid): rounds and the page."""
+    """The options every suite but attention shares (packed, window, hybrid, trainer): rounds and the page."""
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--out", default="reports")
@@ -202,8 +205,9 @@ def machine_line(meta: Dict[str, Any]) -> str:
     """How a suite's run went: the machine and its load (meta from measure_on_pool plus machine_facts)."""
     known = [x for x in (meta.get("cpu_model"), f"{meta['cpus']} CPUs",
                          meta.get("torch") and f"torch {meta['torch']}") if x]
-    return (f"{', '.join(known)}, shared with other engineers' jobs: load average before {meta['load_before']}, after {meta['load_after']}, highest 1-minute "
-            f"value at the end of the rounds {meta['load_during']:.2f}; whole run {meta['elapsed']:.0f} s.")
+    return (f"{', '.join(known)}, shared with other jobs: load average before {meta['load_before']}, after "
+            f"{meta['load_after']}, highest 1-minute value at the end of the rounds {meta['load_during']:.2f}; whole "
+            f"run {meta['elapsed']:.0f} s.")
 
 
 def save_json(path: str, saved: Any) -> None:
