@@ -4,7 +4,7 @@ throughput, a profile made of them, and the plan's predictions against the measu
     alpha, beta   all-to-all and ring send/recv between P local ranks (launch.rankpool.RankPool),
                   message sizes 16 KiB .. 16 MiB, median of repeats, least squares t = alpha + bytes / beta
     throughput    one thread: a 1024^3 fp32 matmul, and causal SDPA forward + backward at N = 2048
-                  (8 heads x 64), FLOPs counted as flops.py counts them
+                  (8 heads x 64), FLOPs counted as cost/flops.py counts them
 Then, with these numbers in place of a GPU profile, the attention fwd+bwd speedups of
 reports/cpu_full.json (P = 2, fp32, causal, 8 heads x 64) are predicted strategy by strategy and
 written beside the measured ones, with the memory-per-token rows of reports/memory_cpu.json, to
@@ -20,7 +20,7 @@ import time
 from typing import Any, Dict, List, Tuple
 
 from ..strategies.closed_form import Shapes, closed_form_by_kind
-from . import comm_model
+from .cost import times
 from .hardware import Gpu, from_dict
 
 SIZES = (16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
@@ -142,7 +142,7 @@ def predict_speedups(comm: Dict[str, Any], kernels: Dict[str, float], meta: Dict
         else:
             ring = comm["ring"]
             gpu_ring = _with_link(ring["alpha_s"], ring["beta_bytes_s"])
-            comm_s = comm_model.ring_time(gpu_ring, by_kind["ring"] + by_kind["ring_grad"], p, 1, p, compute, overlap)
+            comm_s = times.ring_time(gpu_ring, by_kind["ring"] + by_kind["ring_grad"], p, 1, p, compute, overlap)
         out[strategy] = single / (compute + comm_s)
     return out
 

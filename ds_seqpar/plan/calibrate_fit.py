@@ -2,7 +2,7 @@
 exchanges, with the exchange's cost fitted to the measured reports and checked on rows it was not
 fitted on.
 
-    t_rank = kernel (kernel_model: tile-aware computed pairs at the rate of the run's own
+    t_rank = kernel (cost.times: tile-aware computed pairs at the rate of the run's own
              single-process time, plus c_call per call from the timed blocks)
            + alpha x messages + bytes / beta            (no overlap: on 2 shared cores gloo's copies
                                                          take the core the kernel would use)
@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence
 
-from . import kernel_model
+from .cost import times
+from .cost.pairs import computed_pairs
 
 SOFTMAX = ("ulysses", "ring", "zigzag", "striped")
 
@@ -55,12 +56,12 @@ def softmax_rows(full: Dict[str, Any], block_cost: Dict[str, float]) -> List[Dic
     for n_key, cases in sorted(full["attention"].items(), key=lambda kv: int(kv[0])):
         n = int(n_key)
         single = cases["single"]["time_s"]["median"]
-        rate = {"c_call_s": 0.0, "t_pair_s": single / (kernel_model.computed_pairs(n, n, meta.get("causal", True)) * heads)}
+        rate = {"c_call_s": 0.0, "t_pair_s": single / (computed_pairs(n, n, meta.get("causal", True)) * heads)}
         for s in SOFTMAX:
             if s not in cases:
                 continue
-            calls = max(len(c) for c in kernel_model.rank_calls(s, p, n))
-            kernel = kernel_model.busiest_kernel_s(s, p, n, heads, rate) + c_call * calls
+            calls = max(len(c) for c in times.rank_calls(s, p, n))
+            kernel = times.busiest_kernel_s(s, p, n, heads, rate) + c_call * calls
             rows.append({"n": n, "strategy": s, "kernel_s": kernel, "calls": calls, "messages": messages(s, p),
                          "bytes": cases[s]["bytes"][0], "measured_s": cases[s]["time_s"]["median"],
                          "single_s": single, "measured": cases[s]["speedup"]["median"], "c_call_s": c_call})
@@ -139,10 +140,9 @@ def step_rows(full: Dict[str, Any], fit: Dict[str, float], profile) -> List[Dict
     plus every exchange of the step at the softmax rows' (alpha, beta): the layers' bytes from the
     closed forms (per layer x layers) and ZeRO-2's reduce-scatter + all-gather (2 messages)."""
     import math
-    from . import comm_model
-    from .memory import Features
+    from .cost.candidate import Candidate, Features
     from .model_shape import ModelShape
-    from .search import Candidate, Cluster, predict
+    from .search import Cluster, predict
     tm = full.get("train_model") or {}
     if not tm:
         return []
@@ -163,7 +163,7 @@ def step_rows(full: Dict[str, Any], fit: Dict[str, float], profile) -> List[Dict
         if not (one.compute_s and two.compute_s):
             continue
         layer_bytes = sum(two.comm_bytes.values()) * layers
-        zero = comm_model.zero_bytes(shape.params(), p, 2, 4, 4)
+        zero = times.zero_bytes(shape.params(), p, 2, 4, 4)
         t = (measured["one_s"]["median"] * two.compute_s / one.compute_s
              + exchange_s(fit, messages(strategy, p) * layers + 2, layer_bytes + zero))
         rows.append({"strategy": strategy, "measured": measured["speedup"]["median"],

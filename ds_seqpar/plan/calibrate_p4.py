@@ -4,8 +4,8 @@ Time is not: the machine has 2 cores, and 4 ranks of one thread each share them,
 measures the oversubscription (two ranks per core, taking turns), not the strategy; no P = 4 time is
 predicted against a measurement. Bytes and memory do not depend on the cores:
 
-    bytes   the plan's bytes per rank (masks.rank_bytes, which search.comm_per_layer reads through
-            masks.busiest_bytes) against closed_form_by_kind rank by rank, every softmax strategy and
+    bytes   the plan's bytes per rank (cost.bytes.rank_bytes, which cost.bytes.comm_per_layer reads
+            through busiest_bytes) against closed_form_by_kind rank by rank, every softmax strategy and
             the 2D hybrid, plain and with each window of reports/window_cpu.json; must be equal
     memory  the bytes per token per rank of every phase of a training step at P = 4 (the slopes of
             reports/memory_cpu.json's P = 4 rows) against the plan's count (memory.per_token)
@@ -15,9 +15,9 @@ from __future__ import annotations
 from typing import Any, Dict, List, Sequence
 
 from ..strategies.closed_form import Shapes
-from . import memory
 from .calibrate_window import form_bytes, plan_bytes
-from .memory import Features
+from .cost import memory
+from .cost.candidate import Features
 from .model_shape import ModelShape
 
 P = 4

@@ -12,9 +12,11 @@ import math
 import os
 from typing import Any, Dict, List, Optional
 
-from . import calibrate_fit, calibrate_p4, calibrate_window, kernel_model, memory
+from . import calibrate_fit, calibrate_p4, calibrate_window, kernel_model
 from .calibrate import STRATEGIES, predict_speedups
-from .memory import Features
+from .cost import memory
+from .cost.candidate import Candidate, Features
+from .cost.pairs import KEY_TILE, computed_pairs
 from .model_shape import ModelShape
 
 
@@ -50,7 +52,7 @@ def speedup_rows(cal: Dict[str, Any], full: Dict[str, Any]) -> List[Dict[str, An
 def step_rows(cal: Dict[str, Any], full: Dict[str, Any], profile) -> List[Dict[str, Any]]:
     """cpu_full's whole training step (the project's LM, fp32, ZeRO-2, byte vocabulary, tied
     embeddings) at P=2 over P=1, predicted by search.predict with the calibrated profile."""
-    from .search import Candidate, Cluster, predict
+    from .search import Cluster, predict
     tm = full.get("train_model") or {}
     if not tm:
         return []
@@ -113,7 +115,7 @@ def fit_sections(cal: Dict[str, Any], speed: List[Dict[str, Any]], fitted: Optio
                 f"Fit t = c_call + t_pair x computed pairs: c_call {blocks['c_call_s'] * 1e3:.2f} ms, t_pair "
                 f"{blocks['t_pair_s'] * 1e9:.1f} ns per pair and head (largest residual {blocks['max_rel_residual']:.0%}, "
                 f"the smallest block). Computed pairs count the masked halves of a causal square's diagonal key tiles "
-                f"({kernel_model.KEY_TILE} keys): s (s+1)/2 + s x {kernel_model.KEY_TILE}/2. The per-call cost is used "
+                f"({KEY_TILE} keys): s (s+1)/2 + s x {KEY_TILE}/2. The per-call cost is used "
                 f"below only when this fit is within {calibrate_fit.TRUSTED_RESIDUAL:.0%} (a fit timed under load is "
                 f"not).", "",
                 "| block (q x k, masked) | computed pairs x heads | measured ms | fit / measured |", "|---|---:|---:|---:|"]
@@ -121,7 +123,7 @@ def fit_sections(cal: Dict[str, Any], speed: List[Dict[str, Any]], fitted: Optio
             fit = blocks["c_call_s"] + blocks["t_pair_s"] * pairs
             out.append(f"| {nq} x {nk}{' causal' if m else ''} | {pairs:,.0f} | {t * 1e3:.1f} | {fit / t:.2f} |")
         for nq, nk, kind, t in blocks.get("window_points", []):
-            pairs = kernel_model.computed_pairs(nq, nk, True) * blocks["heads"]
+            pairs = computed_pairs(nq, nk, True) * blocks["heads"]
             fit = blocks["c_call_s"] + blocks["t_pair_s"] * pairs
             out.append(f"| {nq} x {nk} {kind} (window piece, not fitted) | {pairs:,.0f} | {t * 1e3:.1f} | {fit / t:.2f} |")
         if "tall_factor" in blocks:
@@ -216,7 +218,7 @@ def window_p4_sections(window: List[Dict[str, Any]], p4_bytes: List[Dict[str, An
             "do not depend on the cores and are checked below."]
     if p4_bytes:
         equal = sum(1 for r in p4_bytes if r["plan"] == r["form"])
-        out += ["", "### P=4: bytes per rank per fwd+bwd, the plan (masks.rank_bytes) against closed_form_by_kind "
+        out += ["", "### P=4: bytes per rank per fwd+bwd, the plan (cost.bytes.rank_bytes) against closed_form_by_kind "
                 "(N=8192, 8 heads x 64, fp32, causal)", "",
                 "| strategy | U | window | bytes per rank (plan) | closed form |", "|---|---:|---|---|---|"]
         out += [f"| {r['strategy']} | {r['ulysses']} | {r['window'] or '-'} | "
