@@ -21,51 +21,12 @@ from __future__ import annotations
 import functools
 import math
 from collections import Counter
-from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-import torch
-
+from ..masks import Mask, cut_documents, seen_keys
 from ..sharding.layouts import make_layout
 from ..strategies import RING_STRATEGIES, get_strategy
 from ..strategies.closed_form import Shapes, closed_form_by_kind, kv_replication, ring_key_ranges, ring_masked_bytes
-
-
-@dataclass(frozen=True)
-class Mask:
-    """One softmax layer's mask over a sequence: ``window`` None = no window; ``docs`` the packed
-    documents' lengths in order (None = one document)."""
-
-    causal: bool = True
-    window: Optional[int] = None
-    docs: Optional[Tuple[int, ...]] = None
-
-    def for_length(self, seq: int) -> "Mask":
-        """The same mask with a window that covers the sequence dropped (it masks nothing; hf/attention
-        drops it too) and the documents cut to ``seq`` tokens."""
-        window = None if self.window is None or self.window >= seq else int(self.window)
-        return Mask(self.causal, window, cut_documents(self.docs, seq))
-
-    def bounds(self, seq: int) -> List[int]:
-        """cu_seqlens: [0, l1, l1 + l2, ..., seq]."""
-        out = [0]
-        for length in self.docs or (seq,):
-            out.append(out[-1] + length)
-        return out
-
-
-def cut_documents(docs: Optional[Tuple[int, ...]], seq: int) -> Optional[Tuple[int, ...]]:
-    if docs is None:
-        return None
-    out, left = [], seq
-    for length in docs:
-        if left <= 0:
-            break
-        out.append(min(length, left))
-        left -= out[-1]
-    if left > 0:
-        out.append(left)
-    return tuple(out) if len(out) > 1 else None
 
 
 def equal_documents(seq: int, doc_len: Optional[int]) -> Optional[Tuple[int, ...]]:
@@ -74,19 +35,6 @@ def equal_documents(seq: int, doc_len: Optional[int]) -> Optional[Tuple[int, ...
         return None
     full, rest = divmod(seq, doc_len)
     return (doc_len,) * full + ((rest,) if rest else ())
-
-
-def seen_keys(seq: int, padded: int, mask: Mask) -> torch.Tensor:
-    """int64 [padded]: the keys each global position's query sees (0 for the end padding)."""
-    pos = torch.arange(padded, dtype=torch.int64)
-    bounds = torch.tensor(mask.bounds(seq), dtype=torch.int64)
-    doc = (torch.searchsorted(bounds, pos.clamp(max=seq - 1), right=True) - 1).clamp(min=0)
-    start, stop = bounds[doc], bounds[doc + 1]                          # the query's document [start, stop)
-    w = mask.window or padded + 1
-    lo = torch.maximum(start, pos - w + 1)
-    hi = pos + 1 if mask.causal else torch.minimum(stop, pos + w)
-    seen = (hi - lo).clamp(min=0)
-    return torch.where(pos < seq, seen, torch.zeros_like(seen))
 
 
 def pairs_total(seq: int, mask: Mask) -> int:

@@ -1,6 +1,6 @@
 """The layer rule, read from the source with ``ast`` (nothing is imported):
 
-- the core (config, sequence_parallel, topology, comm, loss, zero, sharding, strategies, kernels,
+- the core (config, sequence_parallel, topology, comm, loss, zero, masks, sharding, strategies, kernels,
   memory) imports nothing from models, launch, train, bench, report, hf;
 - models, launch and hf import the core only; train the core, models, launch and hf; bench those,
   train (it times the training step through train.run_training) and report's plotting helper;
@@ -22,7 +22,7 @@ import ds_seqpar
 
 PACKAGE = "ds_seqpar"
 CORE = frozenset({"config", "sequence_parallel", "topology", "comm", "loss", "zero", "sharding", "strategies",
-                  "kernels", "memory"})
+                  "kernels", "memory", "masks"})
 TOOLS = frozenset({"models", "launch", "train", "bench", "report", "hf", "plan"})
 # layer -> the layers it may import besides itself ("report.plotting": that one module of report)
 ALLOWED = {
