@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional
 from ..strategies.closed_form import Shapes, closed_form_by_kind
 from . import calibrate_fit
 from .cost.bytes import rank_bytes
-from .cost.pairs import Mask
+from ..masks import Mask
 from .cost.times import busiest_calls_s, rank_calls, window_calls
 
 

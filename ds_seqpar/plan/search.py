@@ -19,7 +19,8 @@ from ..strategies.closed_form import Shapes
 from .cost import flops, memory, times
 from .cost.bytes import SPAN_BUDGET, comm_per_layer, exact_spans, layer_mask
 from .cost.candidate import SOFTMAX_KINDS, Candidate, Features
-from .cost.pairs import cut_documents, padded_length
+from ..masks import cut_documents
+from .cost.pairs import padded_length
 from .hardware import Gpu
 from .model_shape import ModelShape
 

@@ -13,7 +13,7 @@ from ds_seqpar.plan import hardware
 from ds_seqpar.plan.cost import bytes as cost_bytes, flops, pairs
 from ds_seqpar.plan.cost.bytes import comm_per_layer
 from ds_seqpar.plan.cost.candidate import Candidate, Features
-from ds_seqpar.plan.cost.pairs import Mask
+from ds_seqpar.masks import Mask
 from ds_seqpar.plan.main import equal_documents
 from ds_seqpar.plan.model_shape import ModelShape, from_hf_config
 from ds_seqpar.plan.search import Cluster, predict

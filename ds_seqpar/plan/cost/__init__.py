@@ -11,7 +11,7 @@ checks it against the measured reports, bench writes its bounds and expected col
     times.py      alpha-beta collectives, compute from FLOPs, kernel calls priced per call and pair
 
 It imports the core only (tests/unit/test_layers.py gives it the core's layer), so the runtime may
-price with it; a model shape is read by attribute (plan.model_shape.ModelShape), a GPU likewise
+price with it; the mask is ds_seqpar/masks.py's Mask; a model shape is read by attribute (plan.model_shape.ModelShape), a GPU likewise
 (plan.hardware.Gpu). tests/reference.py counts pairs and spans by enumeration, the oracle the tests
 hold this and strategies/closed_form.py to.
 """
@@ -19,11 +19,11 @@ from .bytes import SPAN_BUDGET, busiest_bytes, comm_per_layer, exact_spans, laye
 from .candidate import LINEAR_KINDS, SOFTMAX_KINDS, Candidate, Features
 from .flops import keys_per_query, model_flops_per_token, step_per_token
 from .memory import PHASES, fit_line, max_tokens, peak, phase_lines, phase_model
-from .pairs import (Mask, busiest_keys_per_token, computed_pairs, documents_of, expected_imbalance, imbalance,
-                    padded_length, pairs_per_rank, pairs_total, position_pairs, speedup_bound)
+from .pairs import (busiest_keys_per_token, computed_pairs, expected_imbalance, imbalance, padded_length,
+                    pairs_per_rank, pairs_total, position_pairs, speedup_bound)
 
-__all__ = ["Candidate", "Features", "LINEAR_KINDS", "Mask", "PHASES", "SOFTMAX_KINDS", "SPAN_BUDGET",
-           "busiest_bytes", "busiest_keys_per_token", "comm_per_layer", "computed_pairs", "documents_of",
+__all__ = ["Candidate", "Features", "LINEAR_KINDS", "PHASES", "SOFTMAX_KINDS", "SPAN_BUDGET",
+           "busiest_bytes", "busiest_keys_per_token", "comm_per_layer", "computed_pairs",
            "exact_spans", "expected_imbalance", "fit_line", "imbalance", "keys_per_query", "layer_mask",
            "max_tokens", "model_flops_per_token", "padded_length", "pairs_per_rank", "pairs_total", "peak",
            "phase_lines", "phase_model", "position_pairs", "rank_bytes", "speedup_bound", "step_per_token"]

@@ -14,12 +14,13 @@ from __future__ import annotations
 import functools
 from typing import Dict, List, Optional, Tuple
 
+from ...masks import Mask
 from ...strategies import get_strategy
 from ...sharding.layouts import make_layout
 from ...strategies.closed_form import (Shapes, closed_form_by_kind, conv_halo_bytes, linear_state_bytes,
                                        linear_ulysses_bytes, masked_ring_by_kind, ring_key_ranges)
 from .candidate import SOFTMAX_KINDS
-from .pairs import Mask, ring_of
+from .pairs import ring_of
 
 SPAN_BUDGET = 1 << 23                    # ring positions x tokens whose exact spans are found by default
 
@@ -27,9 +28,9 @@ SPAN_BUDGET = 1 << 23                    # ring positions x tokens whose exact s
 def _masked_ring(strategy: str, size: int, ulysses: int, shapes: Shapes, mask: Mask):
     """(ring positions, real tokens, the mask cut to them) of a ring layer whose mask changes its bytes,
     else None (``shapes.seq`` is the padded length the layout shards)."""
-    real = mask.bounds(shapes.seq)[-1] if mask.docs else shapes.seq
+    real = mask.real(shapes.seq)
     mask, r = mask.for_length(real), ring_of(strategy, size, ulysses)
-    if strategy == "ulysses" or r <= 1 or (mask.plain and real == shapes.seq):
+    if strategy == "ulysses" or r <= 1 or (mask.is_plain(real) and real == shapes.seq):
         return None
     return r, real, mask
 

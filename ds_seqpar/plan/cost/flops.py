@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
 
-from .pairs import Mask, pairs_total
+from ...masks import Mask
+from .pairs import pairs_total
 
 LINEAR_CHUNK = 64
 

@@ -8,82 +8,19 @@ the positions a ring position holds (its layout's ``indices``), so the busiest r
 for every layout: the contiguous ring's last rank with no window, but nobody's with a window shorter
 than a block. Ulysses ranks hold 1/P of the heads of every query: total / P each. The 2D hybrid: ring
 position r holds U x n queries of H / U heads, so pairs(r) / U per rank. tests/reference.py counts
-the same pair by pair on the dense mask.
+the same pair by pair on the dense mask. The mask itself is ds_seqpar/masks.py's.
 """
 from __future__ import annotations
 
 import functools
 from collections import Counter
-from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
-import torch
-
+from ...masks import Mask, seen_keys
 from ...sharding.layouts import make_layout
 from ...strategies import RING_STRATEGIES, get_strategy
 
 KEY_TILE = 512        # keys per tile of torch's CPU flash kernel (kernels/torch_kernel.py's causal_tile note)
-
-
-@dataclass(frozen=True)
-class Mask:
-    """One softmax layer's mask over a sequence: ``window`` None = no window; ``docs`` the packed
-    documents' lengths in order (None = one document)."""
-
-    causal: bool = True
-    window: Optional[int] = None
-    docs: Optional[Tuple[int, ...]] = None
-
-    def for_length(self, seq: int) -> "Mask":
-        """The same mask with a window that covers the sequence dropped (it masks nothing; hf/attention
-        drops it too) and the documents cut to ``seq`` tokens."""
-        window = None if self.window is None or self.window >= seq else int(self.window)
-        return Mask(self.causal, window, cut_documents(self.docs, seq))
-
-    def bounds(self, seq: int) -> List[int]:
-        """cu_seqlens: [0, l1, l1 + l2, ..., seq]."""
-        out = [0]
-        for length in self.docs or (seq,):
-            out.append(out[-1] + length)
-        return out
-
-    @property
-    def plain(self) -> bool:
-        return self.window is None and self.docs is None
-
-
-def cut_documents(docs: Optional[Tuple[int, ...]], seq: int) -> Optional[Tuple[int, ...]]:
-    """The documents' lengths cut to ``seq`` tokens (the rest one more document); None for one."""
-    if docs is None:
-        return None
-    out, left = [], seq
-    for length in docs:
-        if left <= 0:
-            break
-        out.append(min(length, left))
-        left -= out[-1]
-    if left > 0:
-        out.append(left)
-    return tuple(out) if len(out) > 1 else None
-
-
-def documents_of(bounds: Sequence[int]) -> Optional[Tuple[int, ...]]:
-    """cu_seqlens [0, l1, ..., N] -> the documents' lengths (None for one document)."""
-    lengths = tuple(int(b) - int(a) for a, b in zip(bounds, bounds[1:]))
-    return lengths if len(lengths) > 1 else None
-
-
-def seen_keys(seq: int, padded: int, mask: Mask) -> torch.Tensor:
-    """int64 [padded]: the keys each global position's query sees (0 for the end padding)."""
-    pos = torch.arange(padded, dtype=torch.int64)
-    bounds = torch.tensor(mask.bounds(seq), dtype=torch.int64)
-    doc = (torch.searchsorted(bounds, pos.clamp(max=seq - 1), right=True) - 1).clamp(min=0)
-    start, stop = bounds[doc], bounds[doc + 1]                          # the query's document [start, stop)
-    w = mask.window or padded + 1
-    lo = torch.maximum(start, pos - w + 1)
-    hi = pos + 1 if mask.causal else torch.minimum(stop, pos + w)
-    seen = (hi - lo).clamp(min=0)
-    return torch.where(pos < seq, seen, torch.zeros_like(seen))
 
 
 def pairs_total(seq: int, mask: Mask) -> int:
@@ -146,7 +83,7 @@ def pairs_per_rank(strategy: str, size: int, ulysses: int, seq: int, mask: Mask)
         return [pairs_total(seq, mask) / size] * size
     padded = padded_length(size, seq)
     name = get_strategy(strategy).layout_name
-    if mask.plain:                                       # (the < 2P padding tokens counted as real)
+    if mask.is_plain(seq):                               # (the < 2P padding tokens counted as real)
         per_pos = plain_position_pairs(name, r, padded, mask.causal)
     else:
         per_pos = position_pairs(name, r, seq, padded, mask)
@@ -185,6 +122,5 @@ def computed_pairs(nq: int, nk: int, masked: bool) -> float:
     return float(min(nq * nk, s * (s + 1) / 2 + (nq - s) * nk + s * min(KEY_TILE, s) / 2))
 
 
-__all__ = ["KEY_TILE", "Mask", "busiest_keys_per_token", "computed_pairs", "cut_documents", "documents_of",
-           "expected_imbalance", "imbalance", "padded_length", "pairs_per_rank", "pairs_total",
-           "plain_position_pairs", "position_pairs", "ring_of", "seen_keys", "speedup_bound"]
+__all__ = ["KEY_TILE", "busiest_keys_per_token", "computed_pairs", "expected_imbalance", "imbalance", "padded_length", "pairs_per_rank", "pairs_total",
+           "plain_position_pairs", "position_pairs", "ring_of", "speedup_bound"]

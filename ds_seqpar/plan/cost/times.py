@@ -21,7 +21,8 @@ from typing import Dict, List, Optional, Tuple
 
 from .candidate import SOFTMAX_KINDS
 from .flops import step_per_token
-from .pairs import Mask, busiest_keys_per_token, computed_pairs
+from ...masks import Mask
+from .pairs import busiest_keys_per_token, computed_pairs
 
 
 def spans_nodes(group_ranks: int, stride: int, gpus_per_node: int) -> bool:
