@@ -18,6 +18,7 @@ from ds_seqpar.plan.main import equal_documents
 from ds_seqpar.plan.model_shape import ModelShape, from_hf_config
 from ds_seqpar.plan.search import Cluster, predict
 from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind
+from ..reference import pairs_per_query_set
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WINDOW_REPORT = os.path.join(ROOT, "reports", "window_cpu.json")
@@ -25,11 +26,7 @@ OWN_LINEAR = os.path.join(ROOT, "configs", "plan", "own_lm_linear_1b.json")
 
 
 def _brute_pairs(seq, causal, window, docs):
-    bounds = Mask(causal, window, docs).bounds(seq)
-    doc = [next(i for i in range(len(bounds) - 1) if bounds[i] <= t < bounds[i + 1]) for t in range(seq)]
-    w = window or seq + 1
-    return sum(1 for q in range(seq) for k in range(seq)
-               if doc[q] == doc[k] and abs(q - k) < w and (k <= q or not causal))
+    return pairs_per_query_set(seq, causal, window, Mask(causal, window, docs).bounds(seq), [range(seq)])[0]
 
 
 @pytest.mark.parametrize("causal", [True, False])
