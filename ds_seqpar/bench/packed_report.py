@@ -25,25 +25,14 @@ def case_times(per_rank, key) -> dict:
 
 
 def work_per_rank(name: str, args, bounds) -> List[int]:
-    """(q, k) pairs each rank computes for these documents (causal), from the mask policy itself."""
-    import torch
-    from ..sharding.documents import Documents
-    from ..sharding.layouts import make_layout
-    from ..strategies import get_strategy
-    from ..strategies.varlen import document_blocks
-    p, n = args.P, args.seq
-    docs = Documents(bounds, n)
+    """(q, k) pairs each rank computes for these documents (causal; plan/cost's count); LASP: tokens."""
+    from ..masks import Mask
+    from ..plan.cost import pairs_per_rank
     if name in LINEAR:                               # linear attention: work follows tokens, L per rank
-        return [n // p] * p
-    if name == "ulysses":                            # every rank: all documents, 1/P of the heads
-        lengths = torch.tensor(docs.lengths())
-        return [int((lengths * (lengths + 1) // 2).sum()) // p] * p
-    cfg = strategy_config(name, p)
-    u = cfg.get("ulysses_size", 1)
-    ring = make_layout(get_strategy(cfg["strategy"]).layout_name, p // u)
-    policy = document_blocks(docs, ring, True)
-    per_ring = [sum(policy.pairs(me, src) for src in range(ring.size)) for me in range(ring.size)]
-    return [per_ring[r // u] // u for r in range(p)]
+        return [args.seq // args.P] * args.P
+    cfg = strategy_config(name, args.P)
+    return [int(x) for x in pairs_per_rank(cfg["strategy"], args.P, cfg.get("ulysses_size", 1), args.seq,
+                                           Mask.from_boundaries(bounds))]
 
 
 def closed_form(name: str, args, bounds) -> List[int]:
@@ -59,8 +48,8 @@ def imbalance_sweep(seq: int, ps=(2, 4, 8), trials: int = 200, seed: int = 0) ->
     worst) over ``trials`` packings of documents with log-normal lengths (median 400 tokens, long tail)
     cut to ``seq``. A rank's work is the sum over its queries of the keys they see in their document."""
     import torch
-    from ..sharding.documents import positions_from_boundaries
-    from ..sharding.layouts import make_layout
+    from ..masks import Mask
+    from ..plan.cost import imbalance, position_pairs
     g = torch.Generator().manual_seed(seed)
     out = {name: {p: [] for p in ps} for name in ("contiguous", "zigzag", "striped")}
     for _ in range(trials):
@@ -71,12 +60,9 @@ def imbalance_sweep(seq: int, ps=(2, 4, 8), trials: int = 200, seed: int = 0) ->
             if bounds[-1] == seq:
                 break
         bounds[-1] = seq
-        seen = positions_from_boundaries(bounds) + 1                  # keys each query sees
         for name, per_p in out.items():
             for p in ps:
-                layout = make_layout(name, p)
-                work = [float(seen[layout.indices(seq, r)].sum()) for r in range(p)]
-                per_p[p].append(max(work) / (sum(work) / p))
+                per_p[p].append(imbalance(position_pairs(name, p, seq, seq, Mask.from_boundaries(bounds))))
     return {name: {p: (statistics.mean(v), max(v)) for p, v in per_p.items()} for name, per_p in out.items()}
 
 

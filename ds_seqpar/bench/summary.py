@@ -15,6 +15,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Dict, List, Optional
 
+from ..plan.cost import expected_imbalance, speedup_bound
 from ..strategies.closed_form import Shapes, closed_form_bytes
 from .cases import BASELINE, CASES, DTYPES
 
@@ -22,19 +23,6 @@ TARGET_FRACTION = {"ulysses": 1.85 / 2, "zigzag": 1.80 / 2, "striped": 1.70 / 2,
 TRAIN_FRACTION = 1.8 / 2
 MEMORY_SLACK = 0.02           # activation memory per rank at most 1/P + 2%
 MAX_SEQ_FRACTION = 1.9 / 2    # longest sequence at P ranks at least 1.9x one rank's at P=2
-
-
-def speedup_bound(case: str, p: int, causal: bool) -> float:
-    """Ideal speedup on P ranks: P, except the contiguous ring under a causal mask, whose busiest
-    rank does P - 1/2 of the P^2/2 blocks (ring.py)."""
-    if case == "ring" and causal:
-        return p * p / (2 * p - 1)
-    return float(p)
-
-
-def expected_imbalance(case: str, p: int, causal: bool) -> float:
-    """max/mean of per-rank work: contiguous causal ring (P - 1/2) / (P/2), the others ~1."""
-    return (2 * p - 1) / p if case == "ring" and causal else 1.0
 
 
 def _spread(xs: List[float]) -> Dict[str, float]:

@@ -139,18 +139,10 @@ def kernel_pieces(args) -> List[dict]:
 
 
 def window_work(name: str, p: int, seq: int, window: Optional[int]) -> List[int]:
-    """Visible causal (q, k) pairs per rank, query i seeing min(i + 1, window) keys: a ring layout's rank
-    holds the queries layout.indices(seq, rank); Ulysses' every rank all queries for 1/P of the heads."""
-    import torch
-    from ..sharding.layouts import make_layout
-    from ..strategies import get_strategy
-    seen = torch.arange(1, seq + 1)
-    if window is not None:
-        seen = seen.clamp(max=window)
-    if name == "ulysses":
-        return [int(seen.sum()) // p] * p
-    layout = make_layout(get_strategy(name).layout_name, p)
-    return [int(seen[layout.indices(seq, r)].sum()) for r in range(p)]
+    """Visible causal (q, k) pairs per rank (plan/cost's count; Ulysses: all queries, 1/P of the heads)."""
+    from ..masks import Mask
+    from ..plan.cost import pairs_per_rank
+    return [int(x) for x in pairs_per_rank(name, p, p if name == "ulysses" else 1, seq, Mask(True, window))]
 
 
 def policy_work(name: str, p: int, seq: int, window: Optional[int]) -> List[int]:

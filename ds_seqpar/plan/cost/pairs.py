@@ -104,7 +104,7 @@ def imbalance(work: Sequence[float]) -> float:
 def speedup_bound(strategy: str, p: int, causal: bool) -> float:
     """Ideal speedup on P ranks, P / imbalance at long sequence: P, except the contiguous ring under a
     causal mask, whose busiest rank does P - 1/2 of the P^2/2 blocks."""
-    return p / expected_imbalance(strategy, p, causal)
+    return p * p / (2 * p - 1) if strategy == "ring" and causal else float(p)
 
 
 def expected_imbalance(strategy: str, p: int, causal: bool) -> float:
