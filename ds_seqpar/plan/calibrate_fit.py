@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Sequence
 
 from .cost import times
+from .kernel_model import lstsq2
 from .cost.pairs import computed_pairs
 
 SOFTMAX = ("ulysses", "ring", "zigzag", "striped")
@@ -30,17 +31,6 @@ def messages(strategy: str, p: int) -> int:
     if strategy.startswith("lasp"):
         return 2
     return 3 * (p - 1)
-
-
-def _lstsq2(xs: Sequence[Sequence[float]], ys: Sequence[float]) -> List[float]:
-    """Least squares y = a x0 + b x1 (no intercept), by the 2 x 2 normal equations."""
-    s00 = sum(x[0] * x[0] for x in xs)
-    s01 = sum(x[0] * x[1] for x in xs)
-    s11 = sum(x[1] * x[1] for x in xs)
-    t0 = sum(x[0] * y for x, y in zip(xs, ys))
-    t1 = sum(x[1] * y for x, y in zip(xs, ys))
-    det = s00 * s11 - s01 * s01
-    return [(t0 * s11 - t1 * s01) / det, (s00 * t1 - s01 * t0) / det]
 
 
 TRUSTED_RESIDUAL = 0.3     # a block fit worse than this was timed under load: its c_call is not used
@@ -70,7 +60,7 @@ def softmax_rows(full: Dict[str, Any], block_cost: Dict[str, float]) -> List[Dic
 
 def fit_exchange(rows: Sequence[Dict[str, Any]]) -> Dict[str, float]:
     """(alpha per message, beta) from measured - kernel over ``rows``."""
-    a, b = _lstsq2([(r["messages"], r["bytes"]) for r in rows], [r["measured_s"] - r["kernel_s"] for r in rows])
+    a, b = lstsq2([(r["messages"], r["bytes"]) for r in rows], [r["measured_s"] - r["kernel_s"] for r in rows])
     return {"alpha_s": a, "beta_bytes_s": 1.0 / b if b > 0 else float("inf")}
 
 
@@ -97,7 +87,7 @@ def lasp_rows(full: Dict[str, Any], fit: Dict[str, float]) -> List[Dict[str, Any
               if "single_linear" in c]
     if len(points) < 2:
         return []
-    b, a = _lstsq2([(n, 1.0) for n, _ in points], [t for _, t in points])
+    b, a = lstsq2([(n, 1.0) for n, _ in points], [t for _, t in points])
     rows = []
     for n, single in sorted(points):
         for s in ("lasp2", "lasp1"):

@@ -37,12 +37,6 @@ def bytes_rows(seq: int = 8192, heads: int = 8, head_dim: int = 64, windows: Seq
     return rows
 
 
-def _slope(points):
-    xs, ys = zip(*points)
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-
-
 def memory_rows(report: Dict[str, Any], world: int = P) -> List[Dict[str, Any]]:
     """Per P = ``world`` variant of memory_cpu measured at two lengths or more (the scaling runs), per
     phase: the measured bytes per token per rank (slope of the phase's peak) and the plan's."""
@@ -62,7 +56,7 @@ def memory_rows(report: Dict[str, Any], world: int = P) -> List[Dict[str, Any]]:
                      tiled_mlp_tokens=m["tiled_mlp_tokens"])
         ours = memory.per_token(shape, 4, f, True)
         for phase in ("forward", "loss_backward", "layers_backward"):
-            measured = _slope([(x["tokens_per_rank"], x["phase_peak_bytes"][phase]) for x in ms])
+            measured = memory.phase_model(ms)[phase]["b"]
             rows.append({"variant": f"{model}/P{world}/{'on' if features else 'off'}", "phase": phase,
                          "lengths": lengths, "measured": measured, "predicted": ours[phase]})
         step = max(r["measured"] for r in rows[-3:])

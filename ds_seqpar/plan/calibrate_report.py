@@ -73,12 +73,6 @@ def step_rows(cal: Dict[str, Any], full: Dict[str, Any], profile) -> List[Dict[s
     return rows
 
 
-def _fit_slope(points):
-    xs, ys = zip(*points)
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-
-
 def memory_rows(report: Dict[str, Any]) -> List[Dict[str, Any]]:
     """Per measured variant with two lengths or more: the largest phase slope (bytes per token per
     rank, the benchmark's definition) beside the plan's count (fp32, ZeRO-2, checkpoints on host=device)."""
@@ -90,8 +84,7 @@ def memory_rows(report: Dict[str, Any]) -> List[Dict[str, Any]]:
     for (model, world, features), ms in sorted(groups.items()):
         if len({m["tokens_per_rank"] for m in ms}) < 2:
             continue
-        measured = max(_fit_slope([(m["tokens_per_rank"], m["phase_peak_bytes"][ph]) for m in ms])
-                       for ph in ms[0]["phase_peak_bytes"])
+        measured = max(line["b"] for line in memory.phase_model(ms).values())
         m = ms[0]
         shape = ModelShape(model, m["hidden"], m["layers"], m["heads"], m["kv_heads"], m["hidden"] // m["heads"],
                            m["intermediate"], m["vocab"], tied=model != "llama")

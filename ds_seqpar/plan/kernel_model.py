@@ -27,19 +27,25 @@ from typing import Dict, List, Sequence, Tuple
 from .cost.pairs import computed_pairs
 
 
+def lstsq2(xs: Sequence[Sequence[float]], ys: Sequence[float]) -> List[float]:
+    """Least squares y = a x0 + b x1 (no intercept), by the 2 x 2 normal equations."""
+    s00 = sum(x[0] * x[0] for x in xs)
+    s01 = sum(x[0] * x[1] for x in xs)
+    s11 = sum(x[1] * x[1] for x in xs)
+    t0 = sum(x[0] * y for x, y in zip(xs, ys))
+    t1 = sum(x[1] * y for x, y in zip(xs, ys))
+    det = s00 * s11 - s01 * s01
+    return [(t0 * s11 - t1 * s01) / det, (s00 * t1 - s01 * t0) / det]
+
+
 def fit_call_cost(points: Sequence[Tuple[float, float]]) -> Dict[str, float]:
     """Least squares t = c_call + t_pair x pairs over (pairs, seconds) points, in relative error (each
     equation divided by its t: the small blocks, which carry c_call, count as much as the big ones);
     c_call clipped at 0."""
     rows = [(1.0 / t, p / t) for p, t in points]             # c_call / t + t_pair p / t = 1
-    s00 = sum(a * a for a, _ in rows)
-    s01 = sum(a * b for a, b in rows)
-    s11 = sum(b * b for _, b in rows)
-    t0, t1 = sum(a for a, _ in rows), sum(b for _, b in rows)
-    det = s00 * s11 - s01 * s01
-    c_call, slope = (t0 * s11 - t1 * s01) / det, (s00 * t1 - s01 * t0) / det
+    c_call, slope = lstsq2(rows, [1.0] * len(rows))
     if c_call < 0:
-        c_call, slope = 0.0, t1 / s11
+        c_call, slope = 0.0, sum(b for _, b in rows) / sum(b * b for _, b in rows)
     xs, ys = [p for p, _ in points], [t for _, t in points]
     return {"c_call_s": c_call, "t_pair_s": slope,
             "max_rel_residual": max(abs(c_call + slope * x - y) / y for x, y in zip(xs, ys))}
@@ -96,4 +102,4 @@ def _time_block(kernel, scale, nq, nk, heads, head_dim, causal, anti, repeats) -
     return min(times)
 
 
-__all__ = ["BLOCKS", "WINDOW_BLOCKS", "fit_call_cost", "measure_blocks"]
+__all__ = ["BLOCKS", "WINDOW_BLOCKS", "fit_call_cost", "lstsq2", "measure_blocks"]

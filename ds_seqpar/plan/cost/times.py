@@ -44,15 +44,13 @@ def ring_link(gpu, r: int, stride: int, gpus_per_node: int):
     return gpu.inter if spans_nodes(r, stride, gpus_per_node) else gpu.intra
 
 
-def ring_time(gpu, nbytes: float, r: int, stride: int, gpus_per_node: int, compute_s: float,
-              overlap: bool = True, hops: Optional[int] = None) -> float:
-    """Exposed time of ``nbytes`` sent over r - 1 hops (forward and backward passes together: 2 (r-1)
-    hops; ``hops`` fewer where a mask leaves peers with nothing to send) beside ``compute_s`` seconds
-    of attention compute spread evenly over the r steps."""
+def ring_time(link, nbytes: float, r: int, compute_s: float, overlap: bool = True, hops: Optional[int] = None) -> float:
+    """Exposed time of ``nbytes`` sent over r - 1 hops of ``link`` (``ring_link``; forward and backward
+    passes together: 2 (r-1) hops; ``hops`` fewer where a mask leaves peers with nothing to send) beside
+    ``compute_s`` seconds of attention compute spread evenly over the r steps."""
     if r <= 1 or nbytes <= 0:
         return 0.0
     hops = 2 * (r - 1) if hops is None else max(hops, 1)
-    link = ring_link(gpu, r, stride, gpus_per_node)
     per_hop = link.alpha_s + nbytes / hops / link.beta_bytes_s
     if not overlap:
         return hops * per_hop
@@ -119,7 +117,7 @@ def comm_s(c, shape, per_layer, attn_s: Dict[str, float], gpu, gpus_per_node: in
                             else c.size, g, calls=8)
         ring = by_kind.get("ring", 0) + by_kind.get("ring_grad", 0)
         hops = 2 * (peers or {}).get(kind, r - 1)
-        t += ring_time(gpu, ring, r, c.ulysses_size, g, attn_s.get(kind, 0.0), hops=hops)
+        t += ring_time(ring_link(gpu, r, c.ulysses_size, g), ring, r, attn_s.get(kind, 0.0), hops=hops)
         rest = sum(v for k, v in by_kind.items() if k not in ("all_to_all", "ring", "ring_grad"))
         if kind in ("linear", "mamba") and c.linear_strategy == "ulysses":
             t += all_to_all_time(gpu, rest, c.size, g, calls=8)
