@@ -120,8 +120,19 @@ def hybrid_rows(hybrid: Dict[str, Any], fit: Dict[str, float]) -> List[Dict[str,
     return rows
 
 
-__all__ = ["exchange_s", "fit_exchange", "hybrid_rows", "lasp_rows", "messages", "predict_softmax", "softmax_rows",
+__all__ = ["exchange_s", "fit_exchange", "hybrid_rows", "lasp_rows", "lm_shape", "messages", "predict_softmax", "softmax_rows",
            "step_rows"]
+
+
+def lm_shape(tm: Dict[str, Any], linear: bool = False):
+    """The project's LM of cpu_full's training rows (byte vocabulary, tied embeddings; linear: every
+    layer lasp)."""
+    import math
+    from .model_shape import ModelShape
+    dim, heads, layers = tm["dim"], tm["n_heads"], tm["n_layers"]
+    mlp = 16 * math.ceil(8 * dim / 3 / 16)                  # models/lm.py's default MLP width
+    lin = dict(kinds=("lasp",) * layers, lin_heads=heads, lin_dk=dim // heads, lin_dv=dim // heads) if linear else {}
+    return ModelShape("lm", dim, layers, heads, heads, dim // heads, mlp, 256, tied=True, transition="fixed", **lin)
 
 
 def step_rows(full: Dict[str, Any], fit: Dict[str, float], profile) -> List[Dict[str, Any]]:
@@ -129,22 +140,16 @@ def step_rows(full: Dict[str, Any], fit: Dict[str, float], profile) -> List[Dict
     step scaled by the plan's compute ratio (search.predict: busiest rank's FLOPs at P over P = 1's),
     plus every exchange of the step at the softmax rows' (alpha, beta): the layers' bytes from the
     closed forms (per layer x layers) and ZeRO-2's reduce-scatter + all-gather (2 messages)."""
-    import math
     from .cost.candidate import Candidate, Features
-    from .model_shape import ModelShape
     from .search import Cluster, predict
     tm = full.get("train_model") or {}
     if not tm:
         return []
-    dim, heads, layers = tm["dim"], tm["n_heads"], tm["n_layers"]
-    mlp = 16 * math.ceil(8 * dim / 3 / 16)                  # models/lm.py's default MLP width
+    layers = tm["n_layers"]
     rows = []
     for strategy, measured in sorted(full.get("train", {}).items()):
         linear = strategy == "lasp"
-        shape = ModelShape("lm", dim, layers, heads, heads, dim // heads, mlp, 256, tied=True,
-                           kinds=("lasp",) * layers if linear else (), lin_heads=heads if linear else 0,
-                           lin_dk=dim // heads if linear else 0, lin_dv=dim // heads if linear else 0,
-                           transition="fixed")
+        shape = lm_shape(tm, linear)
         p = 2
         one = predict(Candidate(strategy if linear else "ulysses", 1, 1, 2, Features()), shape, tm["seq_len"],
                       Cluster(1, 1, profile, "fp32"), own_linear=linear)

@@ -8,7 +8,6 @@ P=1, 2 and 4); never writes them. P=4 bytes are checked against the closed forms
 from __future__ import annotations
 
 import json
-import math
 import os
 from typing import Any, Dict, List, Optional
 
@@ -17,7 +16,6 @@ from .calibrate import STRATEGIES, predict_speedups
 from .cost import memory
 from .cost.candidate import Candidate, Features
 from .cost.pairs import KEY_TILE, computed_pairs
-from .model_shape import ModelShape
 
 
 def within(rows: List[Dict[str, Any]], tol: float = 0.15) -> int:
@@ -56,9 +54,7 @@ def step_rows(cal: Dict[str, Any], full: Dict[str, Any], profile) -> List[Dict[s
     tm = full.get("train_model") or {}
     if not tm:
         return []
-    dim, heads = tm["dim"], tm["n_heads"]
-    mlp = 16 * math.ceil(8 * dim / 3 / 16)                  # models/lm.py's default MLP width
-    shape = ModelShape("lm", dim, tm["n_layers"], heads, heads, dim // heads, mlp, 256, tied=True)
+    shape = calibrate_fit.lm_shape(tm)
     one = predict(Candidate("ulysses", 1, 1, 2, Features()), shape, tm["seq_len"], Cluster(1, 1, profile, "fp32"))
     rows = []
     for strategy, measured in sorted(full.get("train", {}).items()):
@@ -76,24 +72,14 @@ def step_rows(cal: Dict[str, Any], full: Dict[str, Any], profile) -> List[Dict[s
 def memory_rows(report: Dict[str, Any]) -> List[Dict[str, Any]]:
     """Per measured variant with two lengths or more: the largest phase slope (bytes per token per
     rank, the benchmark's definition) beside the plan's count (fp32, ZeRO-2, checkpoints on host=device)."""
-    groups: Dict[tuple, list] = {}
-    for m in report.get("measurements", []):
-        if m.get("purpose") in (None, "scaling"):
-            groups.setdefault((m["model"], m["world"], m["features"]), []).append(m)
     rows = []
-    for (model, world, features), ms in sorted(groups.items()):
-        if len({m["tokens_per_rank"] for m in ms}) < 2:
-            continue
-        measured = max(line["b"] for line in memory.phase_model(ms).values())
+    for variant, ms, shape, f in calibrate_p4.measured_variants(report):
         m = ms[0]
-        shape = ModelShape(model, m["hidden"], m["layers"], m["heads"], m["kv_heads"], m["hidden"] // m["heads"],
-                           m["intermediate"], m["vocab"], tied=model != "llama")
-        f = Features(on=features, cpu_checkpointing=False, tiled_loss_tokens=m["tiled_loss_tokens"],
-                     tiled_mlp_tokens=m["tiled_mlp_tokens"])
-        bare = max(memory.per_token(shape, 4, f, True).values())
-        lines = memory.phase_lines(shape, m["strategy"], world, m.get("ulysses_size", 1), world, 2, "fp32", f, True)
-        rows.append({"variant": f"{model}/P{world}/{'on' if features else 'off'}", "measured": measured,
-                     "predicted": bare, "predicted_with_comm": max(line["b"] for line in lines.values())})
+        lines = memory.phase_lines(shape, m["strategy"], m["world"], m.get("ulysses_size", 1), m["world"], 2, "fp32",
+                                   f, True)
+        rows.append({"variant": variant, "measured": max(line["b"] for line in memory.phase_model(ms).values()),
+                     "predicted": max(memory.per_token(shape, 4, f, True).values()),
+                     "predicted_with_comm": max(line["b"] for line in lines.values())})
     return rows
 
 
