@@ -49,10 +49,8 @@ def _ranges(layout_name: str, r: int, bounds: Tuple[int, ...], padded: int, caus
 
 def _spans(strategy: str, size: int, ulysses: int, shapes: Shapes, mask: Mask, span_budget: float):
     """The ring positions' key spans of a masked layer, or None (no mask, no ring, or past the budget)."""
-    if not exact_spans(strategy, size, ulysses, shapes, mask, span_budget):
-        return None
     masked = _masked_ring(strategy, size, ulysses, shapes, mask)
-    if masked is None:
+    if masked is None or masked[0] * shapes.seq > span_budget:
         return None
     r, real, mask = masked
     return _ranges(get_strategy(strategy).layout_name, r, tuple(mask.bounds(real)), shapes.seq, mask.causal,
