@@ -15,6 +15,21 @@ from ..reference import key_spans, pairs_per_query_set, ring_bytes_from_spans
 SEQ = 96
 MASKS = [(True, None, None), (False, None, None), (True, 7, None), (False, 7, None), (True, None, (30, 50, 16)),
          (False, 5, (30, 50, 16)), (True, 200, None)]
+PADDED = [(True, None, 80), (False, 9, 77)]               # (causal, window, real length): end padding
+
+
+@pytest.mark.parametrize("strategy,size", [("ring", 4), ("zigzag", 4), ("striped", 4), ("ulysses", 4)])
+@pytest.mark.parametrize("causal,window,real", PADDED)
+def test_end_padding_computes_nothing(strategy, size, causal, window, real):
+    """A mask's real length (one document, padding after it): the padding's queries and keys see nothing."""
+    mask, bounds = Mask(causal, window, None, real), [0, real]
+    assert pairs.pairs_total(SEQ, mask) == pairs_per_query_set(SEQ, causal, window, bounds, [range(SEQ)])[0]
+    got = pairs.pairs_per_rank(strategy, size, size if strategy == "ulysses" else 1, SEQ, mask)
+    if strategy == "ulysses":
+        want = [pairs_per_query_set(SEQ, causal, window, bounds, [range(SEQ)])[0] / size] * size
+    else:
+        want = pairs_per_query_set(SEQ, causal, window, bounds, _positions(strategy, size, SEQ))
+    assert got == want
 
 
 def _bounds(docs, seq):

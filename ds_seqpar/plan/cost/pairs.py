@@ -27,10 +27,11 @@ def pairs_total(seq: int, mask: Mask) -> int:
     """Visible (q, k) pairs of the whole sequence (one head). Per document of L tokens (a window
     w < L): causal w (w + 1) / 2 + (L - w) w (the first w queries see their prefix, the rest w keys),
     non-causal L^2 - (L - w)(L - w + 1) (all pairs less those |i - j| >= w); no window: L (L + 1) / 2
-    and L^2. Equal documents are counted once."""
-    mask = mask.for_length(seq)
+    and L^2. Equal documents are counted once; end padding (the mask's real length) sees nothing."""
+    real = mask.real(seq)
+    mask = mask.for_length(real)
     total = 0
-    for length, count in Counter(mask.docs or (seq,)).items():
+    for length, count in Counter(mask.docs or (real,)).items():
         w = mask.window if mask.window is not None and mask.window < length else length
         if mask.causal:
             one = w * (w + 1) // 2 + (length - w) * w
@@ -77,16 +78,17 @@ def position_pairs(layout_name: str, r: int, seq: int, padded: int, mask: Mask) 
 def pairs_per_rank(strategy: str, size: int, ulysses: int, seq: int, mask: Mask) -> List[float]:
     """(q, k) pairs per head-rank unit each rank computes: ring positions' pairs / U for the ring
     family (U ranks share a position's heads), total / P for Ulysses and size 1."""
-    mask = mask.for_length(seq)
+    real = mask.real(seq)
+    mask = mask.for_length(real)
     r = ring_of(strategy, size, ulysses)
     if r <= 1:
-        return [pairs_total(seq, mask) / size] * size
+        return [pairs_total(real, mask) / size] * size
     padded = padded_length(size, seq)
     name = get_strategy(strategy).layout_name
-    if mask.is_plain(seq):                               # (the < 2P padding tokens counted as real)
+    if mask.is_plain(real) and real == seq:              # (the < 2P padding tokens counted as real)
         per_pos = plain_position_pairs(name, r, padded, mask.causal)
     else:
-        per_pos = position_pairs(name, r, seq, padded, mask)
+        per_pos = position_pairs(name, r, real, padded, mask)
     return [per_pos[rank // ulysses] / ulysses for rank in range(size)]
 
 

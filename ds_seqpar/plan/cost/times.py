@@ -22,6 +22,7 @@ from typing import Dict, List, Optional, Tuple
 from .candidate import SOFTMAX_KINDS
 from .flops import step_per_token
 from ...masks import Mask
+from ...strategies import RING_STRATEGIES
 from .pairs import busiest_keys_per_token, computed_pairs
 
 
@@ -83,7 +84,7 @@ def zero_bytes(params: int, ranks: int, zero: int, grad_bytes: int, weight_bytes
 def attention_keys(c, shape, seq: int, causal: bool, docs) -> Dict[Optional[int], float]:
     """{window: the busiest rank's keys per local token} for every window a softmax layer of ``shape``
     uses."""
-    u = c.ulysses_size if c.strategy in ("ring", "zigzag", "striped") else c.size
+    u = c.ulysses_size if c.strategy in RING_STRATEGIES else c.size
     return {w: busiest_keys_per_token(c.strategy, c.size, u, seq, Mask(causal, w, docs))
             for w in shape.softmax_windows()}
 
