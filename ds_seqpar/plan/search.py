@@ -15,11 +15,9 @@ from typing import Dict, List, Optional, Tuple
 from .. import strategies
 from ..config import ConfigError, SequenceParallelConfig
 from ..strategies import RING_STRATEGIES
-from ..strategies.closed_form import Shapes
 from .cost import flops, memory, times
-from .cost.bytes import SPAN_BUDGET, comm_per_layer, exact_spans, layer_mask
-from .cost.candidate import SOFTMAX_KINDS, Candidate, Features
-from ..masks import cut_documents
+from .cost.bytes import SPAN_BUDGET
+from .cost.candidate import Candidate, Features
 from .cost.pairs import padded_length
 from .hardware import Gpu
 from .model_shape import ModelShape
@@ -131,21 +129,9 @@ def predict(c: Candidate, shape: ModelShape, seq: int, cl: Cluster, own_linear: 
     p.max_seq = c.size * min(memory.max_tokens(lines, p.budget_bytes, 1 << 62), _host_tokens(c, shape, cl))
     if not timing:
         return p
-    peers: Dict[str, int] = {}
-    cut = cut_documents(docs, seq)
-    per_layer = comm_per_layer(c, shape, n, e, causal, cut, peers, span_budget)
-    sh = Shapes(1, c.size * n, shape.heads, shape.kv_heads, shape.head_dim, e, shape.v_head_dim)
-    p.bytes_bounded = any(not exact_spans(c.strategy, c.size, c.ulysses_size, sh, layer_mask(shape, kind, causal, cut),
-                                          span_budget) for kind in SOFTMAX_KINDS if shape.count(kind))
-    p.comm_bytes = {k: float(sum(v.values())) for k, v in per_layer.items()}
-    p.compute_s, attn_s = times.compute_s(c, shape, seq, n, cl.gpu, cl.dtype, causal, docs)
-    p.comm_s = times.comm_s(c, shape, per_layer, attn_s, cl.gpu, cl.gpus_per_node, peers)
-    zb = times.zero_bytes(shape.params(), cl.gpus, c.zero, 2 if e == 2 else 4, e)
-    p.comm_s["zero"] = times.collective_time(cl.gpu, zb, cl.gpus, cl.gpus_per_node)
-    if c.features.offload_optimizer:
-        share = shape.params() / cl.gpus
-        p.comm_s["offload"] = 2 * e * share / cl.gpu.pcie_bytes_s + share / cl.gpu.assumed["cpu_adam_params_per_s"]
-    p.step_s = p.compute_s + sum(p.comm_s.values())
+    t = times.step_time(c, shape, seq, n, cl.gpu, cl.gpus, cl.gpus_per_node, cl.dtype, causal, docs, span_budget)
+    p.comm_bytes, p.comm_s, p.bytes_bounded = t.comm_bytes, t.comm_s, t.bytes_bounded
+    p.compute_s, p.step_s = t.compute_s, t.step_s
     p.tokens_s = dp * seq / p.step_s
     peak_flops = cl.gpu.peaks["bf16_tflops" if e == 2 else "tf32_tflops"] * 1e12
     p.mfu = flops.model_flops_per_token(shape, seq, causal, docs) * seq * dp / p.step_s / (cl.gpus * peak_flops)
@@ -203,5 +189,5 @@ def gpus_needed(shape: ModelShape, seq: int, cl: Cluster, zero: Optional[int] = 
     return None
 
 
-__all__ = ["Candidate", "Cluster", "FEATURE_SETS", "Prediction", "candidates", "check", "comm_per_layer",
-           "gpus_needed", "longest_sequence", "plan", "predict"]
+__all__ = ["Cluster", "FEATURE_SETS", "Prediction", "candidates", "check", "gpus_needed", "longest_sequence", "plan",
+           "predict"]

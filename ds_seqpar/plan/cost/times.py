@@ -17,12 +17,15 @@ forms' unit), so each formula below divides them by one link's bandwidth:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+from ...masks import Mask, cut_documents
+from ...strategies import RING_STRATEGIES
+from ...strategies.closed_form import Shapes
+from .bytes import SPAN_BUDGET, comm_per_layer, exact_spans, layer_mask
 from .candidate import SOFTMAX_KINDS
 from .flops import step_per_token
-from ...masks import Mask
-from ...strategies import RING_STRATEGIES
 from .pairs import busiest_keys_per_token, computed_pairs
 
 
@@ -131,6 +134,41 @@ def comm_s(c, shape, per_layer, attn_s: Dict[str, float], gpu, gpus_per_node: in
     return out
 
 
+@dataclass
+class StepTime:
+    """One training step of a candidate, the busiest rank's."""
+
+    comm_bytes: Dict[str, float]       # bytes per layer of each kind
+    comm_s: Dict[str, float]           # exposed seconds per step, by layer kind, "zero" and "offload"
+    compute_s: float
+    bytes_bounded: bool                # a masked layer's ring bytes are the no-mask upper bound (span budget)
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + sum(self.comm_s.values())
+
+
+def step_time(c, shape, seq: int, n: int, gpu, gpus: int, gpus_per_node: int, dtype: str, causal: bool = True,
+              docs: Optional[Tuple[int, ...]] = None, span_budget: float = SPAN_BUDGET) -> StepTime:
+    """Candidate ``c`` on ``gpus`` GPUs, ``n`` tokens per rank of a ``seq``-token sequence (``docs``: its
+    packed documents): the layers' bytes and exposed communication, the compute from FLOPs, ZeRO's
+    collectives over every rank and the offloaded optimizer's PCIe copies and CPU Adam step."""
+    e = 4 if dtype == "fp32" else 2
+    peers: Dict[str, int] = {}
+    cut = cut_documents(docs, seq)
+    per_layer = comm_per_layer(c, shape, n, e, causal, cut, peers, span_budget)
+    sh = Shapes(1, c.size * n, shape.heads, shape.kv_heads, shape.head_dim, e, shape.v_head_dim)
+    bounded = any(not exact_spans(c.strategy, c.size, c.ulysses_size, sh, layer_mask(shape, kind, causal, cut),
+                                  span_budget) for kind in SOFTMAX_KINDS if shape.count(kind))
+    compute, attn_s = compute_s(c, shape, seq, n, gpu, dtype, causal, docs)
+    exposed = comm_s(c, shape, per_layer, attn_s, gpu, gpus_per_node, peers)
+    exposed["zero"] = collective_time(gpu, zero_bytes(shape.params(), gpus, c.zero, e, e), gpus, gpus_per_node)
+    if c.features.offload_optimizer:
+        share = shape.params() / gpus
+        exposed["offload"] = 2 * e * share / gpu.pcie_bytes_s + share / gpu.assumed["cpu_adam_params_per_s"]
+    return StepTime({k: float(sum(v.values())) for k, v in per_layer.items()}, exposed, compute, bounded)
+
+
 def call_s(cost: Dict[str, float], nq: int, nk: int, causal: bool, anti: bool, heads: float) -> float:
     """One kernel call's seconds: c_call + t_pair x computed pairs x heads, times the measured factor of
     a tall causal block or an anti square (1 when the cost has none)."""
@@ -193,4 +231,5 @@ def window_calls(strategy: str, p: int, seq: int, window: int) -> List[List[Tupl
 
 
 __all__ = ["all_to_all_time", "attention_keys", "busiest_calls_s", "busiest_kernel_s", "call_s", "collective_time", "comm_s",
-           "compute_s", "rank_calls", "ring_link", "ring_time", "spans_nodes", "window_calls", "zero_bytes"]
+           "compute_s", "rank_calls", "ring_link", "ring_time", "spans_nodes", "StepTime", "step_time", "window_calls",
+           "zero_bytes"]
