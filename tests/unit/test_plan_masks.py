@@ -184,3 +184,13 @@ def test_span_budget_falls_back_to_the_upper_bound_and_says_so():
     assert not cost_bytes.exact_spans("zigzag", 4, 1, sh, mask, span_budget=1024)
     assert cost_bytes.exact_spans("zigzag", 4, 1, sh, mask) and cost_bytes.exact_spans("zigzag", 4, 1, sh, Mask(True),
                                                                                        span_budget=1024)
+
+
+def test_a_prediction_says_when_its_bytes_are_the_upper_bound():
+    shape, gpu = ModelShape("m", 256, 2, 8, 8, 32, 512, 1000), hardware.load_gpu("h100")
+    c, docs = Candidate("zigzag", 4, 1, 2, Features()), equal_documents(4096, 512)
+    exact, bound = (predict(c, shape, 4096, Cluster(4, 8, gpu), docs=docs, span_budget=b) for b in (1 << 23, 1024))
+    assert not exact.bytes_bounded and bound.bytes_bounded
+    assert bound.comm_bytes["attention"] > exact.comm_bytes["attention"]
+    plain = predict(c, shape, 4096, Cluster(4, 8, gpu), span_budget=1024)
+    assert not plain.bytes_bounded                                  # no mask: the closed form is exact
