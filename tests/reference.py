@@ -86,3 +86,39 @@ def masked_attention_with_grads(q, k, v, dout, causal, scale, dtype, window=None
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v.repeat_interleave(group, 2))
     out.backward(dout.to(dtype))
     return out.detach(), q.grad, k.grad, v.grad, (None if s is None else s.grad)
+
+
+# -- the cost oracle: what plan/cost.py and strategies/closed_form.py count, by enumeration ------------
+
+
+def pairs_per_query_set(n, causal, window, bounds, query_sets):
+    """The visible (q, k) pairs of each set of global query positions, counted pair by pair on the
+    dense mask (one head)."""
+    seen = mask_of(n, causal, window, bounds).sum(dim=1)
+    return [int(seen[torch.as_tensor(q, dtype=torch.long)].sum()) for q in query_sets]
+
+
+def key_spans(n, causal, window, bounds, blocks):
+    """spans[me][src] (me != src): the local slots [a, b) of block ``src``'s keys that some query of
+    block ``me`` sees, or None; ``blocks`` the global positions of each ring position in its local order.
+    Found by enumerating every (query, key) of every pair of blocks on the dense mask."""
+    mask = mask_of(n, causal, window, bounds)
+    p = len(blocks)
+    out = [[None] * p for _ in range(p)]
+    for me in range(p):
+        for src in range(p):
+            if me == src:
+                continue
+            used = mask[blocks[me]][:, blocks[src]].any(dim=0).nonzero().flatten().tolist()
+            if used:
+                out[me][src] = (used[0], used[-1] + 1)
+    return out
+
+
+def ring_bytes_from_spans(spans, me, token_elems, elem, acc_elem=4):
+    """Bytes ring position ``me`` sends for one fwd + bwd: its keys every other position sees, as k and v
+    forward and again backward, and an fp32 dK/dV share of every other position's keys it saw."""
+    width = lambda s: 0 if s is None else s[1] - s[0]           # noqa: E731
+    sent = sum(width(spans[o][me]) for o in range(len(spans)) if o != me)
+    used = sum(width(spans[me][o]) for o in range(len(spans)) if o != me)
+    return {"ring": sent * token_elems * 2 * elem, "ring_grad": used * token_elems * acc_elem}

@@ -16,45 +16,13 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
+from ..plan.cost.memory import fit_line, max_tokens, phase_model, peak as predict_peak
+
 KIB, MIB, GIB = 1024, 2 ** 20, 2 ** 30
 
 
 def key(model: str, world: int, features: bool) -> str:
     return f"{model}/P{world}/{'on' if features else 'off'}"
-
-
-def fit_line(xs: List[float], ys: List[float]) -> Dict[str, float]:
-    """Least-squares y = a + b x (b = 0 with one point), and the largest residual."""
-    n = len(xs)
-    if n == 1:
-        return {"a": ys[0], "b": 0.0, "max_residual": 0.0}
-    mx, my = sum(xs) / n, sum(ys) / n
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    a = my - b * mx
-    return {"a": a, "b": b, "max_residual": max(abs(a + b * x - y) for x, y in zip(xs, ys))}
-
-
-def phase_model(points: List[Dict[str, Any]]) -> Dict[str, Dict[str, float]]:
-    """phase -> fitted line of its peak (bytes) against tokens per rank."""
-    phases = points[0]["phase_peak_bytes"]
-    return {p: fit_line([pt["tokens_per_rank"] for pt in points], [pt["phase_peak_bytes"][p] for pt in points])
-            for p in phases}
-
-
-def predict_peak(model: Dict[str, Dict[str, float]], n: float) -> float:
-    return max(line["a"] + line["b"] * n for line in model.values())
-
-
-def max_tokens(model: Dict[str, Dict[str, float]], budget: float) -> int:
-    """The most tokens per rank whose predicted step peak stays within ``budget`` bytes."""
-    limit = float("inf")
-    for line in model.values():
-        if line["b"] <= 0:
-            if line["a"] > budget:
-                return 0
-            continue
-        limit = min(limit, (budget - line["a"]) / line["b"])
-    return max(0, int(limit)) if limit != float("inf") else -1
 
 
 def summarize_variant(points: List[Dict[str, Any]], floor: int, budget: float, world: int) -> Dict[str, Any]:
@@ -74,7 +42,7 @@ def summarize_variant(points: List[Dict[str, Any]], floor: int, budget: float, w
                "step_s": pt["step_s"][-1]}
         rows.append(row)
         prev = (n, peak)
-    n_max = max_tokens(model, budget)
+    n_max = max_tokens(model, budget, unbounded=-1)
     return {"rows": rows, "phase_model": model, "bytes_per_token": model[dominant]["b"], "dominant_phase": dominant,
             "floor_ratio": model[dominant]["b"] / floor,
             "fit_max_residual": max(m["max_residual"] for m in model.values()),

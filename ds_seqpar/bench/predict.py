@@ -1,30 +1,19 @@
 """The seam between bench and the cost model: every prediction a suite writes beside its measurement
 (bounds, closed-form bytes, work per rank, the memory phase model) comes through this module.
 
-The bodies below are the ones bench held so far (from summary.py, packed_report.py, window.py and
-hybrid.py); the memory phase model is memory_summary.py's, imported. When plan/cost.py carries them,
-this module becomes imports from there, under the same names: the suites do not change.
+Bounds, imbalances and pairs per rank are plan/cost's (the one cost model, also the planner's);
+bytes are strategies/closed_form.py's (the oracle the cost model's bytes are held to); the memory phase
+model's summaries are memory_summary.py's, over plan/cost's fit.
 """
 from __future__ import annotations
 
 import statistics
 from typing import Dict, List, Optional
 
+from ..masks import Mask
+from ..plan.cost import expected_imbalance, imbalance, pairs_per_rank, position_pairs, speedup_bound  # noqa: F401
 from .harness import LINEAR, strategy_config
 from .memory_summary import implied_ratio, predict_peak, strategy_rows, summarize, timing_rows  # noqa: F401
-
-
-def speedup_bound(case: str, p: int, causal: bool) -> float:
-    """Ideal speedup on P ranks: P, except the contiguous ring under a causal mask, whose busiest
-    rank does P - 1/2 of the P^2/2 blocks (ring.py)."""
-    if case == "ring" and causal:
-        return p * p / (2 * p - 1)
-    return float(p)
-
-
-def expected_imbalance(case: str, p: int, causal: bool) -> float:
-    """max/mean of per-rank work: contiguous causal ring (P - 1/2) / (P/2), the others ~1."""
-    return (2 * p - 1) / p if case == "ring" and causal else 1.0
 
 
 def attention_closed_form(cfg: dict, meta: dict, seq: int) -> List[int]:
@@ -38,25 +27,12 @@ def attention_closed_form(cfg: dict, meta: dict, seq: int) -> List[int]:
 
 
 def work_per_rank(name: str, args, bounds) -> List[int]:
-    """(q, k) pairs each rank computes for these documents (causal), from the mask policy itself."""
-    import torch
-    from ..sharding.documents import Documents
-    from ..sharding.layouts import make_layout
-    from ..strategies import get_strategy
-    from ..strategies.varlen import document_blocks
-    p, n = args.P, args.seq
-    docs = Documents(bounds, n)
+    """(q, k) pairs each rank computes for these documents (causal); linear attention: tokens."""
     if name in LINEAR:                               # linear attention: work follows tokens, L per rank
-        return [n // p] * p
-    if name == "ulysses":                            # every rank: all documents, 1/P of the heads
-        lengths = torch.tensor(docs.lengths())
-        return [int((lengths * (lengths + 1) // 2).sum()) // p] * p
-    cfg = strategy_config(name, p)
-    u = cfg.get("ulysses_size", 1)
-    ring = make_layout(get_strategy(cfg["strategy"]).layout_name, p // u)
-    policy = document_blocks(docs, ring, True)
-    per_ring = [sum(policy.pairs(me, src) for src in range(ring.size)) for me in range(ring.size)]
-    return [per_ring[r // u] // u for r in range(p)]
+        return [args.seq // args.P] * args.P
+    cfg = strategy_config(name, args.P)
+    return [int(x) for x in pairs_per_rank(cfg["strategy"], args.P, cfg.get("ulysses_size", 1), args.seq,
+                                           Mask.from_boundaries(bounds))]
 
 
 def packed_closed_form(name: str, args, bounds) -> List[int]:
@@ -72,8 +48,6 @@ def imbalance_sweep(seq: int, ps=(2, 4, 8), trials: int = 200, seed: int = 0) ->
     worst) over ``trials`` packings of documents with log-normal lengths (median 400 tokens, long tail)
     cut to ``seq``. A rank's work is the sum over its queries of the keys they see in their document."""
     import torch
-    from ..sharding.documents import positions_from_boundaries
-    from ..sharding.layouts import make_layout
     g = torch.Generator().manual_seed(seed)
     out = {name: {p: [] for p in ps} for name in ("contiguous", "zigzag", "striped")}
     for _ in range(trials):
@@ -84,28 +58,16 @@ def imbalance_sweep(seq: int, ps=(2, 4, 8), trials: int = 200, seed: int = 0) ->
             if bounds[-1] == seq:
                 break
         bounds[-1] = seq
-        seen = positions_from_boundaries(bounds) + 1                  # keys each query sees
+        mask = Mask.from_boundaries(bounds)
         for name, per_p in out.items():
             for p in ps:
-                layout = make_layout(name, p)
-                work = [float(seen[layout.indices(seq, r)].sum()) for r in range(p)]
-                per_p[p].append(max(work) / (sum(work) / p))
+                per_p[p].append(imbalance(position_pairs(name, p, seq, seq, mask)))
     return {name: {p: (statistics.mean(v), max(v)) for p, v in per_p.items()} for name, per_p in out.items()}
 
 
 def window_work(name: str, p: int, seq: int, window: Optional[int]) -> List[int]:
-    """Visible causal (q, k) pairs per rank, query i seeing min(i + 1, window) keys: a ring layout's rank
-    holds the queries layout.indices(seq, rank); Ulysses' every rank all queries for 1/P of the heads."""
-    import torch
-    from ..sharding.layouts import make_layout
-    from ..strategies import get_strategy
-    seen = torch.arange(1, seq + 1)
-    if window is not None:
-        seen = seen.clamp(max=window)
-    if name == "ulysses":
-        return [int(seen.sum()) // p] * p
-    layout = make_layout(get_strategy(name).layout_name, p)
-    return [int(seen[layout.indices(seq, r)].sum()) for r in range(p)]
+    """Visible causal (q, k) pairs per rank (Ulysses: all queries, 1/P of the heads)."""
+    return [int(x) for x in pairs_per_rank(name, p, p if name == "ulysses" else 1, seq, Mask(True, window))]
 
 
 def policy_work(name: str, p: int, seq: int, window: Optional[int]) -> List[int]:

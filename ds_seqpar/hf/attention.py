@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from ..masks import effective_window
 from .checks import UnsupportedModelError
 
 
@@ -58,10 +59,8 @@ def score_options(kwargs, n_global: int):
     functions: ``sliding_window`` (per layer: None on full-attention layers), ``softcap`` (Gemma 2),
     ``s_aux`` (gpt-oss sinks). A window that covers the whole sequence masks nothing and is dropped."""
     window = kwargs.get("sliding_window")
-    if window is not None and int(window) >= n_global:
-        window = None
-    sinks = kwargs.get("s_aux")
-    return (None if window is None else int(window)), kwargs.get("softcap"), sinks
+    window = None if window is None else effective_window(int(window), n_global)
+    return window, kwargs.get("softcap"), kwargs.get("s_aux")
 
 
 def chunked_documents(module, cu_seqlens, real_len: int):

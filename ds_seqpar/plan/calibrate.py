@@ -4,7 +4,7 @@ throughput, a profile made of them, and the plan's predictions against the measu
     alpha, beta   all-to-all and ring send/recv between P local ranks (launch.rankpool.RankPool),
                   message sizes 16 KiB .. 16 MiB, median of repeats, least squares t = alpha + bytes / beta
     throughput    one thread: a 1024^3 fp32 matmul, and causal SDPA forward + backward at N = 2048
-                  (8 heads x 64), FLOPs counted as flops.py counts them
+                  (8 heads x 64), FLOPs counted as cost/flops.py counts them
 Then, with these numbers in place of a GPU profile, the attention fwd+bwd speedups of
 reports/cpu_full.json (P = 2, fp32, causal, 8 heads x 64) are predicted strategy by strategy and
 written beside the measured ones, with the memory-per-token rows of reports/memory_cpu.json, to
@@ -20,7 +20,7 @@ import time
 from typing import Any, Dict, List, Tuple
 
 from ..strategies.closed_form import Shapes, closed_form_by_kind
-from . import comm_model
+from .cost import times
 from .hardware import Gpu, from_dict
 
 SIZES = (16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
@@ -140,22 +140,10 @@ def predict_speedups(comm: Dict[str, Any], kernels: Dict[str, float], meta: Dict
             link = Link(comm["all_to_all"]["alpha_s"], comm["all_to_all"]["beta_bytes_s"])
             comm_s = link.time(by_kind["all_to_all"], 8)
         else:
-            ring = comm["ring"]
-            gpu_ring = _with_link(ring["alpha_s"], ring["beta_bytes_s"])
-            comm_s = comm_model.ring_time(gpu_ring, by_kind["ring"] + by_kind["ring_grad"], p, 1, p, compute, overlap)
+            link = Link(comm["ring"]["alpha_s"], comm["ring"]["beta_bytes_s"])
+            comm_s = times.ring_time(link, by_kind["ring"] + by_kind["ring_grad"], p, compute, overlap)
         out[strategy] = single / (compute + comm_s)
     return out
-
-
-def _with_link(alpha_s: float, beta: float) -> Gpu:
-    raw = {"sources": {"measured": "calibrate"},
-           "datasheet_peaks": {"memory_gb": 1, "bf16_tflops": 1, "tf32_tflops": 1, "hbm_tb_s": 1,
-                               "nvlink_gb_s_per_direction": beta / 1e9, "inter_node_gb_s_per_gpu": beta / 1e9,
-                               "pcie_gb_s_per_direction": 1, "host_memory_gb_per_node": 1},
-           "assumed": {"usable_memory_fraction": 1, "runtime_reserve_gb": 0, "matmul_efficiency": 1,
-                       "attention_efficiency": 1, "nvlink_efficiency": 1, "inter_node_efficiency": 1,
-                       "alpha_intra_us": alpha_s * 1e6, "alpha_inter_us": alpha_s * 1e6, "cpu_adam_params_per_s": 1}}
-    return from_dict(raw, "link")
 
 
 __all__ = ["cpu_profile", "fit_alpha_beta", "measure_comm", "measure_kernels", "predict_speedups"]

@@ -2,7 +2,7 @@
 exchanges, with the exchange's cost fitted to the measured reports and checked on rows it was not
 fitted on.
 
-    t_rank = kernel (kernel_model: tile-aware computed pairs at the rate of the run's own
+    t_rank = kernel (cost.times: tile-aware computed pairs at the rate of the run's own
              single-process time, plus c_call per call from the timed blocks)
            + alpha x messages + bytes / beta            (no overlap: on 2 shared cores gloo's copies
                                                          take the core the kernel would use)
@@ -18,7 +18,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence
 
-from . import kernel_model
+from .cost import times
+from .kernel_model import lstsq2
+from .cost.pairs import computed_pairs
 
 SOFTMAX = ("ulysses", "ring", "zigzag", "striped")
 
@@ -29,17 +31,6 @@ def messages(strategy: str, p: int) -> int:
     if strategy.startswith("lasp"):
         return 2
     return 3 * (p - 1)
-
-
-def _lstsq2(xs: Sequence[Sequence[float]], ys: Sequence[float]) -> List[float]:
-    """Least squares y = a x0 + b x1 (no intercept), by the 2 x 2 normal equations."""
-    s00 = sum(x[0] * x[0] for x in xs)
-    s01 = sum(x[0] * x[1] for x in xs)
-    s11 = sum(x[1] * x[1] for x in xs)
-    t0 = sum(x[0] * y for x, y in zip(xs, ys))
-    t1 = sum(x[1] * y for x, y in zip(xs, ys))
-    det = s00 * s11 - s01 * s01
-    return [(t0 * s11 - t1 * s01) / det, (s00 * t1 - s01 * t0) / det]
 
 
 TRUSTED_RESIDUAL = 0.3     # a block fit worse than this was timed under load: its c_call is not used
@@ -55,12 +46,12 @@ def softmax_rows(full: Dict[str, Any], block_cost: Dict[str, float]) -> List[Dic
     for n_key, cases in sorted(full["attention"].items(), key=lambda kv: int(kv[0])):
         n = int(n_key)
         single = cases["single"]["time_s"]["median"]
-        rate = {"c_call_s": 0.0, "t_pair_s": single / (kernel_model.computed_pairs(n, n, meta.get("causal", True)) * heads)}
+        rate = {"c_call_s": 0.0, "t_pair_s": single / (computed_pairs(n, n, meta.get("causal", True)) * heads)}
         for s in SOFTMAX:
             if s not in cases:
                 continue
-            calls = max(len(c) for c in kernel_model.rank_calls(s, p, n))
-            kernel = kernel_model.busiest_kernel_s(s, p, n, heads, rate) + c_call * calls
+            calls = max(len(c) for c in times.rank_calls(s, p, n))
+            kernel = times.busiest_kernel_s(s, p, n, heads, rate) + c_call * calls
             rows.append({"n": n, "strategy": s, "kernel_s": kernel, "calls": calls, "messages": messages(s, p),
                          "bytes": cases[s]["bytes"][0], "measured_s": cases[s]["time_s"]["median"],
                          "single_s": single, "measured": cases[s]["speedup"]["median"], "c_call_s": c_call})
@@ -69,7 +60,7 @@ def softmax_rows(full: Dict[str, Any], block_cost: Dict[str, float]) -> List[Dic
 
 def fit_exchange(rows: Sequence[Dict[str, Any]]) -> Dict[str, float]:
     """(alpha per message, beta) from measured - kernel over ``rows``."""
-    a, b = _lstsq2([(r["messages"], r["bytes"]) for r in rows], [r["measured_s"] - r["kernel_s"] for r in rows])
+    a, b = lstsq2([(r["messages"], r["bytes"]) for r in rows], [r["measured_s"] - r["kernel_s"] for r in rows])
     return {"alpha_s": a, "beta_bytes_s": 1.0 / b if b > 0 else float("inf")}
 
 
@@ -96,7 +87,7 @@ def lasp_rows(full: Dict[str, Any], fit: Dict[str, float]) -> List[Dict[str, Any
               if "single_linear" in c]
     if len(points) < 2:
         return []
-    b, a = _lstsq2([(n, 1.0) for n, _ in points], [t for _, t in points])
+    b, a = lstsq2([(n, 1.0) for n, _ in points], [t for _, t in points])
     rows = []
     for n, single in sorted(points):
         for s in ("lasp2", "lasp1"):
@@ -129,8 +120,19 @@ def hybrid_rows(hybrid: Dict[str, Any], fit: Dict[str, float]) -> List[Dict[str,
     return rows
 
 
-__all__ = ["exchange_s", "fit_exchange", "hybrid_rows", "lasp_rows", "messages", "predict_softmax", "softmax_rows",
+__all__ = ["exchange_s", "fit_exchange", "hybrid_rows", "lasp_rows", "lm_shape", "messages", "predict_softmax", "softmax_rows",
            "step_rows"]
+
+
+def lm_shape(tm: Dict[str, Any], linear: bool = False):
+    """The project's LM of cpu_full's training rows (byte vocabulary, tied embeddings; linear: every
+    layer lasp)."""
+    import math
+    from .model_shape import ModelShape
+    dim, heads, layers = tm["dim"], tm["n_heads"], tm["n_layers"]
+    mlp = 16 * math.ceil(8 * dim / 3 / 16)                  # models/lm.py's default MLP width
+    lin = dict(kinds=("lasp",) * layers, lin_heads=heads, lin_dk=dim // heads, lin_dv=dim // heads) if linear else {}
+    return ModelShape("lm", dim, layers, heads, heads, dim // heads, mlp, 256, tied=True, transition="fixed", **lin)
 
 
 def step_rows(full: Dict[str, Any], fit: Dict[str, float], profile) -> List[Dict[str, Any]]:
@@ -138,23 +140,16 @@ def step_rows(full: Dict[str, Any], fit: Dict[str, float], profile) -> List[Dict
     step scaled by the plan's compute ratio (search.predict: busiest rank's FLOPs at P over P = 1's),
     plus every exchange of the step at the softmax rows' (alpha, beta): the layers' bytes from the
     closed forms (per layer x layers) and ZeRO-2's reduce-scatter + all-gather (2 messages)."""
-    import math
-    from . import comm_model
-    from .memory import Features
-    from .model_shape import ModelShape
-    from .search import Candidate, Cluster, predict
+    from .cost.candidate import Candidate, Features
+    from .search import Cluster, predict
     tm = full.get("train_model") or {}
     if not tm:
         return []
-    dim, heads, layers = tm["dim"], tm["n_heads"], tm["n_layers"]
-    mlp = 16 * math.ceil(8 * dim / 3 / 16)                  # models/lm.py's default MLP width
+    layers = tm["n_layers"]
     rows = []
     for strategy, measured in sorted(full.get("train", {}).items()):
         linear = strategy == "lasp"
-        shape = ModelShape("lm", dim, layers, heads, heads, dim // heads, mlp, 256, tied=True,
-                           kinds=("lasp",) * layers if linear else (), lin_heads=heads if linear else 0,
-                           lin_dk=dim // heads if linear else 0, lin_dv=dim // heads if linear else 0,
-                           transition="fixed")
+        shape = lm_shape(tm, linear)
         p = 2
         one = predict(Candidate(strategy if linear else "ulysses", 1, 1, 2, Features()), shape, tm["seq_len"],
                       Cluster(1, 1, profile, "fp32"), own_linear=linear)
@@ -163,7 +158,7 @@ def step_rows(full: Dict[str, Any], fit: Dict[str, float], profile) -> List[Dict
         if not (one.compute_s and two.compute_s):
             continue
         layer_bytes = sum(two.comm_bytes.values()) * layers
-        zero = comm_model.zero_bytes(shape.params(), p, 2, 4, 4)
+        zero = times.zero_bytes(shape.params(), p, 2, 4, 4)
         t = (measured["one_s"]["median"] * two.compute_s / one.compute_s
              + exchange_s(fit, messages(strategy, p) * layers + 2, layer_bytes + zero))
         rows.append({"strategy": strategy, "measured": measured["speedup"]["median"],

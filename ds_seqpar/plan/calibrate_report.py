@@ -8,14 +8,14 @@ P=1, 2 and 4); never writes them. P=4 bytes are checked against the closed forms
 from __future__ import annotations
 
 import json
-import math
 import os
 from typing import Any, Dict, List, Optional
 
-from . import calibrate_fit, calibrate_p4, calibrate_window, kernel_model, memory
+from . import calibrate_fit, calibrate_p4, calibrate_window, kernel_model
 from .calibrate import STRATEGIES, predict_speedups
-from .memory import Features
-from .model_shape import ModelShape
+from .cost import memory
+from .cost.candidate import Candidate, Features
+from .cost.pairs import KEY_TILE, computed_pairs
 
 
 def within(rows: List[Dict[str, Any]], tol: float = 0.15) -> int:
@@ -50,13 +50,11 @@ def speedup_rows(cal: Dict[str, Any], full: Dict[str, Any]) -> List[Dict[str, An
 def step_rows(cal: Dict[str, Any], full: Dict[str, Any], profile) -> List[Dict[str, Any]]:
     """cpu_full's whole training step (the project's LM, fp32, ZeRO-2, byte vocabulary, tied
     embeddings) at P=2 over P=1, predicted by search.predict with the calibrated profile."""
-    from .search import Candidate, Cluster, predict
+    from .search import Cluster, predict
     tm = full.get("train_model") or {}
     if not tm:
         return []
-    dim, heads = tm["dim"], tm["n_heads"]
-    mlp = 16 * math.ceil(8 * dim / 3 / 16)                  # models/lm.py's default MLP width
-    shape = ModelShape("lm", dim, tm["n_layers"], heads, heads, dim // heads, mlp, 256, tied=True)
+    shape = calibrate_fit.lm_shape(tm)
     one = predict(Candidate("ulysses", 1, 1, 2, Features()), shape, tm["seq_len"], Cluster(1, 1, profile, "fp32"))
     rows = []
     for strategy, measured in sorted(full.get("train", {}).items()):
@@ -71,34 +69,17 @@ def step_rows(cal: Dict[str, Any], full: Dict[str, Any], profile) -> List[Dict[s
     return rows
 
 
-def _fit_slope(points):
-    xs, ys = zip(*points)
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-
-
 def memory_rows(report: Dict[str, Any]) -> List[Dict[str, Any]]:
     """Per measured variant with two lengths or more: the largest phase slope (bytes per token per
     rank, the benchmark's definition) beside the plan's count (fp32, ZeRO-2, checkpoints on host=device)."""
-    groups: Dict[tuple, list] = {}
-    for m in report.get("measurements", []):
-        if m.get("purpose") in (None, "scaling"):
-            groups.setdefault((m["model"], m["world"], m["features"]), []).append(m)
     rows = []
-    for (model, world, features), ms in sorted(groups.items()):
-        if len({m["tokens_per_rank"] for m in ms}) < 2:
-            continue
-        measured = max(_fit_slope([(m["tokens_per_rank"], m["phase_peak_bytes"][ph]) for m in ms])
-                       for ph in ms[0]["phase_peak_bytes"])
+    for variant, ms, shape, f in calibrate_p4.measured_variants(report):
         m = ms[0]
-        shape = ModelShape(model, m["hidden"], m["layers"], m["heads"], m["kv_heads"], m["hidden"] // m["heads"],
-                           m["intermediate"], m["vocab"], tied=model != "llama")
-        f = Features(on=features, cpu_checkpointing=False, tiled_loss_tokens=m["tiled_loss_tokens"],
-                     tiled_mlp_tokens=m["tiled_mlp_tokens"])
-        bare = max(memory.per_token(shape, 4, f, True).values())
-        lines = memory.phase_lines(shape, m["strategy"], world, m.get("ulysses_size", 1), world, 2, "fp32", f, True)
-        rows.append({"variant": f"{model}/P{world}/{'on' if features else 'off'}", "measured": measured,
-                     "predicted": bare, "predicted_with_comm": max(line["b"] for line in lines.values())})
+        lines = memory.phase_lines(shape, m["strategy"], m["world"], m.get("ulysses_size", 1), m["world"], 2, "fp32",
+                                   f, True)
+        rows.append({"variant": variant, "measured": max(line["b"] for line in memory.phase_model(ms).values()),
+                     "predicted": max(memory.per_token(shape, 4, f, True).values()),
+                     "predicted_with_comm": max(line["b"] for line in lines.values())})
     return rows
 
 
@@ -113,7 +94,7 @@ def fit_sections(cal: Dict[str, Any], speed: List[Dict[str, Any]], fitted: Optio
                 f"Fit t = c_call + t_pair x computed pairs: c_call {blocks['c_call_s'] * 1e3:.2f} ms, t_pair "
                 f"{blocks['t_pair_s'] * 1e9:.1f} ns per pair and head (largest residual {blocks['max_rel_residual']:.0%}, "
                 f"the smallest block). Computed pairs count the masked halves of a causal square's diagonal key tiles "
-                f"({kernel_model.KEY_TILE} keys): s (s+1)/2 + s x {kernel_model.KEY_TILE}/2. The per-call cost is used "
+                f"({KEY_TILE} keys): s (s+1)/2 + s x {KEY_TILE}/2. The per-call cost is used "
                 f"below only when this fit is within {calibrate_fit.TRUSTED_RESIDUAL:.0%} (a fit timed under load is "
                 f"not).", "",
                 "| block (q x k, masked) | computed pairs x heads | measured ms | fit / measured |", "|---|---:|---:|---:|"]
@@ -121,7 +102,7 @@ def fit_sections(cal: Dict[str, Any], speed: List[Dict[str, Any]], fitted: Optio
             fit = blocks["c_call_s"] + blocks["t_pair_s"] * pairs
             out.append(f"| {nq} x {nk}{' causal' if m else ''} | {pairs:,.0f} | {t * 1e3:.1f} | {fit / t:.2f} |")
         for nq, nk, kind, t in blocks.get("window_points", []):
-            pairs = kernel_model.computed_pairs(nq, nk, True) * blocks["heads"]
+            pairs = computed_pairs(nq, nk, True) * blocks["heads"]
             fit = blocks["c_call_s"] + blocks["t_pair_s"] * pairs
             out.append(f"| {nq} x {nk} {kind} (window piece, not fitted) | {pairs:,.0f} | {t * 1e3:.1f} | {fit / t:.2f} |")
         if "tall_factor" in blocks:
@@ -216,7 +197,7 @@ def window_p4_sections(window: List[Dict[str, Any]], p4_bytes: List[Dict[str, An
             "do not depend on the cores and are checked below."]
     if p4_bytes:
         equal = sum(1 for r in p4_bytes if r["plan"] == r["form"])
-        out += ["", "### P=4: bytes per rank per fwd+bwd, the plan (masks.rank_bytes) against closed_form_by_kind "
+        out += ["", "### P=4: bytes per rank per fwd+bwd, the plan (cost.bytes.rank_bytes) against closed_form_by_kind "
                 "(N=8192, 8 heads x 64, fp32, causal)", "",
                 "| strategy | U | window | bytes per rank (plan) | closed form |", "|---|---:|---|---|---|"]
         out += [f"| {r['strategy']} | {r['ulysses']} | {r['window'] or '-'} | "

@@ -1,10 +1,10 @@
 """``--calibrate``'s sliding-window rows: reports/window_cpu.json's time ratio window / plain per strategy
 and window at P = 2, predicted from the kernel calls the masked policy makes, and its bytes per rank.
 
-    t(plain)  = the busiest rank's plain calls (kernel_model.rank_calls) + exchange
-    t(window) = the busiest rank's window sub-blocks (kernel_model.window_calls: strategies/varlen.py
+    t(plain)  = the busiest rank's plain calls (cost.times.rank_calls) + exchange
+    t(window) = the busiest rank's window sub-blocks (cost.times.window_calls: strategies/varlen.py
                 with the CPU kernel's causal_tile and band_column, so the call count and the computed
-                pairs are what runs) + exchange with the window's bytes (masks.rank_bytes)
+                pairs are what runs) + exchange with the window's bytes (cost.bytes.rank_bytes)
     exchange  = alpha x messages + bytes / beta (calibrate_fit: fitted on cpu_full's softmax rows)
 
 The cost per computed pair is the window run's own plain case's (its measured time less the exchange
@@ -22,8 +22,10 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 from ..strategies.closed_form import Shapes, closed_form_by_kind
-from . import calibrate_fit, kernel_model, masks
-from .masks import Mask
+from . import calibrate_fit
+from .cost.bytes import rank_bytes
+from ..masks import Mask
+from .cost.times import busiest_calls_s, rank_calls, window_calls
 
 
 def trusted_cost(blocks: Optional[Dict[str, Any]]) -> Dict[str, float]:
@@ -34,13 +36,9 @@ def trusted_cost(blocks: Optional[Dict[str, Any]]) -> Dict[str, float]:
             "anti_factor": blocks.get("anti_factor", 1.0)}
 
 
-def _busiest_s(calls, cost: Dict[str, float], heads: float) -> float:
-    return max(sum(kernel_model.call_s(cost, *c, heads) for c in rank) for rank in calls)
-
-
 def plan_bytes(strategy: str, p: int, ulysses: int, shapes: Shapes, window: Optional[int]) -> List[int]:
-    """Bytes each rank sends per fwd + bwd as the plan counts them (masks.rank_bytes)."""
-    return [sum(b.values()) for b in masks.rank_bytes(strategy, p, ulysses, shapes, Mask(True, window))]
+    """Bytes each rank sends per fwd + bwd as the plan counts them (cost.bytes.rank_bytes)."""
+    return [sum(b.values()) for b in rank_bytes(strategy, p, ulysses, shapes, Mask(True, window))]
 
 
 def form_bytes(strategy: str, p: int, ulysses: int, shapes: Shapes, window: Optional[int]) -> List[int]:
@@ -61,15 +59,16 @@ def window_rows(report: Dict[str, Any], fit: Dict[str, float], blocks: Optional[
         h = heads / p if s == "ulysses" else heads
         msgs = calibrate_fit.messages(s, p)
         plain_x = calibrate_fit.exchange_s(fit, msgs, max(plan_bytes(s, p, p if s == "ulysses" else 1, shapes, None)))
-        plain_calls = [[(nq, nk, m, False) for nq, nk, m in c] for c in kernel_model.rank_calls(s, p, n)]
-        unit = _busiest_s(plain_calls, dict(base, c_call_s=0.0, t_pair_s=1.0), h)
+        # a masked plain block is priced as causal, whichever its direction (the timed blocks' line)
+        plain_calls = [[(nq, nk, c or a, False) for nq, nk, c, a in r] for r in rank_calls(s, p, n)]
+        unit = busiest_calls_s(plain_calls, dict(base, c_call_s=0.0, t_pair_s=1.0), h)
         c_calls = base["c_call_s"] * max(len(c) for c in plain_calls)
         cost = dict(base, t_pair_s=(r["plain"]["time"] - plain_x - c_calls) / unit)
         for w in meta["windows"]:
             case = r[f"window={w}"]
-            calls = kernel_model.window_calls(s, p, n, w)
+            calls = window_calls(s, p, n, w)
             ours = plan_bytes(s, p, p if s == "ulysses" else 1, shapes, w)
-            kernel = _busiest_s(calls, cost, h)
+            kernel = busiest_calls_s(calls, cost, h)
             x = calibrate_fit.exchange_s(fit, msgs, max(ours))
             alone = [x["cpu"] for x in report.get("pieces", []) if (x["strategy"], x["window"]) == (s, w)]
             rows.append({"strategy": s, "window": w, "measured": case["ratio"], "kernel_timed_s": alone[0] if alone else None,

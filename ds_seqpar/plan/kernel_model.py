@@ -1,5 +1,6 @@
-"""The cost of the attention kernel calls a rank makes, for ``--calibrate``: a per-call overhead plus
-a cost per computed pair, fitted to kernel calls timed on this machine.
+"""``--calibrate``'s timed kernel calls: the per-call overhead and the cost per computed pair that
+cost/times.py prices a rank's calls with (``call_s``, ``rank_calls``, ``window_calls``), fitted to
+kernel calls timed on this machine.
 
     t(call) = c_call + t_pair x computed pairs (fwd + bwd, per head)
 
@@ -23,16 +24,18 @@ from __future__ import annotations
 import time
 from typing import Dict, List, Sequence, Tuple
 
-KEY_TILE = 512        # keys per tile of torch's CPU flash kernel (kernels/torch_kernel.py's causal_tile note)
+from .cost.pairs import computed_pairs
 
 
-def computed_pairs(nq: int, nk: int, masked: bool) -> float:
-    """Pairs the kernel computes for one block: every pair of a full block; a masked square's visible
-    pairs plus the masked parts of its diagonal tiles (never more than the full block)."""
-    if not masked:
-        return float(nq * nk)
-    s = min(nq, nk)
-    return float(min(nq * nk, s * (s + 1) / 2 + (nq - s) * nk + s * min(KEY_TILE, s) / 2))
+def lstsq2(xs: Sequence[Sequence[float]], ys: Sequence[float]) -> List[float]:
+    """Least squares y = a x0 + b x1 (no intercept), by the 2 x 2 normal equations."""
+    s00 = sum(x[0] * x[0] for x in xs)
+    s01 = sum(x[0] * x[1] for x in xs)
+    s11 = sum(x[1] * x[1] for x in xs)
+    t0 = sum(x[0] * y for x, y in zip(xs, ys))
+    t1 = sum(x[1] * y for x, y in zip(xs, ys))
+    det = s00 * s11 - s01 * s01
+    return [(t0 * s11 - t1 * s01) / det, (s00 * t1 - s01 * t0) / det]
 
 
 def fit_call_cost(points: Sequence[Tuple[float, float]]) -> Dict[str, float]:
@@ -40,14 +43,9 @@ def fit_call_cost(points: Sequence[Tuple[float, float]]) -> Dict[str, float]:
     equation divided by its t: the small blocks, which carry c_call, count as much as the big ones);
     c_call clipped at 0."""
     rows = [(1.0 / t, p / t) for p, t in points]             # c_call / t + t_pair p / t = 1
-    s00 = sum(a * a for a, _ in rows)
-    s01 = sum(a * b for a, b in rows)
-    s11 = sum(b * b for _, b in rows)
-    t0, t1 = sum(a for a, _ in rows), sum(b for _, b in rows)
-    det = s00 * s11 - s01 * s01
-    c_call, slope = (t0 * s11 - t1 * s01) / det, (s00 * t1 - s01 * t0) / det
+    c_call, slope = lstsq2(rows, [1.0] * len(rows))
     if c_call < 0:
-        c_call, slope = 0.0, t1 / s11
+        c_call, slope = 0.0, sum(b for _, b in rows) / sum(b * b for _, b in rows)
     xs, ys = [p for p, _ in points], [t for _, t in points]
     return {"c_call_s": c_call, "t_pair_s": slope,
             "max_rel_residual": max(abs(c_call + slope * x - y) / y for x, y in zip(xs, ys))}
@@ -104,63 +102,4 @@ def _time_block(kernel, scale, nq, nk, heads, head_dim, causal, anti, repeats) -
     return min(times)
 
 
-def rank_calls(strategy: str, p: int, seq: int, causal: bool = True) -> List[List[Tuple[int, int, bool]]]:
-    """Per rank, the (queries, keys, masked) of every kernel call of one attention fwd + bwd (the
-    strategy's blocks; Ulysses: one call over the whole sequence, counted at H / P heads by the caller)."""
-    if strategy == "ulysses" or p == 1:
-        return [[(seq, seq, causal)] for _ in range(p)]
-    from ..strategies import STRATEGIES
-    n, out = seq // p, []
-    for me in range(p):
-        calls = []
-        for src in range(p):
-            for b in STRATEGIES[strategy].blocks(me, src, p, causal, n):
-                q0, q1, _ = b.q.indices(n)
-                k0, k1, _ = b.k.indices(n)
-                calls.append((q1 - q0, k1 - k0, bool(b.causal or b.anti)))
-        out.append(calls)
-    return out
-
-
-def window_calls(strategy: str, p: int, seq: int, window: int) -> List[List[Tuple[int, int, bool, bool]]]:
-    """Per rank, (queries, keys, causal, anti) of every sub-block the masked policy gives a causal
-    sliding window on CPU: strategies/varlen.py with the torch kernel's causal_tile and band_column
-    (what the ring loop runs, and what ``ds-seqpar bench --window`` times). Ulysses: one position holding
-    the whole sequence (its H / P heads counted by the caller)."""
-    from ..kernels import get_kernel
-    from ..sharding.layouts import make_layout
-    from ..strategies import get_strategy
-    from ..strategies.varlen import document_blocks, one_document, whole_sequence_blocks
-    kernel = get_kernel("torch", "cpu")
-    tile = lambda size: kernel.causal_tile(size, "cpu")  # noqa: E731
-    column = lambda width: kernel.band_column(width, "cpu")  # noqa: E731
-    docs = one_document(seq, None)
-    if strategy == "ulysses" or p == 1:
-        policy, positions, n = whole_sequence_blocks(docs, True, tile, window, column), 1, seq
-    else:
-        layout = make_layout(get_strategy(strategy).layout_name, p)
-        policy, positions, n = document_blocks(docs, layout, True, tile, window, column), p, seq // p
-    out = []
-    for me in range(positions):
-        subs = [b for src in range(positions) for b in policy(me, src, positions, True, n)]
-        out.append([(b.q.stop - b.q.start, b.k.stop - b.k.start, bool(b.causal), bool(b.anti)) for b in subs])
-    return out * p if positions == 1 else out
-
-
-def call_s(cost: Dict[str, float], nq: int, nk: int, causal: bool, anti: bool, heads: float) -> float:
-    """One sub-block's seconds: c_call + t_pair x computed pairs x heads, times the measured factor of
-    a tall causal block or an anti square (1 when the cost has none)."""
-    factor = cost.get("anti_factor", 1.0) if anti else cost.get("tall_factor", 1.0) if causal and nq > nk else 1.0
-    return factor * (cost["c_call_s"] + cost["t_pair_s"] * computed_pairs(nq, nk, causal or anti) * heads)
-
-
-def busiest_kernel_s(strategy: str, p: int, seq: int, heads: int, cost: Dict[str, float], causal: bool = True) -> float:
-    """Seconds of kernel work of the busiest rank: its calls at c_call each plus t_pair per computed
-    pair (per head; Ulysses' rank holds H / P heads)."""
-    h = heads / p if strategy == "ulysses" else heads
-    return max(sum(cost["c_call_s"] + cost["t_pair_s"] * computed_pairs(nq, nk, m) * h for nq, nk, m in calls)
-               for calls in rank_calls(strategy, p, seq, causal))
-
-
-__all__ = ["BLOCKS", "KEY_TILE", "WINDOW_BLOCKS", "busiest_kernel_s", "call_s", "computed_pairs", "fit_call_cost",
-           "measure_blocks", "rank_calls", "window_calls"]
+__all__ = ["BLOCKS", "WINDOW_BLOCKS", "fit_call_cost", "lstsq2", "measure_blocks"]

@@ -11,14 +11,13 @@ import json
 import os
 import sys
 from collections import OrderedDict
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from ..config import ConfigError
 from . import hardware
 from .ds_json import ds_config
+from .cost.bytes import SPAN_BUDGET
 from .hardware import PlanError
-from . import masks
-from .masks import equal_documents
 from .model_shape import ModelShape, from_hf_config
 from .search import Cluster, Prediction, gpus_needed, longest_sequence, plan
 
@@ -90,6 +89,14 @@ def load_model(path: str) -> ModelShape:
     hybrid = getattr(text_config(config), "model_type", None) in HYBRID_MODEL_TYPES
     check_config(config, training=True, linear_ok=hybrid)
     return from_hf_config(config, os.path.basename(path.rstrip("/")), HYBRID_MODEL_TYPES)
+
+
+def equal_documents(seq: int, doc_len: Optional[int]) -> Optional[Tuple[int, ...]]:
+    """``--doc-len``: documents of doc_len tokens packed into seq (the last one shorter)."""
+    if not doc_len or doc_len >= seq:
+        return None
+    full, rest = divmod(seq, doc_len)
+    return (doc_len,) * full + ((rest,) if rest else ())
 
 
 def check_args(opts) -> None:
@@ -187,15 +194,14 @@ def run(opts) -> int:
     own_linear = shape.count("lasp") > 0
     cluster = Cluster(opts.gpus, min(opts.gpus_per_node, opts.gpus), gpu, opts.dtype)
     docs = equal_documents(opts.seq_len, opts.doc_len)
-    if opts.exact_bytes:
-        masks.EXACT_SPAN_BUDGET[0] = float("inf")
-    masks.BOUNDED.clear()
-    ok, rejected = plan(shape, opts.seq_len, cluster, opts.zero, own_linear, docs=docs)
+    span_budget = float("inf") if opts.exact_bytes else SPAN_BUDGET
+    ok, rejected = plan(shape, opts.seq_len, cluster, opts.zero, own_linear, docs=docs, span_budget=span_budget)
     print(render(shape, opts, cluster, ok, rejected))
-    if masks.BOUNDED:
+    bounded = sorted({f"{p.candidate.strategy} x{p.candidate.size // p.candidate.ulysses_size}"
+                      for p in ok + rejected if p.bytes_bounded})
+    if bounded:
         print(f"note: the ring bytes of windowed / packed layers are the no-mask closed form (an upper bound) for "
-              f"{', '.join(sorted({f'{s} x{r}' for s, r, _ in masks.BOUNDED}))}: their exact spans cost seconds to minutes at this "
-              f"size; --exact-bytes computes them")
+              f"{', '.join(bounded)}: their exact spans cost seconds to minutes at this size; --exact-bytes computes them")
     if opts.json_out:
         with open(opts.json_out, "w") as f:
             json.dump({"model": shape.name, "seq_len": opts.seq_len, "gpus": opts.gpus, "gpu": hardware.describe(gpu),

@@ -207,12 +207,19 @@ def _masked_by_kind(strategy: str, p: int, sh: Shapes, rank: int, ulysses_size: 
     if strategy == "lasp":
         chain = LaspChain(p, sh.seq // p, Documents(cu_seqlens, sh.seq))
         return lasp_document_bytes(chain, rank, lasp_state_bytes(sh), lasp_comm)
+    ring = make_layout(get_strategy(strategy).layout_name, p // ulysses_size)
+    return masked_ring_by_kind(ring_key_ranges(cu_seqlens, ring, sh.seq, causal, window), p, sh, rank, ulysses_size)
+
+
+def masked_ring_by_kind(ranges, p: int, sh: Shapes, rank: int, ulysses_size: int) -> Dict[str, int]:
+    """The ring family's bytes under a mask, from its key spans (``ring_key_ranges``, which a caller
+    pricing many ranks finds once): the 2D hybrid's all-to-all is the mask's no-mask one; after it a
+    ring position holds U x n tokens of H_kv / U (f-replicated) heads, so one of its tokens is f x
+    the local k/v elements over the position's tokens."""
     u, loc = ulysses_size, sh.local(p)
     f = kv_replication(sh.heads, sh.kv_heads, u) if u > 1 else 1
-    ring = make_layout(get_strategy(strategy).layout_name, p // u)
-    ranges = ring_key_ranges(cu_seqlens, ring, sh.seq, causal, window)
     out = {"all_to_all": _all_to_all(u, loc, f)} if u > 1 else {}
-    token_elems = f * loc.elements(sh.kv_heads, sh.head_dim + sh.dv) // (sh.seq // ring.size)
+    token_elems = f * loc.elements(sh.kv_heads, sh.head_dim + sh.dv) // (sh.seq // len(ranges))
     out.update(ring_masked_bytes(ranges, rank // u, token_elems, sh.elem))
     return out
 
@@ -303,4 +310,4 @@ def transient_bytes(strategy: str, p: int, shapes: Shapes, ulysses_size: int = 1
 
 
 __all__ = ["Shapes", "closed_form_bytes", "transient_bytes", "closed_form_by_kind", "kv_replication", "E_ACC", "ring_key_ranges",
-           "ring_masked_bytes", "lasp_document_bytes"]
+           "ring_masked_bytes", "masked_ring_by_kind", "lasp_document_bytes"]

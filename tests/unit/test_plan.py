@@ -9,11 +9,13 @@ import os
 import pytest
 
 from ds_seqpar.config import SequenceParallelConfig
-from ds_seqpar.plan import flops, hardware, memory
+from ds_seqpar.plan import hardware
+from ds_seqpar.plan.cost import flops, memory
 from ds_seqpar.plan.main import main as plan_main
-from ds_seqpar.plan.memory import Features
+from ds_seqpar.plan.cost.candidate import Candidate, Features
 from ds_seqpar.plan.model_shape import ModelShape
-from ds_seqpar.plan.search import Candidate, Cluster, comm_per_layer, longest_sequence, plan, predict
+from ds_seqpar.plan.cost.bytes import comm_per_layer
+from ds_seqpar.plan.search import Cluster, longest_sequence, plan, predict
 from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind, transient_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

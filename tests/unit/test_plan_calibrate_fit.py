@@ -9,6 +9,7 @@ import os
 import pytest
 
 from ds_seqpar.plan import calibrate_fit, kernel_model
+from ds_seqpar.plan.cost import pairs, times
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FULL = os.path.join(ROOT, "reports", "cpu_full.json")
@@ -21,14 +22,14 @@ def _load(path):
 
 
 def test_computed_pairs_count_the_diagonal_tiles():
-    t = kernel_model.KEY_TILE
-    assert kernel_model.computed_pairs(300, 200, False) == 60000
-    assert kernel_model.computed_pairs(4096, 4096, True) == 4096 * 4097 / 2 + 4096 * t / 2
+    t = pairs.KEY_TILE
+    assert pairs.computed_pairs(300, 200, False) == 60000
+    assert pairs.computed_pairs(4096, 4096, True) == 4096 * 4097 / 2 + 4096 * t / 2
     # the CPU kernel's measured cost per visible pair over a full block's (kernels/torch_kernel.py's note:
     # 2.1x at 512, 1.5x at 1024, 1.13x at 4096) is computed / visible
     for s, ratio in ((512, 2.1), (1024, 1.5), (4096, 1.13)):
-        assert kernel_model.computed_pairs(s, s, True) / (s * (s + 1) / 2) == pytest.approx(ratio, rel=0.06)
-    assert kernel_model.computed_pairs(64, 64, True) <= 64 * 64               # never more than the block
+        assert pairs.computed_pairs(s, s, True) / (s * (s + 1) / 2) == pytest.approx(ratio, rel=0.06)
+    assert pairs.computed_pairs(64, 64, True) <= 64 * 64               # never more than the block
 
 
 def test_call_cost_fit_recovers_its_line():
@@ -41,9 +42,9 @@ def test_striped_is_busier_than_zigzag_by_its_diagonal_tiles():
     """At P=2 striped's rank runs two causal squares, zigzag's one square and one rectangle: the tile
     model puts striped 5-6% behind at N=8192, as cpu_full measured (1.69 vs 1.80)."""
     cost = {"c_call_s": 0.0, "t_pair_s": 1.0}
-    z, s = (kernel_model.busiest_kernel_s(x, 2, 8192, 8, cost) for x in ("zigzag", "striped"))
+    z, s = (times.busiest_kernel_s(x, 2, 8192, 8, cost) for x in ("zigzag", "striped"))
     assert 1.04 < s / z < 1.08
-    assert [len(c) for c in kernel_model.rank_calls("ring", 2, 1024)] == [1, 2]
+    assert [len(c) for c in times.rank_calls("ring", 2, 1024)] == [1, 2]
 
 
 def test_softmax_speedups_within_15_percent_out_of_sample():

@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from ds_seqpar.plan import calibrate_fit, calibrate_p4, calibrate_window, kernel_model
+from ds_seqpar.plan import calibrate_fit, calibrate_p4, calibrate_window
+from ds_seqpar.plan.cost.times import window_calls
 from ds_seqpar.strategies.bands import SubBlock, visible_pairs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -36,7 +37,7 @@ def test_window_calls_are_the_sub_blocks_the_benchmark_ran():
     pieces = [r for r in report["pieces"] if r["window"] is not None]
     assert len(pieces) == 8
     for r in pieces:
-        calls = kernel_model.window_calls(r["strategy"], p, n, r["window"])[r["rank"]]
+        calls = window_calls(r["strategy"], p, n, r["window"])[r["rank"]]
         pairs = sum(visible_pairs(SubBlock(slice(0, nq), slice(0, nk), c, a)) for nq, nk, c, a in calls)
         assert (len(calls), pairs) == (r["subblocks"], r["pairs"]), f"{r['strategy']} w={r['window']}"
         assert any(c and nq > nk for nq, nk, c, _ in calls), "no tall key-column block: the window is cut by rows"

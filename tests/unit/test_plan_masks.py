@@ -1,4 +1,4 @@
-"""The plan's masks (plan/masks.py): sliding windows and packed documents in the attention work and
+"""The plan's masks (plan/cost: pairs.py, bytes.py): sliding windows and packed documents in the attention work and
 the bytes, per layer kind, held to the strategies' closed forms and to the work the window benchmark
 counted (reports/window_cpu.json); and the project's own LM with strategy lasp. Pure Python, no ranks."""
 from __future__ import annotations
@@ -9,12 +9,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from ds_seqpar.plan import flops, hardware, masks
-from ds_seqpar.plan.masks import Mask
-from ds_seqpar.plan.memory import Features
+from ds_seqpar.plan import hardware
+from ds_seqpar.plan.cost import bytes as cost_bytes, flops, pairs
+from ds_seqpar.plan.cost.bytes import comm_per_layer
+from ds_seqpar.plan.cost.candidate import Candidate, Features
+from ds_seqpar.masks import Mask
+from ds_seqpar.plan.main import equal_documents
 from ds_seqpar.plan.model_shape import ModelShape, from_hf_config
-from ds_seqpar.plan.search import Candidate, Cluster, comm_per_layer, predict
+from ds_seqpar.plan.search import Cluster, predict
 from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind
+from ..reference import pairs_per_query_set
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WINDOW_REPORT = os.path.join(ROOT, "reports", "window_cpu.json")
@@ -22,11 +26,7 @@ OWN_LINEAR = os.path.join(ROOT, "configs", "plan", "own_lm_linear_1b.json")
 
 
 def _brute_pairs(seq, causal, window, docs):
-    bounds = Mask(causal, window, docs).bounds(seq)
-    doc = [next(i for i in range(len(bounds) - 1) if bounds[i] <= t < bounds[i + 1]) for t in range(seq)]
-    w = window or seq + 1
-    return sum(1 for q in range(seq) for k in range(seq)
-               if doc[q] == doc[k] and abs(q - k) < w and (k <= q or not causal))
+    return pairs_per_query_set(seq, causal, window, Mask(causal, window, docs).bounds(seq), [range(seq)])[0]
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -34,7 +34,7 @@ def _brute_pairs(seq, causal, window, docs):
                                          (12, (6,) * 6 + (4,))])
 def test_pairs_total_is_the_mask_counted_pair_by_pair(causal, window, docs):
     seq = 40
-    assert masks.pairs_total(seq, Mask(causal, window, docs)) == _brute_pairs(seq, causal, window, docs)
+    assert pairs.pairs_total(seq, Mask(causal, window, docs)) == _brute_pairs(seq, causal, window, docs)
 
 
 @pytest.mark.parametrize("strategy", ["ring", "zigzag", "striped", "ulysses"])
@@ -44,10 +44,10 @@ def test_work_per_rank_is_the_window_benchmarks(strategy):
     with open(WINDOW_REPORT) as f:
         report = json.load(f)
     meta, rows = report["meta"], report["rows"][strategy]
-    plain = masks.pairs_per_rank(strategy, meta["P"], 1, meta["seq"], Mask(True))
+    plain = pairs.pairs_per_rank(strategy, meta["P"], 1, meta["seq"], Mask(True))
     assert plain == rows["plain"]["work"], f"{strategy} plain: {plain} != {rows['plain']['work']}"
     for w in meta["windows"]:
-        got = masks.pairs_per_rank(strategy, meta["P"], 1, meta["seq"], Mask(True, w))
+        got = pairs.pairs_per_rank(strategy, meta["P"], 1, meta["seq"], Mask(True, w))
         row = rows[f"window={w}"]
         assert got == row["work"], f"{strategy} window {w}: {got} != {row['work']}"
         assert max(got) / max(plain) == pytest.approx(row["work_ratio"], rel=1e-12)
@@ -60,20 +60,20 @@ def test_work_per_rank_is_the_window_benchmarks(strategy):
 def test_masked_bytes_are_closed_form_rank_by_rank(strategy, p, u, causal, window, docs):
     sh = Shapes(1, 256, 8, 2, 16, 2)
     cu = None if docs is None else Mask(docs=docs).bounds(256)
-    got = masks.rank_bytes(strategy, p, u, sh, Mask(causal, window, docs))
+    got = cost_bytes.rank_bytes(strategy, p, u, sh, Mask(causal, window, docs))
     want = [closed_form_by_kind(strategy, p, sh, r, u, causal=causal, window=window, cu_seqlens=cu) for r in range(p)]
     assert got == want
 
 
 def test_ring_family_busiest_work_and_bytes_fall_with_the_window():
     seq, p = 1 << 14, 8
-    plain = masks.busiest_keys_per_token("ring", p, 1, seq, Mask(True))
+    plain = pairs.busiest_keys_per_token("ring", p, 1, seq, Mask(True))
     assert plain == pytest.approx((2 * p - 1) / p * seq / 2, rel=1e-3)   # the contiguous ring's last rank
-    windowed = masks.busiest_keys_per_token("zigzag", p, 1, seq, Mask(True, 1024))
+    windowed = pairs.busiest_keys_per_token("zigzag", p, 1, seq, Mask(True, 1024))
     assert windowed == pytest.approx(1024, rel=0.04)                       # ~ w keys a query
     sh = Shapes(1, seq, 8, 8, 64, 2)
-    full, peers_full = masks.busiest_bytes("ring", p, 1, sh, Mask(True))
-    small, peers = masks.busiest_bytes("ring", p, 1, sh, Mask(True, 1024))
+    full, peers_full = cost_bytes.busiest_bytes("ring", p, 1, sh, Mask(True))
+    small, peers = cost_bytes.busiest_bytes("ring", p, 1, sh, Mask(True, 1024))
     assert peers_full == p - 1 and peers == 2                             # only the neighbours on each side
     assert sum(small.values()) < sum(full.values()) / 8
 
@@ -92,7 +92,7 @@ def test_each_layer_gets_its_own_window():
     seq = 8192
     per_layer = 2 * (64 + 64) * 8
     # full layers: S / 2 keys (the measured-memory benchmark's count, which test_plan holds flops to)
-    want = per_layer * (5 * masks.pairs_total(seq, Mask(True, 256)) / seq + seq / 2)
+    want = per_layer * (5 * pairs.pairs_total(seq, Mask(True, 256)) / seq + seq / 2)
     assert flops.forward_per_token(shape, seq)["attention"] == pytest.approx(want, rel=1e-12)
     # the plan's compute and bytes see the windows: zigzag at P=4 far below the all-full model's
     full = from_hf_config(_gemma_like(["full_attention"] * 6))
@@ -109,12 +109,12 @@ def test_packed_documents_cut_the_attention_work():
     shape = ModelShape("m", 512, 4, 8, 8, 64, 1024, 1000)
     seq = 1 << 15
     one = flops.forward_per_token(shape, seq)["attention"]
-    eight = flops.forward_per_token(shape, seq, docs=masks.equal_documents(seq, seq // 8))["attention"]
+    eight = flops.forward_per_token(shape, seq, docs=equal_documents(seq, seq // 8))["attention"]
     assert eight / one == pytest.approx(1 / 8, rel=1e-3)
     gpu = hardware.load_gpu("h100")
     c = Candidate("zigzag", 4, 1, 2, Features())
     plain, packed = (predict(c, shape, seq, Cluster(4, 8, gpu), docs=d)
-                     for d in (None, masks.equal_documents(seq, seq // 8)))
+                     for d in (None, equal_documents(seq, seq // 8)))
     assert packed.compute_s < plain.compute_s and packed.comm_bytes["attention"] < plain.comm_bytes["attention"]
 
 
@@ -176,16 +176,21 @@ def test_doc_len_reaches_the_plan(tmp_path, capsys):
 
 
 def test_span_budget_falls_back_to_the_upper_bound_and_says_so():
-    sh = Shapes(1, 1024, 8, 8, 16, 2)
-    exact = masks.rank_bytes("zigzag", 4, 1, sh, Mask(True, 64))
-    old = masks.EXACT_SPAN_BUDGET[0]
-    masks.BOUNDED.clear()
-    try:
-        masks.EXACT_SPAN_BUDGET[0] = 1024                      # 4 positions x 1024 tokens is past it
-        bound = masks.rank_bytes("zigzag", 4, 1, sh, Mask(True, 64))
-    finally:
-        masks.EXACT_SPAN_BUDGET[0] = old
+    sh, mask = Shapes(1, 1024, 8, 8, 16, 2), Mask(True, 64)
+    exact = cost_bytes.rank_bytes("zigzag", 4, 1, sh, mask)
+    bound = cost_bytes.rank_bytes("zigzag", 4, 1, sh, mask, span_budget=1024)   # 4 positions x 1024 tokens is past it
     assert bound == [closed_form_by_kind("zigzag", 4, sh, r) for r in range(4)]
     assert all(sum(b.values()) >= sum(e.values()) for b, e in zip(bound, exact))
-    assert masks.BOUNDED == {("zigzag", 4, 1024)}
-    masks.BOUNDED.clear()
+    assert not cost_bytes.exact_spans("zigzag", 4, 1, sh, mask, span_budget=1024)
+    assert cost_bytes.exact_spans("zigzag", 4, 1, sh, mask) and cost_bytes.exact_spans("zigzag", 4, 1, sh, Mask(True),
+                                                                                       span_budget=1024)
+
+
+def test_a_prediction_says_when_its_bytes_are_the_upper_bound():
+    shape, gpu = ModelShape("m", 256, 2, 8, 8, 32, 512, 1000), hardware.load_gpu("h100")
+    c, docs = Candidate("zigzag", 4, 1, 2, Features()), equal_documents(4096, 512)
+    exact, bound = (predict(c, shape, 4096, Cluster(4, 8, gpu), docs=docs, span_budget=b) for b in (1 << 23, 1024))
+    assert not exact.bytes_bounded and bound.bytes_bounded
+    assert bound.comm_bytes["attention"] > exact.comm_bytes["attention"]
+    plain = predict(c, shape, 4096, Cluster(4, 8, gpu), span_budget=1024)
+    assert not plain.bytes_bounded                                  # no mask: the closed form is exact

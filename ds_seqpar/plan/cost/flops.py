@@ -3,9 +3,10 @@
 Forward, per token of a sequence of S tokens:
     softmax mixer  projections 2 (h q_dim + 2 h kv_dim + o_dim h)
                    scores + values 2 keys (H d + H dv), keys = the keys a query sees on average:
-                   causal S/2, non-causal S, causal window w: (w (w+1)/2 + (S - w) w) / S,
-                   packed documents sum(L (L+1) / 2) / S (masks.py counts any mix exactly);
-                   each layer its own window (sliding layers: the config's sliding_window)
+                   causal S/2, non-causal S; with a window or documents the mask's pairs / S
+                   (pairs.pairs_total: causal window w (w (w+1)/2 + (S - w) w) / S, packed
+                   documents sum(L (L+1) / 2) / S); each layer its own window (sliding layers:
+                   the config's sliding_window)
     linear / SSD   projections 2 params; chunked scan with chunk C: 2 H_lin (2 dk dv + C (dk + dv))
     MLP            2 x (gate, up, down) of the dense MLP, or of the active experts + shared + router
     LM head        2 V h
@@ -18,27 +19,24 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
 
-from .model_shape import ModelShape
+from ...masks import Mask
+from .pairs import pairs_total
 
 LINEAR_CHUNK = 64
 
 
 def keys_per_query(seq: int, causal: bool = True, window: Optional[int] = None,
                    docs: Optional[Tuple[int, ...]] = None) -> float:
-    """The keys one query sees on average (the work ratio of the mask times S); packed documents
-    (their lengths): counted query by query (masks.pairs_total)."""
-    if docs is not None:
-        from .masks import Mask, pairs_total
-        return pairs_total(seq, Mask(causal, window, tuple(docs))) / seq
-    if window is None or window >= seq:
+    """The keys one query sees on average (the work ratio of the mask times S). No window and one
+    document: S / 2 causal (the measured-memory benchmark's count, which a test holds the step's FLOPs
+    to), S non-causal; else the mask's pairs counted exactly (a non-causal window's edge queries see
+    fewer than 2 w - 1 keys)."""
+    if docs is None and (window is None or window >= seq):
         return seq / 2 if causal else float(seq)
-    w = window
-    if not causal:
-        return float(min(seq, 2 * w - 1))
-    return (w * (w + 1) / 2 + (seq - w) * w) / seq
+    return pairs_total(seq, Mask(causal, window, docs)) / seq
 
 
-def forward_per_token(shape: ModelShape, seq: int, causal: bool = True, docs: Optional[Tuple[int, ...]] = None,
+def forward_per_token(shape, seq: int, causal: bool = True, docs: Optional[Tuple[int, ...]] = None,
                       keys: Optional[Dict[Optional[int], float]] = None) -> Dict[str, float]:
     """{"projections", "attention", "linear_scan", "mlp", "head"}: forward FLOPs per token, summed
     over the layers ("attention" = the score and value matmuls only). Each softmax layer sees its own
@@ -57,7 +55,7 @@ def forward_per_token(shape: ModelShape, seq: int, causal: bool = True, docs: Op
     return out
 
 
-def step_per_token(shape: ModelShape, seq: int, features: bool, causal: bool = True,
+def step_per_token(shape, seq: int, features: bool, causal: bool = True,
                    docs: Optional[Tuple[int, ...]] = None,
                    keys: Optional[Dict[Optional[int], float]] = None) -> Dict[str, float]:
     """Training-step FLOPs per token by part: plain = 3 x forward; with the features the head 4x,
@@ -68,7 +66,7 @@ def step_per_token(shape: ModelShape, seq: int, features: bool, causal: bool = T
             "linear_scan": mixer * f["linear_scan"], "mlp": mlp * f["mlp"]}
 
 
-def model_flops_per_token(shape: ModelShape, seq: int, causal: bool = True,
+def model_flops_per_token(shape, seq: int, causal: bool = True,
                           docs: Optional[Tuple[int, ...]] = None) -> float:
     """The "model FLOPs" of MFU: 3 x forward, no recompute, the mask's average work."""
     return 3 * sum(forward_per_token(shape, seq, causal, docs).values())

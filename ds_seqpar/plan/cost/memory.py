@@ -25,34 +25,16 @@ Linear-attention / SSD layers are approximated by their projections' output widt
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional
 
-from ..strategies.closed_form import Shapes, transient_bytes
-from .model_shape import SOFTMAX_KINDS, ModelShape
+from ...strategies.closed_form import Shapes, transient_bytes
+from .candidate import SOFTMAX_KINDS, Features
 
 PHASES = ("forward", "loss_backward", "layers_backward", "optimizer")
 REDUCE_BUCKET_ELEMS = 50_000_000          # the project's configs' zero_optimization.reduce_bucket_size
 
 
-@dataclass(frozen=True)
-class Features:
-    """The long-context memory features of a candidate."""
-
-    on: bool = False                       # tiled loss + tiled MLP + checkpointing of every layer
-    cpu_checkpointing: bool = True         # checkpoints in host memory (only matters with on)
-    offload_optimizer: bool = False        # ZeRO optimizer state in host memory
-    tiled_loss_tokens: int = 1024
-    tiled_mlp_tokens: int = 4096
-
-    @property
-    def label(self) -> str:
-        if not self.on:
-            return "off"
-        return "on" + ("+cpu-ckpt" if self.cpu_checkpointing else "") + ("+offload" if self.offload_optimizer else "")
-
-
-def static_bytes(shape: ModelShape, ranks: int, zero: int, dtype: str, offload_optimizer: bool = False) -> Dict[str, float]:
+def static_bytes(shape, ranks: int, zero: int, dtype: str, offload_optimizer: bool = False) -> Dict[str, float]:
     """{"weights", "gradients", "optimizer", "buffers"} per GPU (optimizer 0 on the device when offloaded)."""
     psi = shape.params()
     w, g, o = (4, 4, 8) if dtype == "fp32" else (2, 2, 12)
@@ -68,13 +50,13 @@ def _norm(h: int, e: int) -> int:
     return 8 * h + e * h
 
 
-def _mlp_saved(shape: ModelShape, e: int) -> float:
+def _mlp_saved(shape, e: int) -> float:
     if not shape.experts:
         return 4 * e * shape.intermediate
     return 4 * e * (shape.expert_intermediate * shape.active_experts + shape.shared_intermediate) + 4 * shape.experts
 
 
-def _mixer_widths(shape: ModelShape, kind: str) -> Dict[str, int]:
+def _mixer_widths(shape, kind: str) -> Dict[str, int]:
     if kind in SOFTMAX_KINDS or kind == "lasp":          # lasp (own LM): the same projections, no lse
         return {"q": shape.q_dim, "kv": shape.kv_dim, "o": shape.heads * shape.dv,
                 "lse": shape.heads if kind in SOFTMAX_KINDS else 0}
@@ -82,7 +64,7 @@ def _mixer_widths(shape: ModelShape, kind: str) -> Dict[str, int]:
     return {"q": width // 2, "kv": width // 4, "o": width // 4, "lse": 0}
 
 
-def per_token(shape: ModelShape, e: int, features: Features, checkpoints_on_device: bool) -> Dict[str, float]:
+def per_token(shape, e: int, features: Features, checkpoints_on_device: bool) -> Dict[str, float]:
     """Bytes per local token by phase, without the communication buffers."""
     h, v = shape.hidden, shape.vocab
     fp32_copy = 0 if e == 4 else 1
@@ -107,7 +89,7 @@ def per_token(shape: ModelShape, e: int, features: Features, checkpoints_on_devi
             "layers_backward": floor + work, "optimizer": 0.0}
 
 
-def comm_per_token(strategy: str, size: int, ulysses: int, shape: ModelShape, e: int) -> Dict[str, float]:
+def comm_per_token(strategy: str, size: int, ulysses: int, shape, e: int) -> Dict[str, float]:
     """closed_form.transient_bytes per local token (it is linear in the local length)."""
     if size == 1 or not shape.count("attention") + shape.count("sliding"):
         return {"forward": 0.0, "backward": 0.0}
@@ -117,7 +99,7 @@ def comm_per_token(strategy: str, size: int, ulysses: int, shape: ModelShape, e:
     return {k: val / n for k, val in t.items()}
 
 
-def fixed_per_phase(shape: ModelShape, e: int, features: Features) -> Dict[str, float]:
+def fixed_per_phase(shape, e: int, features: Features) -> Dict[str, float]:
     """Fixed-size working buffers: the tiled loss's chunk of logits (logits, log-probabilities and
     gradient in fp32) and the tiled MLP's chunk."""
     if not features.on:
@@ -127,7 +109,7 @@ def fixed_per_phase(shape: ModelShape, e: int, features: Features) -> Dict[str, 
     return {"forward": loss, "loss_backward": loss, "layers_backward": mlp, "optimizer": 0.0}
 
 
-def phase_lines(shape: ModelShape, strategy: str, size: int, ulysses: int, ranks: int, zero: int, dtype: str,
+def phase_lines(shape, strategy: str, size: int, ulysses: int, ranks: int, zero: int, dtype: str,
                 features: Features, checkpoints_on_device: bool) -> Dict[str, Dict[str, float]]:
     """{phase: {"a": bytes, "b": bytes per token}}: the measured benchmark's phase-model form."""
     e = 4 if dtype == "fp32" else 2
@@ -139,22 +121,43 @@ def phase_lines(shape: ModelShape, strategy: str, size: int, ulysses: int, ranks
     return {p: {"a": static + fixed[p], "b": tok[p] + extra[p]} for p in PHASES}
 
 
+def fit_line(xs, ys) -> Dict[str, float]:
+    """Least-squares y = a + b x (b = 0 with one point), and the largest residual: a measured phase's
+    line, in the form ``phase_lines`` predicts."""
+    n = len(xs)
+    if n == 1:
+        return {"a": ys[0], "b": 0.0, "max_residual": 0.0}
+    mx, my = sum(xs) / n, sum(ys) / n
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    a = my - b * mx
+    return {"a": a, "b": b, "max_residual": max(abs(a + b * x - y) for x, y in zip(xs, ys))}
+
+
+def phase_model(points) -> Dict[str, Dict[str, float]]:
+    """phase -> the fitted line of its measured peak (bytes) against tokens per rank."""
+    phases = points[0]["phase_peak_bytes"]
+    return {p: fit_line([pt["tokens_per_rank"] for pt in points], [pt["phase_peak_bytes"][p] for pt in points])
+            for p in phases}
+
+
 def peak(lines: Dict[str, Dict[str, float]], n: float) -> float:
+    """A step's peak at ``n`` tokens per rank: the largest of its phases' a + b n."""
     return max(line["a"] + line["b"] * n for line in lines.values())
 
 
-def max_tokens(lines: Dict[str, Dict[str, float]], budget: float) -> int:
-    """The most tokens per rank whose peak stays within ``budget`` (0: not even the static part)."""
+def max_tokens(lines: Dict[str, Dict[str, float]], budget: float, unbounded: Optional[int] = None) -> Optional[int]:
+    """The most tokens per rank whose peak stays within ``budget`` (0: not even the fixed part);
+    ``unbounded`` when no phase grows with the tokens."""
     limit = float("inf")
     for line in lines.values():
         if line["a"] > budget:
             return 0
         if line["b"] > 0:
             limit = min(limit, (budget - line["a"]) / line["b"])
-    return int(limit) if limit != float("inf") else 1 << 62
+    return int(limit) if limit != float("inf") else unbounded
 
 
-def host_bytes_per_node(shape: ModelShape, tokens_per_rank: int, gpus_per_node: int, ranks: int, dtype: str,
+def host_bytes_per_node(shape, tokens_per_rank: int, gpus_per_node: int, ranks: int, dtype: str,
                         features: Features) -> float:
     """Host memory a node needs beyond the runtime: offloaded checkpoints and optimizer state."""
     e = 4 if dtype == "fp32" else 2
@@ -163,5 +166,5 @@ def host_bytes_per_node(shape: ModelShape, tokens_per_rank: int, gpus_per_node: 
     return gpus_per_node * (ckpt + optim)
 
 
-__all__ = ["Features", "PHASES", "comm_per_token", "fixed_per_phase", "host_bytes_per_node", "max_tokens", "peak",
-           "per_token", "phase_lines", "static_bytes"]
+__all__ = ["PHASES", "comm_per_token", "fit_line", "fixed_per_phase", "host_bytes_per_node", "max_tokens", "peak",
+           "per_token", "phase_lines", "phase_model", "static_bytes"]

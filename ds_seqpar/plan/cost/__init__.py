@@ -1,0 +1,29 @@
+"""The cost model: the one place that turns (model shape, mask, layout, candidate) into pairs per
+rank, bytes, FLOPs, memory and time. ``ds-seqpar plan`` ranks candidates with it, ``--calibrate``
+checks it against the measured reports, bench writes its bounds and expected columns from it.
+
+    candidate.py  what is priced: Candidate (layout, sizes, ZeRO stage), Features, the layer kinds
+    pairs.py      the (q, k) pairs each rank computes under a mask; speedup bounds; the kernel's
+                  computed pairs (whole key tiles)
+    bytes.py      bytes per rank and per layer kind (the closed forms, the mask's exact key spans)
+    flops.py      FLOPs per token per layer kind
+    memory.py     static memory by ZeRO stage, bytes per token per phase, the phase model's peak
+    times.py      alpha-beta collectives, compute from FLOPs, kernel calls priced per call and pair
+
+It imports the core only (tests/unit/test_layers.py gives it the core's layer), so the runtime may
+price with it; the mask is ds_seqpar/masks.py's Mask; a model shape is read by attribute (plan.model_shape.ModelShape), a GPU likewise
+(plan.hardware.Gpu). tests/reference.py counts pairs and spans by enumeration, the oracle the tests
+hold this and strategies/closed_form.py to.
+"""
+from .bytes import SPAN_BUDGET, busiest_bytes, comm_per_layer, exact_spans, layer_mask, rank_bytes
+from .candidate import LINEAR_KINDS, SOFTMAX_KINDS, Candidate, Features
+from .flops import keys_per_query, model_flops_per_token, step_per_token
+from .memory import PHASES, fit_line, max_tokens, peak, phase_lines, phase_model
+from .pairs import (busiest_keys_per_token, computed_pairs, expected_imbalance, imbalance, padded_length,
+                    pairs_per_rank, pairs_total, position_pairs, speedup_bound)
+
+__all__ = ["Candidate", "Features", "LINEAR_KINDS", "PHASES", "SOFTMAX_KINDS", "SPAN_BUDGET",
+           "busiest_bytes", "busiest_keys_per_token", "comm_per_layer", "computed_pairs",
+           "exact_spans", "expected_imbalance", "fit_line", "imbalance", "keys_per_query", "layer_mask",
+           "max_tokens", "model_flops_per_token", "padded_length", "pairs_per_rank", "pairs_total", "peak",
+           "phase_lines", "phase_model", "position_pairs", "rank_bytes", "speedup_bound", "step_per_token"]

@@ -1,0 +1,138 @@
+"""Bytes: what each rank sends per layer, forward + backward, for a layout and a mask.
+
+strategies/closed_form.py is the oracle the distributed tests hold the strategies to; with a window
+or documents it finds, key by key, the span of each block another ring position can see
+(``ring_key_ranges``, O(R N)) and turns the spans into bytes (``masked_ring_by_kind``).
+``closed_form_by_kind`` redoes the spans for every rank, which at a million tokens and 32 positions
+costs a second per call; here the spans are found once per (layout, length, mask) and every rank's
+bytes read off them. The spans cost ~0.2-2 s at 1M tokens x 32 positions on a quiet core, ten times
+that on a loaded one: past ``span_budget`` positions x tokens the masked layers' ring bytes are the
+no-mask closed form (an upper bound), and ``exact_spans`` says so.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Dict, List, Optional, Tuple
+
+from ...masks import Mask
+from ...sharding.layouts import make_layout
+from ...strategies import get_strategy
+from ...strategies.closed_form import (Shapes, closed_form_by_kind, conv_halo_bytes, linear_state_bytes,
+                                       linear_ulysses_bytes, masked_ring_by_kind, ring_key_ranges)
+from .candidate import SOFTMAX_KINDS
+from .pairs import ring_of
+
+SPAN_BUDGET = 1 << 23                    # ring positions x tokens whose exact spans are found by default
+
+
+def _masked_ring(strategy: str, size: int, ulysses: int, shapes: Shapes, mask: Mask):
+    """(ring positions, real tokens, the mask cut to them) of a ring layer whose mask changes its bytes,
+    else None (``shapes.seq`` is the padded length the layout shards)."""
+    real = mask.real(shapes.seq)
+    mask, r = mask.for_length(real), ring_of(strategy, size, ulysses)
+    if strategy == "ulysses" or r <= 1 or (mask.is_plain(real) and real == shapes.seq):
+        return None
+    return r, real, mask
+
+
+def exact_spans(strategy: str, size: int, ulysses: int, shapes: Shapes, mask: Mask,
+                span_budget: float = SPAN_BUDGET) -> bool:
+    """False when ``rank_bytes`` gives the no-mask upper bound because the spans are past the budget."""
+    masked = _masked_ring(strategy, size, ulysses, shapes, mask)
+    return masked is None or masked[0] * shapes.seq <= span_budget
+
+
+@functools.lru_cache(maxsize=64)
+def _ranges(layout_name: str, r: int, bounds: Tuple[int, ...], padded: int, causal: bool, window: Optional[int]):
+    return ring_key_ranges(list(bounds), make_layout(layout_name, r), padded, causal, window)
+
+
+def _spans(strategy: str, size: int, ulysses: int, shapes: Shapes, mask: Mask, span_budget: float):
+    """The ring positions' key spans of a masked layer, or None (no mask, no ring, or past the budget)."""
+    masked = _masked_ring(strategy, size, ulysses, shapes, mask)
+    if masked is None or masked[0] * shapes.seq > span_budget:
+        return None
+    r, real, mask = masked
+    return _ranges(get_strategy(strategy).layout_name, r, tuple(mask.bounds(real)), shapes.seq, mask.causal,
+                   mask.window)
+
+
+def rank_bytes(strategy: str, size: int, ulysses: int, shapes: Shapes, mask: Mask,
+               span_budget: float = SPAN_BUDGET) -> List[Dict[str, int]]:
+    """{CommStats kind: bytes} each rank sends for one fwd + bwd of one layer with this mask
+    (``shapes.seq`` = the padded length the layout shards): closed_form_by_kind's numbers."""
+    ranges = _spans(strategy, size, ulysses, shapes, mask, span_budget)
+    if ranges is None:
+        return [dict(closed_form_by_kind(strategy, size, shapes, 0, ulysses, causal=mask.causal))] * size
+    out = []
+    for rank in range(size):
+        by_kind = masked_ring_by_kind(ranges, size, shapes, rank, ulysses)
+        out.append({k: v for k, v in by_kind.items() if v})
+    return out
+
+
+def busiest_bytes(strategy: str, size: int, ulysses: int, shapes: Shapes, mask: Mask,
+                  span_budget: float = SPAN_BUDGET) -> Tuple[Dict[str, int], int]:
+    """(the bytes of the rank that sends most, the ring peers it exchanges blocks with)."""
+    per_rank = rank_bytes(strategy, size, ulysses, shapes, mask, span_budget)
+    rank = max(range(size), key=lambda i: sum(per_rank[i].values()))
+    ranges = _spans(strategy, size, ulysses, shapes, mask, span_budget)
+    r = ring_of(strategy, size, ulysses)
+    if ranges is None:
+        return per_rank[rank], r - 1
+    me = rank // ulysses
+    return per_rank[rank], sum(1 for o in range(r) if o != me and (ranges[me][o] is not None or ranges[o][me] is not None))
+
+
+def _runs(strategy: str, size: int) -> list:
+    """state_passing-style runs per rank: zigzag holds two, every other layout one (Ulysses: the
+    linear layers see the contiguous layout)."""
+    if strategy == "zigzag":
+        return [[(r, r + 1), (2 * size - 1 - r, 2 * size - r)] for r in range(size)]
+    return [[(r, r + 1)] for r in range(size)]
+
+
+def layer_mask(shape, kind: str, causal: bool, docs) -> Mask:
+    """The mask of a softmax layer kind of ``shape``: sliding layers have the model's window."""
+    return Mask(causal, shape.window if kind == "sliding" else None, docs)
+
+
+def comm_per_layer(c, shape, n: int, e: int, causal: bool = True, docs: Optional[Tuple[int, ...]] = None,
+                   peers: Optional[Dict[str, int]] = None, span_budget: float = SPAN_BUDGET
+                   ) -> Dict[str, Dict[str, float]]:
+    """{layer kind: {CommStats kind: bytes}} the busiest rank sends per layer, forward + backward, for
+    candidate ``c`` on ``shape`` (plan.model_shape.ModelShape, read by attribute) at ``n`` tokens per
+    rank of ``e`` bytes: softmax layers from the closed forms with each kind's mask (busiest_bytes: the
+    window's and the documents' exact spans); ``peers`` (filled if given) the ring peers a softmax kind
+    talks to."""
+    out: Dict[str, Dict[str, float]] = {}
+    if c.size == 1:
+        return out
+    sh = Shapes(1, c.size * n, shape.heads, shape.kv_heads, shape.head_dim, e, shape.v_head_dim)
+    for kind in SOFTMAX_KINDS:
+        if shape.count(kind):
+            by_kind, talks_to = busiest_bytes(c.strategy, c.size, c.ulysses_size, sh,
+                                              layer_mask(shape, kind, causal, docs), span_budget)
+            out[kind] = dict(by_kind)
+            if peers is not None:
+                peers[kind] = talks_to
+    for kind in ("linear", "mamba"):
+        if not shape.count(kind):
+            continue
+        if c.linear_strategy == "ulysses":
+            width = shape.lin_heads * (2 * shape.lin_dk + 2 * shape.lin_dv)
+            out[kind] = dict(linear_ulysses_bytes(c.size, [n * width], e))
+        else:
+            runs = _runs(c.strategy, c.size)
+            b = dict(linear_state_bytes(runs, 0, 1, shape.lin_heads, shape.lin_dk, shape.lin_dv, "allgather",
+                                        shape.transition if kind == "linear" else "scalar"))
+            b.update(conv_halo_bytes(runs, 1, shape.conv_channels, max(shape.conv_width - 1, 0), e))
+            out[kind] = b
+    if shape.count("lasp"):
+        state = Shapes(1, c.size * n, shape.heads, shape.kv_heads, shape.head_dim, e)
+        out["lasp"] = dict(closed_form_by_kind("lasp", c.size, state, 0, lasp_comm=c.lasp_comm))
+    return out
+
+
+__all__ = ["SPAN_BUDGET", "busiest_bytes", "comm_per_layer", "exact_spans", "layer_mask",
+           "rank_bytes"]

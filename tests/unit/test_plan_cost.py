@@ -1,0 +1,100 @@
+"""The cost model (plan/cost) against the one brute-force oracle (tests/reference.py: pairs counted
+pair by pair on the dense mask, key spans found by enumerating every pair of blocks), and the closed
+forms (strategies/closed_form.py) against the same oracle. Pure Python, no ranks."""
+from __future__ import annotations
+
+import pytest
+
+from ds_seqpar.masks import Mask
+from ds_seqpar.plan.cost import bytes as cost_bytes, flops, memory, pairs
+from ds_seqpar.sharding.layouts import make_layout
+from ds_seqpar.strategies import get_strategy
+from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind
+from ..reference import key_spans, pairs_per_query_set, ring_bytes_from_spans
+
+SEQ = 96
+MASKS = [(True, None, None), (False, None, None), (True, 7, None), (False, 7, None), (True, None, (30, 50, 16)),
+         (False, 5, (30, 50, 16)), (True, 200, None)]
+PADDED = [(True, None, 80), (False, 9, 77)]               # (causal, window, real length): end padding
+
+
+@pytest.mark.parametrize("strategy,size", [("ring", 4), ("zigzag", 4), ("striped", 4), ("ulysses", 4)])
+@pytest.mark.parametrize("causal,window,real", PADDED)
+def test_end_padding_computes_nothing(strategy, size, causal, window, real):
+    """A mask's real length (one document, padding after it): the padding's queries and keys see nothing."""
+    mask, bounds = Mask(causal, window, None, real), [0, real]
+    assert pairs.pairs_total(SEQ, mask) == pairs_per_query_set(SEQ, causal, window, bounds, [range(SEQ)])[0]
+    got = pairs.pairs_per_rank(strategy, size, size if strategy == "ulysses" else 1, SEQ, mask)
+    if strategy == "ulysses":
+        want = [pairs_per_query_set(SEQ, causal, window, bounds, [range(SEQ)])[0] / size] * size
+    else:
+        want = pairs_per_query_set(SEQ, causal, window, bounds, _positions(strategy, size, SEQ))
+    assert got == want
+
+
+def _bounds(docs, seq):
+    return Mask(docs=docs).bounds(seq) if docs else None
+
+
+def _positions(strategy, r, seq):
+    layout = make_layout(get_strategy(strategy).layout_name, r)
+    return [layout.indices(seq, pos) for pos in range(r)]
+
+
+@pytest.mark.parametrize("causal,window,docs", MASKS)
+def test_pairs_total_and_keys_per_query_are_the_oracles(causal, window, docs):
+    want = pairs_per_query_set(SEQ, causal, window, _bounds(docs, SEQ), [range(SEQ)])[0]
+    assert pairs.pairs_total(SEQ, Mask(causal, window, docs)) == want
+    if window is not None and window < SEQ or docs:      # (no mask: the benchmark's S / 2 convention)
+        assert flops.keys_per_query(SEQ, causal, window, docs) == want / SEQ
+
+
+@pytest.mark.parametrize("strategy,size,u", [("ring", 4, 1), ("zigzag", 4, 1), ("striped", 4, 1), ("zigzag", 4, 2),
+                                             ("striped", 6, 3), ("ulysses", 4, 4)])
+@pytest.mark.parametrize("causal,window,docs", MASKS)
+def test_pairs_per_rank_are_the_oracles(strategy, size, u, causal, window, docs):
+    got = pairs.pairs_per_rank(strategy, size, u, SEQ, Mask(causal, window, docs))
+    bounds = _bounds(docs, SEQ)
+    if strategy == "ulysses":
+        want = [pairs_per_query_set(SEQ, causal, window, bounds, [range(SEQ)])[0] / size] * size
+    else:
+        per_pos = pairs_per_query_set(SEQ, causal, window, bounds, _positions(strategy, size // u, SEQ))
+        want = [per_pos[rank // u] / u for rank in range(size)]
+    assert got == want
+
+
+@pytest.mark.parametrize("strategy,u", [("ring", 1), ("zigzag", 1), ("striped", 1), ("zigzag", 2)])
+@pytest.mark.parametrize("causal,window,docs", MASKS[2:-1])        # masked: the plain ring passes every block on
+def test_masked_ring_bytes_are_the_oracles_spans(strategy, u, causal, window, docs):
+    """Bytes per rank from the oracle's spans: the cost model's and the closed form's, rank by rank."""
+    size, sh = 4, Shapes(1, SEQ, 4, 2, 8, 2)
+    r = size // u
+    spans = key_spans(SEQ, causal, window, _bounds(docs, SEQ), _positions(strategy, r, SEQ))
+    token_elems = sh.kv_heads * (sh.head_dim + sh.dv) // u
+    got = cost_bytes.rank_bytes(strategy, size, u, sh, Mask(causal, window, docs))
+    for rank in range(size):
+        want = {k: v for k, v in ring_bytes_from_spans(spans, rank // u, token_elems, sh.elem).items() if v}
+        form = closed_form_by_kind(strategy, size, sh, rank, u, causal=causal, window=window,
+                                   cu_seqlens=_bounds(docs, SEQ))
+        ring = lambda d: {k: v for k, v in d.items() if k != "all_to_all"}    # noqa: E731
+        assert ring(got[rank]) == want == ring(form), f"rank {rank}"
+
+
+@pytest.mark.parametrize("strategy", ["ring", "zigzag", "striped", "ulysses"])
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("causal", [True, False])
+def test_speedup_bound_is_the_counted_imbalance_at_long_sequence(strategy, p, causal):
+    work = pairs.pairs_per_rank(strategy, p, p if strategy == "ulysses" else 1, 1 << 16, Mask(causal))
+    assert pairs.imbalance(work) == pytest.approx(pairs.expected_imbalance(strategy, p, causal), rel=1e-3)
+    assert pairs.speedup_bound(strategy, p, causal) == pytest.approx(p / pairs.imbalance(work), rel=1e-3)
+
+
+def test_phase_model_inverts_and_bounds():
+    lines = {"forward": {"a": 100.0, "b": 2.0}, "backward": {"a": 50.0, "b": 3.0}, "optimizer": {"a": 120.0, "b": 0.0}}
+    assert memory.peak(lines, 10) == 120.0 and memory.peak(lines, 100) == 350.0
+    n = memory.max_tokens(lines, 1000.0)
+    assert memory.peak(lines, n) <= 1000.0 < memory.peak(lines, n + 1)
+    assert memory.max_tokens(lines, 110.0) == 0                       # the optimizer's fixed part is past it
+    assert memory.max_tokens({"optimizer": {"a": 1.0, "b": 0.0}}, 10.0, unbounded=-1) == -1
+    fit = memory.fit_line([1, 2, 4], [12.0, 14.0, 18.0])
+    assert fit["a"] == pytest.approx(10.0) and fit["b"] == pytest.approx(2.0) and fit["max_residual"] < 1e-9
