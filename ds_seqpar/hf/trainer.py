@@ -4,6 +4,7 @@ data parallelism.
 
     trainer = SequenceParallelTrainer(model=model, args=TrainingArguments(..., deepspeed="ds.json"), ...)
     trainer = sequence_parallel(SFTTrainer)(model=..., args=SFTConfig(..., deepspeed="ds.json"), ...)
+    accelerate launch --config_file acc.yaml train.py   # deepspeed_config_file: ds.json in the YAML (ds_config.py)
 
 With ``size: 1`` or no key the mixin steps aside: the same script is the plain data-parallel run.
 
@@ -42,6 +43,7 @@ from ..config import ConfigError, SequenceParallelConfig
 from ..sequence_parallel import SequenceParallel
 from . import trl_support
 from .apply import apply_sequence_parallel
+from .ds_config import trainer_deepspeed_config
 
 
 class SequenceParallelMixin:
@@ -242,10 +244,7 @@ def _base_model(model):
 def _sequence_parallel(targs) -> Optional[SequenceParallel]:
     """The SequenceParallel the DeepSpeed JSON asks for (None: size 1 or no key), with the batch keys
     made replica-aware first."""
-    if targs is None or not getattr(targs, "deepspeed", None):
-        raise ConfigError("ds_seqpar.hf: SequenceParallelTrainer reads the strategy from the DeepSpeed config: pass "
-                          "TrainingArguments(..., deepspeed='ds.json') (or --deepspeed ds.json)")
-    ds = targs.hf_deepspeed_config.config
+    ds = trainer_deepspeed_config(targs)        # deepspeed='ds.json', or accelerate's DeepSpeed plugin
     cfg = SequenceParallelConfig.from_ds_config(ds)          # no key: size 1
     if cfg.size == 1:
         return None
@@ -334,7 +333,7 @@ def one_wandb_run(targs) -> None:
     it (scaled by the world size for the Trainer's token-count normalisation); it is switched off and
     the Trainer reports to wandb instead, under the block's project, team and group (WANDB_PROJECT,
     WANDB_ENTITY, WANDB_RUN_GROUP, unless already set)."""
-    ds = targs.hf_deepspeed_config.config
+    ds = trainer_deepspeed_config(targs)
     block = ds.get("wandb") or {}
     if not block.get("enabled"):
         return
