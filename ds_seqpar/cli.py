@@ -14,6 +14,7 @@ COMMANDS = {
     "train": ("ds_seqpar.train.main", "train a small causal LM with sequence x ZeRO data parallelism"),
     "bench": ("ds_seqpar.bench.main", "benchmark every strategy against one process, side by side in one run"),
     "report": ("ds_seqpar.report.main", "compare training runs (runs/*/metrics.jsonl): tables and plots"),
+    "dashboard": ("ds_seqpar.dashboard", "create a saved wandb workspace view comparing strategies (--dry-run: JSON)"),
     "plan": ("ds_seqpar.plan.main", "predict the ranked configurations (strategy, sizes, ZeRO, memory features) "
                                     "for a model, a sequence length and a cluster"),
 }

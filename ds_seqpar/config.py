@@ -234,5 +234,5 @@ def _describe(err: ValidationError) -> str:
     return "; ".join(lines)
 
 
-__all__ = ["SequenceParallelConfig", "ConfigError", "KEY", "STRATEGY_NAMES", "RING_STRATEGIES", "BACKENDS", "LASP_COMMS",
-           "LINEAR_STRATEGIES", "COMM_DTYPES", "check_sizes", "did_you_mean", "read_json"]
+__all__ = ["SequenceParallelConfig", "ConfigError", "KEY", "STRATEGY_NAMES", "RING_STRATEGIES", "BACKENDS",
+           "LASP_COMMS", "LINEAR_STRATEGIES", "COMM_DTYPES", "check_sizes", "did_you_mean", "read_json"]

@@ -18,7 +18,8 @@ def test_accelerate_launch_reads_sequence_parallel_from_its_deepspeed_config_fil
     with open(os.path.join(ROOT, "configs", "trainer", "accelerate_zigzag.yaml")) as f:
         acc = yaml.safe_load(f)
     acc.update(num_processes=2, use_cpu=True)
-    acc["deepspeed_config"]["deepspeed_config_file"] = os.path.join(ROOT, acc["deepspeed_config"]["deepspeed_config_file"])
+    ds = acc["deepspeed_config"]
+    ds["deepspeed_config_file"] = os.path.join(ROOT, ds["deepspeed_config_file"])
     (tmp_path / "acc.yaml").write_text(yaml.safe_dump(acc))
     out = tmp_path / "out"
     code, log = run(["accelerate", "launch", "--config_file", str(tmp_path / "acc.yaml"), "examples/hf_trainer.py",
