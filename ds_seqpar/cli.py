@@ -15,6 +15,7 @@ COMMANDS = {
     "bench": ("ds_seqpar.bench.main", "benchmark a suite (attention, packed, window, hybrid, trainer, memory), side "
                                       "by side in one run: ds-seqpar bench [SUITE] [options]"),
     "report": ("ds_seqpar.report.main", "compare training runs (runs/*/metrics.jsonl): tables and plots"),
+    "dashboard": ("ds_seqpar.dashboard", "create a saved wandb workspace view comparing strategies (--dry-run: JSON)"),
     "plan": ("ds_seqpar.plan.main", "predict the ranked configurations (strategy, sizes, ZeRO, memory features) "
                                     "for a model, a sequence length and a cluster"),
 }

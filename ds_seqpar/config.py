@@ -1,23 +1,30 @@
 """The ``"sequence_parallel"`` key of a DeepSpeed JSON config: one typed, self-validating section.
 
-Every error names the key, the bad value and what would be valid, so that a user who mistypes a
-strategy or a size learns the fix from the message alone. Nothing here talks to processes; the
-checks that need the world size (``size`` dividing it) take it as an argument.
+Every error names the key, the bad value and what would be valid (with the nearest valid name
+for a misspelt one), so that a user who mistypes a strategy or a size learns the fix from the
+message alone. Nothing here talks to processes; the checks that need the world size (``size``
+dividing it) take it as an argument. Nothing here imports torch either: the main job validates a
+config with this module before a rank loads torch and DeepSpeed (train/preflight.py), so the names
+of the strategies and kernels are spelled here and the registries are tested against them.
 """
 from __future__ import annotations
 
+import difflib
 import json
 import os
+import re
 from typing import Any, Mapping, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import ConfigError
-from .kernels import BACKENDS
-from .strategies import RING_STRATEGIES, STRATEGIES
 
 KEY = "sequence_parallel"
-STRATEGY_NAMES = tuple(STRATEGIES)          # the registry is the one list of strategies
+# the registries (strategies.STRATEGIES, kernels.get_kernel) import torch; tests/unit/test_config.py
+# checks that these names are theirs
+STRATEGY_NAMES = ("ulysses", "ring", "zigzag", "striped", "lasp")
+RING_STRATEGIES = ("ring", "zigzag", "striped")     # run the ring loop, so also across Ulysses groups
+BACKENDS = ("auto", "flash_attn", "torch", "math")
 LASP_COMMS = ("allgather", "ring")
 LINEAR_STRATEGIES = ("lasp", "ulysses")
 COMM_DTYPES = ("auto", "fp32", "bf16", "fp16")
@@ -166,7 +173,14 @@ def _with_deepspeed_comm_dtype(section: Mapping[str, Any], ds: Mapping[str, Any]
 
 def _check_choice(field: str, value: str, valid: tuple) -> None:
     if value not in valid:
-        raise ConfigError(f"{KEY}.{field}={value!r} is not valid; choose one of: {', '.join(valid)}")
+        raise ConfigError(f"{KEY}.{field}={value!r} is not valid{did_you_mean(value, valid)}; "
+                          f"choose one of: {', '.join(valid)}")
+
+
+def did_you_mean(value: Any, valid) -> str:
+    """' (did you mean 'striped'?)' for a near miss of one of ``valid``, else ''."""
+    close = difflib.get_close_matches(str(value).lower(), list(valid), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _divisors(n: int) -> list:
@@ -179,8 +193,29 @@ def load_ds_config(ds_config) -> Mapping[str, Any]:
     path = os.fspath(ds_config)
     if not os.path.exists(path):
         raise ConfigError(f"DeepSpeed config file {path!r} does not exist")
+    return read_json(path)
+
+
+def read_json(path: str) -> Any:
+    """The file's JSON; a syntax error names the file, line and column. Comments are refused, not
+    skipped: DeepSpeed and transformers read the same file with a strict parser, so a config that
+    only this package could read would fail later, in their code."""
     with open(path) as f:
-        return json.load(f)
+        text = f.read()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        lines = text.splitlines()
+        line = lines[err.lineno - 1] if err.lineno <= len(lines) else ""
+        hint = "; JSON has no comments: remove the // or /* */ comment" if _has_comment(line) else ""
+        raise ConfigError(f"{path}:{err.lineno}:{err.colno}: not valid JSON: {err.msg}{hint}\n"
+                          f"    {line.strip()}") from None
+
+
+def _has_comment(line: str) -> bool:
+    """A // or /* outside the line's strings."""
+    outside = "".join(re.split(r'"(?:[^"\\]|\\.)*"', line))
+    return "//" in outside or "/*" in outside
 
 
 def _describe(err: ValidationError) -> str:
@@ -199,6 +234,5 @@ def _describe(err: ValidationError) -> str:
     return "; ".join(lines)
 
 
-__all__ = ["SequenceParallelConfig", "ConfigError", "KEY", "STRATEGY_NAMES", "BACKENDS", "LASP_COMMS", "LINEAR_STRATEGIES",
-           "COMM_DTYPES",
-           "check_sizes"]
+__all__ = ["SequenceParallelConfig", "ConfigError", "KEY", "STRATEGY_NAMES", "RING_STRATEGIES", "BACKENDS",
+           "LASP_COMMS", "LINEAR_STRATEGIES", "COMM_DTYPES", "check_sizes", "did_you_mean", "read_json"]

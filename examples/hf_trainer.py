@@ -133,7 +133,8 @@ def final_parameters(trainer):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--deepspeed", required=True)
+    parser.add_argument("--deepspeed", default=None, help="the DeepSpeed JSON (default: the deepspeed_config_file "
+                        "of `accelerate launch --config_file`)")
     parser.add_argument("--output_dir", default="runs/hf_trainer")
     parser.add_argument("--max_steps", type=int, default=4)
     parser.add_argument("--gradient_accumulation_steps", type=int, default=3)

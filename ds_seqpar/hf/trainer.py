@@ -4,6 +4,7 @@ data parallelism.
 
     trainer = SequenceParallelTrainer(model=model, args=TrainingArguments(..., deepspeed="ds.json"), ...)
     trainer = sequence_parallel(SFTTrainer)(model=..., args=SFTConfig(..., deepspeed="ds.json"), ...)
+    accelerate launch --config_file acc.yaml train.py   # deepspeed_config_file: ds.json in the YAML (ds_config.py)
 
 With ``size: 1`` or no key the mixin steps aside: the same script is the plain data-parallel run.
 
@@ -42,6 +43,9 @@ from ..config import ConfigError, SequenceParallelConfig
 from ..sequence_parallel import SequenceParallel
 from . import trl_support
 from .apply import apply_sequence_parallel
+from .ds_config import trainer_deepspeed_config
+from .metrics import StepMeter, meter_callback
+from .wandb_run import one_wandb_run, run_config_callback
 
 
 class SequenceParallelMixin:
@@ -51,7 +55,7 @@ class SequenceParallelMixin:
         kwargs.update(zip(_init_parameters(type(self)), args))
         targs = kwargs.get("args")
         self.sp: Optional[SequenceParallel] = _sequence_parallel(targs)
-        one_wandb_run(targs)
+        group_set = one_wandb_run(targs, self.sp, kwargs.get("model"))
         if self.sp is not None:
             _refuse_inexact(targs, kwargs)
             _refuse_unverified_loss(type(self))
@@ -65,7 +69,9 @@ class SequenceParallelMixin:
         apply_sequence_parallel(_base_model(self.model), self.sp)
         self._sp_engine_checked = False
         self._wrap_prepare()
-        self.add_callback(_run_config(self.sp))
+        self._sp_meter = StepMeter(self.sp)
+        for callback in (run_config_callback(self.sp, self.model, group_set), meter_callback(self._sp_meter)):
+            self.add_callback(callback)
 
     # -- DeepSpeed gets sp.mpu ------------------------------------------------------------------
     def _wrap_prepare(self) -> None:
@@ -100,6 +106,8 @@ class SequenceParallelMixin:
     def training_step(self, model, inputs, *args, **kwargs):
         if self.sp is not None and not self._sp_engine_checked:
             self._check_engine(model)
+        if self.sp is not None:
+            self._sp_meter.tokens += inputs["input_ids"].numel()       # this rank's shard
         return super().training_step(model, inputs, *args, **kwargs)
 
     def compute_loss(self, model, inputs, *args, **kwargs):
@@ -207,9 +215,12 @@ class SequenceParallelMixin:
 
     def log(self, logs, *args, **kwargs):
         if self.sp is not None and "loss" in logs:
+            # the main job's vocabulary (hf/metrics.py; WandbCallback logs train/<name>); the sp/* names of
+            # earlier releases for one more release (docs/dashboards.md)
             stats = self.sp.stats
-            logs = dict(logs, **{"sp/size": self.sp.size, "sp/comm_bytes": stats.total_bytes,
-                                 "sp/comm_seconds": stats.total_seconds})
+            logs = dict(logs, step=self.state.global_step, **self._sp_meter.record(),
+                        **{"sp/size": self.sp.size, "sp/comm_bytes": stats.total_bytes,
+                           "sp/comm_seconds": stats.total_seconds})
             stats.reset()
         return super().log(logs, *args, **kwargs)
 
@@ -242,10 +253,7 @@ def _base_model(model):
 def _sequence_parallel(targs) -> Optional[SequenceParallel]:
     """The SequenceParallel the DeepSpeed JSON asks for (None: size 1 or no key), with the batch keys
     made replica-aware first."""
-    if targs is None or not getattr(targs, "deepspeed", None):
-        raise ConfigError("ds_seqpar.hf: SequenceParallelTrainer reads the strategy from the DeepSpeed config: pass "
-                          "TrainingArguments(..., deepspeed='ds.json') (or --deepspeed ds.json)")
-    ds = targs.hf_deepspeed_config.config
+    ds = trainer_deepspeed_config(targs)        # deepspeed='ds.json', or accelerate's DeepSpeed plugin
     cfg = SequenceParallelConfig.from_ds_config(ds)          # no key: size 1
     if cfg.size == 1:
         return None
@@ -326,40 +334,6 @@ def _refuse_unverified_eval(cls, targs, kwargs) -> None:
         raise ConfigError(f"ds_seqpar.hf: evaluation with {owner.__name__} (its own prediction_step) is not "
                           f"verified exact under sequence parallelism; pass no eval_dataset and eval_strategy='no', "
                           f"and evaluate with SequenceParallelTrainer or with size 1")
-
-
-def one_wandb_run(targs) -> None:
-    """One wandb run per job: the Trainer's (its metrics, plus sp/* from ``log``). DeepSpeed's own "wandb"
-    block would start a second run from DeepSpeed's monitor, logging the loss as each rank's engine sees
-    it (scaled by the world size for the Trainer's token-count normalisation); it is switched off and
-    the Trainer reports to wandb instead, under the block's project, team and group (WANDB_PROJECT,
-    WANDB_ENTITY, WANDB_RUN_GROUP, unless already set)."""
-    ds = targs.hf_deepspeed_config.config
-    block = ds.get("wandb") or {}
-    if not block.get("enabled"):
-        return
-    import os
-    block["enabled"] = False
-    for key, env in (("project", "WANDB_PROJECT"), ("team", "WANDB_ENTITY"), ("group", "WANDB_RUN_GROUP")):
-        if block.get(key):
-            os.environ.setdefault(env, str(block[key]))
-    report = [r for r in (targs.report_to or []) if r != "none"]
-    targs.report_to = report + ([] if "wandb" in report or "all" in report else ["wandb"])
-
-
-def _run_config(sp):
-    """A callback that puts the sequence_parallel section (strategy, size, ...) in the wandb run's config
-    (the run the Trainer's WandbCallback starts, or one the user started)."""
-    from transformers import TrainerCallback
-    section = sp.config.model_dump()
-
-    class RunConfig(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            import sys
-            wandb = sys.modules.get("wandb")
-            if state.is_world_process_zero and getattr(wandb, "run", None) is not None:
-                wandb.config.update({"sequence_parallel": section}, allow_val_change=True)
-    return RunConfig()
 
 
 def _owner(cls, name):

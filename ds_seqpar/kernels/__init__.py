@@ -8,6 +8,7 @@ import logging
 
 import torch
 
+from ..config import BACKENDS
 from ..errors import ConfigError
 from . import flash_attn_kernel
 from .base import AttentionKernel, LocalAttention, local_attention
@@ -16,8 +17,6 @@ from .merge import acc_dtype, empty_accumulators, merge_
 from .torch_kernel import TorchKernel
 
 logger = logging.getLogger("ds_seqpar")
-
-BACKENDS = ("auto", "flash_attn", "torch", "math")
 
 
 def get_kernel(backend: str, device: torch.device) -> AttentionKernel:

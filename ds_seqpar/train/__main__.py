@@ -1,5 +1,11 @@
 import sys
 
-from .main import main
+from .args import build_parser
+from .preflight import check
 
-sys.exit(main())
+# the options and the config first: a bad one is said before torch and DeepSpeed load
+code = check(build_parser().parse_args(sys.argv[1:]))
+if code is None:
+    from .main import main
+    code = main()
+sys.exit(code)

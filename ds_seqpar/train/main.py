@@ -22,8 +22,6 @@ fails on every rank with the same message):
 """
 from __future__ import annotations
 
-import copy
-import json
 import os
 import sys
 import time
@@ -38,7 +36,9 @@ from ..memory import MemoryConfig, apply_memory_features
 from ..models import CausalLM, ModelConfig
 from ..sequence_parallel import SequenceParallel
 from . import data, hf_model
-from .args import DEFAULT_DS_CONFIG, TrainConfigError, build_parser, resolve_args
+from .args import TrainConfigError, build_parser, resolve_args
+from . import preflight
+from .preflight import build_ds_config, check_options, reports_errors
 from .trainer import Trainer
 
 
@@ -125,37 +125,6 @@ def _join_world(opts, timeout_s: float) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
 
 
-def build_ds_config(opts) -> dict:
-    """The DeepSpeed config (file, dict, or the built-in default) with command-line overrides."""
-    src = opts.deepspeed_config
-    if src is None:
-        ds = copy.deepcopy(DEFAULT_DS_CONFIG)
-    elif isinstance(src, Mapping):
-        ds = copy.deepcopy(dict(src))
-    else:
-        if not os.path.exists(src):
-            raise TrainConfigError(f"--deepspeed_config {src!r} does not exist")
-        with open(src) as f:
-            ds = json.load(f)
-    section = dict(ds.get("sequence_parallel", {}))
-    overrides = {"strategy": opts.strategy, "size": opts.sp_size, "ulysses_size": opts.ulysses_size}
-    for key, value in overrides.items():
-        if value is not None:
-            section[key] = value
-    ds["sequence_parallel"] = section
-    if opts.zero_stage is not None:
-        ds.setdefault("zero_optimization", {})["stage"] = opts.zero_stage
-    if opts.micro_batch is not None:
-        ds["train_micro_batch_size_per_gpu"] = opts.micro_batch
-    if opts.lr is not None:
-        ds.setdefault("optimizer", {}).setdefault("params", {})["lr"] = opts.lr
-    if opts.no_wandb:
-        ds.pop("wandb", None)
-    if opts.resume_universal:
-        ds["checkpoint"] = dict(ds.get("checkpoint", {}), load_universal=True)
-    return ds
-
-
 def load_hf_config(opts, sp_cfg: SequenceParallelConfig, ds_config):
     """--model PATH: the Hugging Face config (None without --model), after the options that do not
     go with it are refused."""
@@ -194,8 +163,7 @@ def check_run(sp_cfg: SequenceParallelConfig, opts, model_cfg: Optional[ModelCon
     """Steps, length and heads against the strategy, from the config alone: every rank raises the
     same message before joining the world, so none leaves while its peers still build groups. Any
     sequence length works (the layout pads at the end, padding.py)."""
-    if opts.steps < 0 or opts.seq_len < 2:
-        raise TrainConfigError(f"--steps={opts.steps} must be >= 0 and --seq_len={opts.seq_len} >= 2")
+    check_options(opts)
     if hf_config is not None:
         from ..hf.checks import check_heads
         check_heads(hf_config, sp_cfg)
@@ -239,6 +207,9 @@ def _check_same_data(tokens, world_group) -> None:
 def main(argv: Optional[list] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     opts = build_parser().parse_args(argv)
+    bad = preflight.check(opts)          # before any rank starts; rank 0 alone says it
+    if bad is not None:
+        return bad
     from ..launch.spawn import spawn_local, under_launcher
     try:
         launched = under_launcher()
@@ -251,11 +222,16 @@ def main(argv: Optional[list] = None) -> int:
     try:
         run_training(vars(opts))
     except (TrainConfigError, ConfigError) as err:
-        # every rank raises the same message before training; each says it, without a traceback.
-        # Rank 0 hosts the rendezvous store: it stays a moment so that peers still reading it (to
-        # build a group) reach the same check instead of failing to connect
-        rank0 = comm.is_initialized() and comm.global_rank() == 0
-        return _fail(2, f"ds_seqpar.train: error: {err}", linger_s=1.0 if rank0 else 0.0)
+        # every rank raises the same message before training, without a traceback. Before joining
+        # the world it came from the options, the config and the model's files, which every rank
+        # reads alike: rank 0 says it, the others leave quietly. After joining, each says its own
+        # (a data file may differ between hosts), and rank 0, which hosts the rendezvous store,
+        # stays a moment so that peers still reading it (to build a group) reach the same check
+        # instead of failing to connect
+        joined = comm.is_initialized()
+        rank0 = joined and comm.global_rank() == 0
+        said = joined or reports_errors(os.environ)
+        return _fail(2, f"ds_seqpar.train: error: {err}" if said else "", linger_s=1.0 if rank0 else 0.0)
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - say which rank failed, then end the job
         rank = os.environ.get("RANK", "?")
         hint = _comm_failure_hint() if _is_comm_error(err) else ""
@@ -278,7 +254,8 @@ def _fail(code: int, message: str, linger_s: float = 0.0) -> int:
     the exit within a second or two and stops the other ranks."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os.write(2, f"{message}\n".encode())
+    if message:
+        os.write(2, f"{message}\n".encode())
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         time.sleep(linger_s)
         os._exit(code)

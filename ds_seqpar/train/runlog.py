@@ -21,13 +21,21 @@ from typing import Optional
 from ..launch.env import restored_environ
 
 
-def run_name(strategy: str, sp_size: int, dp_size: int, seq_len: int, given: Optional[str] = None) -> str:
-    return given or f"{strategy}-sp{sp_size}-dp{dp_size}-n{seq_len}-{time.strftime('%Y%m%d-%H%M%S')}"
+def model_name(opts) -> str:
+    """The model in run names, groups and the run config: --model's file or directory name, or the
+    built-in LM's depth and width."""
+    if opts.model:
+        return os.path.splitext(os.path.basename(os.path.normpath(opts.model)))[0]
+    return f"lm-l{opts.n_layers}-d{opts.dim}"
 
 
-def run_group(strategy: str, sp_size: int, seq_len: int) -> str:
-    """Runs that differ only in seed/date land in one wandb group: same strategy, size and length."""
-    return f"{strategy}-sp{sp_size}-n{seq_len}"
+def run_name(model: str, strategy: str, sp_size: int, dp_size: int, seq_len: int, given: Optional[str] = None) -> str:
+    return given or f"{run_group(model, strategy, sp_size, seq_len)}-dp{dp_size}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def run_group(model: str, strategy: str, sp_size: int, seq_len: int) -> str:
+    """Runs that differ only in seed/date land in one wandb group: same model, strategy, size and length."""
+    return f"{model}-{strategy}-sp{sp_size}-n{seq_len}"
 
 
 def unique_dir(root: str, name: str) -> str:
@@ -108,5 +116,5 @@ def wandb_finish() -> None:
         wandb.finish()
 
 
-__all__ = ["RunLog", "run_name", "run_group", "unique_dir", "wandb_env", "attach_wandb", "wandb_log",
+__all__ = ["RunLog", "model_name", "run_name", "run_group", "unique_dir", "wandb_env", "attach_wandb", "wandb_log",
            "wandb_offline", "wandb_finish"]

@@ -22,13 +22,14 @@ class Trainer:
         self.opts, self.sp, self.tokens = opts, sp, tokens
         self.rank = comm.global_rank()
         self.is_writer = self.rank == 0
-        name = runlog.run_name(sp.strategy_name, sp.size, sp.dp_size, opts.seq_len, opts.run_name)
+        self.model_name = runlog.model_name(opts)
+        name = runlog.run_name(self.model_name, sp.strategy_name, sp.size, sp.dp_size, opts.seq_len, opts.run_name)
         self.run_dir = runlog.unique_dir(opts.run_dir, name) if self.is_writer and opts.run_dir else None
         self.name = os.path.basename(self.run_dir) if self.run_dir else name
         wandb_on = bool(ds_config.get("wandb", {}).get("enabled")) and self.is_writer
-        tags = [sp.strategy_name, f"sp{sp.size}", f"dp{sp.dp_size}", f"n{opts.seq_len}"]
-        with runlog.wandb_env(wandb_on, self.name, runlog.run_group(sp.strategy_name, sp.size, opts.seq_len),
-                              tags, self.run_dir):
+        tags = [self.model_name, sp.strategy_name, f"sp{sp.size}", f"dp{sp.dp_size}", f"n{opts.seq_len}"]
+        group = runlog.run_group(self.model_name, sp.strategy_name, sp.size, opts.seq_len)
+        with runlog.wandb_env(wandb_on, self.name, group, tags, self.run_dir):
             self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                    config=ds_config, mpu=sp.mpu)
         self.micro_batch = self.engine.train_micro_batch_size_per_gpu()
@@ -49,7 +50,8 @@ class Trainer:
         return {"name": self.name, "strategy": sp.strategy_name, "sp_size": sp.size, "dp_size": sp.dp_size,
                 "world_size": comm.world_size(), "seq_len": o.seq_len, "micro_batch": self.micro_batch,
                 "grad_accum": self.grad_accum, "zero_stage": self.engine.zero_optimization_stage(),
-                "model": model.cfg.as_dict(), "num_params": model.num_params(), "steps": o.steps,
+                "model": model.cfg.as_dict(), "model_name": self.model_name, "num_params": model.num_params(),
+                "steps": o.steps,
                 "backend": comm.backend_name(), "kernel": sp.kernel.name, "device": str(sp.device),
                 "data": o.data or f"python stdlib sources ({self.tokens.size} bytes)",
                 "args": {k: v for k, v in vars(o).items() if k != "deepspeed_config"},

@@ -127,7 +127,7 @@ def test_hf_deepspeed_config_zero3_from_pretrained_matches_plain_data_parallel(p
 
 
 def _main(argv):
-    from ds_seqpar.train import main
+    from ds_seqpar.train.main import main
     return main(argv)
 
 

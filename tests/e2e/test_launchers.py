@@ -1,8 +1,8 @@
 """The main job under every launcher, at 4 ranks (subprocesses: slow, so tiny and few; deselect
 with ``-m "not launcher"``): deepspeed, mpirun, torchrun and no launcher (``--nprocs``) each train
 to the end; and under each, one rank failing at step 0 ends the whole job non-zero within
-seconds, its error said once with its rank. Plus: a bad config with no launcher says one line
-per rank. (A killed and a hung rank: test_failures.py.)"""
+seconds, its error said once with its rank. Plus: a bad config is said once per job, by rank 0, with or
+without a launcher. (A killed and a hung rank: test_failures.py.)"""
 import glob
 import json
 import math
@@ -115,14 +115,29 @@ def test_one_failing_rank_ends_the_job_within_seconds(launcher, tmp_path):
     assert len(said) == 1 and said[0].startswith(f"ds_seqpar.train: rank 2 failed: {error}"), out[-4000:]
 
 
-def test_no_launcher_bad_config_exits_with_one_message_per_rank(tmp_path):
+def test_no_launcher_bad_config_exits_with_one_message(tmp_path):
+    # found by each rank (the heads need the model), said by rank 0 alone
     code, out = run([*LAUNCH["nprocs"](), "--nprocs", "2", "--deepspeed_config", "configs/ulysses_zero2.json", *TINY,
                      "--n_heads", "3", "--dim", "48", "--no_wandb", "--run_dir", str(tmp_path / "runs")])
     assert code == 2, out[-4000:]
     errors = [line for line in out.splitlines() if line.startswith("ds_seqpar.train: error:")]
-    assert len(errors) == 2 and len(set(errors)) == 1, out[-4000:]
+    assert len(errors) == 1, out[-4000:]
     assert "3 q heads are not divisible by 2" in errors[0], errors[0]
     assert "Traceback" not in out, out[-4000:]
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+def test_launcher_bad_config_is_said_once_before_torch_loads(tmp_path):
+    # every rank finds it from argv and the config alone, without loading torch; rank 0 says it (torchrun
+    # then reports its children's exit codes in its own words)
+    started = time.monotonic()
+    code, out = run([*LAUNCH["torchrun"](), "--strategy", "stripe", *TINY, "--no_wandb",
+                     "--run_dir", str(tmp_path / "runs")])
+    assert code != 0, out[-4000:]
+    errors = [line for line in out.splitlines() if "ds_seqpar.train: error:" in line]
+    assert errors == ["ds_seqpar.train: error: sequence_parallel.strategy='stripe' is not valid (did you mean "
+                      "'striped'?); choose one of: ulysses, ring, zigzag, striped, lasp"], out[-4000:]
+    print(f"torchrun x{NPROC}: bad strategy said after {time.monotonic() - started:.1f}s")   # shown with -s
 
 
 @pytest.mark.skipif(shutil.which("deepspeed") is None, reason="deepspeed launcher not on PATH")

@@ -90,3 +90,21 @@ def test_head_check_needs_only_the_config(section, heads, needles):
         strategies.check_heads(cfg, *heads)
     for needle in needles:
         assert needle in str(err.value), str(err.value)
+
+
+def test_the_config_names_are_the_registries():
+    # config.py spells them so that it imports no torch (the main job checks a config before torch loads)
+    from ds_seqpar import config, kernels, strategies
+    assert config.STRATEGY_NAMES == tuple(strategies.STRATEGIES)
+    assert config.RING_STRATEGIES == strategies.RING_STRATEGIES
+    assert config.BACKENDS == kernels.BACKENDS
+
+
+def test_a_near_miss_gets_the_nearest_name():
+    with pytest.raises(ConfigError, match=r"strategy='stripe' is not valid \(did you mean 'striped'\?\); choose"):
+        SequenceParallelConfig.parse({"strategy": "stripe"})
+    with pytest.raises(ConfigError, match=r"backend='flash-attn' is not valid \(did you mean 'flash_attn'\?\)"):
+        SequenceParallelConfig.parse({"backend": "flash-attn"})
+    with pytest.raises(ConfigError) as err:
+        SequenceParallelConfig.parse({"strategy": "pipeline"})
+    assert "did you mean" not in str(err.value)

@@ -28,7 +28,7 @@ PACKAGE = "ds_seqpar"
 CORE = frozenset({"config", "errors", "sequence_parallel", "topology", "comm", "loss", "zero", "sharding",
                   "strategies", "kernels", "memory", "masks"})
 CORE_MODULES = ("plan.cost",)               # core modules inside a tool's folder (and everything under them)
-TOOLS = frozenset({"models", "launch", "train", "bench", "report", "hf", "plan"})
+TOOLS = frozenset({"models", "launch", "train", "bench", "report", "hf", "plan", "dashboard"})
 # layer -> the layers it may import besides itself ("report.plotting": that one module of report)
 ALLOWED = {
     "core": {"core"},
@@ -40,8 +40,9 @@ ALLOWED = {
               "report.targets"},                    # bench writes rows and renders them; report never reads bench
     "report": {"core"},
     "plan": {"core", "models", "hf", "launch"},   # the own LM's ModelConfig; HF configs through hf/; --calibrate's ranks
+    "dashboard": set(),                     # the wandb view: plain data, imports nothing of the package
     "root": {"core"},                       # ds_seqpar/__init__.py: the public API is the core's
-    "cli": {"core", "models", "launch", "hf", "train", "bench", "report", "plan"},     # the entry point over all commands
+    "cli": {"core", "models", "launch", "hf", "train", "bench", "report", "plan", "dashboard"},     # the entry point over all commands
 }
 DIST_ALLOWED = ("comm", "launch", "train")  # may call torch.distributed
 # a third party's calls (DeepSpeed's ALST under --trainer), reproduced as it makes them

@@ -148,7 +148,7 @@ def test_unverified_evaluation_is_refused_at_construction():
 def test_deepspeed_wandb_block_becomes_the_trainers_one_run(monkeypatch):
     """DeepSpeed's "wandb" block would start a second run (its monitor, with the engine's scaled loss): it
     is switched off and the Trainer reports to wandb under the block's project, team and group."""
-    from ds_seqpar.hf.trainer import one_wandb_run
+    from ds_seqpar.hf.wandb_run import one_wandb_run
     for env in ("WANDB_PROJECT", "WANDB_ENTITY", "WANDB_RUN_GROUP"):
         monkeypatch.delenv(env, raising=False)
     monkeypatch.setenv("WANDB_ENTITY", "mine")

@@ -1,0 +1,107 @@
+"""The main job's front door: what the command line and the DeepSpeed config alone can show wrong,
+found before torch and DeepSpeed load (seconds on every rank) and said once per job.
+
+``python -m ds_seqpar.train`` runs ``check`` here before it imports the job (main.py, which checks
+again: ``ds-seqpar train`` enters there, after torch). This module imports only the
+standard library, pydantic and the config schema (config.py imports no torch), so under a launcher
+each rank finds a bad ``sequence_parallel`` section, a JSON syntax error or a bad option in well
+under a second; rank 0 says it and the others leave with the same exit code, quietly (every rank
+reads the same argv and file, so they all find it). Without a launcher the checks run once, before
+any rank is started. What needs the model (heads against the strategy, a --model directory) is
+checked by every rank before it joins the world (main.run_training), under the same rule.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from typing import Mapping, Optional, Tuple
+
+from ..config import ConfigError, SequenceParallelConfig, load_ds_config
+from ..launch import env as launch_env
+from ..launch.spawn import CONFIG_ERROR
+from .args import DEFAULT_DS_CONFIG, TrainConfigError
+
+
+def build_ds_config(opts) -> dict:
+    """The DeepSpeed config (file, dict, or the built-in default) with command-line overrides."""
+    src = opts.deepspeed_config
+    if src is None:
+        ds = copy.deepcopy(DEFAULT_DS_CONFIG)
+    elif isinstance(src, Mapping):
+        ds = copy.deepcopy(dict(src))
+    else:
+        if not os.path.exists(src):
+            raise TrainConfigError(f"--deepspeed_config {src!r} does not exist")
+        ds = dict(load_ds_config(src))
+    section = dict(ds.get("sequence_parallel", {}))
+    overrides = {"strategy": opts.strategy, "size": opts.sp_size, "ulysses_size": opts.ulysses_size}
+    for key, value in overrides.items():
+        if value is not None:
+            section[key] = value
+    ds["sequence_parallel"] = section
+    if opts.zero_stage is not None:
+        ds.setdefault("zero_optimization", {})["stage"] = opts.zero_stage
+    if opts.micro_batch is not None:
+        ds["train_micro_batch_size_per_gpu"] = opts.micro_batch
+    if opts.lr is not None:
+        ds.setdefault("optimizer", {}).setdefault("params", {})["lr"] = opts.lr
+    if opts.no_wandb:
+        ds.pop("wandb", None)
+    if opts.resume_universal:
+        ds["checkpoint"] = dict(ds.get("checkpoint", {}), load_universal=True)
+    return ds
+
+
+def check_options(opts) -> None:
+    """The options with a range of their own; each message names its option alone."""
+    if opts.seq_len < 2:
+        raise TrainConfigError(f"--seq_len={opts.seq_len} >= 2 does not hold: the global sequence length "
+                               f"must be at least 2 tokens (the labels are the inputs shifted by one)")
+    if opts.steps < 0:
+        raise TrainConfigError(f"--steps={opts.steps} must be >= 0")
+    if opts.nprocs < 1:
+        raise TrainConfigError(f"--nprocs={opts.nprocs} must be >= 1")
+
+
+def check_config(opts, world_size: Optional[int]) -> Tuple[dict, SequenceParallelConfig]:
+    """The DeepSpeed config with overrides and its validated section, after the options' own checks;
+    ``world_size`` (None: not known) against sequence_parallel.size."""
+    ds = build_ds_config(opts)
+    sp_cfg = SequenceParallelConfig.from_ds_config(ds)
+    check_options(opts)
+    if world_size is not None:
+        sp_cfg.check_world(world_size)
+    return ds, sp_cfg
+
+
+def reports_errors(env: Mapping[str, str]) -> bool:
+    """Whether this process says a configuration error that every rank finds alike: rank 0 of the
+    job (local rank 0 of node 0), or a process no launcher started."""
+    try:
+        launch = launch_env.detect(env)
+    except ConfigError:
+        return True             # a launcher we cannot read: no rank is known, every process says it
+    return launch is None or launch.rank == 0
+
+
+def say_config_error(err: Exception, env: Mapping[str, str]) -> int:
+    """Rank 0 writes the error as one line (no traceback); every rank returns the same exit code."""
+    if reports_errors(env):
+        sys.stdout.flush()
+        sys.stderr.write(f"ds_seqpar.train: error: {err}\n")
+        sys.stderr.flush()
+    return CONFIG_ERROR
+
+
+def check(opts) -> Optional[int]:
+    """None if the options and the config pass; else the exit code, after rank 0 said why."""
+    try:
+        launch = launch_env.detect(os.environ)
+        check_config(opts, launch.world_size if launch is not None else opts.nprocs)
+    except ConfigError as err:
+        return say_config_error(err, os.environ)
+    return None
+
+
+__all__ = ["build_ds_config", "check_options", "check_config", "reports_errors", "say_config_error", "check"]

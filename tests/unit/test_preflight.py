@@ -1,0 +1,107 @@
+"""The main job's front door (train/preflight.py): a bad config or option is found before torch
+loads, each message names only what is wrong, and under a launcher rank 0 alone says it."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ds_seqpar.config import ConfigError, read_json
+from ds_seqpar.train.args import build_parser
+from ds_seqpar.train.preflight import check_config, reports_errors
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
+
+# the front door as ``python -m ds_seqpar.train`` runs it, reporting what it had imported when it exited
+PROBE = """
+import runpy, sys
+sys.argv = ["ds_seqpar.train"] + sys.argv[1:]
+try:
+    runpy.run_module("ds_seqpar.train", run_name="__main__", alter_sys=True)
+except SystemExit as done:
+    print("EXIT", done.code, sorted(m for m in ("torch", "deepspeed", "transformers") if m in sys.modules))
+"""
+
+
+def front_door(*argv, **env):
+    proc = subprocess.run([sys.executable, "-c", PROBE, *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ, PYTHONPATH=ROOT, **env))
+    return proc.stdout, proc.stderr
+
+
+def opts(*argv):
+    return build_parser().parse_args(list(argv))
+
+
+def test_a_bad_strategy_is_said_before_torch_loads_with_the_nearest_name():
+    out, err = front_door("--strategy", "stripe")
+    assert out.strip() == "EXIT 2 []", (out, err)
+    assert err.strip() == ("ds_seqpar.train: error: sequence_parallel.strategy='stripe' is not valid (did you mean "
+                           "'striped'?); choose one of: ulysses, ring, zigzag, striped, lasp"), err
+
+
+def test_under_a_launcher_only_rank_0_says_it_and_every_rank_exits_2():
+    ranks = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "WORLD_SIZE": "2"}
+    said = [front_door("--seq_len", "0", RANK=str(r), LOCAL_RANK=str(r), **ranks) for r in (0, 1)]
+    assert [out.strip() for out, _ in said] == ["EXIT 2 []"] * 2, said
+    assert said[0][1].startswith("ds_seqpar.train: error: --seq_len=0"), said[0][1]
+    assert said[1][1] == "", said[1][1]
+
+
+@pytest.mark.parametrize("env,says", [
+    ({}, True),                                                              # no launcher: the one process
+    ({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "h"}, True),
+    ({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "h"}, False),
+    ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, False),                            # mpirun: node 1's first rank
+    ({"RANK": "1"}, True),                                                   # unreadable launcher: all say it
+])
+def test_rank_0_of_the_job_reports(env, says):
+    assert reports_errors(env) is says
+
+
+def test_seq_len_error_names_only_seq_len():
+    with pytest.raises(ConfigError) as err:
+        check_config(opts("--seq_len", "0"), None)
+    assert "--seq_len=0" in str(err.value) and "--steps" not in str(err.value), err.value
+    with pytest.raises(ConfigError) as err:
+        check_config(opts("--steps", "-1"), None)
+    assert str(err.value) == "--steps=-1 must be >= 0"
+
+
+def test_world_size_is_checked_against_the_launch():
+    check_config(opts("--sp_size", "2"), 4)
+    with pytest.raises(ConfigError, match="size=3 does not divide the world size 4"):
+        check_config(opts("--sp_size", "3"), 4)
+
+
+README_BLOCK = """{
+  "train_micro_batch_size_per_gpu": 1,
+  "sequence_parallel": {
+    "strategy": "striped",      // ulysses | ring | zigzag | striped | lasp
+    "size": 4
+  }
+}
+"""
+
+
+def test_a_commented_config_names_file_line_column_and_the_comment(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(README_BLOCK)
+    with pytest.raises(ConfigError) as err:
+        check_config(opts("--deepspeed_config", str(path)), None)
+    first = str(err.value).splitlines()[0]
+    assert first.startswith(f"{path}:4:33: not valid JSON: "), first
+    assert first.endswith("JSON has no comments: remove the // or /* */ comment"), first
+    assert str(err.value).splitlines()[1].strip().startswith('"strategy": "striped",      //'), err.value
+
+
+def test_other_syntax_errors_get_no_comment_hint(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{"sequence_parallel": {"strategy": "http://striped"},\n}')   # // inside a string
+    with pytest.raises(ConfigError) as err:
+        read_json(str(path))
+    assert str(err.value).startswith(f"{path}:2:1: not valid JSON") and "comment" not in str(err.value), err.value
+    path.write_text(json.dumps({"sequence_parallel": {"strategy": "ring"}}))
+    assert read_json(str(path)) == {"sequence_parallel": {"strategy": "ring"}}
