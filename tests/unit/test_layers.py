@@ -1,7 +1,7 @@
 """The layer rule, read from the source with ``ast`` (nothing is imported):
 
 - the core (config, sequence_parallel, topology, comm, loss, zero, sharding, strategies, kernels,
-  memory) imports nothing from models, launch, train, bench, report, hf;
+  memory, schedule, dynamic) imports nothing from models, launch, train, bench, report, hf;
 - models, launch and hf import the core only; train the core, models, launch and hf; bench those,
   train (it times the training step through train.run_training) and report's plotting helper;
   report the core only (nothing of train or bench);
@@ -22,7 +22,7 @@ import ds_seqpar
 
 PACKAGE = "ds_seqpar"
 CORE = frozenset({"config", "sequence_parallel", "topology", "comm", "loss", "zero", "sharding", "strategies",
-                  "kernels", "memory"})
+                  "kernels", "memory", "schedule", "dynamic"})
 TOOLS = frozenset({"models", "launch", "train", "bench", "report", "hf", "plan"})
 # layer -> the layers it may import besides itself ("report.plotting": that one module of report)
 ALLOWED = {
