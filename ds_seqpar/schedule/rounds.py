@@ -9,15 +9,16 @@ Rules, in order:
    ``max_tokens_per_rank``). A document longer than max(sizes) x T is an error naming it.
 2. Groups are aligned: a group of s ranks is ranks [k*s, (k+1)*s). The runtime pre-builds one
    such family per size once (ds_seqpar.dynamic), so nothing is created per step.
-3. A document needing s > 1 ranks runs alone on its group (two of them would not fit in s x T
-   with power-of-two sizes: each has more than (s/2) x T tokens). They are placed largest size and
-   cost first, each in the first round with a free aligned block, on the block whose ranks carry
-   the least cost so far.
-4. Documents that fit on one rank are dealt, costliest first, to the rank with the least cost so
+3. Documents needing s > 1 ranks are packed whole, first fit, into micro-batches of at most s x T
+   tokens (with power-of-two sizes each runs alone: it has more than (s/2) x T tokens; with one
+   size, ``sizes=(P,)``, this is static sequence parallelism over packed rows). The micro-batches
+   are placed largest size and cost first, each in the first round with a free aligned block, on
+   the block whose ranks carry the least cost so far.
+4. Documents that fit on one rank (when 1 is a size) are dealt, costliest first, to the rank with the least cost so
    far (longest-processing-time greedy), then packed whole, first fit, into that rank's
    micro-batches of at most T tokens, which go into its free rounds and then into new rounds.
-5. Every rank runs one micro-batch per round, an empty one (no token, zero loss) where it has
-   nothing: under ZeRO-3 every rank must run the same number of forward and backward passes.
+5. Every rank runs one micro-batch per round, an empty one (no token, zero loss, on its group of
+   the smallest size) where it has nothing: under ZeRO-3 every rank must run the same number of forward and backward passes.
 
 The loss of the step is the mean over all target tokens of the global batch: every micro-batch
 carries that count (``loss_tokens``) as the divisor of its token-loss sum.
@@ -126,13 +127,15 @@ def schedule(lengths: Sequence[int], world_size: int, max_tokens_per_rank: int, 
     total = sum(max(n - 1, 0) for n in lengths) if loss_tokens is None else int(loss_tokens)
     load = [0.0] * world_size
     table: List[Dict[int, MicroBatch]] = []          # round -> rank -> micro-batch
-    longs = sorted((i for i, s in enumerate(need) if s > 1), key=lambda i: (-need[i], -cost[i], i))
-    for i in longs:
-        rnd, first = _free_block(table, need[i], world_size, load)
-        mb = MicroBatch(Group(need[i], first), (i,), (lengths[i],), total, cost[i])
+    groups = [(size, docs) for size in sizes if size > 1
+              for docs in _pack([i for i in range(len(lengths)) if need[i] == size], lengths, size * t)]
+    for size, docs in sorted(groups, key=lambda g: (-g[0], -sum(cost[i] for i in g[1]), g[1][0])):
+        rnd, first = _free_block(table, size, world_size, load)
+        mb = MicroBatch(Group(size, first), tuple(docs), tuple(lengths[i] for i in docs), total,
+                        sum(cost[i] for i in docs))
         for r in mb.group.ranks:
             table[rnd][r] = mb
-            load[r] += cost[i]
+            load[r] += mb.cost
     for rank, bins in enumerate(_deal_short(lengths, need, cost, load, t)):
         free = (k for k in range(len(table)) if rank not in table[k])
         for docs in bins:
@@ -142,9 +145,19 @@ def schedule(lengths: Sequence[int], world_size: int, max_tokens_per_rank: int, 
                 k = len(table) - 1
             table[k][rank] = MicroBatch(Group(1, rank), tuple(docs), tuple(lengths[d] for d in docs), total,
                                         sum(cost[d] for d in docs))
-    rounds = tuple(tuple(row.get(r) or MicroBatch(Group(1, r), (), (), total) for r in range(world_size))
-                   for row in table)
+    rounds = tuple(_fill_empty(row, world_size, sizes[0], total) for row in table)
     return Schedule(rounds, world_size, t, total, tuple(load))
+
+
+def _fill_empty(row: Dict[int, MicroBatch], world_size: int, smallest: int, total: int) -> Tuple[MicroBatch, ...]:
+    """The round's micro-batch of every rank: where it has none, an empty one on its group of the
+    smallest size (all of whose ranks are free: every size is a multiple of the smallest)."""
+    for first in range(0, world_size, smallest):
+        if first not in row:
+            empty = MicroBatch(Group(smallest, first), (), (), total)
+            for r in empty.group.ranks:
+                row[r] = empty
+    return tuple(row[r] for r in range(world_size))
 
 
 def _free_block(table, size: int, world_size: int, load) -> Tuple[int, int]:
@@ -159,7 +172,7 @@ def _free_block(table, size: int, world_size: int, load) -> Tuple[int, int]:
 
 
 def _deal_short(lengths, need, cost, load, t: int) -> List[List[List[int]]]:
-    """Per rank, its one-rank documents packed into micro-batches of at most ``t`` tokens; ``load``
+    """Per rank, its one-rank documents (none unless 1 is a size) packed into micro-batches of at most ``t`` tokens; ``load``
     grows by what each rank gets."""
     per_rank: List[List[int]] = [[] for _ in load]
     for i in sorted((i for i, s in enumerate(need) if s == 1), key=lambda i: (-cost[i], i)):
@@ -167,19 +180,23 @@ def _deal_short(lengths, need, cost, load, t: int) -> List[List[List[int]]]:
         per_rank[r].append(i)
         load[r] += cost[i]
     out = []
-    for docs in per_rank:
-        bins: List[List[int]] = []
-        room: List[int] = []
-        for d in sorted(docs, key=lambda d: (-lengths[d], d)):
-            k = next((k for k, free in enumerate(room) if free >= lengths[d]), None)
-            if k is None:
-                bins.append([])
-                room.append(t)
-                k = len(bins) - 1
-            bins[k].append(d)
-            room[k] -= lengths[d]
-        out.append([sorted(b) for b in bins])
-    return out
+    return [_pack(docs, lengths, t) for docs in per_rank]
+
+
+def _pack(docs: List[int], lengths, capacity: int) -> List[List[int]]:
+    """Whole documents into micro-batches of at most ``capacity`` tokens: first fit, longest first;
+    each micro-batch lists its documents in batch order."""
+    bins: List[List[int]] = []
+    room: List[int] = []
+    for d in sorted(docs, key=lambda d: (-lengths[d], d)):
+        k = next((k for k, free in enumerate(room) if free >= lengths[d]), None)
+        if k is None:
+            bins.append([])
+            room.append(capacity)
+            k = len(bins) - 1
+        bins[k].append(d)
+        room[k] -= lengths[d]
+    return [sorted(b) for b in bins]
 
 
 def _check_length(i: int, n) -> int:
@@ -190,9 +207,10 @@ def _check_length(i: int, n) -> int:
 
 def _check_sizes(sizes: Sequence[int], world_size: int) -> Tuple[int, ...]:
     sizes = tuple(sorted(set(int(s) for s in sizes)))
-    bad = [s for s in sizes if s < 1 or world_size % s]
-    if not sizes or bad or sizes[0] != 1:
-        raise ValueError(f"group sizes {list(sizes)} must include 1 and divide the world size {world_size} "
+    bad = [s for s in sizes if s < 1 or world_size % s or s % sizes[0]]
+    if not sizes or bad:
+        raise ValueError(f"group sizes {list(sizes)} must divide the world size {world_size}, each a multiple of "
+                         f"the smallest "
                          f"(group_sizes({world_size}) gives {list(group_sizes(world_size))})")
     return sizes
 
