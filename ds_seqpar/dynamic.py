@@ -40,13 +40,32 @@ class DynamicSequenceParallel:
                               f"use SequenceParallel for a fixed size")
         if not comm.is_initialized():
             raise RuntimeError("DynamicSequenceParallel needs torch.distributed: call deepspeed.init_distributed() first")
-        self.config = config
-        self.world_size, self.global_rank = comm.world_size(), comm.global_rank()
         self.heads = check_dynamic_heads(config, heads, kv_heads)
-        self.sizes = group_sizes(self.world_size, self.heads if config.strategy == "ulysses" else None)
+        sizes = group_sizes(comm.world_size(), self.heads if config.strategy == "ulysses" else None)
+        if len(sizes) == 1 and comm.world_size() > 1:
+            raise ConfigError(f"sequence_parallel.strategy='ulysses' with size='dynamic': no group size of "
+                              f"{list(group_sizes(comm.world_size()))} but 1 divides the {self.heads} heads, so "
+                              f"no document could be split; use zigzag, ring or striped (any size)")
         # collective: every rank builds every size's groups, in the same (ascending) order
-        self.by_size = {s: SequenceParallel(static_config(config, s), device) for s in self.sizes}
-        self._current = self.by_size[1]
+        self._setup(config, {s: SequenceParallel(static_config(config, s), device) for s in sizes})
+
+    @classmethod
+    def fixed(cls, sp: SequenceParallel, max_tokens_per_rank: int) -> "DynamicSequenceParallel":
+        """The same execution with one size, ``sp``'s: static sequence parallelism over documents
+        packed into rows of sp.size x ``max_tokens_per_rank`` tokens, with the same token-level
+        loss (the main job's --lengths with an integer size). Builds no group."""
+        config = SequenceParallelConfig.parse(dict(sp.config.model_dump(), size="dynamic",
+                                                   max_tokens_per_rank=max_tokens_per_rank, ulysses_size=1))
+        out = cls.__new__(cls)
+        out.heads = None
+        out._setup(config, {sp.size: sp}, fixed=True)
+        return out
+
+    def _setup(self, config: SequenceParallelConfig, by_size: Dict[int, SequenceParallel], fixed: bool = False) -> None:
+        self.config, self.by_size, self.is_fixed = config, by_size, fixed
+        self.sizes = tuple(sorted(by_size))
+        self.world_size, self.global_rank = comm.world_size(), comm.global_rank()
+        self._current = by_size[self.sizes[0]]
         self.last_schedule: Optional[Schedule] = None
 
     @classmethod
@@ -61,8 +80,37 @@ class DynamicSequenceParallel:
     # -- what DeepSpeed and the model see --------------------------------------------------------
     @property
     def mpu(self):
-        """Plain data parallelism over every rank (the size-1 family's mpu)."""
-        return self.by_size[1].mpu
+        """DeepSpeed averages over every rank with any family's mpu; dynamic: the size-1 family's,
+        plain data parallelism over every rank."""
+        return self.by_size[self.sizes[0]].mpu
+
+    @property
+    def groups(self):
+        """The smallest family's process groups (its seq_data_group is every rank)."""
+        return self.by_size[self.sizes[0]].groups
+
+    @property
+    def size(self):
+        """``"dynamic"``, or the one size of ``fixed``."""
+        return self.sizes[0] if self.is_fixed else self.config.size
+
+    @property
+    def dp_size(self) -> int:
+        """Replicas as DeepSpeed counts them: with dynamic groups every rank is one."""
+        return self.world_size // self.sizes[0]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.global_rank // self.sizes[0]
+
+    @property
+    def rank(self) -> int:
+        """The rank inside the smallest family's group (0 when that is one rank)."""
+        return self.global_rank % self.sizes[0]
+
+    @property
+    def kernel(self):
+        return self.by_size[self.sizes[0]].kernel
 
     @property
     def max_tokens_per_rank(self) -> int:
@@ -115,7 +163,7 @@ class DynamicSequenceParallel:
             plan = schedule(lengths, self.world_size, self.max_tokens_per_rank, self.sizes, self.config.strategy,
                             shape, loss_tokens)
         except ValueError as err:
-            if self.config.strategy != "ulysses" or self.sizes[-1] == self.world_size:
+            if self.heads is None or self.sizes[-1] == self.world_size:
                 raise
             raise ValueError(f"{err} (ulysses: a group splits the {self.heads} heads, so group sizes are "
                              f"{list(self.sizes)}; zigzag, ring, striped split tokens and use every size)") from None
@@ -165,7 +213,7 @@ class DynamicSequenceParallel:
     def step_loss(self, share: float) -> float:
         """The step's loss from every rank's summed shares: one all-reduce over the world."""
         total = torch.tensor([float(share)], dtype=torch.float64)
-        return comm.all_reduce_sum(total, self.by_size[1].groups.seq_data_group).item()
+        return comm.all_reduce_sum(total, self.groups.seq_data_group).item()
 
     def __repr__(self) -> str:
         return (f"DynamicSequenceParallel(strategy={self.config.strategy!r}, sizes={list(self.sizes)}, "
