@@ -39,3 +39,12 @@ def test_static_entry_points_refuse_a_dynamic_config_with_a_pointer():
     # DeepSpeed's sequence_parallel_size is not compared with a dynamic size
     ds = {"sequence_parallel": {"size": "dynamic", "max_tokens_per_rank": 64}, "sequence_parallel_size": 1}
     assert SequenceParallelConfig.from_ds_config(ds).is_dynamic
+
+
+def test_the_hf_trainer_refuses_dynamic_groups_at_construction_with_what_works():
+    from types import SimpleNamespace
+    from ds_seqpar.hf.trainer import _sequence_parallel
+    ds = {"sequence_parallel": {"strategy": "zigzag", "size": "dynamic", "max_tokens_per_rank": 64}}
+    targs = SimpleNamespace(deepspeed="ds.json", hf_deepspeed_config=SimpleNamespace(config=ds))
+    with pytest.raises(ConfigError, match="does not run sequence_parallel.size='dynamic' yet; use an integer size"):
+        _sequence_parallel(targs)
