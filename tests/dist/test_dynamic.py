@@ -58,7 +58,8 @@ def _dynamic_step(strategy, stages):
             grads = {n: before[n] - p.detach() for n, p in params.items()}
         engine.destroy()
         plan = step["schedule"]
-        out[stage] = {"loss": step["loss"], "grads": grads, "sizes": plan.group_sizes, "rounds": step["rounds"]}
+        out[stage] = {"loss": step["loss"], "grads": grads, "sizes": plan.group_sizes, "rounds": step["rounds"],
+                      "empty": sum(mb.empty for mb in plan.for_rank(dsp.global_rank))}
     return out
 
 
@@ -66,6 +67,7 @@ def _dynamic_step(strategy, stages):
 def test_dynamic_step_equals_plain_data_parallelism_on_the_same_documents(pool, strategy):
     ref_loss, ref_grads = _reference(strategy)
     results = pool.run(_dynamic_step, strategy, (0, 3))
+    assert any(r[3]["empty"] for r in results), "some rank should run an empty micro-batch (ZeRO-3's equal passes)"
     for rank, per_stage in enumerate(results):
         for stage, r in per_stage.items():
             what = f"{strategy} ZeRO-{stage} rank {rank}"
