@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -27,7 +27,6 @@ from .loss import _ScaleGrad, local_loss_sum
 from .schedule import MicroBatch, ModelShape, Schedule, group_sizes, schedule
 from .sequence_parallel import SequenceParallel
 from .sharding.batch import IGNORE_INDEX
-from .zero import check_ds_config
 
 
 class DynamicSequenceParallel:
@@ -66,16 +65,13 @@ class DynamicSequenceParallel:
         self.sizes = tuple(sorted(by_size))
         self.world_size, self.global_rank = comm.world_size(), comm.global_rank()
         self._current = by_size[self.sizes[0]]
-        self.last_schedule: Optional[Schedule] = None
 
     @classmethod
     def from_ds_config(cls, ds_config, heads: Optional[int] = None, kv_heads: Optional[int] = None,
                        device=None) -> "DynamicSequenceParallel":
-        ds = load_ds_config(ds_config)
-        cfg = SequenceParallelConfig.from_ds_config(ds)
-        if comm.is_initialized():
-            check_ds_config(ds, 1, comm.world_size())      # DeepSpeed's batch arithmetic: every rank a replica
-        return cls(cfg, heads, kv_heads, device)
+        """Build from a DeepSpeed config (dict or JSON path). DeepSpeed's batch keys need no check
+        here: through dsp.mpu every rank is a replica, as in plain data parallelism."""
+        return cls(SequenceParallelConfig.from_ds_config(load_ds_config(ds_config)), heads, kv_heads, device)
 
     # -- what DeepSpeed and the model see --------------------------------------------------------
     @property
@@ -160,24 +156,23 @@ class DynamicSequenceParallel:
                  shape: ModelShape = ModelShape()) -> Schedule:
         """The step's rounds for this global batch (the same on every rank: pure)."""
         try:
-            plan = schedule(lengths, self.world_size, self.max_tokens_per_rank, self.sizes, self.config.strategy,
+            return schedule(lengths, self.world_size, self.max_tokens_per_rank, self.sizes, self.config.strategy,
                             shape, loss_tokens)
         except ValueError as err:
             if self.heads is None or self.sizes[-1] == self.world_size:
                 raise
             raise ValueError(f"{err} (ulysses: a group splits the {self.heads} heads, so group sizes are "
                              f"{list(self.sizes)}; zigzag, ring, striped split tokens and use every size)") from None
-        self.last_schedule = plan
-        return plan
 
     @contextmanager
     def running(self, mb: MicroBatch):
         """Attention calls inside go to ``mb``'s group; yields that size's SequenceParallel."""
-        previous, self._current = self._current, self.by_size[mb.group.size]
-        if self.global_rank not in mb.group.ranks or self._current.groups.sp_ranks != list(mb.group.ranks):
+        sp = self.by_size[mb.group.size]
+        if sp.groups.sp_ranks != list(mb.group.ranks):
             raise ValueError(f"rank {self.global_rank} runs a micro-batch of group {mb.group}, whose ranks "
                              f"{list(mb.group.ranks)} are not its size-{mb.group.size} group "
-                             f"{self._current.groups.sp_ranks}; pass schedule.for_rank(this rank)")
+                             f"{sp.groups.sp_ranks}; pass schedule.for_rank(this rank)")
+        previous, self._current = self._current, sp
         try:
             yield self._current
         finally:

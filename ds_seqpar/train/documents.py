@@ -63,7 +63,7 @@ class DocumentTrainer(Trainer):
         super().__init__(opts, ds_config, sp, model, tokens)
         self.lengths, self.runner = lengths, runner
         self.tokens_per_step = opts.tokens_per_step or runner.world_size * opts.seq_len
-        self.shape = ModelShape.of_lm(model.cfg) if hasattr(model.cfg, "n_heads") else ModelShape()
+        self.shape = ModelShape.of_lm(model.cfg)         # --lengths trains the own LM (check_options)
         self._say(f"documents: lengths from {opts.lengths} ({lengths.size} lengths), {self.tokens_per_step} tokens "
                   f"per step, cut at {runner.capacity} tokens; group sizes {list(runner.sizes)}, "
                   f"max_tokens_per_rank={runner.max_tokens_per_rank}")
