@@ -1,8 +1,8 @@
 """The dynamic data-sequence hybrid on 4 ranks through a real DeepSpeed engine: one step over a
 global batch of documents that uses groups of 1, 2 and 4 ranks gives the loss (token-level mean
 of the batch) and every parameter gradient of a single process over the same documents, for
-zigzag, ulysses and lasp, without ZeRO and under ZeRO-3. SGD with lr = 1 and no clipping, so
-the parameters' change is exactly minus the gradient."""
+zigzag, ulysses and lasp without ZeRO and under ZeRO-3, ring and striped without ZeRO. SGD with
+lr = 1 and no clipping, so the parameters' change is exactly minus the gradient."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -63,11 +63,12 @@ def _dynamic_step(strategy, stages):
     return out
 
 
-@pytest.mark.parametrize("strategy", ["zigzag", "ulysses", "lasp"])
-def test_dynamic_step_equals_plain_data_parallelism_on_the_same_documents(pool, strategy):
+@pytest.mark.parametrize("strategy, stages", [("zigzag", (0, 3)), ("ulysses", (0, 3)), ("lasp", (0, 3)),
+                                              ("ring", (0,)), ("striped", (0,))])
+def test_dynamic_step_equals_plain_data_parallelism_on_the_same_documents(pool, strategy, stages):
     ref_loss, ref_grads = _reference(strategy)
-    results = pool.run(_dynamic_step, strategy, (0, 3))
-    assert any(r[3]["empty"] for r in results), "some rank should run an empty micro-batch (ZeRO-3's equal passes)"
+    results = pool.run(_dynamic_step, strategy, stages)
+    assert any(r[stages[-1]]["empty"] for r in results), "some rank should run an empty micro-batch"
     for rank, per_stage in enumerate(results):
         for stage, r in per_stage.items():
             what = f"{strategy} ZeRO-{stage} rank {rank}"
