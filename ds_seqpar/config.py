@@ -13,9 +13,9 @@ import difflib
 import json
 import os
 import re
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Literal, Mapping, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
 
@@ -28,6 +28,7 @@ BACKENDS = ("auto", "flash_attn", "torch", "math")
 LASP_COMMS = ("allgather", "ring")
 LINEAR_STRATEGIES = ("lasp", "ulysses")
 COMM_DTYPES = ("auto", "fp32", "bf16", "fp16")
+DYNAMIC = "dynamic"             # size: each document gets the group its length needs (docs/dynamic.md)
 DS_COMM_DTYPE_KEY = "seq_parallel_communication_data_type"     # DeepSpeed's own key, same values
 
 
@@ -39,8 +40,14 @@ class SequenceParallelConfig(BaseModel):
     strategy: str = "ulysses"
     """How attention is split across ranks: ulysses | ring | zigzag | striped | lasp."""
 
-    size: int = Field(default=1, ge=1)
-    """Sequence-parallel degree; the data-parallel degree is world_size / size."""
+    size: Union[int, Literal["dynamic"]] = 1
+    """Sequence-parallel degree; the data-parallel degree is world_size / size. "dynamic": every
+    document of a global batch runs on a group just large enough for its length under
+    ``max_tokens_per_rank`` (docs/dynamic.md; ds_seqpar.dynamic builds and runs it)."""
+
+    max_tokens_per_rank: Optional[int] = Field(default=None, ge=1, strict=True)
+    """With size "dynamic" (required there, refused otherwise): the most tokens of one micro-batch
+    a rank holds; a document of L tokens runs on the smallest group of g ranks with g x this >= L."""
 
     ulysses_size: int = Field(default=1, ge=1)
     """> 1 with ring/zigzag/striped: 2D hybrid, Ulysses all-to-all inside groups of this many
@@ -80,6 +87,13 @@ class SequenceParallelConfig(BaseModel):
     """> 0: every decoder layer's MLP runs over chunks of this many local tokens in forward and
     backward (memory.tile_mlps); exact. 0 = off."""
 
+    @field_validator("size", mode="before")
+    @classmethod
+    def _size_word(cls, value):
+        if isinstance(value, str) and value != DYNAMIC and not value.strip().isdigit():
+            raise ConfigError(f"{KEY}.size={value!r} is not valid; an integer >= 1 or {DYNAMIC!r}")
+        return value
+
     @model_validator(mode="after")
     def _check_choices(self) -> "SequenceParallelConfig":
         _check_choice("strategy", self.strategy, STRATEGY_NAMES)
@@ -87,6 +101,9 @@ class SequenceParallelConfig(BaseModel):
         _check_choice("lasp_comm", self.lasp_comm, LASP_COMMS)
         _check_choice("linear_strategy", self.linear_strategy, LINEAR_STRATEGIES)
         _check_choice("comm_dtype", self.comm_dtype, COMM_DTYPES)
+        if self.is_dynamic or self.max_tokens_per_rank is not None:
+            _check_dynamic(self)
+            return self
         if self.ulysses_size > 1 and self.strategy not in RING_STRATEGIES + ("ulysses",):
             raise ConfigError(
                 f"{KEY}.ulysses_size={self.ulysses_size} combines only with a ring strategy "
@@ -97,6 +114,10 @@ class SequenceParallelConfig(BaseModel):
                 f"{KEY}.ulysses_size={self.ulysses_size} with strategy='ulysses' must be 1 or "
                 f"equal to size={self.size}; for a 2D hybrid pick strategy ring, zigzag or striped")
         return self
+
+    @property
+    def is_dynamic(self) -> bool:
+        return self.size == DYNAMIC
 
     @property
     def ring_size(self) -> int:
@@ -114,6 +135,9 @@ class SequenceParallelConfig(BaseModel):
 
     def check_world(self, world_size: int) -> None:
         """``size`` must divide the world: world = data-parallel x sequence-parallel."""
+        if self.is_dynamic:
+            raise ConfigError(f"{KEY}.size={DYNAMIC!r} is run by ds_seqpar.dynamic.DynamicSequenceParallel "
+                              f"(docs/dynamic.md); SequenceParallel and this entry point take an integer size")
         check_sizes(world_size, self.size, self.effective_ulysses_size)
 
     @classmethod
@@ -126,7 +150,7 @@ class SequenceParallelConfig(BaseModel):
                               f"got {section!r}")
         cfg = cls.parse(_with_deepspeed_comm_dtype(section, ds))
         ds_size = ds.get("sequence_parallel_size")
-        if ds_size is not None and int(ds_size) != cfg.size:
+        if ds_size is not None and not cfg.is_dynamic and int(ds_size) != cfg.size:
             raise ConfigError(
                 f"DeepSpeed's sequence_parallel_size={ds_size} disagrees with {KEY}.size={cfg.size}; "
                 f"set both to the same value or remove sequence_parallel_size")
@@ -156,6 +180,20 @@ def check_sizes(world_size: Optional[int], size: int, ulysses_size: int = 1) -> 
             f"{KEY}.size={size} does not divide the world size {world_size}; "
             f"valid sizes for this world: {_divisors(world_size)} "
             f"(or launch a multiple of {size} ranks)")
+
+
+def _check_dynamic(cfg: "SequenceParallelConfig") -> None:
+    """size "dynamic" needs max_tokens_per_rank, and that key needs it; the 2D hybrid is not dynamic yet."""
+    if not cfg.is_dynamic:
+        raise ConfigError(f"{KEY}.max_tokens_per_rank={cfg.max_tokens_per_rank} goes with size={DYNAMIC!r} only "
+                          f"(size={cfg.size} splits every sequence over that many ranks); remove it or set "
+                          f"size={DYNAMIC!r}")
+    if cfg.max_tokens_per_rank is None:
+        raise ConfigError(f"{KEY}.size={DYNAMIC!r} needs {KEY}.max_tokens_per_rank (an integer >= 1: the most "
+                          f"tokens one rank holds in a micro-batch, e.g. 4096); it is missing")
+    if cfg.ulysses_size != 1:
+        raise ConfigError(f"{KEY}.ulysses_size={cfg.ulysses_size} with size={DYNAMIC!r}: the 2D hybrid is not "
+                          f"dynamic yet; use ulysses_size=1 (strategies {', '.join(STRATEGY_NAMES)} run dynamic)")
 
 
 def _with_deepspeed_comm_dtype(section: Mapping[str, Any], ds: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -235,4 +273,4 @@ def _describe(err: ValidationError) -> str:
 
 
 __all__ = ["SequenceParallelConfig", "ConfigError", "KEY", "STRATEGY_NAMES", "RING_STRATEGIES", "BACKENDS",
-           "LASP_COMMS", "LINEAR_STRATEGIES", "COMM_DTYPES", "check_sizes", "did_you_mean", "read_json"]
+           "LASP_COMMS", "LINEAR_STRATEGIES", "COMM_DTYPES", "DYNAMIC", "check_sizes", "did_you_mean", "read_json"]

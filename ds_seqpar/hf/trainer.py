@@ -255,6 +255,10 @@ def _sequence_parallel(targs) -> Optional[SequenceParallel]:
     made replica-aware first."""
     ds = trainer_deepspeed_config(targs)        # deepspeed='ds.json', or accelerate's DeepSpeed plugin
     cfg = SequenceParallelConfig.from_ds_config(ds)          # no key: size 1
+    if cfg.is_dynamic:
+        raise ConfigError("ds_seqpar.hf: SequenceParallelTrainer does not run sequence_parallel.size='dynamic' yet; "
+                          "use an integer size here, or dynamic groups in the main job (python -m ds_seqpar.train "
+                          "--lengths FILE --sp_size dynamic) or an own loop (DynamicSequenceParallel, docs/dynamic.md)")
     if cfg.size == 1:
         return None
     world = comm.world_size()

@@ -35,7 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--deepspeed_config", default=None, help="DeepSpeed JSON with a 'sequence_parallel' key "
                    "(default: built-in zigzag, size 2, ZeRO-2 = configs/zigzag_zero2.json)")
     g.add_argument("--strategy", default=None, help="override sequence_parallel.strategy")
-    g.add_argument("--sp_size", type=int, default=None, help="override sequence_parallel.size")
+    g.add_argument("--sp_size", type=_size, default=None, help="override sequence_parallel.size (an integer, or "
+                   "'dynamic' with --max_tokens_per_rank: docs/dynamic.md)")
+    g.add_argument("--max_tokens_per_rank", type=int, default=None,
+                   help="override sequence_parallel.max_tokens_per_rank (with size 'dynamic')")
     g.add_argument("--ulysses_size", type=int, default=None, help="override sequence_parallel.ulysses_size")
     g.add_argument("--zero_stage", type=int, default=None, choices=(0, 1, 2, 3), help="override ZeRO stage")
     g.add_argument("--micro_batch", type=int, default=None, help="override train_micro_batch_size_per_gpu")
@@ -69,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--corpus_bytes", type=int, default=4 << 20, help="size of the embedded corpus")
     d.add_argument("--ignore_frac", type=float, default=0.0, help="fraction of labels set to -100")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--lengths", default=None, metavar="FILE", help="document lengths, one integer per line (.gz too): "
+                   "each step draws documents with lengths sampled from FILE and contents from the data, until "
+                   "--tokens_per_step; the loss is the token-level mean of the step's documents (docs/dynamic.md)")
+    d.add_argument("--tokens_per_step", type=int, default=None, help="with --lengths: tokens per optimizer step "
+                   "(default: --seq_len x replicas)")
     lg = p.add_argument_group("logging and checkpoints")
     lg.add_argument("--run_dir", default="runs", help="runs/<name>/metrics.jsonl, run.json, wandb/")
     lg.add_argument("--run_name", default=None)
@@ -84,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "checkpoint at another shape: other data-parallel or sequence-parallel size or strategy, "
                     "same ZeRO stage (converted once to DeepSpeed's universal checkpoint, <tag>_universal)")
     return p
+
+
+def _size(text: str):
+    """--sp_size: an integer or the word dynamic."""
+    return text if text == "dynamic" else int(text)
 
 
 def resolve_args(args: Mapping[str, Any]) -> argparse.Namespace:

@@ -9,10 +9,11 @@ Legend: B = micro batch, N = global sequence length, L = local tokens (N / sp si
 """
 from __future__ import annotations
 
+import gzip
 import hashlib
 import os
 import sysconfig
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -94,6 +95,46 @@ def batch_for_step(tokens: np.ndarray, step: int, micro_step: int, dp_rank: int,
     return {"input_ids": ids_bn, "labels": labels_bn}
 
 
+def read_lengths(path: str) -> np.ndarray:
+    """--lengths FILE: one positive integer per line (gzip when the name ends in .gz)."""
+    if not os.path.exists(path):
+        raise ValueError(f"--lengths {path!r} does not exist")
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        lines = [line.strip() for line in f if line.strip()]
+    if not lines:
+        raise ValueError(f"--lengths {path!r} is empty; it needs one document length (an integer >= 1) per line")
+    try:
+        lengths = np.array([int(x) for x in lines], dtype=np.int64)
+    except ValueError:
+        bad = next(x for x in lines if not x.lstrip("-").isdigit())
+        raise ValueError(f"--lengths {path!r}: {bad!r} is not an integer; one document length per line") from None
+    if (lengths < 1).any():
+        i = int(np.argmax(lengths < 1))
+        raise ValueError(f"--lengths {path!r}: non-empty line {i + 1} is {lengths[i]}; document lengths must be >= 1")
+    return lengths
+
+
+def documents_for_step(tokens: np.ndarray, lengths: np.ndarray, step: int, tokens_per_step: int, cap: int,
+                       seed: int = 0) -> Tuple[List[torch.Tensor], int]:
+    """The global batch of step ``step`` under --lengths: (documents, how many were cut).
+
+    Lengths are drawn from ``lengths`` and contents from ``tokens`` by one generator seeded by
+    (seed, step) alone, so every rank and every parallel configuration with the same ``cap`` trains
+    on the same documents. A document longer than ``cap`` (what the largest group holds) is cut to
+    it; the last one is cut so that the step has exactly ``tokens_per_step`` tokens."""
+    rng = np.random.default_rng([seed, step, 1 << 20])
+    docs, total, cut = [], 0, 0
+    while total < tokens_per_step:
+        drawn = int(lengths[rng.integers(lengths.size)])
+        n = min(drawn, cap, tokens_per_step - total, tokens.size)
+        cut += n < min(drawn, tokens_per_step - total)
+        start = int(rng.integers(0, tokens.size - n + 1))
+        docs.append(torch.from_numpy(np.asarray(tokens[start:start + n], dtype=np.int64)))
+        total += n
+    return docs, cut
+
+
 def vocab_size_of(tokens: np.ndarray, given: Optional[int]) -> int:
     """Byte corpus: 256. Token files: --vocab_size, or max id + 1 (one pass over the file)."""
     if given:
@@ -104,4 +145,4 @@ def vocab_size_of(tokens: np.ndarray, given: Optional[int]) -> int:
 
 
 __all__ = ["stdlib_corpus", "token_file", "fingerprint",
-           "batch_for_step", "vocab_size_of"]
+           "batch_for_step", "read_lengths", "documents_for_step", "vocab_size_of"]

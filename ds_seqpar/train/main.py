@@ -32,12 +32,12 @@ import torch
 
 from .. import comm, strategies
 from ..config import ConfigError, SequenceParallelConfig
+from ..dynamic import check_dynamic_heads
 from ..memory import MemoryConfig, apply_memory_features
 from ..models import CausalLM, ModelConfig
 from ..sequence_parallel import SequenceParallel
-from . import data, hf_model
+from . import data, documents, hf_model, preflight
 from .args import TrainConfigError, build_parser, resolve_args
-from . import preflight
 from .preflight import build_ds_config, check_options, reports_errors
 from .trainer import Trainer
 
@@ -54,11 +54,15 @@ def run_training(args: Mapping[str, Any], model_factory: Optional[Callable] = No
     memory = MemoryConfig.from_ds_config(ds_config, sp_cfg)     # tiled loss/MLP, checkpointing
     hf_config = load_hf_config(opts, sp_cfg, ds_config)        # --model: options checked, no weights yet
     model_cfg = None if hf_config is not None else model_config(opts, sp_cfg)
-    sp_cfg.check_world(_place_rank(opts))                      # before any rank joins the world,
+    lengths = documents.check_options(opts, sp_cfg, hf_config)  # --lengths read and checked, or None
+    world = _place_rank(opts)
+    if not sp_cfg.is_dynamic:
+        sp_cfg.check_world(world)                              # before any rank joins the world,
     check_run(sp_cfg, opts, model_cfg, hf_config)              # so that every rank says it
     _join_world(opts, sp_cfg.timeout_s)
     # checks size | world before building groups; takes the loss's ZeRO factor from the config
-    sp = SequenceParallel.from_ds_config(ds_config)
+    sp = documents.build_runner(ds_config, sp_cfg, model_cfg) if sp_cfg.is_dynamic \
+        else SequenceParallel.from_ds_config(ds_config)
     tokens = load_tokens(opts)
     vocab_size = data.vocab_size_of(tokens, opts.vocab_size)
     if hf_config is not None:
@@ -72,9 +76,9 @@ def run_training(args: Mapping[str, Any], model_factory: Optional[Callable] = No
         # built whole on every rank; under ZeRO-3 deepspeed.initialize partitions it over sp.mpu's
         # data-parallel group, which is every rank (topology.py)
         model = build_model(opts, model_cfg, hf_config, vocab_size, sp).to(sp.device)
-    # tiled MLPs, per-layer checkpointing, host offload: on the transformers model itself for --model
     features = apply_memory_features(model.model if hf_config is not None else model, memory)
-    trainer = Trainer(opts, ds_config, sp, model, tokens)
+    trainer = Trainer(opts, ds_config, sp, model, tokens) if lengths is None else \
+        documents.DocumentTrainer(opts, ds_config, sp, model, tokens, lengths, documents.runner_of(sp, opts))
     try:
         return dict(trainer.train(), memory_features=features)
     finally:
@@ -169,7 +173,9 @@ def check_run(sp_cfg: SequenceParallelConfig, opts, model_cfg: Optional[ModelCon
         check_heads(hf_config, sp_cfg)
         return
     try:
-        if model_cfg.attention == "softmax":
+        if sp_cfg.is_dynamic:
+            check_dynamic_heads(sp_cfg, model_cfg.n_heads, model_cfg.n_kv_heads)
+        elif model_cfg.attention == "softmax":
             strategies.check_heads(sp_cfg, model_cfg.n_heads, model_cfg.n_kv_heads)
     except ValueError as err:
         raise TrainConfigError(f"{err} (--seq_len={opts.seq_len}, --n_heads={model_cfg.n_heads}, "

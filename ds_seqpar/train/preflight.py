@@ -35,10 +35,13 @@ def build_ds_config(opts) -> dict:
             raise TrainConfigError(f"--deepspeed_config {src!r} does not exist")
         ds = dict(load_ds_config(src))
     section = dict(ds.get("sequence_parallel", {}))
-    overrides = {"strategy": opts.strategy, "size": opts.sp_size, "ulysses_size": opts.ulysses_size}
+    overrides = {"strategy": opts.strategy, "size": opts.sp_size, "ulysses_size": opts.ulysses_size,
+                 "max_tokens_per_rank": opts.max_tokens_per_rank}
     for key, value in overrides.items():
         if value is not None:
             section[key] = value
+    if isinstance(opts.sp_size, int) and opts.max_tokens_per_rank is None:
+        section.pop("max_tokens_per_rank", None)       # a fixed size asked for: the dynamic budget goes
     ds["sequence_parallel"] = section
     if opts.zero_stage is not None:
         ds.setdefault("zero_optimization", {})["stage"] = opts.zero_stage

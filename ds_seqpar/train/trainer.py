@@ -75,11 +75,10 @@ class Trainer:
         losses, mean_losses, grad_norms = [], [], []
         bar = tqdm(total=self.opts.steps, initial=start, disable=not self.is_writer or not self.opts.progress,
                    desc=f"{self.sp.strategy_name} sp{self.sp.size} x dp{self.sp.dp_size}", unit="step")
-        tokens_per_step = self.sp.dp_size * self.micro_batch * self.grad_accum * self.opts.seq_len
         for step in range(start, self.opts.steps):
             faults.maybe_inject(self.rank, step)
             local = self.step(step)
-            record = self.metrics.reduce(step, local, tokens_per_step, self.engine)
+            record = self.reduce(step, local)
             losses.append(local["loss"])
             grad_norms.append(local["grad_norm"])
             mean_losses.append(record["loss"])
@@ -95,6 +94,11 @@ class Trainer:
                 "rank": self.rank, "sp_rank": self.sp.rank, "dp_rank": self.sp.dp_rank, "run_dir": self.run_dir,
                 "metrics_path": self.metrics.log.metrics_path, "wandb_dir": self.wandb_dir,
                 "memory": list(self.memory_records)}
+
+    def reduce(self, step: int, local: Dict[str, float]) -> Dict[str, Any]:
+        """Every rank's measurements of the step -> its record (metrics.py)."""
+        tokens_per_step = self.sp.dp_size * self.micro_batch * self.grad_accum * self.opts.seq_len
+        return self.metrics.reduce(step, local, tokens_per_step, self.engine)
 
     def step(self, step: int) -> Dict[str, float]:
         """One optimizer step over grad_accum micro-batches; this rank's raw measurements."""
