@@ -205,10 +205,8 @@ class GatheredStates(_Exchange):
             return None
         return self._wait_dmaps()[0][self.plan.slot((self.r, j))]
 
-    def dmap(self, j: int) -> Optional[Tensor]:
-        """dA of local fragment j (travelling transitions)."""
-        if not self.plan.width or not self.feeds(j):
-            return None
+    def dmap(self, j: int, d_out: Tensor, s_in: Tensor) -> Tensor:
+        """dA of local fragment j (travelling transitions), given its dstate_out: the readers' shares."""
         return self._wait_dmaps()[1][self.plan.slot((self.r, j))]
 
 
@@ -275,6 +273,10 @@ class RingStates(_Exchange):
         if self.fed(j):
             self._send(self._g[j] + self.transition((self.r, j)).transpose(d_out), self.plan.prev[self.r, j], DSTATE)
         return d_out
+
+    def dmap(self, j: int, d_out: Tensor, s_in: Tensor) -> Tensor:
+        """dA of local fragment j (travelling transitions): dS_out against the S_in it entered with."""
+        return self.transition((self.r, j)).grad(d_out, s_in)
 
 
 EXCHANGES = {"allgather": GatheredStates, "ring": RingStates}
