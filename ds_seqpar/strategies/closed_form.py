@@ -299,5 +299,5 @@ def transient_bytes(strategy: str, p: int, shapes: Shapes, ulysses_size: int = 1
     return ring_form(p, kv)
 
 
-__all__ = ["Shapes", "closed_form_bytes", "transient_bytes", "closed_form_by_kind", "kv_replication", "E_ACC", "ring_key_ranges",
-           "ring_masked_bytes", "lasp_bytes", "state_exchange_bytes"]
+__all__ = ["Shapes", "closed_form_bytes", "transient_bytes", "closed_form_by_kind", "kv_replication", "E_ACC",
+           "ring_key_ranges", "ring_masked_bytes", "lasp_bytes", "state_exchange_bytes"]

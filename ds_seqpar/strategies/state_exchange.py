@@ -35,10 +35,10 @@ import torch
 from torch import Tensor
 
 from .. import comm
+from ..kernels.linear import state_decay
 from .lasp_chain import Key, StatePlan
 
 STATE, DSTATE = "lasp_state", "lasp_dstate"
-TRANSITIONS = ("fixed", "scalar", "matrix")
 
 
 class Transition:
@@ -77,9 +77,7 @@ class FixedDecay:
         self.decay_h, self.dtype = decay_h, dtype
 
     def of_length(self, n: int) -> Transition:
-        if self.decay_h is None:
-            return Transition(None)
-        return Transition(torch.exp(n * self.decay_h.to(self.dtype).log()).view(-1, 1, 1))
+        return Transition(state_decay(self.decay_h, n, self.dtype))       # [H, 1, 1], or None: no decay
 
 
 class TravellingMaps:
@@ -282,5 +280,5 @@ class RingStates(_Exchange):
 EXCHANGES = {"allgather": GatheredStates, "ring": RingStates}
 
 
-__all__ = ["EXCHANGES", "GatheredStates", "RingStates", "Transition", "FixedDecay", "TravellingMaps", "TRANSITIONS",
+__all__ = ["EXCHANGES", "GatheredStates", "RingStates", "Transition", "FixedDecay", "TravellingMaps",
            "STATE", "DSTATE"]

@@ -80,8 +80,9 @@ class LinearExchange:
         heads, n = tensors[0].shape[2], tensors[0].shape[1] * self.size
         inverse = self.layout.inverse(n, tensors[0].device)
         mine = slice(self.rank * (heads // self.size), (self.rank + 1) * (heads // self.size))
-        return [comm.all_to_all(t.contiguous(), 2, 1, self.group, self.stats, "linear_all_to_all").index_select(1, inverse)
-                for t in tensors], mine
+        whole = [comm.all_to_all(t.contiguous(), 2, 1, self.group, self.stats, "linear_all_to_all")
+                 for t in tensors]                    # [b, N, heads / P, ..] in the layout's order
+        return [t.index_select(1, inverse) for t in whole], mine
 
     def back_to_tokens(self, out: Tensor) -> Tensor:
         """whole_heads' inverse for the op's output [b, N, heads / P, ..]."""
