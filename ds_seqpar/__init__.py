@@ -3,7 +3,8 @@
     from ds_seqpar import SequenceParallel, SequenceParallelConfig, STRATEGIES
 """
 from .comm import CommStats
-from .config import ConfigError, SequenceParallelConfig
+from .config import SequenceParallelConfig
+from .errors import ConfigError
 from .sequence_parallel import SequenceParallel
 from .strategies import STRATEGIES
 

@@ -12,7 +12,8 @@ from typing import Optional
 # command -> (module with main(argv), one-line help)
 COMMANDS = {
     "train": ("ds_seqpar.train.main", "train a small causal LM with sequence x ZeRO data parallelism"),
-    "bench": ("ds_seqpar.bench.main", "benchmark every strategy against one process, side by side in one run"),
+    "bench": ("ds_seqpar.bench.main", "benchmark a suite (attention, packed, window, hybrid, trainer, memory), side "
+                                      "by side in one run: ds-seqpar bench [SUITE] [options]"),
     "report": ("ds_seqpar.report.main", "compare training runs (runs/*/metrics.jsonl): tables and plots"),
     "plan": ("ds_seqpar.plan.main", "predict the ranked configurations (strategy, sizes, ZeRO, memory features) "
                                     "for a model, a sequence length and a cluster"),

@@ -12,6 +12,7 @@ from typing import Any, Mapping, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .errors import ConfigError
 from .kernels import BACKENDS
 from .strategies import RING_STRATEGIES, STRATEGIES
 
@@ -21,10 +22,6 @@ LASP_COMMS = ("allgather", "ring")
 LINEAR_STRATEGIES = ("lasp", "ulysses")
 COMM_DTYPES = ("auto", "fp32", "bf16", "fp16")
 DS_COMM_DTYPE_KEY = "seq_parallel_communication_data_type"     # DeepSpeed's own key, same values
-
-
-class ConfigError(ValueError):
-    """A bad ``sequence_parallel`` setting; the message names key, value and the valid choices."""
 
 
 class SequenceParallelConfig(BaseModel):

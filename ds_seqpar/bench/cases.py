@@ -3,10 +3,10 @@ strategy, DeepSpeed's own Ulysses, the no-communication "halves" bound) timed si
 interleaved rounds, plus the bytes each case saves for backward. Runs on every rank (RankPool or a
 launcher); main.py drives it and summary.py turns what it returns into ratios.
 
-Round structure: for each sequence length, ``warmup + repeats`` rounds; each round runs every case
-once in a fixed order after a barrier (A B C A B C ...), so load from other processes hits all
-cases alike. A "single" case runs on rank 0 only (one thread, the whole sequence) while the other
-ranks wait in the next barrier. Per case and round each rank returns its wall time, the main
+Round structure: for each sequence length, the harness's ``warmup + repeats`` interleaved rounds;
+each round runs every case once in a fixed order after a barrier (A B C A B C ...), so load from
+other processes hits all cases alike. A "single" case runs on rank 0 only (one thread, the whole
+sequence) while the other ranks wait in the next barrier. Per case and round each rank returns its wall time, the main
 thread's CPU time (the compute: waiting in a collective costs little CPU), the seconds it sat
 blocked in communication and the bytes it sent (CommStats; None for DeepSpeed's collectives,
 which bypass it). On CUDA "cpu" is the wall time between synchronisations instead.
@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from ..strategies import RING_STRATEGIES
+from .harness import attention_inputs, fwd_bwd, interleaved_rounds, saved_bytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
@@ -79,59 +79,6 @@ class BenchSpec:
     warmup: int = 1
     repeats: int = 5
     lasp_breakdown: bool = False    # kernel work per LASP rank position (lasp_pieces.py), rank 0 alone
-
-
-# ---------------------------------------------------------------------------------------------
-# timing helpers (lasp_pieces.py and the tests use them too)
-
-
-def attention_inputs(seq, heads, head_dim, kv_heads=None, batch=1, dtype=torch.float32, device="cpu", seed=0):
-    """Global-order q, k, v, dout (the same on every rank: the seed is fixed)."""
-    g = torch.Generator().manual_seed(seed)
-    kv = kv_heads or heads
-    shapes = [(batch, seq, heads, head_dim), (batch, seq, kv, head_dim), (batch, seq, kv, head_dim),
-              (batch, seq, heads, head_dim)]
-    return [torch.randn(s, generator=g).to(device=device, dtype=dtype) for s in shapes]
-
-
-def _fwd_bwd(attend, q, k, v, dout):
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    attend(q, k, v).backward(dout)
-
-
-def timed(fn, stats=None, device="cpu") -> dict:
-    """Run ``fn`` once: wall and this thread's CPU seconds (on CUDA: wall for both); the stats are reset first."""
-    if stats is not None:
-        stats.reset()
-    cuda = torch.device(device).type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-    wall, cpu = time.perf_counter(), time.thread_time()
-    fn()
-    if cuda:
-        torch.cuda.synchronize()
-    res = {"wall": time.perf_counter() - wall, "cpu": time.thread_time() - cpu}
-    if cuda:
-        res["cpu"] = res["wall"]        # GPU kernels are asynchronous: CPU time says nothing there
-    if stats is not None:
-        res.update(wait=stats.total_seconds, bytes=stats.total_bytes)
-    return res
-
-
-def saved_bytes(forward: Callable[[], Any]) -> int:
-    """Bytes the autograd graph of ``forward()`` keeps for backward: every tensor saved through
-    save_for_backward, counted once per storage (views and re-saves of one buffer share it)."""
-    storages: Dict[Tuple[int, str], int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        storages[(s.data_ptr(), str(t.device))] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = forward()
-    del out
-    return sum(storages.values())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,17 +198,11 @@ def measure(cases: "RankCases", seq_lens: List[int]) -> Dict[int, Dict[str, Any]
     out = {}
     for seq in seq_lens:
         shards = {name: cases.inputs(name, seq) for name in spec.cases}
-        fns = {name: (lambda a=cases.attend(name), x=shards[name]: _fwd_bwd(a, *x)) for name in spec.cases}
-        rounds: Dict[str, List[dict]] = {name: [] for name in spec.cases}
-        for rnd in range(spec.warmup + spec.repeats):
-            for name in spec.cases:
-                comm.barrier()
-                if shards[name] is None:
-                    continue
-                res = timed(fns[name], cases.stats(name), spec.device)
-                if rnd >= spec.warmup:
-                    rounds[name].append(res)
-        comm.barrier()
+        fns = {(name, seq): (None if shards[name] is None else
+                             (lambda a=cases.attend(name), x=shards[name]: fwd_bwd(a, *x)), cases.stats(name))
+               for name in spec.cases}
+        timed_rounds = interleaved_rounds(fns, spec.warmup, spec.repeats, spec.device)
+        rounds = {name: timed_rounds[f"{name}/{seq}"] for name in spec.cases}
         memory = {name: _saved(cases, name, shards[name]) for name in spec.cases}
         # the 1-minute load average as this length's rounds end: a neighbour's burst mid-run shows here
         out[seq] = {"rounds": rounds, "saved_bytes": memory, "load_1min": os.getloadavg()[0]}

@@ -1,8 +1,8 @@
-"""``ds-seqpar bench --hybrid``: the linear-attention, SSM and convolution layers of Hugging Face
+"""``ds-seqpar bench hybrid``: the linear-attention, SSM and convolution layers of Hugging Face
 hybrids under sequence parallelism against the same layer unsharded, and a whole training step of a
 Qwen3.5-style hybrid next to a Llama of equal size, in one run (not a test).
 
-    ds-seqpar bench --hybrid [--P 2] [--seq 8192] [--families gdn,kda,ssd,lightning,conv] [--hidden 512]
+    ds-seqpar bench hybrid [--P 2] [--seq 8192] [--families gdn,kda,ssd,lightning,conv] [--hidden 512]
                              [--repeats 5] [--warmup 1] [--op-rounds 3] [--train-model PATH]
                              [--train-seq 4096] [--train-repeats 3] [--out reports] [--name hybrid_cpu]
 
@@ -11,8 +11,8 @@ Qwen3.5-style hybrid next to a Llama of equal size, in one run (not a test).
          unapplied layer on all N tokens, one thread), "halves" (every rank the unapplied layer on its
          N/P tokens, nothing exchanged: the bound no exact split beats here), and the layer applied by
          ds_seqpar (softmax strategy ring: one contiguous run per rank) under linear_strategy lasp with
-         lasp_comm allgather and ring, and linear_strategy ulysses. The rounds are --packed's
-         (packed.interleaved_rounds: every case once per round after a barrier, so the baseline and
+         lasp_comm allgather and ring, and linear_strategy ulysses. The rounds are the harness's
+         (harness.interleaved_rounds: every case once per round after a barrier, so the baseline and
          the cases share the load); speedup = single / case per round, median (min-max). Bytes per
          rank of one fwd+bwd against strategies/closed_form.py (must be 1.000).
   op     rank 0 after the rounds, one thread: the plain local op of a rank's N/P tokens against the
@@ -32,48 +32,13 @@ import sys
 import tempfile
 from typing import Dict, List, Optional
 
-from .machine import command_line
+from .harness import (bytes_ratio, case_times, command_line, interleaved_rounds, machine_facts, machine_line,
+                      measure_on_pool, median_ratio, page_options, ratio_range, save_json, timed)
+from ..report.rows import Row
+from .hybrid_families import FAMILIES, SP_CASES, family_cases, family_config, family_sizes
+from .predict import hybrid_closed_form
 
-PROG = "ds-seqpar bench --hybrid"
-GOAL = 1.7                  # LASP speedup over the unsharded layer at P=2
-SP_CASES = {"lasp_allgather": dict(linear_strategy="lasp", lasp_comm="allgather"),
-            "lasp_ring": dict(linear_strategy="lasp", lasp_comm="ring"),
-            "ulysses": dict(linear_strategy="ulysses")}
-# family -> (as in, model type, config keys): one linear layer of the model's own classes; head sizes as
-# the named models', fewer heads (one CPU thread per rank)
-FAMILIES = {
-    "gdn": ("Qwen3.5 gated DeltaNet", "qwen3_5_text", dict(
-        layer_types=["linear_attention"], linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=128,
-        linear_value_head_dim=128, linear_conv_kernel_dim=4)),
-    "kda": ("Kimi-Linear delta attention", "kimi_linear", dict(
-        layer_types=["linear_attention"], linear_num_heads=2, linear_head_dim=32, linear_conv_kernel_dim=4)),
-    "ssd": ("Bamba / Nemotron-H Mamba2 SSD", "bamba", dict(
-        attn_layer_indices=[], mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=2, mamba_d_state=128,
-        mamba_chunk_size=128, mamba_expand=1, mamba_d_conv=4)),
-    "lightning": ("MiniMax lightning attention", "minimax", dict(
-        layer_types=["linear_attention"], num_attention_heads=4, head_dim=128, block_size=256)),
-    "conv": ("LFM2 gated short convolution", "lfm2", dict(layer_types=["conv"], conv_L_cache=3)),
-}
-_BASE = dict(num_hidden_layers=1, intermediate_size=256, num_key_value_heads=4, vocab_size=256, use_cache=False,
-             tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2, num_local_experts=2,
-             num_experts=2, num_experts_per_tok=1, moe_intermediate_size=64)
-
-
-def family_config(name: str, hidden: int):
-    """The family's model type's own config class with one linear layer at width ``hidden``."""
-    from transformers import CONFIG_MAPPING
-    _, model_type, keys = FAMILIES[name]
-    cls = CONFIG_MAPPING[model_type]
-    known = cls().to_dict()
-    kw = {k: v for k, v in _BASE.items() if k in known}
-    return cls(**dict(kw, hidden_size=hidden, **keys))
-
-
-def family_cases(name: str) -> List[str]:
-    """A short conv has no state: lasp ring and ulysses run the same halo as allgather."""
-    return ["single", "halves"] + (["lasp_allgather"] if name == "conv" else list(SP_CASES))
-
-
+PROG = "ds-seqpar bench hybrid"
 def _mixer(cfg, sp=None):
     """(model, its one linear layer module), seeded, applied when ``sp`` is given."""
     import torch
@@ -129,7 +94,6 @@ def _case_fns(args, rank: int):
 def bench_rank(args) -> Dict[str, object]:
     """Every rank: warmup + repeats interleaved rounds; then rank 0 alone times the ops (op_pieces)."""
     from .. import comm
-    from .packed import interleaved_rounds
     rounds = interleaved_rounds(_case_fns(args, comm.global_rank()), args.warmup, args.repeats)
     out = {"rounds": rounds, "load_1min": os.getloadavg()[0]}
     if comm.global_rank() == 0 and args.op_rounds:
@@ -197,7 +161,6 @@ def _op_runs(fam: str, original, call: dict):
 
 
 def op_pieces(args) -> List[dict]:
-    from .cases import timed
     rows = []
     for fam in [f for f in args.families if f in OP_FAMILIES]:
         original, call = _captured_call(fam, args)
@@ -215,47 +178,8 @@ def op_pieces(args) -> List[dict]:
     return rows
 
 
-# -- what the bytes are held against -----------------------------------------------------------------
-
-
-def closed_form(fam: str, case: str, args) -> List[int]:
-    """Bytes per rank of one fwd+bwd of the family's layer (batch 1), strategies/closed_form.py."""
-    from ..sharding.layouts import make_layout
-    from ..strategies.closed_form import conv_halo_bytes, linear_state_bytes, linear_ulysses_bytes
-    from ..strategies.state_passing import fragments
-    c, p, t = family_config(fam, args.hidden), args.P, args.seq // args.P
-    frags = fragments(make_layout("contiguous", p), args.seq)
-    if fam == "gdn":
-        hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-        state, kind, elems = (hv, dk, dv), "matrix", [t * hk * dk] * 2 + [t * hv * dv] * 2 + [t * hv] * 2
-        halo = (2 * hk * dk + hv * dv, c.linear_conv_kernel_dim - 1)
-    elif fam == "kda":
-        h, d = c.linear_num_heads, c.linear_head_dim
-        state, kind, elems = (h, d, d), "matrix", [t * h * d] * 5 + [t * h]          # q, k, v, g, out; beta
-        halo = (3 * h * d, c.linear_conv_kernel_dim - 1)
-    elif fam == "ssd":
-        h, pd, n, g = c.mamba_n_heads, c.mamba_d_head, c.mamba_d_state, c.mamba_n_groups
-        state, kind, elems = (h, pd, n), "scalar", [t * h * pd] * 2 + [t * h] + [t * g * n] * 2   # x, out; dt; B, C
-        halo = (int(c.mamba_expand * c.hidden_size) + 2 * g * n, c.mamba_d_conv - 1)
-    elif fam == "lightning":
-        h, d = c.num_attention_heads, c.head_dim
-        state, kind, elems, halo = (h, d, d), "fixed", [t * h * d] * 4, None
-    else:
-        state, halo = None, (c.hidden_size, c.conv_L_cache - 1)
-    out = []
-    for r in range(p):
-        total = conv_halo_bytes(frags, 1, halo[0], halo[1], 4)["conv_halo"] if halo else 0
-        if state and SP_CASES[case]["linear_strategy"] == "ulysses":
-            total += linear_ulysses_bytes(p, elems, 4)["linear_all_to_all"]
-        elif state:
-            total += sum(linear_state_bytes(frags, r, 1, *state, SP_CASES[case]["lasp_comm"], kind).values())
-        out.append(total)
-    return out
-
-
 def summarize(per_rank, args) -> Dict[str, dict]:
-    """Per family and case: times (packed_report.case_times), speedup over single per round, bytes vs form."""
-    from .packed_report import case_times, median_ratio, ratio_range
+    """Per family and case: times (harness.case_times), speedup over single per round, bytes vs form."""
     out = {}
     for fam in args.families:
         rows = {case: case_times(per_rank, f"{fam}/{case}") for case in family_cases(fam)}
@@ -265,8 +189,8 @@ def summarize(per_rank, args) -> Dict[str, dict]:
             r["speedup_range"] = ratio_range(single["walls"], r["walls"])
             r["cpu_speedup"] = median_ratio(single["cpu_rounds"], r["cpu_rounds"])
             if case in SP_CASES:
-                r["form"] = closed_form(fam, case, args)
-                r["bytes_ratio"] = [m / f if f else float(m == 0) for m, f in zip(r["bytes"], r["form"])]
+                r["form"] = hybrid_closed_form(fam, case, args, family_config, SP_CASES)
+                r["bytes_ratio"] = bytes_ratio(r["bytes"], r["form"])
         out[fam] = rows
     return out
 
@@ -309,11 +233,62 @@ def measure_train(args) -> Dict[str, dict]:
             solo.close()
 
 
+# -- the rows ------------------------------------------------------------------------------------------
+
+
+def rows(summary: Dict[str, dict], meta, ops: Optional[List[dict]], train: Optional[Dict[str, dict]]) -> List[Row]:
+    """Per family and case the layer's speedup and bytes; the local op alone; the whole training step."""
+    layer, out = f"One layer, fwd+bwd at N={meta['seq']}, P={meta['P']}", []
+    for fam, r in summary.items():
+        out += [Row("hybrid", fam, case, layer, "x", x["speedup"], tuple(x["speedup_range"]),
+                    target="hybrid_layer" if case.startswith("lasp") else None,
+                    detail={"wall s": x["time"], "CPU speedup": x["cpu_speedup"], "CPU s per rank": x["cpu"]})
+                for case, x in r.items()]
+    for fam, r in summary.items():
+        out += [Row("hybrid", fam, case, "Bytes per rank of one layer against the closed form", "B", x["bytes"],
+                    predicted=x["form"], target="bytes") for case, x in r.items() if "form" in x]
+    for o in ops or []:
+        out.append(Row("hybrid", o["family"], f"`{o['op']}`", f"The local op alone, {o['tokens']} tokens (N/P): map "
+                       f"/ plain", "x", o["ratio"], tuple(o["ratio_range"]),
+                       detail={"plain CPU s": o["plain"], "map CPU s": o["map"]}))
+    for label, t in (train or {}).items():
+        s = t["speedup"]
+        out.append(Row("hybrid", label, f"P={meta['P']} vs 1", f"Whole training step at {meta['train_seq']} tokens, "
+                       f"ZeRO-2", "x", s["median"], (s["min"], s["max"]), detail={
+                           "1 rank s/step": t["one_s"]["median"], "P ranks s/step": t["p_s"]["median"],
+                           "compute speedup": t["compute_speedup"]["median"], "tokens/s 1 -> P": t["tokens_per_s"],
+                           "losses, max rel diff": t["loss_rel_diff"]}))
+    return out
+
+
+def facts(meta, families: List[str]) -> dict:
+    listed = "; ".join(f"`{fam}`: {FAMILIES[fam][0]} (`{FAMILIES[fam][1]}`), {family_sizes(fam, meta['hidden'])}"
+                       for fam in families)
+    return {
+        "title": "Hybrid models' linear layers on CPU ranks: one transformers layer, sharded vs unsharded",
+        "setup": f"P={meta['P']} ranks x 1 thread (gloo), N={meta['seq']} tokens, batch 1, hidden {meta['hidden']}, "
+                 f"fp32, forward + backward of ONE layer: the model's own mixer module (transformers "
+                 f"{meta.get('transformers', '?')}, its torch fallbacks), applied by ds_seqpar with softmax strategy "
+                 f"ring. {meta['repeats']} interleaved rounds after {meta['warmup']} warm-up round(s); speedup = "
+                 f"single / case per round, median (min-max); CPU speedup: the same with the busiest rank's thread "
+                 f"CPU time. Families: {listed}.",
+        "command": meta["command"], "machine": machine_line(meta), "notes": meta.get("notes", ""),
+        "metrics": {
+            f"One layer, fwd+bwd at N={meta['seq']}, P={meta['P']}":
+                "single: rank 0, the unapplied layer on all N tokens (the baseline). halves: every rank the "
+                "unapplied layer on its N/P tokens, nothing exchanged: the bound no exact split beats here.",
+            "Bytes per rank of one layer against the closed form":
+                "What CommStats recorded per rank for one fwd+bwd against strategies/closed_form.py "
+                "(`linear_state_bytes`, `conv_halo_bytes`, `linear_ulysses_bytes`).",
+            f"Whole training step at {meta.get('train_seq')} tokens, ZeRO-2":
+                "Through train.run_training: zigzag for the softmax layers, linear_strategy lasp (allgather) for "
+                "the linear ones; rounds alternate the 1-rank and the P-rank run. The Llama has the hybrid's sizes."}}
+
+
 # -- command line ----------------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .packed import page_options
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("--P", type=int, default=2)
     ap.add_argument("--seq", type=int, default=8192)
@@ -339,23 +314,25 @@ def resolve(args) -> argparse.Namespace:
     return args
 
 
-def write(rows, meta, out: str, ops=None, train=None) -> int:
-    """<out>/<name>.md and the numbers behind it, <out>/<name>.json (--render re-writes the page)."""
-    from .hybrid_report import render
-    from .packed import write_page
-    return write_page(render(rows, meta, ops, train), {"rows": rows, "ops": ops, "train": train, "meta": meta}, out,
-                      meta["name"], PROG)
+def write(summary, meta, out: str, ops=None, train=None) -> int:
+    """<out>/<name>.json (the measured summary: --render and plan --calibrate read it), <out>/<name>.md and
+    <out>/<name>.rows.json (the page and its rows)."""
+    from ..report.render import write as write_rows
+    save_json(os.path.join(out, f"{meta['name']}.json"), {"rows": summary, "ops": ops, "train": train, "meta": meta})
+    write_rows(out, meta["name"], rows(summary, meta, ops, train), facts(meta, list(summary)), PROG)
+    return 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     import transformers
-    from .machine import machine_facts
-    from .packed import measure_on_pool, render_saved
     from .summary import train_rows
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.render:
-        return render_saved(args.render, write, "ops", "train")
+        with open(args.render) as f:
+            saved = json.load(f)
+        return write(saved["rows"], saved["meta"], os.path.dirname(args.render) or ".", saved.get("ops"),
+                     saved.get("train"))
     args = resolve(args)
     per_rank, meta = measure_on_pool(bench_rank, args, command_line(PROG, argv))
     train = None
@@ -368,7 +345,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     return write(summarize(per_rank, args), meta, args.out, per_rank[0].get("ops"), train)
 
 
-__all__ = ["main", "bench_rank", "summarize", "write", "closed_form", "equal_llama", "family_config", "family_cases",
+__all__ = ["main", "bench_rank", "summarize", "write", "equal_llama", "family_config", "family_cases",
            "FAMILIES"]
 
 

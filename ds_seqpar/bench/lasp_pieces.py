@@ -12,7 +12,7 @@ from typing import Callable, Dict, Optional
 
 from torch import Tensor
 
-from .cases import timed
+from .harness import timed
 
 CHUNK = 64          # the kernel's chunk, as strategies/lasp.py uses
 

@@ -7,10 +7,15 @@ measured side by side in one run, with the ratios docs/design.md sets targets fo
     ds-seqpar bench --preset lasp                      # LASP-1/LASP-2 vs the halves bound, per-piece kernel work
     ds-seqpar bench --strategies zigzag,lasp --P 4 --seq-lens 4096,8192 --no-causal --name mine
     torchrun --nproc_per_node 2 -m ds_seqpar.cli bench ...   # under a launcher (GPUs: --device cuda)
-    ds-seqpar bench --packed [--P 2 --seq 8192 --docs 8]     # packed documents (bench/packed.py)
-    ds-seqpar bench --window [--P 2 --seq 8192 --windows 1024,2048]  # windows, softcap, sinks (bench/window.py)
-    ds-seqpar bench --trainer [--rounds 3 --steps 6]        # HF Trainer vs plain dp, DeepSpeed's ALST, own loop (bench/trainer.py)
-    ds-seqpar bench --hybrid [--P 2 --seq 8192 --families gdn,ssd]   # hybrids' linear layers, training step (bench/hybrid.py)
+    ds-seqpar bench packed [--P 2 --seq 8192 --docs 8]       # packed documents (bench/packed.py)
+    ds-seqpar bench window [--P 2 --seq 8192 --windows 1024,2048]   # windows, softcap, sinks (bench/window.py)
+    ds-seqpar bench trainer [--repeats 3 --steps 6]          # HF Trainer vs plain dp, DeepSpeed's ALST, own loop (bench/trainer.py)
+    ds-seqpar bench hybrid [--P 2 --seq 8192 --families gdn,ssd]    # hybrids' linear layers, training step (bench/hybrid.py)
+    ds-seqpar bench memory [--models lm --P 1,2]              # peak memory of a training step (bench/memory.py)
+
+``ds-seqpar bench SUITE``: attention (the default when no suite is named), packed, window, hybrid,
+trainer, memory; the old flags (``--packed``, ``--window``, ``--hybrid``, ``--trainer``) still work
+and print one deprecation line.
 
 Without a launcher the command starts P local CPU ranks itself (RankPool, one thread each, gloo).
 What it measures (cases.py on the ranks, train_step.py for training, summary.py for the ratios):
@@ -21,8 +26,6 @@ attention and vs the no-communication "halves" bound (with --lasp-breakdown, the
 each LASP rank position: lasp_pieces.py), ours vs deepspeed.sequence.layer.DistributedAttention,
 and the whole training step of the small LM (ZeRO-2) at P ranks vs one. Writes <out>/<name>.json,
 <out>/<name>.md and <out>/<name>/*.png; with --wandb one wandb run per case, grouped by the bench name.
-``ds-seqpar bench memory`` is the memory case (memory.py: peak memory per rank of a training step
-with and without the long-context memory features).
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ from ..kernels.base import check_head_groups
 from ..report.plotting import require_matplotlib
 from ..strategies import STRATEGIES
 from .cases import BASELINE, CASES, DTYPES, BenchSpec
-from .machine import command_line, machine_facts
+from .harness import command_line, machine_facts
 
 ALIASES = {"lasp": ["lasp2", "lasp1"], "deepspeed": ["ds_ulysses"]}
 # every registered strategy (lasp: both exchanges) and DeepSpeed's Ulysses
@@ -65,8 +68,9 @@ class BenchError(ValueError):
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="ds-seqpar bench", description="Benchmark every sequence-parallel strategy, the single-process kernels "
-        "and DeepSpeed's Ulysses side by side in one run; write <out>/<name>.{md,json} and plots.",
+        prog="ds-seqpar bench [attention]", description="The attention suite: every sequence-parallel strategy, the "
+        "single-process kernels and DeepSpeed's Ulysses side by side in one run; write <out>/<name>.{md,json,rows.json} "
+        "and plots. Other suites: ds-seqpar bench {packed,window,hybrid,trainer,memory} --help.",
         epilog="presets: " + "; ".join(f"{k}: P={v['P']}, N={','.join(map(str, v['seq_lens']))}, {v['heads']} heads x "
                                       f"{v['head_dim']}, cases {v['strategies']}, training {v['train_strategies']}"
                                       for k, v in PRESETS.items()))
@@ -225,7 +229,6 @@ def run(args: argparse.Namespace, argv: List[str], pools=None) -> Optional[Dict[
            "train": S.train_rows(train, args.P) if train else {}, "train_skipped": skipped,
            "train_model": _train_model(args), "load_by_length": load_by_length,
            "lasp_breakdown": per_rank[0].get("lasp_breakdown"), "raw": {"ranks": per_rank, "train": train}}
-    res["checks"] = S.checks(res)
     _write(res, args)
     return res
 
@@ -292,50 +295,64 @@ def _measure_under_launcher(args, spec: BenchSpec):
 
 
 def _write(res: Dict[str, Any], args) -> None:
-    from .markdown import write_report
+    from ..report.render import result
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)
-    md = write_report(res, args.out)
+    md, rows = render_results(res, args.out)
     if args.wandb:
         from .wandb_log import log_bench
-        log_bench(res, os.path.join(args.out, args.name), args.wandb_project)
-    width = max(len(c["what"]) for c in res["checks"])
-    print("\n".join(f"{c['what']:<{width}}  {c['measured']:8.3f}  {c['target']:>9}  {c['result']}"
-                    for c in res["checks"]))
+        log_bench(res, rows, os.path.join(args.out, args.name), args.wandb_project)
+    held = [r for r in rows if r.target]
+    width = max([len(f"{r.case} {r.variant}") for r in held] or [0])
+    print("\n".join(f"{r.case + ' ' + r.variant:<{width}}  {r.metric[:40]:<40}  {max(r.values()):8.3f}  "
+                    f"{result(r)}" for r in held))
     print(f"ds-seqpar bench: wrote {md}, {os.path.join(args.out, args.name + '.json')} and "
           f"{os.path.join(args.out, args.name)}/*.png")
 
 
+def render_results(res: Dict[str, Any], out_dir: str):
+    """(<out>/<name>.md, its rows): the rows of a results dict (attention.py), rendered with their plots."""
+    from ..report.render import write
+    from .attention import facts, rows, write_plots
+    found = rows(res)
+    write_plots(found, res["meta"], os.path.join(out_dir, res["meta"]["name"]))
+    return write(out_dir, res["meta"]["name"], found, facts(res)), found
+
+
 def render_saved(path: str) -> str:
-    """Re-summarise and re-render a results JSON next to itself; the measurements are untouched."""
-    from .markdown import write_report
-    from .summary import checks
+    """Re-render a results JSON next to itself (page, rows and plots); the measurements are untouched."""
     with open(path) as f:
         res = json.load(f)
-    res["checks"] = checks(res)
+    res.pop("checks", None)                 # results saved before the rows carried their checks this way
     with open(path, "w") as f:
         json.dump(res, f, indent=1, default=str)
-    return write_report(res, os.path.dirname(path) or ".")
+    return render_results(res, os.path.dirname(path) or ".")[0]
+
+
+# suite -> the module whose main(argv) measures it; "attention" is this module's own
+SUITES = {"attention": None, "packed": "packed", "window": "window", "hybrid": "hybrid", "trainer": "trainer",
+          "memory": "memory"}
+OLD_FLAGS = {"--packed": "packed", "--window": "window", "--hybrid": "hybrid", "--trainer": "trainer"}
+
+
+def suite_of(argv: List[str]):
+    """(suite, its arguments): ``ds-seqpar bench SUITE ...``; the old spelling (a flag anywhere, e.g.
+    ``--window``) still works and says once what replaced it; no suite named: attention."""
+    if argv[:1] and argv[0] in SUITES:
+        return argv[0], argv[1:]
+    for flag, suite in OLD_FLAGS.items():
+        if flag in argv:
+            print(f"ds-seqpar bench: {flag} is deprecated; use `ds-seqpar bench {suite} ...`", file=sys.stderr)
+            return suite, [a for a in argv if a != flag]
+    return "attention", argv
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--packed" in argv:               # packed documents vs one document: its own options and page
-        from .packed import main as packed_main
-        return packed_main([a for a in argv if a != "--packed"])
-    if "--hybrid" in argv:               # hybrids' linear layers and training step (hybrid.py)
-        from .hybrid import main as hybrid_main
-        return hybrid_main([a for a in argv if a != "--hybrid"])
-    if "--window" in argv:               # sliding windows, softcap, sinks vs plain attention (window.py)
-        from .window import main as window_main
-        return window_main([a for a in argv if a != "--window"])
-    if "--trainer" in argv:              # HF Trainer: exactness vs plain dp and DeepSpeed's ALST, overhead (trainer.py)
-        from .trainer import main as trainer_main
-        return trainer_main([a for a in argv if a != "--trainer"])
-    if argv[:1] == ["memory"]:              # the memory case: its own options (memory.py)
-        from .memory import main as memory_main
-        return memory_main(argv[1:])
+    suite, argv = suite_of(list(sys.argv[1:] if argv is None else argv))
+    if SUITES[suite]:
+        import importlib
+        return importlib.import_module(f"{__package__}.{SUITES[suite]}").main(argv)
     if "--render" in argv:
         print(f"ds-seqpar bench: wrote {render_saved(build_parser().parse_args(argv).render)}")
         return 0

@@ -31,7 +31,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ..report.plotting import require_matplotlib
-from .machine import command_line, machine_facts
+from .harness import command_line, machine_facts
 from .memory_step import MemorySpec, measure_peak, time_steps
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -206,23 +206,23 @@ def run(args, argv: List[str]) -> Dict[str, Any]:
 
 
 def finish(res: Dict[str, Any], out: str) -> Dict[str, Any]:
-    """Summaries, checks, machine facts; JSON, markdown and plots."""
-    from . import memory_summary as S
-    from .memory_report import write_report
+    """Summaries and machine facts; JSON, plots, and the page with its rows (memory_rows.py)."""
+    from ..report.render import result, write
+    from . import predict as S
+    from .memory_plots import write_plots
+    from .memory_rows import facts, rows
     floor = res["meta"]["layers"] * res["meta"]["hidden"] * 4
     scaling = [m for m in res["measurements"] if m.get("purpose", "scaling") == "scaling"]
+    res.pop("checks", None)                 # results saved before the rows carried their checks this way
     res["variants"] = S.summarize(scaling, floor, res["meta"]["budget_bytes"])
-    res["checks"] = S.checks(res["variants"], floor)
     res["strategy_rows"] = S.strategy_rows([m for m in res["measurements"] if m.get("purpose") == "strategies"])
-    res["checks"] += S.strategy_checks(res["strategy_rows"])
     res["timing_rows"] = S.timing_rows(res["timing"], res["meta"])
-    res["checks"] += S.timing_checks(res["timing_rows"])
     res.setdefault("machine", machine_facts())
     _save(res, os.path.join(out, f"{res['meta']['name']}.json"))
-    md = write_report(res, out)
-    width = max([len(c["what"]) for c in res["checks"]] or [0])
-    print("\n".join(f"{c['what']:<{width}}  {c['measured']:8.3f}  {c['target']:>9}  {c['result']}"
-                    for c in res["checks"]))
+    write_plots(res, out)
+    found = rows(res)
+    md = write(out, res["meta"]["name"], found, facts(res))
+    print("\n".join(f"{r.case} {r.variant}: {r.metric[:50]}  {r.value:8.3f}  {result(r)}" for r in found if r.target))
     print(f"ds-seqpar bench memory: wrote {md}")
     return res
 

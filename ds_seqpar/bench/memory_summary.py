@@ -1,5 +1,6 @@
 """Pure arithmetic of ``ds-seqpar bench memory``: from measured peaks to bytes per token, the phase
-model of a step's peak, the longest sequence in a budget, and the checks against the goals.
+model of a step's peak, the longest sequence in a budget, the per-strategy comparison and the
+recompute's implied step time (memory_rows.py holds them against the goals).
 
 A step's peak is the largest of its phases' peaks (forward, loss backward, layers backward, end of
 backward, optimizer step). Each phase's peak is affine in the tokens per rank N: a fixed part
@@ -13,11 +14,9 @@ shorter measurements approach), and whose inverse at a budget is the longest seq
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 KIB, MIB, GIB = 1024, 2 ** 20, 2 ** 30
-GOALS = {"features_vs_plain": 1 / 8, "features_vs_floor": 3.0, "p2_peak_vs_p1": 1.10, "max_seq_p2_vs_p1": 1.95,
-         "time_vs_implied": 1.10, "above_static_vs_p1": {2: 0.10, 4: 0.15}}
 
 
 def key(model: str, world: int, features: bool) -> str:
@@ -93,49 +92,6 @@ def summarize(measurements: List[Dict[str, Any]], floor: int, budget: float) -> 
     return out
 
 
-def _check(what: str, measured: Optional[float], target: str, ok: Optional[bool]) -> Dict[str, Any]:
-    result = "n/a" if ok is None else ("PASS" if ok else "FAIL")
-    return {"what": what, "measured": measured, "target": target, "result": result}
-
-
-def checks(variants: Dict[str, Dict[str, Any]], floor: int) -> List[Dict[str, Any]]:
-    """The goals, per model: features vs plain and vs the floor at every P measured, P=2 vs P=1."""
-    out = []
-    models = sorted({v["model"] for v in variants.values()})
-    for model in models:
-        worlds = sorted({v["world"] for v in variants.values() if v["model"] == model})
-        for p in worlds:
-            on, off = variants.get(key(model, p, True)), variants.get(key(model, p, False))
-            if on and off:
-                r = on["bytes_per_token"] / off["bytes_per_token"]
-                out.append(_check(f"{model} P={p}: bytes/token with features / without", r, "<= 0.125",
-                                  r <= GOALS["features_vs_plain"]))
-            if on:
-                out.append(_check(f"{model} P={p}: bytes/token with features / floor", on["floor_ratio"], "<= 3",
-                                  on["floor_ratio"] <= GOALS["features_vs_floor"]))
-        for features in (True, False):
-            one, two = variants.get(key(model, 1, features)), variants.get(key(model, 2, features))
-            if not (one and two):
-                continue
-            common = sorted({r["tokens_per_rank"] for r in one["rows"]} & {r["tokens_per_rank"] for r in two["rows"]})
-            tag = "with" if features else "without"
-            for n in common:
-                r1 = next(r for r in one["rows"] if r["tokens_per_rank"] == n)
-                r2 = next(r for r in two["rows"] if r["tokens_per_rank"] == n)
-                ratio = r2["peak_bytes"] / r1["peak_bytes"]
-                out.append(_check(f"{model} {tag} features, {n} tokens/rank: step peak per rank P=2 / P=1", ratio,
-                                  "<= 1.10", ratio <= GOALS["p2_peak_vs_p1"]))
-                # what the tokens cost, without the static part (ZeRO shards the optimizer over P)
-                ratio = r2["activation_bytes"] / r1["activation_bytes"]
-                out.append(_check(f"{model} {tag} features, {n} tokens/rank: forward+backward peak above static "
-                                  f"P=2 / P=1", ratio, "0.90-1.10", abs(ratio - 1) <= GOALS["p2_peak_vs_p1"] - 1))
-            if features and one["max_seq_len"] and two["max_seq_len"]:
-                r = two["max_seq_len"] / one["max_seq_len"]
-                out.append(_check(f"{model} with features: longest sequence in the budget, P=2 / P=1", r, ">= 1.95",
-                                  r >= GOALS["max_seq_p2_vs_p1"]))
-    return out
-
-
 def strategy_rows(measurements: List[Dict[str, Any]]) -> Dict[str, Any]:
     """The per-strategy comparison: each (strategy, P, N) with its whole step's peak above static
     (largest rank), phase by phase, over P=1's at the same tokens per rank; and per P the two-point
@@ -170,18 +126,6 @@ def strategy_rows(measurements: List[Dict[str, Any]]) -> Dict[str, Any]:
                               "per_token": (hi["peak_bytes"] - lo["peak_bytes"]) / (n - short),
                               "above_static_per_token": hi["above_static_bytes"] / n})
     return {"rows": rows, "two_point": two_point}
-
-
-def strategy_checks(strategy: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """Every strategy's whole-step peak above static at P ranks within GOALS of P=1's."""
-    out = []
-    for r in strategy.get("rows", []):
-        tol = GOALS["above_static_vs_p1"].get(r["world"])
-        if tol is None or r["vs_p1"] is None:
-            continue
-        out.append(_check(f"{r['strategy']} P={r['world']}, {r['tokens_per_rank']} tokens/rank: whole-step peak above "
-                          f"static / P=1's", r["vs_p1"], f"{1 - tol:.2f}-{1 + tol:.2f}", abs(r["vs_p1"] - 1) <= tol))
-    return out
 
 
 def step_macs_per_token(meta: Dict[str, Any], world: int, tokens_per_rank: int, features: bool) -> float:
@@ -223,15 +167,5 @@ def timing_rows(timing: Dict[str, Dict[str, Any]], meta: Dict[str, Any]) -> List
     return rows
 
 
-def timing_checks(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """The features may cost the recompute they imply and no more: the median measured ratio
-    within GOALS["time_vs_implied"] of the implied one (the margin covers the elementwise work the
-    count leaves out)."""
-    limit = GOALS["time_vs_implied"]
-    return [_check(f"{r['case']}: step time with / without features, {r['tokens_per_rank']} tokens/rank, "
-                   f"over the implied {r['implied']:.2f}", r["ratio"] / r["implied"], f"<= {limit:.2f}",
-                   r["ratio"] / r["implied"] <= limit) for r in rows]
-
-
-__all__ = ["GIB", "GOALS", "KIB", "MIB", "checks", "strategy_checks", "strategy_rows", "fit_line", "implied_ratio", "key", "max_tokens", "phase_model",
-           "predict_peak", "step_macs_per_token", "summarize", "timing_checks", "timing_rows"]
+__all__ = ["GIB", "KIB", "MIB", "strategy_rows", "fit_line", "implied_ratio", "key", "max_tokens", "phase_model",
+           "predict_peak", "step_macs_per_token", "summarize", "timing_rows"]

@@ -1,7 +1,7 @@
-"""``ds-seqpar bench --packed``: packed documents (cu_seqlens) against one document of the same
+"""``ds-seqpar bench packed``: packed documents (cu_seqlens) against one document of the same
 length, for every strategy, side by side in one run (not a test).
 
-    ds-seqpar bench --packed [--P 2] [--seq 8192] [--docs 8] [--heads 8] [--head-dim 64]
+    ds-seqpar bench packed [--P 2] [--seq 8192] [--docs 8] [--heads 8] [--head-dim 64]
                              [--repeats 5] [--warmup 1] [--out reports] [--name packed_cpu]
 
 Per strategy three variants of the same N tokens: one document (cu_seqlens=None, the ordinary
@@ -14,7 +14,7 @@ is the sum of squared document lengths) and the goal 0.20; per-rank CPU time and
 of the mixed documents (pairs computed, from the policy) with their imbalance max/mean; bytes per
 rank against the document closed forms; and, on one process, one rank's block computed as
 per-document sub-blocks against one masked block (the CPU flash kernel's attn_mask) per document
-length. Timing helpers are bench/cases.py's.
+length. The page is report/render.py's, from ``rows``; predictions come through bench/predict.py.
 """
 from __future__ import annotations
 
@@ -25,21 +25,16 @@ import sys
 import time
 from typing import Dict, List, Optional, Tuple
 
-from .cases import attention_inputs, timed
-from .machine import command_line
+from ..report.rows import Row
+from ..report.targets import TARGETS
+from .harness import (LINEAR, SOFTMAX, attention_inputs, case_times, command_line, fwd_bwd, interleaved_rounds,
+                      machine_line, measure_on_pool, median_ratio, page_options, ratio_range, save_json,
+                      strategy_config, timed)
+from .predict import imbalance_sweep, packed_closed_form, work_per_rank
 
-SOFTMAX = ("ulysses", "ring", "zigzag", "striped")
-LINEAR = ("lasp2", "lasp1")
+PROG = "ds-seqpar bench packed"
 VARIANTS = ("one", "equal", "mixed")
 MIXED = (3000, 101, 1499, 700, 2047, 53, 744, 48)          # sums to 8192; odd, short and long documents
-
-
-def strategy_config(name: str, world: int) -> dict:
-    if name in LINEAR:
-        return {"strategy": "lasp", "size": world, "lasp_comm": "allgather" if name == "lasp2" else "ring"}
-    if name == "hybrid":
-        return {"strategy": "zigzag", "size": world, "ulysses_size": 2, "backend": "torch"}
-    return {"strategy": name, "size": world, "backend": "torch"}
 
 
 def variant_bounds(variant: str, seq: int, docs: int, mixed: Tuple[int, ...]) -> Optional[List[int]]:
@@ -87,34 +82,9 @@ def _case_fns(args, rank):
             else:
                 attend = lambda a, b, c, sp=sp, cu=cu: sp.attention(a, b, c, causal=True, cu_seqlens=cu)  # noqa: E731
             run = None if sp is None and rank != 0 else \
-                (lambda attend=attend, x=shards: _fwd_bwd(attend, *x))
+                (lambda attend=attend, x=shards: fwd_bwd(attend, *x))
             fns[name, variant] = (run, None if sp is None else sp.stats)
     return fns
-
-
-def _fwd_bwd(attend, q, k, v, dout):
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    attend(q, k, v).backward(dout)
-
-
-def interleaved_rounds(fns, warmup: int, repeats: int) -> Dict[str, list]:
-    """{(strategy, variant): (run or None, stats or None)} -> {"strategy/variant": measured rounds}:
-    warmup + repeats rounds, each running every case once after a barrier, in a fixed order (--window
-    shares it). A round's entry: wall and CPU seconds, and with stats the bytes sent, by CommStats kind."""
-    from .. import comm
-    rounds = {f"{n}/{v}": [] for n, v in fns}
-    for rnd in range(warmup + repeats):
-        for (name, variant), (run, stats) in fns.items():
-            comm.barrier()
-            if run is None:
-                continue
-            res = timed(run, stats)
-            if stats is not None:
-                res["by_kind"] = {kd: b for kd, b in stats.bytes.items() if kd != "cu_seqlens_check"}
-            if rnd >= warmup:
-                rounds[f"{name}/{variant}"].append(res)
-    comm.barrier()
-    return rounds
 
 
 def bench_rank(args) -> Dict[str, list]:
@@ -167,7 +137,7 @@ def masked_vs_subblocks(args) -> List[dict]:
 
 def build_parser() -> argparse.ArgumentParser:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
-    ap = argparse.ArgumentParser(prog="ds-seqpar bench --packed", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("--P", type=int, default=2)
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--docs", type=int, default=8, help="equal documents of the packed variant")
@@ -179,54 +149,113 @@ def build_parser() -> argparse.ArgumentParser:
     return page_options(ap, "packed_cpu")
 
 
-def page_options(ap: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
-    """The options every one-page bench mode shares (--packed, --window, --hybrid): rounds and the page."""
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--out", default="reports")
-    ap.add_argument("--name", default=name)
-    ap.add_argument("--notes", default="", help="free text added to the page")
-    ap.add_argument("--render", metavar="JSON", help="measure nothing: rewrite the page of a saved results file")
-    return ap
-
-
 def resolve(args) -> argparse.Namespace:
     default = SOFTMAX + (("hybrid",) if args.P >= 4 and args.P % 2 == 0 else ()) + LINEAR
     args.strategies = default if args.strategies is None else tuple(args.strategies.split(","))
     if sum(args.mixed) != args.seq or args.seq % args.docs or args.seq % (4 * args.P):
-        raise SystemExit(f"ds-seqpar bench --packed: --seq {args.seq} must be a multiple of --docs {args.docs} and of "
+        raise SystemExit(f"{PROG}: --seq {args.seq} must be a multiple of --docs {args.docs} and of "
                          f"4*P, and --mixed must sum to it (sums to {sum(args.mixed)})")
     return args
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from .packed_report import imbalance_sweep, summarize
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.render:
-        return _write(**_load(args.render), out=os.path.dirname(args.render) or ".")
+        return write(**_load(args.render), out=os.path.dirname(args.render) or ".")
     args = resolve(args)
-    per_rank, meta = measure_on_pool(bench_rank, args, command_line("ds-seqpar bench --packed", argv))
+    per_rank, meta = measure_on_pool(bench_rank, args, command_line(PROG, argv))
     meta["sweep"] = imbalance_sweep(args.seq, trials=args.sweep_trials) if args.sweep_trials else None
-    return _write(summarize(per_rank, args), per_rank[0]["masked"], meta, args.out)
+    return write(summarize(per_rank, args), per_rank[0]["masked"], meta, args.out)
 
 
-def measure_on_pool(rank_fn, args, command: str):
-    """``rank_fn(args)`` on P fresh local CPU ranks (one thread each): (per-rank results, the page's
-    meta: the options, CPUs, elapsed seconds, load before / after / at the end of the rounds, command).
-    Each rank's result carries its "load_1min" at the end of the rounds."""
-    from ..launch.rankpool import RankPool
-    load_before, start = os.getloadavg(), time.monotonic()
-    pool = RankPool(args.P, timeout_s=3600.0, threads_per_rank=1).start()
-    try:
-        per_rank = pool.run(rank_fn, args, timeout=3600.0)
-    finally:
-        pool.close()
-    meta = dict(vars(args), cpus=os.cpu_count(), elapsed=time.monotonic() - start,
-                load_before=" ".join(f"{x:.2f}" for x in load_before),
-                load_after=" ".join(f"{x:.2f}" for x in os.getloadavg()),
-                load_during=max(r["load_1min"] for r in per_rank), command=command)
-    return per_rank, meta
+def summarize(per_rank, args) -> Dict[str, dict]:
+    out = {}
+    for name in ("single", "single_linear") + tuple(args.strategies):
+        rows = {v: case_times(per_rank, f"{name}/{v}") for v in ("one", "equal", "mixed")}
+        # per round (the two variants ran back to back, under the same load), then the median
+        rows["ratio"] = median_ratio(rows["equal"]["walls"], rows["one"]["walls"])
+        rows["ratio_range"] = ratio_range(rows["equal"]["walls"], rows["one"]["walls"])
+        rows["cpu_ratio"] = median_ratio(rows["equal"]["cpu_rounds"], rows["one"]["cpu_rounds"])
+        if not name.startswith("single"):
+            mixed = variant_bounds("mixed", args.seq, args.docs, tuple(args.mixed))
+            work = work_per_rank(name, args, mixed)
+            rows["work"], rows["work_imbalance"] = work, max(work) / (sum(work) / len(work))
+            rows["forms"] = {v: packed_closed_form(name, args, variant_bounds(v, args.seq, args.docs, tuple(args.mixed)))
+                             for v in ("one", "equal", "mixed")}
+        out[name] = rows
+    return out
+
+
+def _ratio_metric(docs: int) -> str:
+    return (f"Time of {docs} equal documents / time of one document (ideal {1 / docs:.3f}, goal "
+            f"{TARGETS['packed'].text()})")
+
+
+def rows(summary: Dict[str, dict], masked: List[dict], meta) -> List[Row]:
+    """The summary (and the masked-block timings) as rows: the ratio per case, bytes per variant, the
+    mixed documents' balance, the random packings' imbalance, the masked block per document length."""
+    out, docs = [], meta["docs"]
+    ratio = _ratio_metric(docs)
+    for name, r in summary.items():
+        linear = name in LINEAR or name == "single_linear"
+        out.append(Row("packed", name, f"{docs} equal", ratio, "x", r["ratio"], tuple(r["ratio_range"]),
+                       predicted=1.0 if linear else 1 / docs, target=None if linear else "packed",
+                       detail={"one document s": r["one"]["time"], "equal documents s": r["equal"]["time"],
+                               "CPU ratio": r["cpu_ratio"]}))
+    for name, r in summary.items():
+        out += [Row("packed", name, v, "Bytes per rank against the document closed forms", "B", r[v]["bytes"],
+                    predicted=r["forms"][v], target="bytes") for v in VARIANTS if "bytes" in r[v]]
+    mixed = f"Mixed document lengths {list(meta['mixed'])}: per-rank balance"
+    for name, r in summary.items():
+        if not name.startswith("single"):
+            m = r["mixed"]
+            out.append(Row("packed", name, "mixed", mixed, "s", m["cpu"], detail={
+                "time s": m["time"], "measured imbalance": m["imbalance"], "work per rank": r["work"],
+                "work imbalance": r["work_imbalance"]}))
+    for layout, per_p in (meta.get("sweep") or {}).items():
+        out += [Row("packed", layout, f"P={p}", "Random packings: causal work imbalance max/mean", "x", mean,
+                    detail={"worst": worst}) for p, (mean, worst) in sorted(per_p.items())]
+    block = f"One rank's block (n = {meta['seq'] // meta['P']}): masked / sub-blocks"
+    out += [Row("packed", f"documents of {m['doc_len']}", f"{m['docs']} documents", block, "x",
+                m["masked"] / m["subblocks"], detail={"masked block s": m["masked"], "sub-blocks s": m["subblocks"]})
+            for m in masked]
+    return out
+
+
+def facts(meta) -> dict:
+    """What the page says around the rows: the setup, the run, what each table means."""
+    sweep, docs = meta.get("sweep"), meta["docs"]
+    best = ""
+    if sweep:
+        ps = sorted(next(iter(sweep.values())))
+        best = min(sweep, key=lambda n: max(sweep[n][p][1] for p in ps))
+        best = (f"Over {meta['sweep_trials']} random packings of N={meta['seq']} (log-normal document lengths, "
+                f"median 400 tokens), mean per layout and P; Ulysses is 1.00 by construction and LASP follows "
+                f"tokens. Best balanced ring layout for packed data (smallest worst case): **{best}**.")
+    return {"title": f"Packed documents on CPU ranks: {docs} equal documents vs one document of the same length",
+            "setup": f"P={meta['P']} ranks x 1 thread (gloo), N={meta['seq']} tokens, batch 1, {meta['heads']} heads x "
+                     f"{meta['head_dim']}, fp32, causal, forward + backward, kernel `torch` (CPU flash SDPA); "
+                     f"{meta['repeats']} interleaved rounds after {meta['warmup']} warm-up round(s); ratios are taken "
+                     f"per round (the variants run back to back, under the same load), median (min-max) over rounds; "
+                     f"CPU ratio: the same with the busiest rank's thread CPU time.",
+            "command": meta["command"], "machine": machine_line(meta), "notes": meta.get("notes", ""),
+            "metrics": {
+                _ratio_metric(docs):
+                    "Softmax attention: causal work is the sum of squared document lengths, 1/docs of one "
+                    "document's (predicted). Linear attention (LASP, single_linear) does O(N) work either way.",
+                f"Mixed document lengths {list(meta['mixed'])}: per-rank balance":
+                    "Value: median CPU seconds per rank. Work = (q, k) pairs each rank computes (from the mask "
+                    "policy; LASP: tokens), imbalance = max/mean.",
+                "Random packings: causal work imbalance max/mean": best,
+                f"One rank's block (n = {meta['seq'] // meta['P']}): masked / sub-blocks":
+                    "Fwd+bwd on one process, the same CPU flash kernel: causal squares per document (what the "
+                    "strategies do) against one call over the whole block with an additive mask (attn_mask)."}}
+
+
+def render(summary, masked, meta) -> str:
+    from ..report.render import render as render_rows
+    return render_rows(rows(summary, masked, meta), facts(meta))
 
 
 def _load(path: str) -> dict:
@@ -235,38 +264,16 @@ def _load(path: str) -> dict:
         saved = json.load(f)
     saved["meta"]["sweep"] = {name: {int(p): tuple(v) for p, v in per.items()}
                               for name, per in (saved["meta"].get("sweep") or {}).items()} or None
-    return saved
+    return {"summary": saved["rows"], "masked": saved["masked"], "meta": saved["meta"]}
 
 
-def _write(rows, masked, meta, out: str) -> int:
-    """<out>/<name>.md and the numbers behind it, <out>/<name>.json (--render re-writes the page)."""
-    from .packed_report import render
-    return write_page(render(rows, masked, meta), {"rows": rows, "masked": masked, "meta": meta}, out, meta["name"],
-                      "ds-seqpar bench --packed")
-
-
-def render_saved(path: str, write, *extras: str) -> int:
-    """--render of a one-page mode: ``write(rows, meta, out, *extras)`` from the JSON ``write_page`` saved at
-    ``path``, the page written beside it."""
-    import json
-    with open(path) as f:
-        saved = json.load(f)
-    return write(saved["rows"], saved["meta"], os.path.dirname(path) or ".", *(saved.get(k) for k in extras))
-
-
-def write_page(page: str, saved: dict, out: str, name: str, prog: str) -> int:
-    """<out>/<name>.md = ``page`` and <out>/<name>.json = ``saved`` (what --render reads back)."""
-    import json
-    os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, f"{name}.md")
-    with open(path, "w") as f:
-        f.write(page)
-    with open(os.path.join(out, f"{name}.json"), "w") as f:
-        json.dump(saved, f, indent=1, default=list)
-    print(page)
-    print(f"{prog}: wrote {path}")
+def write(summary, masked, meta, out: str) -> int:
+    """<out>/<name>.json (the measured summary, what --render and plan --calibrate read), and the page with
+    its rows: <out>/<name>.md, <out>/<name>.rows.json."""
+    from ..report.render import write as write_rows
+    save_json(os.path.join(out, f"{meta['name']}.json"), {"rows": summary, "masked": masked, "meta": meta})
+    write_rows(out, meta["name"], rows(summary, masked, meta), facts(meta), PROG)
     return 0
 
 
-__all__ = ["main", "bench_rank", "strategy_config", "variant_bounds", "interleaved_rounds", "measure_on_pool",
-           "page_options", "write_page"]
+__all__ = ["main", "bench_rank", "variant_bounds", "summarize", "rows", "render", "write"]

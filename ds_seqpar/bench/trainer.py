@@ -1,7 +1,7 @@
-"""``ds-seqpar bench --trainer``: the Hugging Face Trainer with sequence parallelism, measured on 4 local
+"""``ds-seqpar bench trainer``: the Hugging Face Trainer with sequence parallelism, measured on 4 local
 CPU ranks (gloo, one thread each; not a test).
 
-    ds-seqpar bench --trainer [--repeats 3] [--warmup 1] [--steps 6] [--skip-steps 1] [--overhead-rounds 4]
+    ds-seqpar bench trainer [--repeats 3] [--warmup 1] [--steps 6] [--skip-steps 1] [--overhead-rounds 4]
                               [--overhead-steps 6] [--overhead-seq 512] [--model PATH] [--out reports]
                               [--name hf_trainer_cpu]
 
@@ -34,14 +34,13 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
-from .machine import command_line, machine_facts
-from .packed import page_options, strategy_config, write_page
-from .packed_report import median_ratio, ratio_range
+from .harness import (command_line, machine_facts, median_ratio, page_options, ratio_range, save_json,
+                      strategy_config)
 from .trainer_alst import gather_with_group_ranks, gloo_errors
 
-PROG = "ds-seqpar bench --trainer"
+PROG = "ds-seqpar bench trainer"
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
-WORLD, ACCUMULATION, GOAL = 4, 3, 1.05
+WORLD, ACCUMULATION = 4, 3
 # name -> (runner, sequence_parallel section, micro batch). Plain: 4 replicas of micro batch 1; a size-P case
 # has 4/P replicas of micro batch P, so every optimizer step covers the same 12 samples (the Trainer's
 # sampler permutes indices alike for any batch size). ALST: 2 groups of 2, micro batch 2 per world rank.
@@ -341,7 +340,7 @@ def measure(args, command: str, pool=None) -> Dict[str, Any]:
             pool.close()
     model = os.path.relpath(args.model, ROOT) if os.path.abspath(args.model).startswith(ROOT + os.sep) else args.model
     meta = dict(vars(args), model=model, command=command, world=WORLD, accumulation=ACCUMULATION, width=WIDTH,
-                goal=GOAL, elapsed=time.monotonic() - start, load_before=" ".join(f"{x:.2f}" for x in load_before),
+                elapsed=time.monotonic() - start, load_before=" ".join(f"{x:.2f}" for x in load_before),
                 load_mid=" ".join(f"{x:.2f}" for x in load_mid), load_during=max(load_mid[0], os.getloadavg()[0]),
                 transformers=transformers.__version__,
                 accelerate=accelerate.__version__, **machine_facts(),
@@ -349,8 +348,16 @@ def measure(args, command: str, pool=None) -> Dict[str, Any]:
     return {"meta": meta, "gloo": gloo, "cases": cases, "overhead": over}
 
 
+def write(res: Dict[str, Any], out: str) -> int:
+    """<out>/<name>.json (the results: --render reads them), <out>/<name>.md and <out>/<name>.rows.json."""
+    from ..report.render import write as write_rows
+    from .trainer_rows import facts, rows
+    save_json(os.path.join(out, f"{res['meta']['name']}.json"), res)
+    write_rows(out, res["meta"]["name"], rows(res), facts(res), PROG)
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    from .markdown import render_trainer
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.render:
@@ -360,10 +367,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     else:
         os.environ.setdefault("WANDB_MODE", "disabled")
         res, out = measure(resolve(args), command_line(PROG, argv)), args.out
-    return write_page(render_trainer(res), res, out, res["meta"]["name"], PROG)
+    return write(res, out)
 
 
-__all__ = ["CASES", "main", "run_case", "own_loop", "trainer_loop", "gloo_errors", "compare", "step_time"]
+__all__ = ["CASES", "main", "write", "run_case", "own_loop", "trainer_loop", "gloo_errors", "compare", "step_time"]
 
 
 if __name__ == "__main__":

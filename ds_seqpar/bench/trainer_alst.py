@@ -1,4 +1,4 @@
-"""DeepSpeed's own Ulysses (ALST) under ``ds-seqpar bench --trainer`` on gloo ranks: the two gloo limits its
+"""DeepSpeed's own Ulysses (ALST) under ``ds-seqpar bench trainer`` on gloo ranks: the two gloo limits its
 path meets (``gloo_errors``, quoted on the page) and the stand-in that lets it run anyway
 (``gather_with_group_ranks``: the gradient its NCCL path computes)."""
 from __future__ import annotations

@@ -4,8 +4,10 @@ credentials are in the environment (as runlog does for training): ``wandb sync <
 from __future__ import annotations
 
 import os
-from typing import Any, Dict
+from typing import Any, Dict, List
 
+from ..report.render import result
+from ..report.rows import Row
 from ..train.runlog import wandb_mode
 
 
@@ -24,7 +26,7 @@ def _case_metrics(row: Dict[str, Any]) -> Dict[str, float]:
     return m
 
 
-def log_bench(res: Dict[str, Any], run_dir: str, project: str) -> None:
+def log_bench(res: Dict[str, Any], rows: List[Row], run_dir: str, project: str) -> None:
     import wandb
     meta = res["meta"]
     os.makedirs(run_dir, exist_ok=True)
@@ -38,7 +40,8 @@ def log_bench(res: Dict[str, Any], run_dir: str, project: str) -> None:
         if case in res.get("max_seq", {}):
             run.summary["max_seq"] = res["max_seq"][case]["max_seq"]
             run.summary["max_seq_ratio"] = res["max_seq"][case].get("ratio")
-        run.summary["checks"] = [c for c in res["checks"] if c["what"].startswith(case + " ")]
+        run.summary["checks"] = [{"metric": r.metric, "variant": r.variant, "value": max(r.values()),
+                                  "result": result(r)} for r in rows if r.case == case and r.target]
         run.finish()
     for strategy, t in res.get("train", {}).items():
         run = wandb.init(name=f"{meta['name']}/train-{strategy}", config=dict(meta, case=f"train-{strategy}",

@@ -15,8 +15,8 @@ Trainers (trainer.py): ``SequenceParallelTrainer`` (transformers.Trainer) and ``
 for any Trainer subclass (TRL's SFTTrainer) take the strategy from the DeepSpeed JSON's
 ``sequence_parallel`` key.
 """
+from ..errors import UnsupportedModelError
 from .apply import apply_sequence_parallel, remove_sequence_parallel
-from .checks import UnsupportedModelError
 from .trainer import sequence_parallel
 
 __all__ = ["apply_sequence_parallel", "remove_sequence_parallel", "UnsupportedModelError", "sequence_parallel",

@@ -23,7 +23,7 @@ from typing import List, Optional, Tuple
 import torch.nn as nn
 
 from .. import strategies
-from ..config import ConfigError
+from ..errors import UnsupportedModelError
 from .linear.families import LAYER_OPS, LINEAR_LAYER_TYPES
 
 # model types whose attention does not go through AttentionInterface (transformers only warns when
@@ -47,10 +47,6 @@ def _mixes_outside_attention(module) -> bool:
     if name in SOFTMAX_DESPITE_NAME or name.endswith("Norm"):       # Mamba2RMSNorm mixes nothing
         return False
     return bool(TOKEN_MIXER_CLASS.search(name))
-
-
-class UnsupportedModelError(ConfigError):
-    """A model feature that cannot be exact under sequence parallelism (same message on every rank)."""
 
 
 def _refuse(feature: str, where: str, fix: str):

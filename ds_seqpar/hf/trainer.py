@@ -59,7 +59,7 @@ class SequenceParallelMixin:
         super().__init__(**kwargs)
         if self.sp is None:
             return
-        self._sp_trl = trl_support.is_trl(type(self))
+        self._sp_trl = trl_support.is_trl(_owner(type(self), "compute_loss"))
         if self._sp_trl:
             trl_support.refuse_inexact(self)
         apply_sequence_parallel(_base_model(self.model), self.sp)
@@ -105,7 +105,8 @@ class SequenceParallelMixin:
     def compute_loss(self, model, inputs, *args, **kwargs):
         if self.sp is None or not self._sp_trl:
             return super().compute_loss(model, inputs, *args, **kwargs)
-        return trl_support.compute_loss(self, super().compute_loss, model, inputs, *args, **kwargs)
+        return trl_support.compute_loss(self, super().compute_loss, self._gather_replicas, model, inputs, *args,
+                                        **kwargs)
 
     # -- data: one stream per replica, sharded batches ------------------------------------------
     def get_train_dataloader(self):

@@ -22,15 +22,14 @@ from __future__ import annotations
 import torch
 
 from .. import comm
-from ..config import ConfigError
+from ..errors import ConfigError
 
 TOKENS = "_ds_seqpar_trl_num_tokens"      # carried from the sharding to compute_loss, never to the model
 
 
-def is_trl(cls) -> bool:
-    """Whether the loss the mixin's super() reaches is TRL's SFTTrainer's."""
-    from .trainer import _owner
-    return _owner(cls, "compute_loss").__name__ == "SFTTrainer"
+def is_trl(loss_owner: type) -> bool:
+    """Whether ``loss_owner``, the class whose compute_loss the mixin's super() reaches, is TRL's SFTTrainer."""
+    return loss_owner.__name__ == "SFTTrainer"
 
 
 def refuse_inexact(trainer) -> None:
@@ -51,15 +50,16 @@ def tokens_of(batch) -> torch.Tensor:
                       "neither (TRL's own collators give one)")
 
 
-def compute_loss(trainer, parent, model, inputs, *args, **kwargs):
+def compute_loss(trainer, parent, gather_replicas, model, inputs, *args, **kwargs):
     """SFTTrainer.compute_loss (``parent``) with its metric gathers made the replica's, and num_tokens
-    counted on the whole batch."""
+    counted on the whole batch. ``gather_replicas(tensor)``: one value per data-parallel replica, the
+    last batch of an epoch truncated as accelerate truncates it (the mixin's evaluation gather)."""
     inputs = dict(inputs)
     tokens = inputs.pop(TOKENS, None)
     accelerator = trainer.accelerator
     before = getattr(trainer, "_total_train_tokens", 0)
     own = vars(accelerator).get("gather_for_metrics")
-    accelerator.gather_for_metrics = lambda data, **_: _gather_replica_sum(trainer, data)
+    accelerator.gather_for_metrics = lambda data, **_: _gather_replica_sum(trainer.sp, gather_replicas, data)
     try:
         out = parent(model, inputs, *args, **kwargs)
     finally:
@@ -68,22 +68,21 @@ def compute_loss(trainer, parent, model, inputs, *args, **kwargs):
         else:
             accelerator.gather_for_metrics = own
     if trainer.model.training and tokens is not None:
-        seen = int(trainer._gather_replicas(tokens.reshape(1).to(trainer.sp.device)).sum())
+        seen = int(gather_replicas(tokens.reshape(1).to(trainer.sp.device)).sum())
         trainer._total_train_tokens = before + seen // getattr(trainer, "_tp_size", 1)
         trainer._metrics["train"]["num_tokens"] = [trainer._total_train_tokens]
     return out
 
 
-def _gather_replica_sum(trainer, data):
+def _gather_replica_sum(sp, gather_replicas, data):
     """TRL gathers per-rank sums (scalars): the replica's sum, one value per replica, truncated at an
     epoch's last batch as accelerate truncates one value per process."""
     if not isinstance(data, torch.Tensor) or data.dim() != 0:
         raise ConfigError(f"ds_seqpar.hf: SFTTrainer gathered a {type(data).__name__} "
                           f"{tuple(getattr(data, 'shape', ()))} for its metrics; only per-rank sums (scalars) are "
                           f"known to be exact under sequence parallelism")
-    sp = trainer.sp
     total = comm.all_reduce(data.detach().reshape(1).clone(), sp.group, stats=sp.stats, kind="trl_metrics")
-    return trainer._gather_replicas(total)
+    return gather_replicas(total)
 
 
 def eval_loss(loss: torch.Tensor, shard, sp) -> torch.Tensor:

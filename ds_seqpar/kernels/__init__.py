@@ -8,10 +8,11 @@ import logging
 
 import torch
 
+from ..errors import ConfigError
 from . import flash_attn_kernel
 from .base import AttentionKernel, LocalAttention, local_attention
 from .math_kernel import MathKernel
-from .merge import empty_accumulators, merge_
+from .merge import acc_dtype, empty_accumulators, merge_
 from .torch_kernel import TorchKernel
 
 logger = logging.getLogger("ds_seqpar")
@@ -26,7 +27,6 @@ def get_kernel(backend: str, device: torch.device) -> AttentionKernel:
         logger.info("ds_seqpar: sequence_parallel.backend=auto picked %r on %s", backend, device.type)
     if backend == "flash_attn":
         if device.type != "cuda" or not flash_attn_kernel.available():
-            from ..config import ConfigError
             raise ConfigError(
                 f"sequence_parallel.backend='flash_attn' needs CUDA and the flash-attn package "
                 f"(device here: {device.type}, flash-attn installed: {flash_attn_kernel.available()}); "
@@ -36,9 +36,8 @@ def get_kernel(backend: str, device: torch.device) -> AttentionKernel:
         return TorchKernel()
     if backend == "math":
         return MathKernel()
-    from ..config import ConfigError
     raise ConfigError(f"sequence_parallel.backend={backend!r} is not valid; choose one of: {', '.join(BACKENDS)}")
 
 
 __all__ = ["AttentionKernel", "LocalAttention", "local_attention", "get_kernel", "MathKernel", "TorchKernel",
-           "merge_", "empty_accumulators"]
+           "merge_", "empty_accumulators", "acc_dtype"]

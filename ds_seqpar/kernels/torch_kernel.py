@@ -14,7 +14,7 @@ import torch
 
 from .base import AttentionKernel, check_block
 from .math_kernel import MathKernel
-from .merge import empty_accumulators, merge_
+from .merge import acc_dtype, empty_accumulators, merge_
 
 SOFTCAP_ROWS = 256
 
@@ -66,7 +66,7 @@ class TorchKernel(AttentionKernel):
             return self._forward_cuda(q_bshd, k_bshd, v_bshd, causal, scale)
         out_bhsd, lse_bhs = aten._scaled_dot_product_flash_attention_for_cpu(
             _bhsd(q_bshd), _bhsd(k_bshd), _bhsd(v_bshd), 0.0, causal, scale=scale)
-        return out_bhsd.transpose(1, 2), lse_bhs.float()
+        return out_bhsd.transpose(1, 2), lse_bhs.to(acc_dtype(q_bshd.dtype))
 
     def backward(self, dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, causal, scale, softcap=None):
         if softcap is not None:
@@ -85,7 +85,7 @@ class TorchKernel(AttentionKernel):
             _bhsd(q_bshd), _bhsd(_repeat_kv(k_bshd, group)), _bhsd(_repeat_kv(v_bshd, group)),
             0.0, causal, False, scale=scale)
         out_bhsd, lse_bhs = res[0], res[1]
-        return out_bhsd.transpose(1, 2), lse_bhs.float()
+        return out_bhsd.transpose(1, 2), lse_bhs.to(acc_dtype(q_bshd.dtype))
 
     def _backward_cuda(self, dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, causal, scale):
         group = q_bshd.shape[2] // k_bshd.shape[2]
@@ -120,14 +120,15 @@ def _softcap_forward(q_bshd, k_bshd, v_bshd, causal, scale, softcap):
     out_acc, lse_acc = empty_accumulators(q_bshd, v_bshd.shape[-1])
     for rows, keys, c in _row_pieces(q_bshd.shape[1], k_bshd.shape[1], causal):
         out, lse = _MATH.forward(q_bshd[:, rows], k_bshd[:, keys], v_bshd[:, keys], c, scale, softcap)
-        merge_(out_acc[:, rows], lse_acc[:, :, rows], out, lse.float())
+        merge_(out_acc[:, rows], lse_acc[:, :, rows], out, lse)
     return out_acc.to(q_bshd.dtype), lse_acc
 
 
 def _softcap_backward(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, causal, scale, softcap):
-    dq = torch.zeros(q_bshd.shape, dtype=torch.float32, device=q_bshd.device)
-    dk = torch.zeros(k_bshd.shape, dtype=torch.float32, device=k_bshd.device)
-    dv = torch.zeros(v_bshd.shape, dtype=torch.float32, device=v_bshd.device)
+    dtype = acc_dtype(q_bshd.dtype)
+    dq = torch.zeros(q_bshd.shape, dtype=dtype, device=q_bshd.device)
+    dk = torch.zeros(k_bshd.shape, dtype=dtype, device=k_bshd.device)
+    dv = torch.zeros(v_bshd.shape, dtype=dtype, device=v_bshd.device)
     for rows, keys, c in _row_pieces(q_bshd.shape[1], k_bshd.shape[1], causal):
         g = _MATH.backward(dout_bshd[:, rows], q_bshd[:, rows], k_bshd[:, keys], v_bshd[:, keys],
                            out_bshd[:, rows], lse_bhs[:, :, rows], c, scale, softcap)

@@ -1,4 +1,5 @@
-"""``ds-seqpar report RUN_DIRS... --out reports/NAME.md``: compare training runs side by side.
+"""``ds-seqpar report RUN_DIRS... --out reports/NAME.md``: compare training runs side by side, as rows
+rendered by report/render.py (``--rows X.rows.json``: re-render any bench suite's saved rows).
 
 Reads what the main job writes in every run directory (run.json: the configuration; metrics.jsonl:
 one record per optimizer step) and writes a markdown page with a summary table and PNG plots in
@@ -18,6 +19,8 @@ import sys
 from typing import Any, Dict, List, Optional
 
 from .plotting import MIB, require_matplotlib
+from .render import render
+from .rows import Row, load_rows
 
 COMPARED = ("seq_len", "micro_batch", "grad_accum", "world_size", "zero_stage", "model")
 
@@ -65,37 +68,53 @@ def differences(runs: List[Dict[str, Any]]) -> List[str]:
     return [k for k in COMPARED if len({json.dumps(r["config"].get(k), sort_keys=True) for r in runs}) > 1]
 
 
-def render(runs, rows, labels, plots, out_name: str, skip: int, argv: List[str]) -> str:
-    best = max(r["tokens_per_s"] for r in rows)
-    lines = [f"# Training runs compared: {out_name}", "",
-             f"Command: `ds-seqpar report {' '.join(argv)}`", "",
-             f"{len(runs)} runs; steady-state columns are medians over steps after the first {skip} of each run "
-             f"(peak memory: the maximum). Memory is peak allocated on CUDA, the process's peak resident set on CPU.",
-             ""]
+def rows_of(runs, summaries, labels) -> List[Row]:
+    """One row per run: its facts (strategy, layout, lengths) and steady-state numbers, no single value."""
+    best = max(r["tokens_per_s"] for r in summaries)
+    return [Row("train", label, r["strategy"], "Training runs compared", detail={
+        "sp x dp": f"{r['sp']} x {r['dp']}", "ZeRO": r["zero"], "seq": r["seq_len"], "steps": r["steps"],
+        "loss first -> last": f"{r['first_loss']:.4f} -> {r['final_loss']:.4f}", "tokens/s": round(r["tokens_per_s"]),
+        "vs best": r["tokens_per_s"] / best, "s/step": r["step_s"], "peak MB": round(r["peak_mem_mb"]),
+        "attn comm MiB/step": r["comm_mib"], "attn comm s/step": r["comm_s"], "compute imbalance": r["imbalance"],
+        "run directory": f"`{run['path']}` ({r['name']})"}) for label, run, r in zip(labels, runs, summaries)]
+
+
+def facts(runs, plots, out_name: str, skip: int, argv: List[str]) -> Dict[str, Any]:
     diff = differences(runs)
-    if diff:
-        lines += [f"**Not like for like:** the runs differ in {', '.join(diff)}; compare with care.", ""]
-    lines += ["| run | strategy | sp x dp | ZeRO | seq | steps | loss first -> last | tokens/s | vs best | s/step | "
-              "peak MB | attn comm MiB/step | attn comm s/step | compute imbalance |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for label, r in zip(labels, rows):
-        lines.append(f"| {label} | {r['strategy']} | {r['sp']} x {r['dp']} | {r['zero']} | {r['seq_len']} | "
-                     f"{r['steps']} | {r['first_loss']:.4f} -> {r['final_loss']:.4f} | {r['tokens_per_s']:.0f} | "
-                     f"{r['tokens_per_s'] / best:.2f} | {r['step_s']:.3f} | {r['peak_mem_mb']:.0f} | "
-                     f"{r['comm_mib']:.2f} | {r['comm_s']:.3f} | {r['imbalance']:.2f} |")
-    lines += ["", "Run directories:", ""] + [f"- {label}: `{r['path']}` ({rw['name']})"
-                                              for label, r, rw in zip(labels, runs, rows)]
-    lines += [""] + [f"![{title}]({path})" for title, path in plots] + [""]
-    return "\n".join(lines)
+    return {"title": f"Training runs compared: {out_name}", "command": f"ds-seqpar report {' '.join(argv)}",
+            "setup": f"{len(runs)} runs; steady-state columns are medians over steps after the first {skip} of each "
+                     f"run (peak memory: the maximum). Memory is peak allocated on CUDA, the process's peak resident "
+                     f"set on CPU.",
+            "notes": f"**Not like for like:** the runs differ in {', '.join(diff)}; compare with care." if diff else "",
+            "images": plots}
+
+
+def render_rows(paths: List[str], out: str) -> int:
+    """``--rows``: the page of saved rows files (any suite's <name>.rows.json), one after the other."""
+    found, facts_ = [], {}
+    for path in paths:
+        rows, saved = load_rows(path)
+        found += rows
+        facts_ = facts_ or saved
+    with open(out, "w") as f:
+        f.write(render(found, facts_))
+    print(f"ds-seqpar report: wrote {out}")
+    return 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="ds-seqpar report", description=__doc__.splitlines()[0])
-    ap.add_argument("runs", nargs="+", help="run directories (runs/<name>) with run.json and metrics.jsonl")
+    ap.add_argument("runs", nargs="*", help="run directories (runs/<name>) with run.json and metrics.jsonl")
+    ap.add_argument("--rows", nargs="+", metavar="ROWS_JSON", help="render saved rows instead (a bench suite's "
+                    "<name>.rows.json): the page the suite wrote, from its rows alone")
     ap.add_argument("--out", required=True, help="markdown path, e.g. reports/NAME.md; plots go to reports/NAME/")
     ap.add_argument("--skip-steps", type=int, default=1, help="warm-up steps left out of steady-state numbers")
     args = ap.parse_args(argv)
+    if args.rows:
+        return render_rows(args.rows, args.out)
+    if not args.runs:
+        ap.error("give run directories, or --rows")
     try:
         runs = [load_run(p) for p in args.runs]
         require_matplotlib("the plots", ReportError)
@@ -109,7 +128,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     pngs = write_plots(runs, rows, labels, os.path.join(out_dir, name), args.skip_steps)
     plots = [(title, os.path.relpath(path, out_dir)) for title, path in pngs]
     with open(args.out, "w") as f:
-        f.write(render(runs, rows, labels, plots, name, args.skip_steps, argv))
+        f.write(render(rows_of(runs, rows, labels), facts(runs, plots, name, args.skip_steps, argv)))
     print(f"ds-seqpar report: wrote {args.out} and {len(plots)} plots in {os.path.join(out_dir, name)}/")
     return 0
 

@@ -7,7 +7,7 @@ not cost a whole run's results.
 """
 from __future__ import annotations
 
-from typing import Any, List, Sequence, Type
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
 
 MIB = 2 ** 20
 DPI = 110
@@ -60,4 +60,55 @@ def plain_log_y(ax) -> None:
     ax.yaxis.set_minor_formatter(FuncFormatter(lambda y, _: ""))
 
 
-__all__ = ["MIB", "require_matplotlib", "pyplot", "colors", "save", "log2_x", "plain_log_y"]
+def line_figure(points: Sequence[Tuple[str, float, float, Optional[Tuple[float, float]]]],
+                marks: Sequence[Tuple[str, float]], path: str, ylabel: str, title: str, log_y: bool = False) -> str:
+    """One line per label through its (x, y) points over sequence lengths, min-max error bars where a
+    spread is given; ``marks``: labelled horizontal lines (ideal, bounds). A closed form (a label ending
+    "closed form") is dashed in its case's colour."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(10, 5))
+    series: Dict[str, List[tuple]] = {}
+    for label, x, y, spread in points:
+        series.setdefault(label, []).append((x, y, spread))
+    cases = list(dict.fromkeys(label.split(":")[0] for label in series))
+    color = dict(zip(cases, colors(len(cases))))
+    for label, pts in series.items():
+        pts.sort()
+        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+        err = [[y - (s or (y, y))[0] for _, y, s in pts], [(s or (y, y))[1] - y for _, y, s in pts]]
+        form = label.endswith("closed form")
+        ax.errorbar(xs, ys, yerr=None if form else err, marker="" if form else "o", capsize=3, label=label,
+                    ls="--" if form else "-", color=color[label.split(":")[0]])
+    for i, (label, y) in enumerate(marks):
+        ax.axhline(y, color="black" if i == 0 else "grey", ls="--" if i == 0 else ":", lw=1, label=label)
+    log2_x(ax, sorted({p[1] for p in points}))
+    if log_y:
+        plain_log_y(ax)
+    ax.set_xlabel("sequence length N (tokens)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
+    return save(fig, path)
+
+
+def bar_figure(per_rank: Dict[str, Sequence[float]], path: str, ylabel: str, title: str) -> str:
+    """Grouped bars: per case one bar per rank (CPU seconds), max/mean above each group."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(9, 5))
+    cases, ranks = list(per_rank), max(len(v) for v in per_rank.values())
+    width = 0.8 / ranks
+    for r in range(ranks):
+        ax.bar([i + (r - (ranks - 1) / 2) * width for i in range(len(cases))],
+               [per_rank[c][r] if r < len(per_rank[c]) else 0.0 for c in cases], width, label=f"rank {r}")
+    for i, c in enumerate(cases):
+        ax.text(i, max(per_rank[c]), f"{max(per_rank[c]) / (sum(per_rank[c]) / len(per_rank[c])):.2f}", ha="center",
+                va="bottom", fontsize=9)
+    ax.set_xticks(range(len(cases)), cases, rotation=20)
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{title}; label: imbalance max/mean")
+    ax.legend(fontsize=9)
+    return save(fig, path)
+
+
+__all__ = ["MIB", "require_matplotlib", "pyplot", "colors", "save", "log2_x", "plain_log_y", "line_figure",
+           "bar_figure"]

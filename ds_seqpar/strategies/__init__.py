@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Dict, Tuple, Type
 
+from ..errors import ConfigError
 from .base import Strategy, StrategyContext
 from .hybrid import HybridAttention
 from .lasp import LaspAttention
@@ -29,7 +30,6 @@ def get_strategy(name: str) -> Type[Strategy]:
     try:
         return STRATEGIES[name]
     except KeyError:
-        from ..config import ConfigError
         raise ConfigError(f"sequence_parallel.strategy={name!r} is not available; registered strategies: "
                           f"{', '.join(sorted(STRATEGIES))}") from None
 

@@ -48,7 +48,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from ..kernels import empty_accumulators, merge_
+from ..kernels import acc_dtype, empty_accumulators, merge_
 from ..sharding.padding import valid_prefix
 from .bands import SubBlock
 from .base import Strategy
@@ -91,16 +91,18 @@ def _subs(blocks, me, src, p, causal, n, kv) -> Sequence[SubBlock]:
 
 def apply_sinks_(out_acc_bshd, lse_acc_bhs, sinks_h) -> None:
     """Sinks (one logit per q head in every row's softmax denominator, no value): the merged
-    (out, lse) become out * exp(lse - lse'), lse' = log(exp(lse) + exp(sink)), in place, fp32."""
-    lse_new = torch.logaddexp(lse_acc_bhs, sinks_h.float().view(1, -1, 1))
+    (out, lse) become out * exp(lse - lse'), lse' = log(exp(lse) + exp(sink)), in place, in the
+    accumulators' dtype."""
+    lse_new = torch.logaddexp(lse_acc_bhs, sinks_h.to(lse_acc_bhs.dtype).view(1, -1, 1))
     out_acc_bshd.mul_(torch.exp(lse_acc_bhs - lse_new).transpose(1, 2).unsqueeze(-1))
     lse_acc_bhs.copy_(lse_new)
 
 
 def sinks_grad(dout_bshd, out_bshd, lse_bhs, sinks_h) -> torch.Tensor:
     """d loss / d sink_h = -sum over rows of p_sink * (dout . out), p_sink = exp(sink - lse)."""
-    delta_bhs = (dout_bshd.float() * out_bshd.float()).sum(-1).transpose(1, 2)
-    p_sink = torch.exp(sinks_h.float().view(1, -1, 1) - lse_bhs)
+    dtype = lse_bhs.dtype
+    delta_bhs = (dout_bshd.to(dtype) * out_bshd.to(dtype)).sum(-1).transpose(1, 2)
+    p_sink = torch.exp(sinks_h.to(dtype).view(1, -1, 1) - lse_bhs)
     return -(p_sink * delta_bhs).sum((0, 2)).to(sinks_h.dtype)
 
 
@@ -182,8 +184,9 @@ def ring_backward(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, causal: 
     dout_bshd = dout_bshd.contiguous()
     kv_cls, grads_cls, extra = _transports(ctx, blocks)
     kv = kv_cls(ctx, -1, (k_bshd, v_bshd), *extra)
-    dq_acc_bshd = torch.empty(q_bshd.shape, dtype=torch.float32, device=q_bshd.device)
-    dkv_home = [torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (k_bshd, v_bshd)]
+    dtype = acc_dtype(q_bshd.dtype)
+    dq_acc_bshd = torch.empty(q_bshd.shape, dtype=dtype, device=q_bshd.device)
+    dkv_home = [torch.empty(t.shape, dtype=dtype, device=t.device) for t in (k_bshd, v_bshd)]
     dkv_away = grads_cls(ctx, dkv_home, ctx.overlap, *extra)
     for step in range(p):
         src = (me + step) % p                      # reverse walk: blocks arrive from me+1

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from .. import comm
+from ..errors import ConfigError
 from .lasp_chain import StatePlan, cut_at_documents, fragments, global_order
 from .state_exchange import EXCHANGES, FixedDecay, TravellingMaps
 
@@ -164,7 +165,6 @@ def check_fragments(frags, width: int, where: str) -> None:
     """Every fragment must hold at least ``width`` tokens (the halo and the state come from one)."""
     short = min(n for fr in frags for _, n, _ in fr)
     if short < max(width, 1):
-        from ..config import ConfigError
         raise ConfigError(f"ds_seqpar: {where} needs every rank's runs of consecutive tokens to be at least "
                           f"{max(width, 1)} long (the convolution halo and the state come from one neighbour), "
                           f"but this layout gives runs of {short} token(s); use a longer sequence, fewer ranks, "

@@ -1,7 +1,7 @@
 """The zoo sweep (tests/hf_zoo.py) on the shared pool: every decoder-only causal LM of the installed
 transformers under every softmax strategy at P=2 trains exactly or is refused by name, the same on
 both ranks of each sequence group; never a silent mismatch. docs/models.md is this sweep's page."""
-from ..hf_zoo import STRATEGIES, causal_lm_types, merged, sweep
+from ..hf_zoo import STRATEGIES, causal_lm_types, merged, rounding_bounded_ratios, sweep
 
 # architectures whose masks this wave made exact; they must stay exact under every strategy (Llama 4's own
 # row keeps its NoPE layers, whose attention temperature tuning is refused by name; the variant row without it
@@ -33,3 +33,43 @@ def test_every_causal_lm_is_exact_or_refused_by_name(pool):
         for s, (kind, detail) in r.items():
             if kind == "refused":
                 assert "cannot be exact under sequence parallelism" in detail or "ds_seqpar" in detail, (mt, s, detail)
+
+
+LAMBDAS = ("model.layers.0.self_attn.lambda_q2", "model.layers.0.self_attn.lambda_k2")
+
+
+def _diffllama_lambdas():
+    """diffllama's lambda gradients (each a small sum of large terms of both signs, hf_zoo._rounding_scale)
+    under each ring layout: error / rounding-aware bound."""
+    from ds_seqpar import SequenceParallel
+    return rounding_bounded_ratios("diffllama", {s: SequenceParallel({"strategy": s, "size": 2})
+                                                 for s in ("ring", "zigzag", "striped")}, LAMBDAS)
+
+
+def _sweep_verdict_with_wrong_backward(error):
+    """The sweep's verdict on diffllama when the ring's backward reads every log-sum-exp off by
+    ``error``: outputs exact, gradients wrong by about that much relative."""
+    from ds_seqpar import SequenceParallel
+    from ds_seqpar.strategies import ring_loop
+    from ..hf_zoo import check_model
+    real = ring_loop._block_grads
+
+    def shifted(dout, q, kv, out, lse, subs, *rest):
+        return real(dout, q, kv, out, lse + error, subs, *rest)
+
+    ring_loop._block_grads = shifted
+    try:
+        return check_model("diffllama", {s: SequenceParallel({"strategy": s, "size": 2})
+                                         for s in ("ring", "zigzag", "striped")})
+    finally:
+        ring_loop._block_grads = real
+
+
+def test_rounding_bound_holds_cancelling_gradients_and_still_catches_a_wrong_backward(pool):
+    """The Monte-Carlo rounding scale admits the ring layouts' fp32 rounding of diffllama's lambda
+    gradients (up to 11x one plain run's error before), while a backward off by 1e-4 relative is
+    still reported as a mismatch by the sweep's bounds."""
+    exact = pool.run(_diffllama_lambdas)[0]
+    assert all(r <= 1.0 for ratios in exact.values() for r in ratios.values()), exact
+    verdict = pool.run(_sweep_verdict_with_wrong_backward, 1e-4)[0]
+    assert all(kind == "mismatch" for kind, _ in verdict.values()), verdict

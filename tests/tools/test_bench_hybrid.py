@@ -1,4 +1,4 @@
-"""``ds-seqpar bench --hybrid`` at a tiny length on the session pool (P=2: ranks 0 and 1 form the first
+"""``ds-seqpar bench hybrid`` at a tiny length on the session pool (P=2: ranks 0 and 1 form the first
 sequence group): every family's layer runs sharded and unsharded, the bytes each rank sends equal the
 closed forms (ratio 1), the map call and the plain op are timed on the same captured inputs, and the
 page is written; the Llama of the training comparison has the hybrid's sizes."""

@@ -1,10 +1,10 @@
-"""``ds-seqpar bench --packed`` at a tiny size on the session pool (P=2: ranks 0 and 1 form the first
+"""``ds-seqpar bench packed`` at a tiny size on the session pool (P=2: ranks 0 and 1 form the first
 sequence group): every case and variant runs, bytes equal the document closed forms, the page shows
 the ratio beside the ideal."""
 import argparse
 
-from ds_seqpar.bench.packed import bench_rank, build_parser, resolve
-from ds_seqpar.bench.packed_report import imbalance_sweep, render, summarize
+from ds_seqpar.bench.packed import bench_rank, build_parser, render, resolve, summarize
+from ds_seqpar.bench.predict import imbalance_sweep
 
 
 def test_packed_bench_runs_and_bytes_match_closed_forms(pool):

@@ -84,7 +84,7 @@ def test_presets(preset, cases, breakdown):
 
 def test_bounds_and_the_longest_sequence_search():
     from ds_seqpar.bench.cases import _largest
-    from ds_seqpar.bench.summary import expected_imbalance, speedup_bound
+    from ds_seqpar.bench.predict import expected_imbalance, speedup_bound
     assert speedup_bound("ring", 2, True) == pytest.approx(4 / 3) and speedup_bound("ring", 2, False) == 2.0
     assert speedup_bound("zigzag", 4, True) == 4.0 and expected_imbalance("ring", 4, True) == pytest.approx(7 / 4)
     probed = []
@@ -101,13 +101,12 @@ def test_bounds_and_the_longest_sequence_search():
 def test_the_committed_full_report_renders_from_its_json():
     # the page is a function of the saved results: a change to the layout must re-render the
     # committed report (ds-seqpar bench --render reports/cpu_full.json)
-    from ds_seqpar.bench.markdown import render_markdown
-    from ds_seqpar.bench.summary import checks
+    from ds_seqpar.bench.attention import facts, rows
+    from ds_seqpar.report.render import render
     with open(os.path.join(REPORTS, "cpu_full.json")) as f:
         res = json.load(f)
-    res["checks"] = checks(res)
     with open(os.path.join(REPORTS, "cpu_full.md")) as f:
-        assert render_markdown(res) == f.read()
+        assert render(rows(res), facts(res)) == f.read()
 
 
 def test_bench_training_case_takes_a_hugging_face_model(tmp_path):
@@ -120,3 +119,43 @@ def test_bench_training_case_takes_a_hugging_face_model(tmp_path):
         resolve(build_parser().parse_args(["--model", path, "--train-strategies", "zigzag,lasp"]))
     with pytest.raises(BenchError, match="does not exist"):
         resolve(build_parser().parse_args(["--model", str(tmp_path / "nope")]))
+
+
+def test_bench_runs_a_suite_by_name_and_the_old_flags_as_aliases(capsys):
+    from ds_seqpar.bench.main import main, suite_of
+    assert suite_of(["window", "--P", "2"]) == ("window", ["--P", "2"])
+    assert suite_of(["memory"]) == ("memory", [])
+    assert suite_of(["--preset", "quick"]) == ("attention", ["--preset", "quick"])
+    assert capsys.readouterr().err == ""
+    for flag in ("--packed", "--window", "--hybrid", "--trainer"):
+        assert suite_of(["--P", "2", flag]) == (flag[2:], ["--P", "2"])
+        err = capsys.readouterr().err
+        assert err == f"ds-seqpar bench: {flag} is deprecated; use `ds-seqpar bench {flag[2:]} ...`\n", err
+    with pytest.raises(SystemExit, match="ds-seqpar bench packed: --seq 100 must be a multiple"):
+        main(["packed", "--seq", "100"])           # the suite's own options and checks
+
+
+def _page(name: str) -> str:
+    """A committed report's page, rendered again from its saved results by its suite's rows."""
+    from ds_seqpar.bench import attention, hybrid, packed, trainer_rows, window
+    from ds_seqpar.report.render import render
+    with open(os.path.join(REPORTS, f"{name}.json")) as f:
+        saved = json.load(f)
+    if name.startswith("packed"):
+        d = packed._load(os.path.join(REPORTS, f"{name}.json"))
+        return packed.render(d["summary"], d["masked"], d["meta"])
+    if name.startswith("window"):
+        return render(window.rows(saved["rows"], saved["meta"], saved["pieces"]), window.facts(saved["meta"]))
+    if name.startswith("hybrid"):
+        return render(hybrid.rows(saved["rows"], saved["meta"], saved["ops"], saved["train"]),
+                      hybrid.facts(saved["meta"], list(saved["rows"])))
+    if name.startswith("hf_trainer"):
+        return render(trainer_rows.rows(saved), trainer_rows.facts(saved))
+    return render(attention.rows(saved), attention.facts(saved))
+
+
+@pytest.mark.parametrize("name", ["packed_cpu", "window_cpu", "hybrid_cpu", "hf_trainer_cpu",
+                                  "hf_train_step/hf_qwen2_small_cpu", "hf_train_step/hf_llama_small_cpu"])
+def test_every_committed_suite_page_is_its_rows_rendered(name):
+    with open(os.path.join(REPORTS, f"{name}.md")) as f:
+        assert _page(name) == f.read(), f"reports/{name}.md differs from its JSON's rendering (re-render it)"

@@ -1,9 +1,10 @@
-"""``ds-seqpar bench --window`` at a tiny size on the session pool (P=2: ranks 0 and 1 form the first
+"""``ds-seqpar bench window`` at a tiny size on the session pool (P=2: ranks 0 and 1 form the first
 sequence group): every strategy and variant runs, bytes equal the window-aware closed forms (ratio
 1), the work the page divides by is what the masked policy computes, and the page is written."""
 import json
 
-from ds_seqpar.bench.window import bench_rank, build_parser, policy_work, resolve, summarize, window_work, write
+from ds_seqpar.bench.predict import policy_work, window_work
+from ds_seqpar.bench.window import bench_rank, build_parser, resolve, summarize, write
 
 
 def test_window_bench_runs_bytes_match_closed_forms_and_page_is_written(pool, tmp_path):
@@ -34,5 +35,5 @@ def test_window_bench_runs_bytes_match_closed_forms_and_page_is_written(pool, tm
     page = (tmp_path / "window_cpu.md").read_text()
     assert "Command: `x y`" in page and "| ring | 16 |" in page and "| zigzag | window=100 |" in page, page
     assert "| ulysses | sinks |" in page and "1.000 / 1.000" in page and "sinks overhead" in page, page
-    assert "## Kernel calls alone" in page and "| ring | 16 | 1 |" in page, page
+    assert "## Kernel calls alone" in page and "| ring | 16, rank 1 |" in page, page
     assert json.loads((tmp_path / "window_cpu.json").read_text())["meta"]["windows"] == [16, 100]

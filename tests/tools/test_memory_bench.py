@@ -1,4 +1,4 @@
-"""``ds-seqpar bench memory``: the phase model's arithmetic and checks (no ranks), one measured
+"""``ds-seqpar bench memory``: the phase model's arithmetic and its rows' goals (no ranks), one measured
 step on the session pool (every phase reported, the features leave the loss unchanged), and the
 committed report re-rendered from its JSON."""
 import json
@@ -8,7 +8,9 @@ import pytest
 
 from ds_seqpar.bench import memory_summary as S
 from ds_seqpar.bench.memory import build_parser, plan
+from ds_seqpar.bench import memory_rows as R
 from ds_seqpar.bench.memory_step import PHASES, MemorySpec, measure_peak
+from ds_seqpar.report.render import result
 
 REPORTS = os.path.join(os.path.dirname(__file__), "..", "..", "reports")
 MIB, KIB = 2 ** 20, 1024
@@ -19,6 +21,12 @@ def _measurement(model, world, features, n, lines, resident=500 * MIB):
     phases = {p: a + b * n for p, (a, b) in lines.items()}
     return {"model": model, "world": world, "features": features, "tokens_per_rank": n, "resident_bytes": resident,
             "phase_peak_bytes": phases, "peak_bytes": max(phases.values()), "step_s": [1.0]}
+
+
+def _goals(variants=None, comp=None, timing=None):
+    """{(case, variant, metric): row} of the rows that name a goal; floor = 1 layer x 2048 x 4 B = 8 KiB."""
+    res = {"variants": variants or {}, "strategy_rows": comp, "timing_rows": timing, "meta": {"layers": 1, "hidden": 2048}}
+    return {(r.case, r.variant, r.metric): r for r in R.rows(res) if r.target}
 
 
 ON = {"forward": (560 * MIB, 10 * KIB), "layers_backward": (540 * MIB, 16 * KIB), "optimizer": (760 * MIB, 0)}
@@ -42,15 +50,15 @@ def test_checks_compare_features_floor_and_ranks():
           for p in (1, 2) for f in (True, False) for n in (1024, 4096)]
     variants = S.summarize(ms, floor=8 * KIB, budget=2 ** 30)
     assert set(variants) == {"lm/P1/on", "lm/P1/off", "lm/P2/on", "lm/P2/off"}
-    results = {c["what"]: c for c in S.checks(variants, floor=8 * KIB)}
-    ratio = results["lm P=1: bytes/token with features / without"]
-    assert ratio["measured"] == pytest.approx(16 / 500) and ratio["result"] == "PASS"
-    assert results["lm P=1: bytes/token with features / floor"]["result"] == "PASS"
-    longest = results["lm with features: longest sequence in the budget, P=2 / P=1"]
-    assert longest["measured"] == pytest.approx(2.0, rel=1e-3) and longest["result"] == "PASS"
+    results = _goals(variants)
+    ratio = results["lm", "P=1", R.FEATURES]
+    assert ratio.value == pytest.approx(16 / 500) and result(ratio) == "PASS"
+    assert result(results["lm", "P=1", R.FLOOR]) == "PASS"
+    longest = results["lm", "with features", R.LONGEST]
+    assert longest.value == pytest.approx(2.0, rel=1e-3) and result(longest) == "PASS"
     fat = {"layers_backward": (540 * MIB, 40 * KIB), "optimizer": (760 * MIB, 0)}
     bad = S.summarize([_measurement("lm", 1, True, n, fat) for n in (1024, 4096)], 8 * KIB, 2 ** 30)
-    assert S.checks(bad, 8 * KIB)[0]["result"] == "FAIL"
+    assert [result(r) for r in _goals(bad).values()] == ["SHORT"], "40 KiB per token is 5x the floor"
 
 
 def test_implied_step_time_ratio_counts_the_recompute():
@@ -63,8 +71,8 @@ def test_implied_step_time_ratio_counts_the_recompute():
     timing = {"lm/P2": {"tokens_per_rank": 2, "off_s": [1.0, 1.0, 1.2], "on_s": [1.5, 1.8, 1.5]}}
     row, = S.timing_rows(timing, meta)
     assert row["ratio"] == pytest.approx(1.5) and row["implied"] == pytest.approx(896 / 600)   # attention over P x N = 4 tokens
-    assert S.timing_checks([row])[0]["result"] == "PASS"
-    assert S.timing_checks([dict(row, ratio=1.8)])[0]["result"] == "FAIL"
+    assert [result(r) for r in _goals(timing=[row]).values()] == ["PASS"]
+    assert [result(r) for r in _goals(timing=[dict(row, ratio=1.8)]).values()] == ["SHORT"]
 
 
 def test_plan_follows_the_preset_and_rejects_unknown_models():
@@ -115,8 +123,8 @@ def test_strategy_rows_compare_above_static_and_explain_the_two_point_figure():
         ("ulysses", 4, 4096), ("hybrid (zigzag x Ulysses 2)", 4, 4096)]
     assert [round(r["vs_p1"], 4) for r in comp["rows"]] == [1.0, 1.0, round(310 / 300, 4), 1.2, 1.05, 1.0]
     assert comp["rows"][2]["peak_phase"] == "forward"
-    checks = {c["what"].split(":")[0]: c["result"] for c in S.strategy_checks(comp)}
-    assert checks == {f"zigzag P=2, {n} tokens/rank": "PASS", f"ring P=4, {n} tokens/rank": "FAIL",   # 1.20 > 1.15
+    checks = {f"{case} {variant}": result(r) for (case, variant, _), r in _goals(comp=comp).items()}
+    assert checks == {f"zigzag P=2, {n} tokens/rank": "PASS", f"ring P=4, {n} tokens/rank": "SHORT",   # 1.20 > 1.15
                       "ulysses P=4, 4096 tokens/rank": "PASS", "hybrid (zigzag x Ulysses 2) P=4, 4096 tokens/rank": "PASS"}
     (one, two) = comp["two_point"]
     assert one["short_peak_phase"] == "optimizer" and one["per_token"] == pytest.approx(100 * MIB / (n - 256))
@@ -143,10 +151,10 @@ def test_committed_report_renders_from_its_json(tmp_path):
     path = os.path.join(REPORTS, "memory_cpu.json")
     if not os.path.exists(path):
         pytest.skip("reports/memory_cpu.json not generated yet")
-    from ds_seqpar.bench.memory_report import render_markdown
+    from ds_seqpar.bench.memory_rows import facts, rows
+    from ds_seqpar.report.render import render
     with open(path) as f:
         res = json.load(f)
     with open(os.path.join(REPORTS, "memory_cpu.md")) as f:
         committed = f.read()
-    plots = [os.path.join(REPORTS, "memory_cpu", p) for p in ("bytes_per_token.png", "peak_per_rank.png")]
-    assert render_markdown(res, plots) == committed, "reports/memory_cpu.md differs from its JSON's rendering"
+    assert render(rows(res), facts(res)) == committed, "reports/memory_cpu.md differs from its JSON's rendering"

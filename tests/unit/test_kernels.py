@@ -122,3 +122,18 @@ def test_tall_causal_and_anti_blocks_match_reference(monkeypatch, anti, softcap)
     plain = _masked_reference(q, k, v, dout, visible, scale, torch.float32, softcap)
     for name, got, r, p in zip(("out", "dq", "dk", "dv"), (out, *grads), ref64, plain):
         assert_derived_close(f"anti={anti} softcap={softcap} {name}", got, r, p)
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_torch_kernel_runs_float64_forward_and_backward(softcap):
+    """float64 blocks keep float64 out, lse and gradients (the lse was fp32 and the CPU op's backward
+    refused it), equal to the float64 math kernel to float64 rounding."""
+    q, k, v, dout = (t.double() for t in _inputs(5))
+    got_out, got_lse = TorchKernel().forward(q, k, v, True, 0.25, softcap)
+    ref_out, ref_lse = MathKernel().forward(q, k, v, True, 0.25, softcap)
+    assert got_out.dtype == got_lse.dtype == torch.float64
+    got = TorchKernel().backward(dout, q, k, v, got_out, got_lse, True, 0.25, softcap)
+    ref = MathKernel().backward(dout, q, k, v, ref_out, ref_lse, True, 0.25, softcap)
+    for g, r in zip((got_out, got_lse, *got), (ref_out, ref_lse, *ref)):
+        assert g.dtype == torch.float64
+        assert (g - r).abs().max().item() <= 1e-12 * r.abs().max().item()

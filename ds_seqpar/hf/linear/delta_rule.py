@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import UnsupportedModelError
+from ...errors import UnsupportedModelError
 from .fold import fold, unused_map
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ...kernels.linear import linear_attention
-from ..checks import UnsupportedModelError
+from ...errors import UnsupportedModelError
 from .families import LIGHTNING
 from .fold import fold
 from .seams import count

@@ -8,7 +8,7 @@ import functools
 
 import torch
 
-from ..checks import UnsupportedModelError
+from ...errors import UnsupportedModelError
 from .conv import conv
 from .delta_rule import delta_rule
 from .families import LAYER_OPS, LIGHTNING

@@ -15,7 +15,7 @@ import contextvars
 import inspect
 import sys
 
-from ..checks import UnsupportedModelError
+from ...errors import UnsupportedModelError
 from .families import CONV, FUSED, LAYER_OPS, LIGHTNING, OPTIONAL, SSD
 
 _PACKING_KWARGS = frozenset({"cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"})

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ..checks import UnsupportedModelError
+from ...errors import UnsupportedModelError
 from .fold import fold, unused_map
 
 

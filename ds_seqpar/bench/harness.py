@@ -1,0 +1,222 @@
+"""The harness every suite of ``ds-seqpar bench`` runs on (one module per suite beside it: attention
+(cases.py, summary.py, attention.py), packed.py, window.py, hybrid.py, trainer.py, memory.py; each
+turns its measurements into report/rows.py's rows): the case vocabulary, timing, interleaved rounds
+after a barrier, a fresh local rank pool, the machine and load facts, and the options every suite
+shares.
+
+Rounds: ``warmup + repeats``, each running every case once after a barrier in a fixed order (A B C A
+B C ...), so load from other processes hits all cases alike; a case's time in a round is its slowest
+rank's wall time, and a ratio between two cases is taken per round, then the median.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import time
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
+
+SOFTMAX = ("ulysses", "ring", "zigzag", "striped")
+LINEAR = ("lasp2", "lasp1")
+
+
+# -- the case vocabulary -----------------------------------------------------------------------------
+
+
+def strategy_config(name: str, world: int) -> dict:
+    """The sequence_parallel keys of a case named in the suites' vocabulary (lasp2 / lasp1: LASP's two
+    exchanges; hybrid: Ulysses 2 x zigzag)."""
+    if name in LINEAR:
+        return {"strategy": "lasp", "size": world, "lasp_comm": "allgather" if name == "lasp2" else "ring"}
+    if name == "hybrid":
+        return {"strategy": "zigzag", "size": world, "ulysses_size": 2, "backend": "torch"}
+    return {"strategy": name, "size": world, "backend": "torch"}
+
+
+# -- timing ------------------------------------------------------------------------------------------
+
+
+def attention_inputs(seq, heads, head_dim, kv_heads=None, batch=1, dtype=torch.float32, device="cpu", seed=0):
+    """Global-order q, k, v, dout (the same on every rank: the seed is fixed)."""
+    g = torch.Generator().manual_seed(seed)
+    kv = kv_heads or heads
+    shapes = [(batch, seq, heads, head_dim), (batch, seq, kv, head_dim), (batch, seq, kv, head_dim),
+              (batch, seq, heads, head_dim)]
+    return [torch.randn(s, generator=g).to(device=device, dtype=dtype) for s in shapes]
+
+
+def fwd_bwd(attend, q, k, v, dout):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    attend(q, k, v).backward(dout)
+
+
+def timed(fn, stats=None, device="cpu") -> dict:
+    """Run ``fn`` once: wall and this thread's CPU seconds (on CUDA: wall for both); the stats are reset first."""
+    if stats is not None:
+        stats.reset()
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    wall, cpu = time.perf_counter(), time.thread_time()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    res = {"wall": time.perf_counter() - wall, "cpu": time.thread_time() - cpu}
+    if cuda:
+        res["cpu"] = res["wall"]        # GPU kernels are asynchronous: CPU time says nothing there
+    if stats is not None:
+        res.update(wait=stats.total_seconds, bytes=stats.total_bytes)
+    return res
+
+
+def saved_bytes(forward: Callable[[], Any]) -> int:
+    """Bytes the autograd graph of ``forward()`` keeps for backward: every tensor saved through
+    save_for_backward, counted once per storage (views and re-saves of one buffer share it)."""
+    storages: Dict[Tuple[int, str], int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        storages[(s.data_ptr(), str(t.device))] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    del out
+    return sum(storages.values())
+
+
+# -- rounds ------------------------------------------------------------------------------------------
+
+
+def interleaved_rounds(fns, warmup: int, repeats: int, device: str = "cpu") -> Dict[str, list]:
+    """{(case, variant): (run or None, stats or None)} -> {"case/variant": measured rounds}: warmup +
+    repeats rounds, each running every case once after a barrier, in a fixed order (every suite's
+    rounds). A round's entry: wall and CPU seconds, and with stats the bytes sent, by CommStats kind."""
+    from .. import comm
+    rounds = {f"{n}/{v}": [] for n, v in fns}
+    for rnd in range(warmup + repeats):
+        for (name, variant), (run, stats) in fns.items():
+            comm.barrier()
+            if run is None:
+                continue
+            res = timed(run, stats, device)
+            if stats is not None:
+                res["by_kind"] = {kd: b for kd, b in stats.bytes.items() if kd != "cu_seqlens_check"}
+            if rnd >= warmup:
+                rounds[f"{name}/{variant}"].append(res)
+    comm.barrier()
+    return rounds
+
+
+def case_times(per_rank, key) -> dict:
+    """One case's rounds over the ranks that ran it: medians (min-max) of the slowest rank's wall time,
+    per-rank CPU, per-round walls and busiest-rank CPU (for per-round ratios), bytes and wait per rank."""
+    ranks = [r["rounds"][key] for r in per_rank if r["rounds"][key]]
+    walls = [max(r[i]["wall"] for r in ranks) for i in range(len(ranks[0]))]
+    cpu = [statistics.median(x["cpu"] for x in r) for r in ranks]
+    cpu_rounds = [max(r[i]["cpu"] for r in ranks) for i in range(len(ranks[0]))]
+    row = {"time": statistics.median(walls), "min": min(walls), "max": max(walls), "cpu": cpu,
+           "imbalance": max(cpu) / (sum(cpu) / len(cpu)), "walls": walls, "cpu_rounds": cpu_rounds}
+    if "by_kind" in ranks[0][0]:
+        row["bytes"] = [sum(r[-1]["by_kind"].values()) for r in ranks]
+        row["wait"] = [statistics.median(x["wait"] for x in r) for r in ranks]
+    return row
+
+
+def median_ratio(a, b) -> float:
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
+def ratio_range(a, b):
+    ratios = [x / y for x, y in zip(a, b)]
+    return min(ratios), max(ratios)
+
+
+def bytes_ratio(measured: List[int], form: List[int]) -> List[float]:
+    """Per rank measured / closed form (1.0 where both are 0)."""
+    return [m / f if f else float(m == 0) for m, f in zip(measured, form)]
+
+
+# -- the run -----------------------------------------------------------------------------------------
+
+
+def measure_on_pool(rank_fn, args, command: str):
+    """``rank_fn(args)`` on P fresh local CPU ranks (one thread each): (per-rank results, the page's
+    meta: the options, CPUs, elapsed seconds, load before / after / at the end of the rounds, command).
+    Each rank's result carries its "load_1min" at the end of the rounds."""
+    from ..launch.rankpool import RankPool
+    load_before, start = os.getloadavg(), time.monotonic()
+    pool = RankPool(args.P, timeout_s=3600.0, threads_per_rank=1).start()
+    try:
+        per_rank = pool.run(rank_fn, args, timeout=3600.0)
+    finally:
+        pool.close()
+    meta = dict(vars(args), cpus=os.cpu_count(), elapsed=time.monotonic() - start,
+                load_before=" ".join(f"{x:.2f}" for x in load_before),
+                load_after=" ".join(f"{x:.2f}" for x in os.getloadavg()),
+                load_during=max(r["load_1min"] for r in per_rank), command=command)
+    return per_rank, meta
+
+
+def page_options(ap: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The options every suite but attention shares (packed, window, hybrid, trainer): rounds and the page."""
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--out", default="reports")
+    ap.add_argument("--name", default=name)
+    ap.add_argument("--notes", default="", help="free text added to the page")
+    ap.add_argument("--render", metavar="JSON", help="measure nothing: rewrite the page of a saved results file")
+    return ap
+
+
+def machine_facts() -> Dict[str, Any]:
+    """CPU model, core count, Python, torch and DeepSpeed versions, and the load when asked."""
+    import deepspeed
+    import torch
+    model = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu_model": model, "cpus": os.cpu_count(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+            "python": platform.python_version(), "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg())}
+
+
+def command_line(prefix: str, argv: List[str]) -> str:
+    """``prefix`` and the arguments, shell-quoted; --notes text is printed in the page, not here."""
+    shown, skip = [], False
+    for a in argv:
+        if skip or a.startswith("--notes="):
+            skip = False
+            continue
+        skip = a == "--notes"
+        if not skip:
+            shown.append(shlex.quote(a))
+    return " ".join([prefix] + shown)
+
+
+def machine_line(meta: Dict[str, Any]) -> str:
+    """How a suite's run went: the machine and its load (meta from measure_on_pool plus machine_facts)."""
+    known = [x for x in (meta.get("cpu_model"), f"{meta['cpus']} CPUs",
+                         meta.get("torch") and f"torch {meta['torch']}") if x]
+    return (f"{', '.join(known)}, shared with other jobs: load average before {meta['load_before']}, after "
+            f"{meta['load_after']}, highest 1-minute value at the end of the rounds {meta['load_during']:.2f}; whole "
+            f"run {meta['elapsed']:.0f} s.")
+
+
+def save_json(path: str, saved: Any) -> None:
+    """A suite's measured summary, what --render (and plan --calibrate) read back."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(saved, f, indent=1, default=list)
+
+
+__all__ = ["SOFTMAX", "LINEAR", "strategy_config", "attention_inputs", "fwd_bwd", "timed", "saved_bytes",
+           "interleaved_rounds", "case_times", "median_ratio", "ratio_range", "bytes_ratio", "measure_on_pool",
+           "page_options", "machine_facts", "command_line", "machine_line", "save_json"]

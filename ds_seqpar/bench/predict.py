@@ -1,0 +1,165 @@
+"""The seam between bench and the cost model: every prediction a suite writes beside its measurement
+(bounds, closed-form bytes, work per rank, the memory phase model) comes through this module.
+
+The bodies below are the ones bench held so far (from summary.py, packed_report.py, window.py and
+hybrid.py); the memory phase model is memory_summary.py's, imported. When plan/cost.py carries them,
+this module becomes imports from there, under the same names: the suites do not change.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Dict, List, Optional
+
+from .harness import LINEAR, strategy_config
+from .memory_summary import implied_ratio, predict_peak, strategy_rows, summarize, timing_rows  # noqa: F401
+
+
+def speedup_bound(case: str, p: int, causal: bool) -> float:
+    """Ideal speedup on P ranks: P, except the contiguous ring under a causal mask, whose busiest
+    rank does P - 1/2 of the P^2/2 blocks (ring.py)."""
+    if case == "ring" and causal:
+        return p * p / (2 * p - 1)
+    return float(p)
+
+
+def expected_imbalance(case: str, p: int, causal: bool) -> float:
+    """max/mean of per-rank work: contiguous causal ring (P - 1/2) / (P/2), the others ~1."""
+    return (2 * p - 1) / p if case == "ring" and causal else 1.0
+
+
+def attention_closed_form(cfg: dict, meta: dict, seq: int) -> List[int]:
+    """Bytes per rank of one fwd+bwd of an attention case (its sequence_parallel keys), strategies/closed_form.py."""
+    from ..strategies.closed_form import Shapes, closed_form_bytes
+    from .cases import DTYPES
+    p = meta["world"]
+    shapes = Shapes(meta["batch"], seq, meta["heads"], meta["kv_heads"], meta["head_dim"], DTYPES[meta["dtype"]].itemsize)
+    return [closed_form_bytes(cfg.get("strategy", "ulysses"), p, shapes, rank=r, ulysses_size=cfg.get("ulysses_size", 1),
+                              lasp_comm=cfg.get("lasp_comm", "allgather")) for r in range(p)]
+
+
+def work_per_rank(name: str, args, bounds) -> List[int]:
+    """(q, k) pairs each rank computes for these documents (causal), from the mask policy itself."""
+    import torch
+    from ..sharding.documents import Documents
+    from ..sharding.layouts import make_layout
+    from ..strategies import get_strategy
+    from ..strategies.varlen import document_blocks
+    p, n = args.P, args.seq
+    docs = Documents(bounds, n)
+    if name in LINEAR:                               # linear attention: work follows tokens, L per rank
+        return [n // p] * p
+    if name == "ulysses":                            # every rank: all documents, 1/P of the heads
+        lengths = torch.tensor(docs.lengths())
+        return [int((lengths * (lengths + 1) // 2).sum()) // p] * p
+    cfg = strategy_config(name, p)
+    u = cfg.get("ulysses_size", 1)
+    ring = make_layout(get_strategy(cfg["strategy"]).layout_name, p // u)
+    policy = document_blocks(docs, ring, True)
+    per_ring = [sum(policy.pairs(me, src) for src in range(ring.size)) for me in range(ring.size)]
+    return [per_ring[r // u] // u for r in range(p)]
+
+
+def packed_closed_form(name: str, args, bounds) -> List[int]:
+    """Bytes per rank for one fwd+bwd of these documents (strategies/closed_form.py)."""
+    from ..strategies.closed_form import Shapes, closed_form_bytes
+    cfg, sh = strategy_config(name, args.P), Shapes(1, args.seq, args.heads, args.heads, args.head_dim)
+    return [closed_form_bytes(cfg["strategy"], args.P, sh, r, cfg.get("ulysses_size", 1),
+                              cfg.get("lasp_comm", "allgather"), bounds) for r in range(args.P)]
+
+
+def imbalance_sweep(seq: int, ps=(2, 4, 8), trials: int = 200, seed: int = 0) -> Dict[str, Dict[int, tuple]]:
+    """Causal work imbalance (max/mean over ranks) of random packings, per ring layout and P: (mean,
+    worst) over ``trials`` packings of documents with log-normal lengths (median 400 tokens, long tail)
+    cut to ``seq``. A rank's work is the sum over its queries of the keys they see in their document."""
+    import torch
+    from ..sharding.documents import positions_from_boundaries
+    from ..sharding.layouts import make_layout
+    g = torch.Generator().manual_seed(seed)
+    out = {name: {p: [] for p in ps} for name in ("contiguous", "zigzag", "striped")}
+    for _ in range(trials):
+        lengths = (torch.randn(64, generator=g) * 1.2 + 6.0).exp().clamp(1, seq).long().tolist()
+        bounds = [0]
+        for n in lengths:
+            bounds.append(min(bounds[-1] + n, seq))
+            if bounds[-1] == seq:
+                break
+        bounds[-1] = seq
+        seen = positions_from_boundaries(bounds) + 1                  # keys each query sees
+        for name, per_p in out.items():
+            for p in ps:
+                layout = make_layout(name, p)
+                work = [float(seen[layout.indices(seq, r)].sum()) for r in range(p)]
+                per_p[p].append(max(work) / (sum(work) / p))
+    return {name: {p: (statistics.mean(v), max(v)) for p, v in per_p.items()} for name, per_p in out.items()}
+
+
+def window_work(name: str, p: int, seq: int, window: Optional[int]) -> List[int]:
+    """Visible causal (q, k) pairs per rank, query i seeing min(i + 1, window) keys: a ring layout's rank
+    holds the queries layout.indices(seq, rank); Ulysses' every rank all queries for 1/P of the heads."""
+    import torch
+    from ..sharding.layouts import make_layout
+    from ..strategies import get_strategy
+    seen = torch.arange(1, seq + 1)
+    if window is not None:
+        seen = seen.clamp(max=window)
+    if name == "ulysses":
+        return [int(seen.sum()) // p] * p
+    layout = make_layout(get_strategy(name).layout_name, p)
+    return [int(seen[layout.indices(seq, r)].sum()) for r in range(p)]
+
+
+def policy_work(name: str, p: int, seq: int, window: Optional[int]) -> List[int]:
+    """(q, k) pairs per rank the masked block policy computes (strategies/varlen.py), ring family."""
+    from ..sharding.layouts import make_layout
+    from ..strategies import get_strategy
+    from ..strategies.varlen import document_blocks, one_document
+    layout = make_layout(get_strategy(name).layout_name, p)
+    policy = document_blocks(one_document(seq, None), layout, True, None, window)
+    return [sum(policy.pairs(me, src) for src in range(p)) for me in range(p)]
+
+
+def window_closed_form(name: str, args, window: Optional[int]) -> List[int]:
+    """Bytes per rank for one fwd+bwd (strategies/closed_form.py), with the window when given."""
+    from ..strategies.closed_form import Shapes, closed_form_by_kind
+    sh = Shapes(1, args.seq, args.heads, args.heads, args.head_dim)
+    return [sum(closed_form_by_kind(name, args.P, sh, r, causal=True, window=window).values())
+            for r in range(args.P)]
+
+
+def hybrid_closed_form(fam: str, case: str, args, family_config, sp_cases) -> List[int]:
+    """Bytes per rank of one fwd+bwd of the family's layer (batch 1), strategies/closed_form.py."""
+    from ..sharding.layouts import make_layout
+    from ..strategies.closed_form import conv_halo_bytes, linear_state_bytes, linear_ulysses_bytes
+    from ..strategies.state_passing import fragments
+    c, p, t = family_config(fam, args.hidden), args.P, args.seq // args.P
+    frags = fragments(make_layout("contiguous", p), args.seq)
+    if fam == "gdn":
+        hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        state, kind, elems = (hv, dk, dv), "matrix", [t * hk * dk] * 2 + [t * hv * dv] * 2 + [t * hv] * 2
+        halo = (2 * hk * dk + hv * dv, c.linear_conv_kernel_dim - 1)
+    elif fam == "kda":
+        h, d = c.linear_num_heads, c.linear_head_dim
+        state, kind, elems = (h, d, d), "matrix", [t * h * d] * 5 + [t * h]          # q, k, v, g, out; beta
+        halo = (3 * h * d, c.linear_conv_kernel_dim - 1)
+    elif fam == "ssd":
+        h, pd, n, g = c.mamba_n_heads, c.mamba_d_head, c.mamba_d_state, c.mamba_n_groups
+        state, kind, elems = (h, pd, n), "scalar", [t * h * pd] * 2 + [t * h] + [t * g * n] * 2   # x, out; dt; B, C
+        halo = (int(c.mamba_expand * c.hidden_size) + 2 * g * n, c.mamba_d_conv - 1)
+    elif fam == "lightning":
+        h, d = c.num_attention_heads, c.head_dim
+        state, kind, elems, halo = (h, d, d), "fixed", [t * h * d] * 4, None
+    else:
+        state, halo = None, (c.hidden_size, c.conv_L_cache - 1)
+    out = []
+    for r in range(p):
+        total = conv_halo_bytes(frags, 1, halo[0], halo[1], 4)["conv_halo"] if halo else 0
+        if state and sp_cases[case]["linear_strategy"] == "ulysses":
+            total += linear_ulysses_bytes(p, elems, 4)["linear_all_to_all"]
+        elif state:
+            total += sum(linear_state_bytes(frags, r, 1, *state, sp_cases[case]["lasp_comm"], kind).values())
+        out.append(total)
+    return out
+
+
+__all__ = ["implied_ratio", "predict_peak", "strategy_rows", "summarize", "timing_rows", "speedup_bound", "expected_imbalance", "attention_closed_form", "work_per_rank", "packed_closed_form", "imbalance_sweep", "window_work", "policy_work",
+           "window_closed_form", "hybrid_closed_form"]
