@@ -85,7 +85,7 @@ def _exchange(ctx, q_bshd, v_bshd, decay_h, chain: LaspChain):
     """This rank's side of the state exchange; its states [B, H, Dk, Dv], the transition lambda^L."""
     b, _, heads, dk = q_bshd.shape
     dtype = state_dtype(q_bshd.dtype)
-    like = torch.zeros((b, heads, dk, v_bshd.shape[-1]), dtype=dtype, device=q_bshd.device)
+    like = torch.empty((b, heads, dk, v_bshd.shape[-1]), dtype=dtype, device=q_bshd.device)   # a template only
     return EXCHANGES[ctx.lasp_comm](chain, ctx.sp_rank, ctx.sp_group, ctx.stats, like, FixedDecay(decay_h, dtype),
                                     ctx.overlap)
 
@@ -170,10 +170,11 @@ class LaspFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def lasp_attention(q_bshd, k_bshd, v_bshd, decay_h, ctx, docs=None) -> Tensor:
+def lasp_attention(q_bshd, k_bshd, v_bshd, decay_h, ctx, docs=None, chain: Optional[LaspChain] = None) -> Tensor:
     """Differentiable causal linear attention of this rank's block over the whole sequence; with
-    ``docs`` (packed documents) the state restarts at every document start."""
-    chain = LaspChain(ctx.sp_size, q_bshd.shape[1], docs)
+    ``docs`` (packed documents) the state restarts at every document start. ``chain``: the plan, when
+    the caller kept it (the same for every call of one local length without documents)."""
+    chain = chain or LaspChain(ctx.sp_size, q_bshd.shape[1], docs)
     return LaspFunction.apply(q_bshd, k_bshd, v_bshd, decay_h, ctx, chain)
 
 
@@ -183,5 +184,13 @@ class LaspAttention(Strategy):
     name = "lasp"
     layout_name = "contiguous"
 
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self._plain_chains = {}        # local length -> the plan without documents, built once per length
+
     def linear_attention(self, q_bshd, k_bshd, v_bshd, decay: Optional[Tensor], docs=None) -> Tensor:
-        return lasp_attention(q_bshd, k_bshd, v_bshd, decay, self.ctx, docs)
+        chain = None
+        if docs is None:
+            n = q_bshd.shape[1]
+            chain = self._plain_chains.get(n) or self._plain_chains.setdefault(n, LaspChain(self.ctx.sp_size, n))
+        return lasp_attention(q_bshd, k_bshd, v_bshd, decay, self.ctx, docs, chain)

@@ -94,7 +94,7 @@ class _Exchange:
 
     def __init__(self, plan: StatePlan, rank: int, group, stats, state_like: Tensor, maps, overlap: bool = True):
         self.plan, self.r, self.group, self.stats, self.overlap = plan, rank, group, stats, overlap
-        self.like, self.maps = state_like, maps           # state_like: zeros-shaped template of one state
+        self.like, self.maps = state_like, maps           # state_like: a template of one state (shape, dtype)
         self._sends: List = []
 
     def transition(self, key: Key, a_gathered=None) -> Transition:
