@@ -4,6 +4,7 @@
   2. build the process groups (sequence, data, sequence x data, ulysses, ring) and the mpu
   3. resolve the local attention kernel
   4. build the token layout and the strategy
+  5. resolve the linear mixers' exchange (the hybrids' linear layers: lasp allgather / ring or ulysses)
 Then ``mpu`` goes to ``deepspeed.initialize(mpu=sp.mpu)`` so ZeRO reduces over data x sequence.
 
 Several SequenceParallel objects may live in one process (benchmarks compare strategies in one
@@ -30,6 +31,7 @@ from .sharding.documents import Documents, as_boundaries, check_documents
 from .sharding.layouts import make_layout
 from .sharding.padding import check_seq_len, pad_to, padded_len
 from .strategies import StrategyContext, get_strategy
+from .strategies.state_passing import LinearExchange
 from .topology import ParallelDims, ProcessGroups, SequenceParallelMPU
 from .zero import check_ds_config, loss_grad_scale
 
@@ -63,6 +65,8 @@ class SequenceParallel:
             ulysses_size=self.dims.ulysses_size, ulysses_rank=c.ulysses_rank,
             ring_size=self.dims.ring_size, ring_rank=c.ring_rank, kernel=self.kernel, stats=self.stats,
             layout=self.layout, overlap=config.overlap, lasp_comm=config.lasp_comm))
+        # 5. the linear exchange, over the same groups, layout and stats as the strategy
+        self.linear_exchange = LinearExchange(config.linear_strategy, config.lasp_comm, self.strategy.ctx)
 
     @classmethod
     def from_ds_config(cls, ds_config, device=None) -> "SequenceParallel":

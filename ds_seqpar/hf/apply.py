@@ -8,7 +8,7 @@ Order of apply (everything that can fail does so before the model is touched, on
   3. set_attn_implementation(key), then verify it took: transformers only warns for models whose
      attention ignores the registry; a forward hook later checks every attention layer called it
   4. route the model's loss to sp.loss (loss.py) and install the forward hooks (hooks.py)
-  5. hybrids: the linear layers' ops get their seams and each layer a pair of hooks (linear_layers.py)
+  5. hybrids: the linear layers' ops get their seams and each layer a pair of hooks (hf/linear/)
 """
 from __future__ import annotations
 
@@ -21,7 +21,9 @@ import torch.nn as nn
 from . import hooks
 from .attention import make_attention_function
 from .checks import UnsupportedModelError, check_config, check_heads, check_hybrid, check_modules
-from .linear_layers import LinearMixers, install_seams, linear_modules
+from .linear.families import linear_modules
+from .linear.mixers import LinearMixers
+from .linear.seams import install_seams
 from .loss import make_loss_function
 
 STATE_ATTR = "_ds_seqpar_hf"       # on the model: the SequenceParallelState while applied
@@ -37,7 +39,8 @@ class SequenceParallelState:
 
     def __init__(self, sp, key: str, layers, previous_attn, previous_loss, linear_layers=()):
         self.sp = sp
-        self.linear = LinearMixers(sp, linear_layers) if linear_layers else None     # hybrids' other layers
+        # hybrids' other layers, over the linear exchange sp resolved
+        self.linear = LinearMixers(sp.linear_exchange, linear_layers) if linear_layers else None
         self.key = key
         self.names: Dict[int, str] = {id(m): f"{n} ({type(m).__name__})" for n, m in layers}
         self._layers = [(n, weakref.ref(m)) for n, m in layers]

@@ -5,7 +5,7 @@ in the mask would be silently dropped. The ones transformers also passes to its 
 are made exact (attention.py): sliding windows (``sliding_window``, per layer), softcapping
 (``softcap``), sinks (``s_aux``), and Llama 4's chunked layers (chunks as documents). Padding and
 token mixing outside attention is refused here, with the feature, the layer or config key, and what
-would work, unless linear_layers.py has an adapter for the layer class (gated DeltaNet, Kimi delta
+would work, unless hf/linear/ has an adapter for the layer class (gated DeltaNet, Kimi delta
 attention, short convolutions), every layer of a linear type holds one, and the strategy's layout
 can carry their state (not striped; ``strategy: lasp`` is for the project's own linear models). The checks read only the config and the module tree,
 identical on every rank, so every rank raises the same error; none needs a process group, so they
@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from .. import strategies
 from ..errors import UnsupportedModelError
+from .linear.families import LAYER_OPS, LINEAR_LAYER_TYPES
 
 # model types whose attention does not go through AttentionInterface (transformers only warns when
 # set_attn_implementation cannot switch them); apply.py also verifies the switch and the calls
@@ -108,7 +109,6 @@ def _check_multimodal(config, tc, name: str) -> None:
 
 
 def _check_layer_types(tc, name: str, linear_ok: bool = False) -> None:
-    from .linear_layers import LINEAR_LAYER_TYPES
     allowed = ATTENTION_LAYER_TYPES + TOKENWISE_LAYER_TYPES + (LINEAR_LAYER_TYPES if linear_ok else ())
     for key in ("layer_types", "layers_block_type"):
         types = getattr(tc, key, None) or []
@@ -129,9 +129,8 @@ def attention_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
 
 def check_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     """Refuse module-level features; return the attention layers. Token mixers are allowed only as
-    adapted linear layers (linear_layers.LAYER_OPS), and every layer whose config type is linear
+    adapted linear layers (linear/families.LAYER_OPS), and every layer whose config type is linear
     must hold one (so a layer type transformers adds later is refused, not run on one shard)."""
-    from .linear_layers import LAYER_OPS, LINEAR_LAYER_TYPES
     adapted = [n for n, m in model.named_modules() if type(m).__name__ in LAYER_OPS]
     for n, m in model.named_modules():
         # an adapted layer, its children (its conv), and the decoder layer holding it

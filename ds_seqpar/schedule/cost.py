@@ -1,10 +1,9 @@
 """What one document costs the busiest rank of the group it runs on: the scheduler's one price.
 
-COST SEAM. ``price`` is the only place the dynamic scheduler (rounds.py) values a document. It is
-built here from the package's existing arithmetic, the layouts' causal work
-(sharding/layouts.py ``causal_work``: attention pairs under the causal mask, per rank) and the
-strategies' closed-form bytes (strategies/closed_form.py); when a unified cost model of masks and
-hardware lands, point ``price`` at it and keep its signature.
+``price`` is the only place the dynamic scheduler (rounds.py) values a document. Its attention pairs
+are the cost model's (plan/cost: the pairs the busiest rank computes under the document's causal
+mask, on its layout's global positions, the end padding seeing nothing); its bytes are the
+strategies' closed forms (strategies/closed_form.py, the oracle plan/cost's bytes are held to).
 
 Units are floating-point operations of forward + backward (3x the forward's), with the bytes a rank
 sends converted at ``flops_per_byte`` (how many operations the machine does while one byte crosses
@@ -15,6 +14,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from ..masks import Mask
+from ..plan.cost import pairs_per_rank
 from ..sharding.layouts import make_layout
 from ..sharding.padding import padded_len
 from ..strategies import get_strategy
@@ -55,7 +56,7 @@ def price(length: int, group_size: int, strategy: str, shape: ModelShape = Model
         # chunked linear attention: a [D, D] state update and read per token and head
         attention = 4 * shape.heads * shape.head_dim ** 2 * n // group_size
     else:
-        pairs = max(layout.causal_work(n)) if strategy != "ulysses" else n * (n + 1) // 2 // group_size
+        pairs = max(pairs_per_rank(strategy, group_size, 1, length, Mask(True)))
         attention = 4 * shape.heads * shape.head_dim * pairs
     sent = 0
     if group_size > 1:

@@ -13,13 +13,14 @@ Each form is the one in the strategy's docstring (strategies/*.py); the notation
     f        Ulysses k/v head replication P / gcd(H_kv, P) (1 when P divides H_kv)
 
 Forms are split by the CommStats kind each exchange records under ("all_to_all", "ring",
-"ring_grad", "lasp_state", "lasp_dstate"), so a test also sees which exchange is off.
+"ring_grad", "lasp_state", "lasp_dstate"), so a test also sees which exchange is off; the own LM's
+LASP and the hybrids' linear layers share one state exchange and so one form (state_exchange_bytes).
 
 Packed documents and sliding windows: Ulysses and the hybrid's all-to-alls are unchanged; the ring
 loop's K/V and dK/dV go only to the ranks whose queries see them, and only the span of keys they see
 (ring_masked_bytes: for a causal window w <= n on the contiguous ring, the last w-1 tokens of one
 neighbour instead of P-1 blocks), LASP's states only across rank boundaries a document crosses
-(lasp_document_bytes).
+(lasp_bytes).
 """
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..sharding.documents import Documents
 from . import RING_STRATEGIES
+from .lasp_chain import LaspChain, StatePlan
 from .ulysses import kv_replication
 
 E_ACC = 4            # ring dK/dV accumulators are fp32 whatever the input dtype (ring_loop.py)
@@ -97,14 +100,30 @@ def lasp_state_bytes(sh: Shapes) -> int:
     return sh.batch * sh.heads * sh.head_dim * sh.dv * (8 if sh.elem == 8 else 4)
 
 
-def lasp_bytes(p: int, sh: Shapes, rank: int, lasp_comm: str) -> Dict[str, int]:
-    """LASP-1 ("ring"): one state forward to r+1, one dstate backward to r-1.
-    LASP-2 ("allgather"): all-gather (P-1 states) + reduce-scatter ((P-1)/P of P states).
-    Independent of the sequence length."""
-    state = lasp_state_bytes(sh)
-    if lasp_comm == "ring":
-        return {"lasp_state": state * (rank < p - 1), "lasp_dstate": state * (rank > 0)}
-    return {"lasp_state": state * (p - 1), "lasp_dstate": state * (p - 1)}
+def lasp_bytes(p: int, sh: Shapes, rank: int, lasp_comm: str, cu_seqlens: Optional[Sequence[int]] = None
+               ) -> Dict[str, int]:
+    """The own LM's LASP: the exchange's form on the contiguous plan (lasp_chain.LaspChain, packed
+    documents cut it), fixed transition. Without documents LASP-1 ("ring") sends one state forward to
+    r+1 and one dstate backward to r-1; LASP-2 ("allgather") all-gathers (P-1 states) and
+    reduce-scatters ((P-1)/P of P states). Independent of the sequence length."""
+    docs = None if cu_seqlens is None else Documents(cu_seqlens, sh.seq)
+    return state_exchange_bytes(LaspChain(p, sh.seq // p, docs), rank, lasp_state_bytes(sh), 0, lasp_comm)
+
+
+def state_exchange_bytes(plan, rank: int, state_bytes: int, map_bytes: int, lasp_comm: str) -> Dict[str, int]:
+    """One fwd+bwd through state_exchange.py over ``plan`` (lasp_chain.StatePlan), CommStats kinds
+    "lasp_state" (forward) and "lasp_dstate" (backward). allgather: the widest rank's slots (fragments
+    that feed another) of B, and of A where the transition travels (``map_bytes`` per slot; 0 for the
+    fixed decay), all-gathered (P-1 pieces) and reduce-scattered back ((P-1)/P of P pieces); nothing
+    when no state crosses a rank. ring: one state per hop to another rank, forward (to the next
+    fragment's owner) and backward (to the previous one's). No term grows with N."""
+    if lasp_comm == "allgather":
+        each = (plan.p - 1) * plan.width * (state_bytes + map_bytes)
+        return {"lasp_state": each, "lasp_dstate": each}
+    mine = [(rank, j) for j in plan.local(rank)]
+    out = sum(1 for key in mine if plan.feeds[key] and plan.next[key][0] != rank)
+    back = sum(1 for key in mine if plan.fed[key] and plan.prev[key][0] != rank)
+    return {"lasp_state": out * state_bytes, "lasp_dstate": back * state_bytes}
 
 
 # -- hybrids' linear layers (state_passing.py) -------------------------------------------------
@@ -113,23 +132,13 @@ def lasp_bytes(p: int, sh: Shapes, rank: int, lasp_comm: str) -> Dict[str, int]:
 def linear_state_bytes(frags, rank: int, rows: int, heads: int, dk: int, dv: int, lasp_comm: str,
                        transition: str = "matrix") -> Dict[str, int]:
     """One linear layer, forward + backward, under linear_strategy lasp; ``frags`` = the layout's
-    runs (state_passing.fragments). Maps are fp32 [rows, heads, dk, dv] (B) and A: ``transition``
-    "matrix" [.., dk, dk] (the delta rule), "scalar" [.., 1, 1] (Mamba2 SSD: a data-dependent decay
-    per head) or "fixed" [.., 1, 1] (lightning attention: a constant decay per head, whose map has
-    no gradient to send back). allgather: A and B of the most runs any rank holds (f), all-gathered
-    (P-1 pieces) and reduce-scattered back ((P-1)/P of P pieces). ring: one B-sized state per hop
-    this rank sends, forward (to the next run's owner) and backward (to the previous one's). No term
-    grows with N."""
-    p = len(frags)
-    state, a_map = rows * heads * dk * dv * 4, rows * heads * (dk * dk if transition == "matrix" else 1) * 4
-    if lasp_comm == "allgather":
-        f = max(len(fr) for fr in frags)
-        return {"lasp_allgather": (p - 1) * f * (2 * state + (1 if transition == "fixed" else 2) * a_map)}
-    order = sorted(((frags[r][j][0], r) for r in range(p) for j in range(len(frags[r]))))
-    owners = [r for _, r in order]
-    hops = sum(1 for i, r in enumerate(owners) if r == rank and i + 1 < len(owners) and owners[i + 1] != rank)
-    hops += sum(1 for i, r in enumerate(owners) if r == rank and i > 0 and owners[i - 1] != rank)
-    return {"lasp_ring": hops * state}
+    runs (state_passing.fragments). Maps are fp32: B [rows, heads, dk, dv] and A by ``transition``:
+    "matrix" [.., dk, dk] (the delta rule), "scalar" [.., 1, 1] (Mamba2 SSD: a data-dependent decay per
+    head), "fixed" (lightning attention: lambda^n, derived on every rank, never sent). Kinds that send
+    nothing are left out."""
+    map_elems = {"matrix": rows * heads * dk * dk, "scalar": rows * heads, "fixed": 0}[transition]
+    out = state_exchange_bytes(StatePlan(frags), rank, rows * heads * dk * dv * 4, map_elems * 4, lasp_comm)
+    return {kind: n for kind, n in out.items() if n}
 
 
 def linear_ulysses_bytes(p: int, local_elems: Sequence[int], elem: int) -> Dict[str, int]:
@@ -198,15 +207,12 @@ def ring_masked_bytes(ranges, me: int, token_elems: int, elem: int) -> Dict[str,
 
 def _masked_by_kind(strategy: str, p: int, sh: Shapes, rank: int, ulysses_size: int, lasp_comm: str,
                     cu_seqlens: Sequence[int], causal: bool, window: Optional[int]) -> Dict[str, int]:
-    from ..sharding.documents import Documents
     from ..sharding.layouts import make_layout
     from . import get_strategy
-    from .lasp_chain import LaspChain
     if strategy == "ulysses":
         return ulysses_bytes(p, sh)
     if strategy == "lasp":
-        chain = LaspChain(p, sh.seq // p, Documents(cu_seqlens, sh.seq))
-        return lasp_document_bytes(chain, rank, lasp_state_bytes(sh), lasp_comm)
+        return lasp_bytes(p, sh, rank, lasp_comm, cu_seqlens)
     ring = make_layout(get_strategy(strategy).layout_name, p // ulysses_size)
     return masked_ring_by_kind(ring_key_ranges(cu_seqlens, ring, sh.seq, causal, window), p, sh, rank, ulysses_size)
 
@@ -222,15 +228,6 @@ def masked_ring_by_kind(ranges, p: int, sh: Shapes, rank: int, ulysses_size: int
     token_elems = f * loc.elements(sh.kv_heads, sh.head_dim + sh.dv) // (sh.seq // len(ranges))
     out.update(ring_masked_bytes(ranges, rank // u, token_elems, sh.elem))
     return out
-
-
-def lasp_document_bytes(chain, rank: int, state_bytes: int, lasp_comm: str) -> Dict[str, int]:
-    """LASP with documents (lasp_chain.py): LASP-1 sends a state only across a boundary a document
-    crosses (and its dstate back); LASP-2 keeps its collectives unless no document crosses any."""
-    if lasp_comm == "ring":
-        return {"lasp_state": state_bytes * chain.sends[rank], "lasp_dstate": state_bytes * chain.takes_in[rank]}
-    both = state_bytes * (chain.p - 1) * chain.any_state_travels
-    return {"lasp_state": both, "lasp_dstate": both}
 
 
 def closed_form_by_kind(strategy: str, p: int, shapes: Shapes, rank: int = 0, ulysses_size: int = 1,
@@ -309,5 +306,5 @@ def transient_bytes(strategy: str, p: int, shapes: Shapes, ulysses_size: int = 1
     return ring_form(p, kv)
 
 
-__all__ = ["Shapes", "closed_form_bytes", "transient_bytes", "closed_form_by_kind", "kv_replication", "E_ACC", "ring_key_ranges",
-           "ring_masked_bytes", "masked_ring_by_kind", "lasp_document_bytes"]
+__all__ = ["Shapes", "closed_form_bytes", "transient_bytes", "closed_form_by_kind", "kv_replication", "E_ACC",
+           "ring_key_ranges", "ring_masked_bytes", "masked_ring_by_kind", "lasp_bytes", "state_exchange_bytes"]

@@ -21,15 +21,17 @@ the block start, and dS_r starts the reverse scan, so dk, dv through the chunk s
     dS_r       = sum_{r'>r} lambda^(L (r'-1-r)) G_r'                    (0 on the last rank)
     dq, dk, dv = backward_finish(bwd, dS_r)              after backward_local(bwd)
 
-How states travel is kept apart from what is computed on them (two exchange classes):
+How states travel is kept apart from what is computed on them: each rank's block is a fragment
+whose transition is the fixed lambda^L, and the states go through the exchange the hybrids' linear
+layers use (state_exchange.py, lasp_comm picks it):
 
-- lasp_comm "ring" (LASP-1). Forward: rank r receives state_in from r-1 and forwards
+- "ring" (LASP-1). Forward: rank r receives state_in from r-1 and forwards
   lambda^L state_in + S_r to r+1: P-1 sequential hops. Backward walks the ring in reverse:
   dstate flows from r+1 to r; rank r receives D_{r+1} (= dS_r, the gradient of the state it sent)
   and forwards D_r = G_r + lambda^L D_{r+1} to r-1.
-- lasp_comm "allgather" (LASP-2). Forward: all-gather every S_r', then a local decay-weighted
+- "allgather" (LASP-2). Forward: all-gather every S_r', then a local decay-weighted
   prefix sum. Backward is the dual collective: rank r puts lambda^(L (r-1-r')) G_r in slot r' < r
-  of a [P, B, H, Dk, Dv] buffer and a reduce-scatter hands each rank the sum for its own S.
+  of a [P, 1, B, H, Dk, Dv] buffer and a reduce-scatter hands each rank the sum for its own S.
 
 Overlap (ctx.overlap): the bulk of the local work never waits for a state, and nothing is computed
 twice. Forward: forward_begin (chunk products), then S_r (their scan) is posted where it must leave
@@ -69,162 +71,23 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .. import comm
 from ..kernels.linear import (backward_begin, backward_finish, backward_local, check_inputs, forward_begin,
                                 forward_diagonal, forward_finish, forward_states, intra_backward, intra_forward,
-                                state_decay, state_dtype)
+                                state_dtype)
 from .base import Strategy
 from .lasp_chain import LaspChain
+from .state_exchange import EXCHANGES, FixedDecay
 
 CHUNK_SIZE = 64          # the kernel's chunk, as single-process linear_attention uses
 
 
-def _decayed(decay_h11: Optional[Tensor], state_bhkv: Tensor) -> Tensor:
-    """lambda^n * state, where decay_h11 = lambda^n per head as [H, 1, 1] (None: no decay)."""
-    return state_bhkv if decay_h11 is None else state_bhkv * decay_h11
-
-
-class _States:
-    """What both exchanges share: who this rank is, the state shape, lambda^(L n), and posting
-    that waits at once without overlap."""
-
-    def __init__(self, ctx, q_bshd: Tensor, v_bshd: Tensor, decay_h: Optional[Tensor], chain: LaspChain):
-        self.p, self.r, self.group, self.stats, self.overlap = (ctx.sp_size, ctx.sp_rank, ctx.sp_group, ctx.stats,
-                                                                 ctx.overlap)
-        self.chain = chain
-        b, self.length, self.heads, dk = q_bshd.shape
-        self.shape, self.dtype = (b, self.heads, dk, v_bshd.shape[-1]), state_dtype(q_bshd.dtype)
-        self.device = q_bshd.device
-        self.decay_h = decay_h
-
-    def power(self, n: int) -> Optional[Tensor]:
-        """lambda^(L n) as [H, 1, 1]: carries a state across n whole ranks."""
-        return state_decay(self.decay_h, self.length * n, self.dtype)
-
-    def empty(self, *lead: int) -> Tensor:
-        return torch.empty(lead + self.shape, dtype=self.dtype, device=self.device)
-
-    def zeros(self, *lead: int) -> Tensor:
-        return torch.zeros(lead + self.shape, dtype=self.dtype, device=self.device)
-
-    @property
-    def receives_state(self) -> bool:
-        return self.chain.takes_in[self.r]     # rank 0 has no earlier tokens; a document start cuts the rest
-
-    @property
-    def _forwards_state_in(self) -> bool:
-        """The state this rank sends on includes state_in: one segment, continued on both sides."""
-        return self.chain.carry[self.r] and self.chain.sends[self.r]
-
-    def posted(self, pending):
-        if not self.overlap:
-            pending.wait()
-        return pending
-
-
-class _RingStates(_States):
-    """LASP-1: a state hops r-1 -> r -> r+1; backward walks the ring in reverse (r+1 -> r). Hops only
-    where a document continues across the boundary (lasp_chain.py)."""
-
-    _recv = _send = None
-
-    def _p2p(self, sends, recvs, kind):
-        return self.posted(comm.p2p(sends, recvs, self.group, self.stats, kind))
-
-    @property
-    def sends_local_state(self) -> bool:
-        # the outgoing state is the last segment's own S (rank 0; or a document starts in this block)
-        return self.chain.sends[self.r] and not self._forwards_state_in
-
-    def post_state(self, local_state: Optional[Tensor]) -> None:
-        if self.receives_state:
-            self._recv = self._p2p([], [(self.empty(), self.r - 1)], "lasp_state")
-        if self.sends_local_state:
-            self._send = self._p2p([(local_state, self.r + 1)], [], "lasp_state")
-
-    def state_in(self) -> Optional[Tensor]:
-        return self._recv.wait()[0] if self.receives_state else None
-
-    def pass_on(self, state_after: Tensor) -> None:
-        """Ranks inside a document forward lambda^L state_in + S_r, the state after their block, to r+1."""
-        if self._forwards_state_in:
-            self._send = self._p2p([(state_after, self.r + 1)], [], "lasp_state")
-
-    def post_dstate(self, dstate_in: Optional[Tensor]) -> None:
-        if self.chain.sends[self.r]:
-            self._recv = self._p2p([], [(self.empty(), self.r + 1)], "lasp_dstate")
-        if self.receives_state and not self._forwards_state_in:
-            # D_r is G_r alone (no later rank's gradient reaches state_in through this block): send it
-            # before the intra work
-            self._send = self._p2p([(dstate_in, self.r - 1)], [], "lasp_dstate")
-
-    def dstate_local(self, dstate_in: Optional[Tensor]) -> Optional[Tensor]:
-        if not self.chain.sends[self.r]:
-            return None
-        d_after = self._recv.wait()[0]          # D_{r+1}: the gradient of the state sent to r+1
-        if self.receives_state and self._forwards_state_in:
-            self._send = self._p2p([(dstate_in + _decayed(self.power(1), d_after), self.r - 1)], [], "lasp_dstate")
-        return d_after
-
-    def finish(self) -> None:
-        if self._send is not None:              # sends complete before their buffers go
-            self._send.wait()
-        self._send = self._recv = None
-
-
-class _GatheredStates(_States):
-    """LASP-2: all-gather every S, prefix-sum locally; backward reduce-scatters the dual. With
-    documents the sums run over chain(r) only, and when no document crosses a rank boundary nothing
-    is exchanged at all."""
-
-    _pending = None
-
-    @property
-    def _active(self) -> bool:
-        return self.chain.any_state_travels    # the same on every rank: all join the collective or none
-
-    @property
-    def sends_local_state(self) -> bool:
-        return self.chain.sends[self.r]        # prefix sums only look back: the last S is never read
-
-    def post_state(self, local_state: Optional[Tensor]) -> None:
-        if self._active:
-            own = local_state if self.sends_local_state else self.zeros()
-            self._pending = self.posted(comm.all_gather_async(own, self.group, self.stats, "lasp_state"))
-
-    def state_in(self) -> Optional[Tensor]:
-        states = self._pending.wait() if self._active else None     # [S_0, ..., S_{P-1}], each [B, H, Dk, Dv]
-        if not self.receives_state:
-            return None
-        return sum(_decayed(self.power(self.r - 1 - src), states[src]) for src in self.chain.chain(self.r))
-
-    def pass_on(self, state_after: Tensor) -> None:
-        pass                                    # every S already went out with the all-gather
-
-    def post_dstate(self, dstate_in: Optional[Tensor]) -> None:
-        if not self._active:
-            return
-        to_owner_pbhkv = self.zeros(self.p)     # slot r': this rank's share of dS_r'
-        for dst in self.chain.chain(self.r):
-            to_owner_pbhkv[dst] = _decayed(self.power(self.r - 1 - dst), dstate_in)
-        self._pending = self.posted(comm.reduce_scatter_async(to_owner_pbhkv, 0, self.group, self.stats,
-                                                              "lasp_dstate"))
-
-    def dstate_local(self, dstate_in: Optional[Tensor]) -> Optional[Tensor]:
-        if not self._active:
-            return None
-        d_own = self._pending.wait()[0]         # [1, B, H, Dk, Dv] summed over ranks -> [B, H, Dk, Dv]
-        return d_own if self.sends_local_state else None
-
-    def finish(self) -> None:
-        self._pending = None
-
-
-EXCHANGES = {"ring": _RingStates, "allgather": _GatheredStates}
-
-
-def _exchange(ctx, q_bshd, v_bshd, decay_h, chain: LaspChain) -> _States:
-    return EXCHANGES[ctx.lasp_comm](ctx, q_bshd, v_bshd, decay_h, chain)
+def _exchange(ctx, q_bshd, v_bshd, decay_h, chain: LaspChain):
+    """This rank's side of the state exchange; its states [B, H, Dk, Dv], the transition lambda^L."""
+    b, _, heads, dk = q_bshd.shape
+    dtype = state_dtype(q_bshd.dtype)
+    like = torch.empty((b, heads, dk, v_bshd.shape[-1]), dtype=dtype, device=q_bshd.device)   # a template only
+    return EXCHANGES[ctx.lasp_comm](chain, ctx.sp_rank, ctx.sp_group, ctx.stats, like, FixedDecay(decay_h, dtype),
+                                    ctx.overlap)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,17 +113,18 @@ def lasp_forward(q_bshd, k_bshd, v_bshd, decay_h, ctx, chain: LaspChain,
     single = len(segs) == 1
     fwd = forward_begin(*_cut(segs[0], q_bshd, k_bshd, v_bshd), decay_h, chunk_size)   # each chunk's k^T v
     fwd_last = fwd if single else forward_begin(*_cut(segs[-1], q_bshd, k_bshd, v_bshd), decay_h, chunk_size)
-    states.post_state(forward_states(fwd_last) if states.sends_local_state else None)   # S_r: their scan
+    last = len(segs) - 1
+    states.post({last: forward_states(fwd_last)} if states.needs_local_state(last) else {})   # S_r: their scan
     outs = [None] * len(segs)
     for i, seg in enumerate(segs[1:-1], start=1):      # documents inside the block: no state in or out
         outs[i] = intra_forward(*_cut(seg, q_bshd, k_bshd, v_bshd), decay_h, chunk_size)[0]
     if not single:
         outs[-1] = forward_finish(fwd_last)
     state_in = None
-    if states.receives_state:
+    if states.fed(0):
         forward_diagonal(fwd)                           # the intra-chunk work, while states travel
-        state_in = states.state_in()
-        states.pass_on(forward_states(fwd, state_in))   # state_in joins the chunk-state scan
+        state_in = states.state_in(0)
+        states.pass_on(0, forward_states(fwd, state_in))   # state_in joins the chunk-state scan
     outs[0] = forward_finish(fwd)                       # q . (chunk states), state_in's share included
     states.finish()
     return _joined(outs, single), state_in
@@ -274,17 +138,17 @@ def lasp_backward(do_bshd, q_bshd, k_bshd, v_bshd, state_in, decay_h, ctx, chain
     do_bshd = do_bshd.contiguous()
     bwd = backward_begin(*_cut(segs[0], do_bshd, q_bshd, k_bshd, v_bshd), decay_h, chunk_size, state_in)
     states = _exchange(ctx, q_bshd, v_bshd, decay_h, chain)
-    states.post_dstate(bwd.dstate_in)                   # G_r: from q and do alone (None without state_in)
+    states.post_dstate({0: bwd.dstate_in} if states.fed(0) else {})   # G_r: from q and do alone
     backward_local(bwd)                                 # the bulk, while dstates travel
     if single:
-        grads = [backward_finish(bwd, states.dstate_local(bwd.dstate_in))]   # dS_r joins the reverse walk
+        grads = [backward_finish(bwd, states.dstate_out(0))]   # dS_r joins the reverse walk
     else:
         grads = [backward_finish(bwd)]
         grads += [intra_backward(*_cut(seg, do_bshd, q_bshd, k_bshd, v_bshd), decay_h, chunk_size)
                   for seg in segs[1:-1]]
-        last = backward_begin(*_cut(segs[-1], do_bshd, q_bshd, k_bshd, v_bshd), decay_h, chunk_size)
-        backward_local(last)
-        grads.append(backward_finish(last, states.dstate_local(bwd.dstate_in)))
+        bwd_last = backward_begin(*_cut(segs[-1], do_bshd, q_bshd, k_bshd, v_bshd), decay_h, chunk_size)
+        backward_local(bwd_last)
+        grads.append(backward_finish(bwd_last, states.dstate_out(len(segs) - 1)))
     states.finish()
     return tuple(_joined([g[i] for g in grads], single) for i in range(3))
 
@@ -306,10 +170,11 @@ class LaspFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def lasp_attention(q_bshd, k_bshd, v_bshd, decay_h, ctx, docs=None) -> Tensor:
+def lasp_attention(q_bshd, k_bshd, v_bshd, decay_h, ctx, docs=None, chain: Optional[LaspChain] = None) -> Tensor:
     """Differentiable causal linear attention of this rank's block over the whole sequence; with
-    ``docs`` (packed documents) the state restarts at every document start."""
-    chain = LaspChain(ctx.sp_size, q_bshd.shape[1], docs)
+    ``docs`` (packed documents) the state restarts at every document start. ``chain``: the plan, when
+    the caller kept it (the same for every call of one local length without documents)."""
+    chain = chain or LaspChain(ctx.sp_size, q_bshd.shape[1], docs)
     return LaspFunction.apply(q_bshd, k_bshd, v_bshd, decay_h, ctx, chain)
 
 
@@ -319,5 +184,13 @@ class LaspAttention(Strategy):
     name = "lasp"
     layout_name = "contiguous"
 
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self._plain_chains = {}        # local length -> the plan without documents, built once per length
+
     def linear_attention(self, q_bshd, k_bshd, v_bshd, decay: Optional[Tensor], docs=None) -> Tensor:
-        return lasp_attention(q_bshd, k_bshd, v_bshd, decay, self.ctx, docs)
+        chain = None
+        if docs is None:
+            n = q_bshd.shape[1]
+            chain = self._plain_chains.get(n) or self._plain_chains.setdefault(n, LaspChain(self.ctx.sp_size, n))
+        return lasp_attention(q_bshd, k_bshd, v_bshd, decay, self.ctx, docs, chain)

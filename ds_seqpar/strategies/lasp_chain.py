@@ -1,71 +1,139 @@
-"""Which linear-attention states cross which rank boundaries: the plan LASP's exchanges follow,
-for one sequence or for packed documents (the state restarts at every document start).
+"""Which recurrent states cross which rank boundaries: the plan every state exchange follows (the own
+LM's LASP and the hybrids' linear layers alike), for one sequence or for packed documents (the state
+restarts at every document start). Pure arithmetic on the layout and the global cu_seqlens, so every
+rank derives the same plan; unit-tested without processes.
 
-Notation as in lasp.py: P ranks, rank r holds tokens [r*L, (r+1)*L) (contiguous layout).
+A *fragment* is a maximal run of consecutive global positions one rank holds, cut at every document
+start inside it: ``(global start, length, offset in the local order)``. The contiguous layout gives one
+run per rank (its *segments* once documents cut it), zigzag two. In global order, fragment f
 
-A rank's block is cut at every document start inside it into local *segments* (one segment
-without documents). Per rank r:
+    fed[f]        has a predecessor and does not start a document: it starts from the state the
+                  fragments before it leave (else from zero)
+    feeds[f]      its successor is fed: someone reads the state after f
 
-    takes_in[r]   r > 0 and no document starts at r*L: the first segment continues a document
-                  of earlier ranks, so it starts from state_in_r (else from zero)
-    carry[r]      takes_in[r] and no document starts inside the block: the block is one segment,
-                  and the state after it is lambda^L state_in_r + S_r
-    sends[r]      takes_in[r+1]: the state after rank r's block is needed by rank r+1
+and the state entering f folds the maps S_out = A . S_in + B of its *chain*: the fragments before it,
+nearest first, walking back while each one is fed. A rank's *slots* are its fragments that feed another, in
+global order: the only local states an all-gather has to carry (the last fragment's never is).
 
-S_r is the local state of r's LAST segment (from its start to the block end). Then
+LaspChain is the contiguous view the own LM's LASP documents its formulas in (lasp.py): rank r holds
+tokens [r*L, (r+1)*L), its first segment may take in, its last one may send, and
 
     state_in_r = sum over r' in chain(r) of lambda^(L (r-1-r')) S_r'
 
-where chain(r) = r-1, r-2, ... walking back while the state passes through whole blocks: r' joins,
-and r'-1 follows iff carry[r']. Without documents takes_in = [r > 0], carry = sends-to-next = True,
-and chain(r) = all r' < r: lasp.py's formulas. The backward uses the same plan in reverse.
-
-Pure arithmetic on the global cu_seqlens, so every rank derives the same plan; unit-tested
-without processes.
+Without documents takes_in = [r > 0], sends = [r < P-1] and chain(r) = all r' < r.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..sharding.documents import Documents
 
+Fragment = Tuple[int, int, int]          # (global start, length, offset in the local order)
+Key = Tuple[int, int]                    # (rank, local fragment index)
 
-class LaspChain:
+
+def fragments(layout, seq_len: int) -> List[List[Fragment]]:
+    """Per rank, its maximal runs of consecutive global positions, in local order."""
+    out = []
+    for r in range(layout.size):
+        idx = layout.indices(seq_len, r).tolist()
+        runs, offset = [], 0
+        for i, pos in enumerate(idx):
+            if i and pos == idx[i - 1] + 1:
+                continue
+            if runs:
+                runs[-1] = (runs[-1][0], i - runs[-1][2], runs[-1][2])
+            runs.append((pos, 0, i))
+        runs[-1] = (runs[-1][0], len(idx) - runs[-1][2], runs[-1][2])
+        out.append(runs)
+    return out
+
+
+def cut_at_documents(frags: Sequence[Sequence[Fragment]], bounds: Sequence[int]) -> List[List[Fragment]]:
+    """The runs cut at every document start inside them (packed documents: ``bounds`` = the global
+    cu_seqlens [0, l1, l1 + l2, ..., N]): no run then spans two documents."""
+    starts = sorted(int(b) for b in bounds)
+    out = []
+    for fr in frags:
+        pieces = []
+        for start, n, off in fr:
+            cuts = [start] + [b for b in starts if start < b < start + n] + [start + n]
+            pieces += [(a, b - a, off + a - start) for a, b in zip(cuts[:-1], cuts[1:])]
+        out.append(pieces)
+    return out
+
+
+def global_order(frags: Sequence[Sequence[Fragment]]) -> List[Key]:
+    """(rank, local fragment index) of every fragment, by global start."""
+    return sorted(((r, j) for r, fr in enumerate(frags) for j in range(len(fr))), key=lambda rj: frags[rj[0]][rj[1]][0])
+
+
+class StatePlan:
+    """fed, feeds, chains and slots of every fragment (module doc); ``resets``: the global
+    positions where a document starts."""
+
+    def __init__(self, frags: Sequence[Sequence[Fragment]], resets=frozenset()):
+        self.frags, self.p = frags, len(frags)
+        self.order = global_order(frags)
+        self.prev: Dict[Key, Optional[Key]] = {}
+        self.next: Dict[Key, Optional[Key]] = {}
+        for i, key in enumerate(self.order):
+            self.prev[key] = self.order[i - 1] if i else None
+            self.next[key] = self.order[i + 1] if i + 1 < len(self.order) else None
+        self.fed = {key: self.prev[key] is not None and self.start(key) not in resets for key in self.order}
+        self.feeds = {key: self.next[key] is not None and self.fed[self.next[key]] for key in self.order}
+        self.slots = [[j for j in self.local(r) if self.feeds[r, j]] for r in range(self.p)]
+        self.width = max(len(s) for s in self.slots)        # slots per rank an all-gather carries; 0: none
+
+    def start(self, key: Key) -> int:
+        return self.frags[key[0]][key[1]][0]
+
+    def tokens(self, key: Key) -> int:
+        return self.frags[key[0]][key[1]][1]
+
+    def local(self, r: int) -> List[int]:
+        """Rank r's fragment indices in global order."""
+        return sorted(range(len(self.frags[r])), key=lambda j: self.frags[r][j][0])
+
+    def chain_of(self, key: Key) -> List[Key]:
+        """The fragments whose maps reach the state entering ``key``, nearest first ([] if it is not
+        fed)."""
+        out, at = [], key
+        while self.fed[at]:
+            at = self.prev[at]
+            out.append(at)
+        return out
+
+    def slot(self, key: Key) -> int:
+        return self.slots[key[0]].index(key[1])
+
+
+class LaspChain(StatePlan):
+    """The contiguous layout's plan, per rank: ``segments`` (local [lo, hi) of each fragment),
+    ``takes_in[r]`` (the first segment), ``carry[r]`` (one segment that takes in: the state after the
+    block is lambda^L state_in + S_r), ``sends[r]`` (the last segment), ``chain(r)`` (ranks)."""
+
     def __init__(self, p: int, length: int, docs: Optional[Documents] = None):
-        self.p, self.length = p, length
-        starts = set(docs.starts_in(0, p * length)) if docs is not None else {0}
-        self.segments: List[List[Tuple[int, int]]] = []
-        self.takes_in, self.carry = [], []
-        for r in range(p):
-            lo, hi = r * length, (r + 1) * length
-            cuts = sorted({t - lo for t in starts if lo < t < hi})
-            edges = [0] + cuts + [length]
-            self.segments.append(list(zip(edges, edges[1:])))
-            takes = r > 0 and lo not in starts
-            self.takes_in.append(takes)
-            self.carry.append(takes and not cuts)
-        self.sends = [r + 1 < p and self.takes_in[r + 1] for r in range(p)]
+        runs = [[(r * length, length, 0)] for r in range(p)]
+        starts = docs.starts_in(0, p * length) if docs is not None else []
+        super().__init__(cut_at_documents(runs, starts), frozenset(starts))
+        self.length = length
+        self.segments = [[(off, off + n) for _, n, off in fr] for fr in self.frags]
+        self.takes_in = [self.fed[r, 0] for r in range(p)]
+        self.carry = [self.takes_in[r] and len(self.frags[r]) == 1 for r in range(p)]
+        self.sends = [self.feeds[r, len(self.frags[r]) - 1] for r in range(p)]
 
     def chain(self, r: int) -> List[int]:
-        """The ranks whose local state S reaches state_in_r (nearest first); [] if not takes_in[r]."""
-        out = []
-        if not self.takes_in[r]:
-            return out
-        src = r - 1
-        while src >= 0:
-            out.append(src)
-            if not self.carry[src]:
-                break
-            src -= 1
-        return out
+        """The ranks whose last segment's state reaches rank r's state_in (nearest first)."""
+        return [src for src, _ in self.chain_of((r, 0))]
 
     @property
     def any_state_travels(self) -> bool:
-        return any(self.takes_in)
+        return self.width > 0
 
     def state_hops(self) -> int:
         """States sent rank to rank in one forward (LASP-1): one per rank boundary a document crosses."""
         return sum(self.sends)
 
 
-__all__ = ["LaspChain"]
+__all__ = ["Fragment", "StatePlan", "LaspChain", "fragments", "cut_at_documents", "global_order"]

@@ -1,21 +1,21 @@
-"""State passing for recurrent token mixers under any contiguous-run layout: the delta rule (GDN,
-KDA), scalar-decay scans, and the halo of a short causal convolution.
+"""How the hybrids' recurrent token mixers cross ranks (the delta rule of GDN and KDA, Mamba2's scalar-decay
+scan, lightning attention's fixed decay, the halo of a short causal convolution): ``LinearExchange``,
+which SequenceParallel resolves once from ``linear_strategy`` and ``lasp_comm``, as it resolves the
+attention strategy. The layers (hf/linear/) ask it for their runs, the states entering them, the
+conv halo, or the heads all-to-all; they read no config and no layout themselves.
 
 Every such mixer runs a block of tokens as an affine map of the state that enters it:
 
     S_out = A . S_in + B          (B = the block's zero-init final state, A = its transition)
     o     = o0 + Q~ . S_in        (o0 = zero-init output, Q~ = effective queries)
 
-so a rank needs, for each of its fragments (maximal runs of consecutive global positions: one per
-rank in the contiguous layout, two in zigzag), the state entering it: the fold of the maps of every
-fragment before it in global order. ``A`` is a [.., K, K] matrix (delta rule) or a [.., 1, 1]
-scalar per (row, head) (scalar decay); ``apply_map`` hides the difference.
+so a rank needs, for each of its fragments (lasp_chain.py: maximal runs of consecutive global
+positions, cut at document starts; one per rank in the contiguous layout, two in zigzag), the state
+entering it: the fold of the maps of every fragment before it in global order. The states go through
+state_exchange.py, the exchange the own LM's LASP uses (allgather: LASP-2, ring: LASP-1).
 
-Two exchanges, as ``lasp_comm`` names them:
-  * allgather (LASP-2): all-gather every fragment's (A, B) and fold the predecessors locally;
-    autograd's dual of the all-gather (a reduce-scatter, comm.all_gather) is the backward.
-  * ring (LASP-1): walk the fragments in global order, each owner receiving the state from the
-    previous owner and sending A.S_in + B on; the backward walks back (_StateChain).
+linear_strategy "ulysses": all-to-all to whole sequences of a P-th of the heads, the layer's own op,
+all-to-all back.
 
 The convolution halo: a fragment's first K-1 outputs read the K-1 inputs before it, which the
 previous fragment in global order holds. Every fragment's tail is all-gathered (autograd returns
@@ -26,167 +26,108 @@ Fragments must be at least K-1 tokens long (the halo comes from one fragment); a
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Optional
 
 import torch
 from torch import Tensor
 
 from .. import comm
 from ..errors import ConfigError
-
-Fragment = Tuple[int, int, int]          # (global start, length, offset in the local order)
-
-
-def fragments(layout, seq_len: int) -> List[List[Fragment]]:
-    """Per rank, its maximal runs of consecutive global positions, in local order."""
-    out = []
-    for r in range(layout.size):
-        idx = layout.indices(seq_len, r).tolist()
-        runs, offset = [], 0
-        for i, pos in enumerate(idx):
-            if i and pos == idx[i - 1] + 1:
-                continue
-            if runs:
-                runs[-1] = (runs[-1][0], i - runs[-1][2], runs[-1][2])
-            runs.append((pos, 0, i))
-        runs[-1] = (runs[-1][0], len(idx) - runs[-1][2], runs[-1][2])
-        out.append(runs)
-    return out
+from .lasp_chain import StatePlan, cut_at_documents, fragments, global_order
+from .state_exchange import EXCHANGES, FixedDecay, TravellingMaps
 
 
-def cut_at_documents(frags: Sequence[Sequence[Fragment]], bounds: Sequence[int]) -> List[List[Fragment]]:
-    """The runs cut at every document start inside them (packed documents: ``bounds`` = the global
-    cu_seqlens [0, l1, l1 + l2, ..., N]): no run then spans two documents."""
-    starts = sorted(int(b) for b in bounds)
-    out = []
-    for fr in frags:
-        pieces = []
-        for start, n, off in fr:
-            cuts = [start] + [b for b in starts if start < b < start + n] + [start + n]
-            pieces += [(a, b - a, off + a - start) for a, b in zip(cuts[:-1], cuts[1:])]
-        out.append(pieces)
-    return out
+class LinearExchange:
+    """This rank's side of the hybrids' linear layers: ``heads_parallel`` (linear_strategy ulysses)
+    or the state exchange named by lasp_comm; ``ctx``: the strategy's context (groups, layout, stats)."""
+
+    def __init__(self, linear_strategy: str, lasp_comm: str, ctx):
+        self.heads_parallel = linear_strategy == "ulysses"
+        self.lasp_comm = lasp_comm
+        self.layout, self.size, self.rank = ctx.layout, ctx.sp_size, ctx.sp_rank
+        self.group, self.stats = ctx.sp_group, ctx.stats
+        self._runs = {}
+
+    def runs(self, local_len: int, width: int, where: str, documents=None):
+        """(this forward's runs: the layout's runs of consecutive tokens, cut at packed-document starts;
+        the global positions where a document starts, where state and halo restart)."""
+        n = local_len * self.size
+        if n not in self._runs:                  # the layout's runs, per length (documents change per batch)
+            self._runs[n] = fragments(self.layout, n)
+        frags = self._runs[n]
+        check_fragments(frags, width, where)
+        if documents is None:
+            return frags, frozenset()
+        docs = [int(b) for b in documents]
+        return cut_at_documents(frags, docs), frozenset(b for b in docs if 0 < b < n)
+
+    def states_in(self, b_f: Tensor, frags, resets, a_f: Optional[Tensor] = None,
+                  decay_h: Optional[Tensor] = None) -> Tensor:
+        """The state entering each of this rank's fragments, [nf, *B's shape]; b_f [nf, .., K, V]
+        (fp32); the transition: a_f [nf, .., K, K or 1] (data-dependent, differentiable) or the fixed
+        decay_h [heads] (lambda^n, no gradient). Differentiable in b_f and a_f."""
+        maps = TravellingMaps(a_f) if a_f is not None else FixedDecay(decay_h, b_f.dtype)
+        exchange = EXCHANGES[self.lasp_comm](StatePlan(frags, resets), self.rank, self.group, self.stats,
+                                             b_f[0], maps)
+        return _EnteringStates.apply(b_f, a_f, exchange)
+
+    def halos(self, x_bcl: Tensor, width: int, frags, resets) -> List[Tensor]:
+        return halos(x_bcl, width, frags, self.rank, self.group, self.stats, resets)
+
+    def whole_heads(self, tensors):
+        """linear_strategy ulysses: each [b, n, heads, ..] tensor all-to-all'd to the whole sequence
+        (global order) of this rank's block of heads (the heads divide by P: the layer checked);
+        returns (tensors, that block as a slice)."""
+        heads, n = tensors[0].shape[2], tensors[0].shape[1] * self.size
+        inverse = self.layout.inverse(n, tensors[0].device)
+        mine = slice(self.rank * (heads // self.size), (self.rank + 1) * (heads // self.size))
+        whole = [comm.all_to_all(t.contiguous(), 2, 1, self.group, self.stats, "linear_all_to_all")
+                 for t in tensors]                    # [b, N, heads / P, ..] in the layout's order
+        return [t.index_select(1, inverse) for t in whole], mine
+
+    def back_to_tokens(self, out: Tensor) -> Tensor:
+        """whole_heads' inverse for the op's output [b, N, heads / P, ..]."""
+        perm = self.layout.permutation(out.shape[1], out.device)
+        return comm.all_to_all(out.index_select(1, perm).contiguous(), 1, 2, self.group, self.stats,
+                               "linear_all_to_all")
 
 
-def global_order(frags: Sequence[Sequence[Fragment]]) -> List[Tuple[int, int]]:
-    """(rank, local fragment index) of every fragment, by global start."""
-    return sorted(((r, j) for r, fr in enumerate(frags) for j in range(len(fr))), key=lambda rj: frags[rj[0]][rj[1]][0])
-
-
-def apply_map(a: Tensor, s: Tensor) -> Tensor:
-    """A . S for a matrix transition [.., K, K] or a scalar one [.., 1, 1]."""
-    return a * s if a.shape[-1] == 1 else a @ s
-
-
-def _map_transpose(a: Tensor, d: Tensor) -> Tensor:
-    return a * d if a.shape[-1] == 1 else a.transpose(-1, -2) @ d
-
-
-def _map_grad(a: Tensor, d_out: Tensor, s_in: Tensor) -> Tensor:
-    """dA from dS_out = D and S_in: D S_in^T (matrix) or <D, S_in> per (row, head) (scalar)."""
-    if a.shape[-1] == 1:
-        return (d_out * s_in).sum((-1, -2), keepdim=True)
-    return d_out @ s_in.transpose(-1, -2)
-
-
-def states_in(a_f: Tensor, b_f: Tensor, frags, rank: int, group, stats=None, lasp_comm: str = "allgather",
-              resets=frozenset()) -> Tensor:
-    """The state entering each of this rank's fragments, [nf, *B's shape]; a_f [nf, .., K, K or 1],
-    b_f [nf, .., K, V] (fp32). ``resets``: the global starts of packed documents (a fragment that
-    starts one enters with the zero state). Differentiable in both."""
-    if lasp_comm == "ring":
-        return _StateChain.apply(a_f, b_f, frags, rank, group, stats, frozenset(resets))
-    a_all = comm.all_gather(_padded(a_f, frags), 0, group, stats, "lasp_allgather")
-    b_all = comm.all_gather(_padded(b_f, frags), 0, group, stats, "lasp_allgather")
-    # every fragment's state, then this rank's: the output depends on the gathered maps on every rank
-    # (also rank 0, whose own state is zero), so every rank runs the all-gather's backward collective
-    s, entering = torch.zeros_like(b_f[0]), {}
-    for r, j in global_order(frags):
-        if frags[r][j][0] in resets:
-            s = torch.zeros_like(s)
-        entering[r, j] = s
-        s = apply_map(a_all[r, j], s) + b_all[r, j]
-    every = torch.stack([entering[key] for key in sorted(entering)])
-    return _this_ranks(every, frags, rank)
-
-
-def _this_ranks(every: Tensor, frags, rank: int) -> Tensor:
-    """This rank's rows of a tensor with one row per fragment of every rank (rank-major)."""
-    first = sum(len(fr) for fr in frags[:rank])
-    return every[first:first + len(frags[rank])]
-
-
-def _padded(per_fragment: Tensor, frags) -> Tensor:
-    """[1, most fragments any rank holds, ...]: all-gathered pieces must have one shape (zigzag at
-    P=2 gives rank 1 one run, rank 0 two)."""
-    most = max(len(fr) for fr in frags)
-    extra = most - per_fragment.shape[0]
-    if extra:
-        per_fragment = torch.cat([per_fragment, per_fragment.new_zeros((extra,) + per_fragment.shape[1:])])
-    return per_fragment.unsqueeze(0).contiguous()
-
-
-class _StateChain(torch.autograd.Function):
-    """LASP-1 over fragments: P2P hops along the global order; the backward walks it in reverse,
-    each owner sending dS_in (its own G plus A^T of what came back) to the previous owner."""
+class _EnteringStates(torch.autograd.Function):
+    """Thin: the exchange's forward phases over this rank's fragments in global order, its backward
+    phases in reverse (a fed fragment's dS_in = G + A^T dS_out, dA = dS_out S_in^T)."""
 
     @staticmethod
-    def forward(ctx, a_f, b_f, frags, rank, group, stats, resets):
-        order = global_order(frags)
-        # a hop into a fragment that starts a document carries nothing: neither side posts it
-        hop = [i > 0 and frags[r][j][0] not in resets for i, (r, j) in enumerate(order)]
+    def forward(ctx, b_f, a_f, exchange):
+        mine = exchange.plan.local(exchange.r)
+        exchange.post({j: b_f[j] for j in mine if exchange.needs_local_state(j)})
         s_in = torch.zeros_like(b_f)
-        carry = None
-        for i, (r, j) in enumerate(order):
-            if r != rank:
-                continue
-            if hop[i]:
-                prev = order[i - 1][0]
-                s_in[j] = carry if prev == rank else _recv(b_f[0], prev, group, stats)
-            if i + 1 < len(order) and hop[i + 1]:
-                s_out = apply_map(a_f[j], s_in[j]) + b_f[j]
-                nxt = order[i + 1][0]
-                if nxt == rank:
-                    carry = s_out
-                else:
-                    _send(s_out, nxt, group, stats)
-        ctx.save_for_backward(a_f, s_in)
-        ctx.frags, ctx.rank, ctx.group, ctx.stats, ctx.hop = frags, rank, group, stats, hop
+        for j in mine:
+            s = exchange.state_in(j)
+            if s is not None:
+                s_in[j] = s
+                exchange.pass_on(j, exchange.transition((exchange.r, j)).apply(s) + b_f[j])
+        exchange.finish()
+        ctx.save_for_backward(s_in)
+        ctx.exchange, ctx.has_a = exchange, a_f is not None
         return s_in
 
     @staticmethod
     def backward(ctx, g_in):
-        a_f, s_in = ctx.saved_tensors
-        order, rank, group, stats = global_order(ctx.frags), ctx.rank, ctx.group, ctx.stats
-        da, db = torch.zeros_like(a_f), torch.zeros_like(s_in)
+        s_in, = ctx.saved_tensors
+        exchange = ctx.exchange
+        mine = exchange.plan.local(exchange.r)
         g_in = g_in.contiguous()
-        carry = None
-        for i in range(len(order) - 1, -1, -1):
-            r, j = order[i]
-            if r != rank:
-                continue
-            d_in = g_in[j]
-            if i + 1 < len(order) and ctx.hop[i + 1]:      # this fragment's S_out feeds the next one
-                nxt = order[i + 1][0]
-                d_out = carry if nxt == rank else _recv(s_in[0], nxt, group, stats)
+        exchange.post_dstate({j: g_in[j] for j in mine if exchange.fed(j)})
+        db = torch.zeros_like(s_in)
+        da = torch.zeros_like(exchange.maps.a_f) if ctx.has_a else None
+        for j in reversed(mine):
+            d_out = exchange.dstate_out(j)
+            if d_out is not None:
                 db[j] = d_out
-                da[j] = _map_grad(a_f[j], d_out, s_in[j])
-                d_in = d_in + _map_transpose(a_f[j], d_out)
-            if ctx.hop[i]:
-                prev = order[i - 1][0]
-                if prev == rank:
-                    carry = d_in
-                else:
-                    _send(d_in, prev, group, stats)
-        return da, db, None, None, None, None, None
-
-
-def _send(t: Tensor, peer: int, group, stats) -> None:
-    comm.p2p([(t.contiguous(), peer)], [], group, stats, "lasp_ring").wait()
-
-
-def _recv(like: Tensor, peer: int, group, stats) -> Tensor:
-    return comm.p2p([], [(torch.empty_like(like), peer)], group, stats, "lasp_ring").wait()[0]
+                if da is not None:
+                    da[j] = exchange.dmap(j, d_out, s_in[j])
+        exchange.finish()
+        return db, da, None
 
 
 def halos(x_bcl: Tensor, width: int, frags, rank: int, group, stats=None, resets=frozenset()) -> List[Tensor]:
@@ -202,10 +143,22 @@ def halos(x_bcl: Tensor, width: int, frags, rank: int, group, stats=None, resets
     tails = torch.stack([tail(off, n) for _, n, off in frags[rank]])
     gathered = comm.all_gather(_padded(tails, frags), 0, group, stats, "conv_halo")
     ends = {start + n: (r, j) for r, fr in enumerate(frags) for j, (start, n, _) in enumerate(fr)}
-    # every fragment's halo, then this rank's (see states_in: every rank runs the backward collective)
+    # every fragment's halo, then this rank's: the output depends on the gathered tails on every rank
+    # (also rank 0, whose own halo is zero), so every rank runs the all-gather's backward collective
     every = torch.stack([gathered[ends[start]] if start and start not in resets else torch.zeros_like(tails[0])
                          for fr in frags for start, _, _ in fr])
-    return list(_this_ranks(every, frags, rank))
+    first = sum(len(fr) for fr in frags[:rank])
+    return list(every[first:first + len(frags[rank])])
+
+
+def _padded(per_fragment: Tensor, frags) -> Tensor:
+    """[1, most fragments any rank holds, ...]: all-gathered pieces must have one shape (zigzag at
+    P=2 gives rank 1 one run, rank 0 two)."""
+    most = max(len(fr) for fr in frags)
+    extra = most - per_fragment.shape[0]
+    if extra:
+        per_fragment = torch.cat([per_fragment, per_fragment.new_zeros((extra,) + per_fragment.shape[1:])])
+    return per_fragment.unsqueeze(0).contiguous()
 
 
 def check_fragments(frags, width: int, where: str) -> None:
@@ -218,4 +171,4 @@ def check_fragments(frags, width: int, where: str) -> None:
                           f"or a contiguous / zigzag strategy")
 
 
-__all__ = ["fragments", "cut_at_documents", "global_order", "apply_map", "states_in", "halos", "check_fragments"]
+__all__ = ["LinearExchange", "fragments", "cut_at_documents", "global_order", "halos", "check_fragments"]

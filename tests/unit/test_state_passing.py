@@ -7,7 +7,8 @@ import torch
 
 from ds_seqpar.config import ConfigError, SequenceParallelConfig
 from ds_seqpar.sharding.layouts import make_layout
-from ds_seqpar.strategies.state_passing import apply_map, check_fragments, fragments, global_order
+from ds_seqpar.strategies.state_exchange import Transition
+from ds_seqpar.strategies.state_passing import check_fragments, fragments, global_order
 
 
 def test_fragments_are_the_runs_of_consecutive_positions():
@@ -35,9 +36,9 @@ def test_linear_strategy_is_a_validated_key():
 def test_apply_map_matrix_and_scalar():
     s = torch.randn(2, 3, 4, 5)
     a = torch.randn(2, 3, 4, 4)
-    assert torch.allclose(apply_map(a, s), a @ s)
+    assert torch.allclose(Transition(a).apply(s), a @ s)
     d = torch.rand(2, 3, 1, 1)
-    assert torch.allclose(apply_map(d, s), d * s)
+    assert torch.allclose(Transition(d).apply(s), d * s)
 
 
 def _gdn_inputs(seed, n, hk=2, hv=4, dk=8, dv=16, kda=False):
@@ -82,7 +83,7 @@ def test_widened_maps_folded_in_global_order_equal_the_whole_sequence(op_name, l
         start, length, _ = frags[r][j]
         o0, q_eff, a, b = maps[r, j]
         out[:, start:start + length] = with_state_in(o0, q_eff, s)
-        s = apply_map(a, s) + b
+        s = Transition(a).apply(s) + b
     # transformers' op computes in fp32 whatever the input: compare at fp32 rounding of the output scale
     err = (out - whole).abs().max().item()
     assert err <= 2e-5 * whole.abs().max().item(), err

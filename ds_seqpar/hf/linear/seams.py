@@ -1,0 +1,103 @@
+"""The one seam: transformers calls these layers' ops (``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``,
+``chunk_kimi_delta_attention``, ``mamba2_chunk_scan``) as globals of the modeling file, resolved at call
+time, with no argument that could say which layer or which sequence-parallel setup is calling. So the
+global is replaced by a seam that calls the original unless an applied layer is running, and the
+layer's forward pre-hook says which one is, in a context variable (per thread and task, set for the
+layer's forward only, reset by its post-hook): other models in the process, and the layer after
+remove_sequence_parallel, run transformers' code untouched.
+
+Every seam call is counted per layer; a layer that bypassed a seam (another kernel swapped in, a
+fused path) is refused after its forward, before the loss and backward.
+"""
+from __future__ import annotations
+
+import contextvars
+import inspect
+import sys
+
+from ...errors import UnsupportedModelError
+from .families import CONV, FUSED, LAYER_OPS, LIGHTNING, OPTIONAL, SSD
+
+_PACKING_KWARGS = frozenset({"cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"})
+# (mixers, module, {op: calls}) of the applied layer whose forward is running, or None
+_RUNNING: contextvars.ContextVar = contextvars.ContextVar("ds_seqpar_linear_layer", default=None)
+
+
+def _seam(name: str, original):
+    def seam(*args, **kwargs):
+        running = _RUNNING.get()
+        if running is None:
+            return original(*args, **kwargs)
+        mixers, module, _ = running
+        count(name)
+        if name == FUSED:
+            return None          # the layer then takes its op path (conv + scan), which has the seams
+        bound = inspect.signature(original).bind(*args, **kwargs)
+        bound.apply_defaults()
+        call = dict(bound.arguments)
+        call.update(call.pop("kwargs", {}))
+        for name_ in ("cu_seqlens", "seq_idx"):     # packed documents: the mixers cut at them themselves
+            call.pop(name_, None)
+        if name == CONV:
+            return mixers.conv(original, call)
+        if name == SSD:
+            return mixers.ssd(original, call, mixers.where(module))
+        return mixers.delta_rule(original, call, mixers.where(module))
+
+    seam._ds_seqpar_original = original
+    return seam
+
+
+def count(name: str) -> None:
+    """One call of op ``name`` by the running layer (lightning attention counts its replaced forward)."""
+    calls = _RUNNING.get()[2]
+    calls[name] = calls.get(name, 0) + 1
+
+
+def install_seams(layers) -> None:
+    """Replace each op global of the layers' modeling files by its seam, once per process."""
+    for _, m in layers:
+        module = sys.modules[type(m).__module__]
+        for name in LAYER_OPS[type(m).__name__]:
+            if name == LIGHTNING:
+                continue
+            fn = getattr(module, name, None)
+            if fn is None:
+                raise UnsupportedModelError(f"ds_seqpar.hf: {type(m).__name__}'s modeling file has no {name}: this "
+                                            f"transformers version calls another op; the layer cannot be made "
+                                            f"sequence-parallel")
+            if not hasattr(fn, "_ds_seqpar_original"):
+                setattr(module, name, _seam(name, fn))
+
+
+def layer_hooks(mixers, module) -> list:
+    """The pre-hook that marks ``module`` running (and keeps the packing kwargs from its ops) and the
+    post-hook that unmarks it and refuses a layer that did not call each of its ops once."""
+    tokens = []
+
+    def pre(module, args, kwargs):
+        tokens.append(_RUNNING.set((mixers, module, {})))
+        # the documents reach the mixers through mixers.documents; transformers' layers would pass
+        # the call's cu_seqlens on to ops that refuse them (or pass them twice)
+        return args, {k: v for k, v in kwargs.items() if k not in _PACKING_KWARGS}
+
+    def post(module, args, kwargs, output):
+        # always_call: also after an exception (a refusal inside the layer), so no stale mark
+        # makes another model's op take the sequence-parallel path
+        calls = _RUNNING.get()[2]
+        _RUNNING.reset(tokens.pop())
+        if output is None:
+            return None
+        want = {op: 1 for op in LAYER_OPS[type(module).__name__]}
+        calls = dict(calls, **{op: 1 for op in OPTIONAL & set(want) if op not in calls})
+        if calls != want:
+            raise UnsupportedModelError(f"ds_seqpar.hf: {mixers.where(module)} called {calls or 'no op'} instead of "
+                                        f"{want}: the layer bypassed the sequence-parallel seam (another kernel "
+                                        f"or a fused path), so its result would be one shard's alone")
+        return output
+
+    return [module.register_forward_pre_hook(pre, with_kwargs=True),
+            module.register_forward_hook(post, with_kwargs=True, always_call=True)]
+
+
+__all__ = ["install_seams", "layer_hooks", "count"]

@@ -1,0 +1,117 @@
+"""The one LASP state exchange without processes: the plan both the own LM and the hybrids follow,
+the transitions' apply / transpose / grad against autograd, and how hf/ reaches it (through
+sp.linear_exchange, with no import circle)."""
+import ast
+import os
+
+import pytest
+import torch
+
+import ds_seqpar
+from ds_seqpar.sharding.documents import Documents
+from ds_seqpar.sharding.layouts import make_layout
+from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind, linear_state_bytes, state_exchange_bytes
+from ds_seqpar.strategies.lasp_chain import LaspChain, StatePlan, cut_at_documents, fragments
+from ds_seqpar.strategies.state_exchange import FixedDecay, Transition
+
+from .test_layers import imports_of, modules
+
+ROOT = os.path.dirname(ds_seqpar.__file__)
+
+
+def test_the_own_lms_chain_is_the_plan_of_its_contiguous_fragments():
+    docs = [0, 3, 170, 240, 320]
+    chain = LaspChain(4, 80, Documents(docs, 320))
+    plan = StatePlan(cut_at_documents(fragments(make_layout("contiguous", 4), 320), docs), frozenset(docs[1:-1]))
+    assert chain.frags == plan.frags and chain.fed == plan.fed and chain.feeds == plan.feeds
+    assert [len(s) for s in plan.slots] == [1, 1, 0, 0] and plan.width == 1
+    assert plan.chain_of((2, 0)) == [(1, 0), (0, 1)]
+
+
+def test_slots_are_the_fragments_whose_state_another_reads():
+    # zigzag P=2: rank 0's second run is the sequence's last, nobody reads its state: one slot per rank
+    assert StatePlan(fragments(make_layout("zigzag", 2), 16)).width == 1
+    assert StatePlan(fragments(make_layout("zigzag", 4), 32)).width == 2
+    at_boundaries = [0, 8, 16, 24, 32]
+    cut = cut_at_documents(fragments(make_layout("contiguous", 4), 32), at_boundaries)
+    assert StatePlan(cut, frozenset(at_boundaries[1:-1])).width == 0
+
+
+def test_one_closed_form_for_the_own_lm_and_the_hybrids():
+    """The own LM's LASP is the fixed transition on the contiguous plan: linear_state_bytes with one row,
+    heads, dk, dv in fp32 gives closed_form_by_kind('lasp') rank by rank, for both exchanges."""
+    frags = fragments(make_layout("contiguous", 4), 256)
+    for comm in ("allgather", "ring"):
+        for r in range(4):
+            want = closed_form_by_kind("lasp", 4, Shapes(1, 256, 8, 8, 16, 4, v_head_dim=12), r, lasp_comm=comm)
+            assert linear_state_bytes(frags, r, 1, 8, 16, 12, comm, "fixed") == want, (comm, r)
+    plan = StatePlan(frags)
+    # a travelling transition adds its A to every slot, both ways; the ring never sends A
+    assert state_exchange_bytes(plan, 1, 100, 7, "allgather") == {"lasp_state": 3 * 107, "lasp_dstate": 3 * 107}
+    assert state_exchange_bytes(plan, 1, 100, 7, "ring") == {"lasp_state": 100, "lasp_dstate": 100}
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4, 4), (2, 3, 1, 1)])
+def test_transition_transpose_and_grad_are_autograds(shape):
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+    s = torch.randn(2, 3, 4, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    d = torch.randn(2, 3, 4, 5, generator=g, dtype=torch.float64)
+    da, ds = torch.autograd.grad(Transition(a).apply(s), (a, s), d)
+    assert torch.allclose(Transition(a.detach()).transpose(d), ds)
+    assert torch.allclose(Transition(a.detach()).grad(d, s.detach()), da)
+
+
+def test_the_fixed_decay_is_lambda_to_the_length():
+    decay = torch.tensor([0.5, 0.9])
+    a = FixedDecay(decay, torch.float64).of_length(3).a
+    assert a.shape == (2, 1, 1) and torch.allclose(a.flatten(), decay.double() ** 3)
+    s = torch.randn(2, 4, 4)
+    assert torch.equal(FixedDecay(None, torch.float32).of_length(3).apply(s), s)
+
+
+def test_hf_linear_reads_no_config_and_no_layout():
+    """The linear layers get everything about ranks from sp.linear_exchange (resolved once by sp)."""
+    folder = os.path.join(ROOT, "hf", "linear")
+    reads = []
+    for f in sorted(os.listdir(folder)) + ["../linear_layers.py"]:
+        if f.endswith(".py"):
+            tree = ast.parse(open(os.path.join(folder, f)).read())
+            reads += [f"{f}:{n.lineno} .{n.attr}" for n in ast.walk(tree)
+                      if isinstance(n, ast.Attribute) and n.attr in ("config", "layout")]
+    assert not reads, reads
+
+
+def _cycle(graph):
+    """One import cycle of ``graph`` ({module: imported modules}) as a list, or None."""
+    state = {}
+
+    def visit(m, path):
+        state[m] = "open"
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == "open":
+                return path[path.index(n):] + [n]
+            if n not in state:
+                found = visit(n, path + [n])
+                if found:
+                    return found
+        state[m] = "done"
+        return None
+
+    for m in sorted(graph):
+        if m not in state:
+            found = visit(m, [m])
+            if found:
+                return found
+    return None
+
+
+def test_no_import_circle_through_the_hf_adapters_and_the_state_exchange():
+    known = modules(ROOT)
+    # the adapters, what sets them up and checks them, and the strategies they reach
+    mine = {m: p for m, p in known.items() if m.startswith(("ds_seqpar.hf.linear", "ds_seqpar.hf.checks",
+                                                            "ds_seqpar.hf.apply", "ds_seqpar.hf.hooks",
+                                                            "ds_seqpar.strategies"))}
+    graph = {m: imports_of(m, p, set(known))[0] & set(mine) - {m} for m, p in mine.items()}
+    assert _cycle(graph) is None, _cycle(graph)
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
