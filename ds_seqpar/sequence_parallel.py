@@ -27,8 +27,8 @@ from .memory.tiled_loss import sequence_loss_from_hidden
 from .sharding.agreement import check_same_on_ranks
 from .sharding.batch import shard_batch
 from .sharding.documents import Documents, as_boundaries, check_documents
-from .sharding.masks import BatchMasks
 from .sharding.layouts import make_layout
+from .sharding.masks import BatchMasks
 from .sharding.padding import check_seq_len, pad_to, padded_len
 from .strategies import StrategyContext, get_strategy
 from .topology import ParallelDims, ProcessGroups, SequenceParallelMPU

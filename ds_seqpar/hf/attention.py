@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from ..masks import effective_window
+from ..masks import chunk_bounds, effective_window
 from .checks import UnsupportedModelError
 
 
@@ -77,11 +77,8 @@ def chunked_documents(module, cu_seqlens, real_len: int):
     the packed documents (if any). Other layers: ``cu_seqlens`` unchanged."""
     if not is_chunked(module):
         return cu_seqlens
-    chunk = int(module.config.attention_chunk_size)
-    bounds = set(range(0, real_len, chunk)) | {real_len}
-    if cu_seqlens is not None:
-        bounds |= {int(b) for b in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)}
-    return sorted(bounds)
+    bounds = None if cu_seqlens is None else (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)
+    return chunk_bounds(bounds, int(module.config.attention_chunk_size), real_len)
 
 
 def _call_options(module, kwargs):

@@ -36,7 +36,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from .bands import SubBlock, band_blocks
-from .merge import empty_accumulators, merge_
+from .merge import FreshRows, empty_accumulators
 
 
 class AttentionKernel:
@@ -49,17 +49,20 @@ class AttentionKernel:
 
     def band(self, q_bshd, k_bshd, v_bshd, lo: Optional[int], hi: Optional[int], scale: float,
              softcap: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(out_bshd, lse_bhs fp32) of every query against the keys of its band (module doc)."""
+        """(out_bshd, lse_bhs fp32) of every query against the keys of its band (module doc); out is
+        q's dtype from one kernel call, fp32 when merged from pieces (no rounding before the caller's
+        fp32 merge)."""
         subs = self.pieces(q_bshd.shape[1], k_bshd.shape[1], lo, hi, q_bshd.device)
         if len(subs) == 1 and _whole(subs[0], q_bshd, k_bshd):
             out, lse = self.forward_block(q_bshd, k_bshd, v_bshd, subs[0].causal, subs[0].anti, scale, softcap)
             return out, lse.float()
         out_acc, lse_acc = empty_accumulators(q_bshd, v_bshd.shape[-1])
+        rows = FreshRows(q_bshd.shape[1])
         for s in subs:
             out, lse = self.forward_block(q_bshd[:, s.q], k_bshd[:, s.k], v_bshd[:, s.k], s.causal, s.anti, scale,
                                           softcap)
-            merge_(out_acc[:, s.q], lse_acc[:, :, s.q], out, lse)
-        return out_acc.to(q_bshd.dtype), lse_acc
+            rows.fold_(out_acc, lse_acc, s.q, out, lse)
+        return out_acc, lse_acc
 
     def band_backward(self, dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, lo: Optional[int],
                       hi: Optional[int], scale: float, softcap: Optional[float] = None):
@@ -69,14 +72,14 @@ class AttentionKernel:
         if len(subs) == 1 and _whole(subs[0], q_bshd, k_bshd):
             return self.backward_block(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, subs[0].causal,
                                        subs[0].anti, scale, softcap)
-        grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q_bshd, k_bshd, v_bshd)]
+        dq, dk, dv = (_Sum(t) for t in (q_bshd, k_bshd, v_bshd))
         for s in subs:
-            dq, dk, dv = self.backward_block(dout_bshd[:, s.q], q_bshd[:, s.q], k_bshd[:, s.k], v_bshd[:, s.k],
-                                             out_bshd[:, s.q], lse_bhs[:, :, s.q], s.causal, s.anti, scale, softcap)
-            grads[0][:, s.q] += dq
-            grads[1][:, s.k] += dk
-            grads[2][:, s.k] += dv
-        return tuple(grads)
+            g = self.backward_block(dout_bshd[:, s.q], q_bshd[:, s.q], k_bshd[:, s.k], v_bshd[:, s.k],
+                                    out_bshd[:, s.q], lse_bhs[:, :, s.q], s.causal, s.anti, scale, softcap)
+            dq.add(s.q, g[0])
+            dk.add(s.k, g[1])
+            dv.add(s.k, g[2])
+        return dq.total(), dk.total(), dv.total()
 
     def forward(self, q_bshd, k_bshd, v_bshd, causal: bool, scale: float,
                 softcap: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -101,6 +104,30 @@ class AttentionKernel:
         grads = self.backward(*_reversed(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd), reverse_tokens(lse_bhs, -1),
                               True, scale, softcap)
         return _reversed(*grads)
+
+
+class _Sum:
+    """fp32 sum of pieces' gradients over the tokens (dim 1) of ``like``: a piece over tokens no piece
+    wrote yet is copied in, not added (no zero fill, no extra pass); tokens no piece reached are zero."""
+
+    def __init__(self, like: torch.Tensor):
+        self.acc = torch.empty(like.shape, dtype=torch.float32, device=like.device)
+        self.seen = torch.zeros(like.shape[1], dtype=torch.bool)
+
+    def add(self, tokens: slice, x: torch.Tensor) -> None:
+        seen = self.seen[tokens]
+        if not bool(seen.any()):
+            self.acc[:, tokens].copy_(x)
+        else:
+            if not bool(seen.all()):
+                self.acc[:, tokens][:, ~seen] = 0
+            self.acc[:, tokens] += x
+        self.seen[tokens] = True
+
+    def total(self) -> torch.Tensor:
+        if not bool(self.seen.all()):
+            self.acc[:, ~self.seen] = 0
+        return self.acc
 
 
 def _whole(sub: SubBlock, q_bshd, k_bshd) -> bool:

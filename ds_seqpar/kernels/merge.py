@@ -33,6 +33,24 @@ def merge_(out_acc_bshd: torch.Tensor, lse_acc_bhs: torch.Tensor,
     lse_acc_bhs.copy_(lse_new_bhs)
 
 
+class FreshRows:
+    """Which query rows of the accumulators no block has written yet: a block whose rows are all
+    fresh is copied in (out, lse as they are), not merged."""
+
+    def __init__(self, n: int):
+        self._seen = torch.zeros(n, dtype=torch.bool)
+
+    def fold_(self, out_acc_bshd, lse_acc_bhs, rows: slice, out_blk_bshd, lse_blk_bhs) -> None:
+        """The block's (out, lse) of ``rows`` into the accumulators: copied or merged."""
+        fresh = not bool(self._seen[rows].any())
+        self._seen[rows] = True
+        if fresh:
+            out_acc_bshd[:, rows].copy_(out_blk_bshd)
+            lse_acc_bhs[:, :, rows].copy_(lse_blk_bhs)
+        else:
+            merge_(out_acc_bshd[:, rows], lse_acc_bhs[:, :, rows], out_blk_bshd, lse_blk_bhs)
+
+
 def empty_accumulators(q_bshd: torch.Tensor, head_dim_v: int):
     """fp32 (out, lse) for 'no key seen yet': out = 0, lse = -inf."""
     b, s, h, _ = q_bshd.shape

@@ -48,7 +48,8 @@ from typing import Optional
 
 import torch
 
-from ..kernels import empty_accumulators, merge_
+from ..kernels import empty_accumulators
+from ..kernels.merge import FreshRows
 from ..kernels.bands import Band
 from ..masks import Mask
 from .base import Strategy
@@ -89,18 +90,6 @@ def sinks_grad(dout_bshd, out_bshd, lse_bhs, sinks_h) -> torch.Tensor:
     return -(p_sink * delta_bhs).sum((0, 2)).to(sinks_h.dtype)
 
 
-class _FreshRows:
-    """Which query rows no sub-block has written yet: a first write is a copy, not a merge."""
-
-    def __init__(self, n: int):
-        self._seen = torch.zeros(n, dtype=torch.bool)
-
-    def take(self, rows: slice) -> bool:
-        fresh = not bool(self._seen[rows].any())
-        self._seen[rows] = True
-        return fresh
-
-
 def ring_forward(q_bshd, k_bshd, v_bshd, scale: float, ctx, plan: MaskPlan,
                  softcap: Optional[float] = None, sinks_h: Optional[torch.Tensor] = None):
     """(out_bshd in q's dtype, lse_bhs fp32) of q against the whole ring's K/V; ``softcap`` caps the
@@ -109,7 +98,7 @@ def ring_forward(q_bshd, k_bshd, v_bshd, scale: float, ctx, plan: MaskPlan,
     out_acc_bshd, lse_acc_bhs = empty_accumulators(q_bshd, v_bshd.shape[-1])
     kv_cls, _, extra = _transports(plan)
     kv = kv_cls(ctx, +1, (k_bshd, v_bshd), *extra)
-    rows = _FreshRows(n)
+    rows = FreshRows(n)
     for step in range(p):
         src = (me - step) % p                      # forward walk: blocks arrive from me-1
         if ctx.overlap:
@@ -118,11 +107,7 @@ def ring_forward(q_bshd, k_bshd, v_bshd, scale: float, ctx, plan: MaskPlan,
         for b in (plan.received(me, src) if kv_block is not None else ()):
             out_blk, lse_blk = _band_forward(ctx.kernel, plan, q_bshd[:, b.q], kv_block[0][:, b.k],
                                              kv_block[1][:, b.k], b, scale, softcap)
-            if rows.take(b.q):                     # nothing merged into these rows yet
-                out_acc_bshd[:, b.q].copy_(out_blk)
-                lse_acc_bhs[:, :, b.q].copy_(lse_blk)
-            else:
-                merge_(out_acc_bshd[:, b.q], lse_acc_bhs[:, :, b.q], out_blk, lse_blk)
+            rows.fold_(out_acc_bshd, lse_acc_bhs, b.q, out_blk, lse_blk)
         if step < p - 1:
             kv.advance()
     if sinks_h is not None:
