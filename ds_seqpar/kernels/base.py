@@ -14,7 +14,9 @@ offsets, key j visible to query i iff lo <= j - i <= hi (None: unbounded; causal
 sliding window's edge lo = 1 - w; bands.py). Every row of a band sees at least one key (the plans
 trim them so). The default cuts the band into full, causal and anti-causal sub-blocks
 (``pieces``: bands.py's cutter) and merges their (out, lse); a kernel may cut differently (the torch
-kernel's CPU tiles and key columns) or compute a band in one call (flash-attn's window_size).
+kernel's CPU tiles and key columns) or compute a band in one call (flash-attn's window_size). The ring
+loop passes its own fp32 accumulators (``into``: merge.Merge / merge.Sum views of the band's rows and
+keys), so pieces fold straight in: no band-sized buffer, no second pass.
 
 ``causal`` (``forward``) means top-left aligned on a square block: query i sees keys j <= i; the
 kernels refuse other shapes rather than pick an alignment silently. ``anti`` (``forward_block``)
@@ -36,7 +38,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from .bands import SubBlock, band_blocks
-from .merge import FreshRows, empty_accumulators
+from .merge import Merge, Sum
 
 
 class AttentionKernel:
@@ -48,38 +50,28 @@ class AttentionKernel:
         return band_blocks(0, nq, 0, nk, lo, hi)
 
     def band(self, q_bshd, k_bshd, v_bshd, lo: Optional[int], hi: Optional[int], scale: float,
-             softcap: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(out_bshd, lse_bhs fp32) of every query against the keys of its band (module doc); out is
-        q's dtype from one kernel call, fp32 when merged from pieces (no rounding before the caller's
-        fp32 merge)."""
-        subs = self.pieces(q_bshd.shape[1], k_bshd.shape[1], lo, hi, q_bshd.device)
-        if len(subs) == 1 and _whole(subs[0], q_bshd, k_bshd):
-            out, lse = self.forward_block(q_bshd, k_bshd, v_bshd, subs[0].causal, subs[0].anti, scale, softcap)
-            return out, lse.float()
-        out_acc, lse_acc = empty_accumulators(q_bshd, v_bshd.shape[-1])
-        rows = FreshRows(q_bshd.shape[1])
-        for s in subs:
+             softcap: Optional[float] = None, into: Optional[Merge] = None):
+        """(out_bshd, lse_bhs fp32) of every query against the keys of its band (module doc), fp32; or,
+        with ``into`` (the caller's accumulators of these rows, merge.py), folded into it: None."""
+        acc = Merge.empty(q_bshd, v_bshd.shape[-1]) if into is None else into
+        for s in self.pieces(q_bshd.shape[1], k_bshd.shape[1], lo, hi, q_bshd.device):
             out, lse = self.forward_block(q_bshd[:, s.q], k_bshd[:, s.k], v_bshd[:, s.k], s.causal, s.anti, scale,
                                           softcap)
-            rows.fold_(out_acc, lse_acc, s.q, out, lse)
-        return out_acc, lse_acc
+            acc.fold_(s.q, out, lse)
+        return (acc.out, acc.lse) if into is None else None
 
     def band_backward(self, dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, lo: Optional[int],
-                      hi: Optional[int], scale: float, softcap: Optional[float] = None):
-        """(dq, dk, dv) of a band, given the rows' final out and lse (every block merged); the pieces'
-        shares are summed in fp32."""
-        subs = self.pieces(q_bshd.shape[1], k_bshd.shape[1], lo, hi, q_bshd.device)
-        if len(subs) == 1 and _whole(subs[0], q_bshd, k_bshd):
-            return self.backward_block(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, subs[0].causal,
-                                       subs[0].anti, scale, softcap)
-        dq, dk, dv = (_Sum(t) for t in (q_bshd, k_bshd, v_bshd))
-        for s in subs:
+                      hi: Optional[int], scale: float, softcap: Optional[float] = None,
+                      into: Optional[Tuple[Sum, Sum, Sum]] = None):
+        """(dq, dk, dv) fp32 of a band, given its rows' final out and lse (every block merged); or, with
+        ``into`` (the caller's sums of these rows and keys, merge.py), added into them: None."""
+        sums = tuple(Sum.empty(t) for t in (q_bshd, k_bshd, v_bshd)) if into is None else into
+        for s in self.pieces(q_bshd.shape[1], k_bshd.shape[1], lo, hi, q_bshd.device):
             g = self.backward_block(dout_bshd[:, s.q], q_bshd[:, s.q], k_bshd[:, s.k], v_bshd[:, s.k],
                                     out_bshd[:, s.q], lse_bhs[:, :, s.q], s.causal, s.anti, scale, softcap)
-            dq.add(s.q, g[0])
-            dk.add(s.k, g[1])
-            dv.add(s.k, g[2])
-        return dq.total(), dk.total(), dv.total()
+            for acc, tokens, x in zip(sums, (s.q, s.k, s.k), g):
+                acc.add_(tokens, x)
+        return tuple(acc.total() for acc in sums) if into is None else None
 
     def forward(self, q_bshd, k_bshd, v_bshd, causal: bool, scale: float,
                 softcap: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -104,34 +96,6 @@ class AttentionKernel:
         grads = self.backward(*_reversed(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd), reverse_tokens(lse_bhs, -1),
                               True, scale, softcap)
         return _reversed(*grads)
-
-
-class _Sum:
-    """fp32 sum of pieces' gradients over the tokens (dim 1) of ``like``: a piece over tokens no piece
-    wrote yet is copied in, not added (no zero fill, no extra pass); tokens no piece reached are zero."""
-
-    def __init__(self, like: torch.Tensor):
-        self.acc = torch.empty(like.shape, dtype=torch.float32, device=like.device)
-        self.seen = torch.zeros(like.shape[1], dtype=torch.bool)
-
-    def add(self, tokens: slice, x: torch.Tensor) -> None:
-        seen = self.seen[tokens]
-        if not bool(seen.any()):
-            self.acc[:, tokens].copy_(x)
-        else:
-            if not bool(seen.all()):
-                self.acc[:, tokens][:, ~seen] = 0
-            self.acc[:, tokens] += x
-        self.seen[tokens] = True
-
-    def total(self) -> torch.Tensor:
-        if not bool(self.seen.all()):
-            self.acc[:, ~self.seen] = 0
-        return self.acc
-
-
-def _whole(sub: SubBlock, q_bshd, k_bshd) -> bool:
-    return (sub.q.start, sub.q.stop, sub.k.start, sub.k.stop) == (0, q_bshd.shape[1], 0, k_bshd.shape[1])
 
 
 def reverse_tokens(x: torch.Tensor, dim: int = 1) -> torch.Tensor:

@@ -56,17 +56,28 @@ class FlashAttnKernel(AttentionKernel):
         return self._backward(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, causal,
                               (0, -1) if anti else (-1, -1), scale, softcap)
 
-    def band(self, q_bshd, k_bshd, v_bshd, lo, hi, scale, softcap=None):
+    def band(self, q_bshd, k_bshd, v_bshd, lo, hi, scale, softcap=None, into=None):
         window = _window(q_bshd.shape[1], k_bshd.shape[1], lo, hi)
         if window is None:
-            return super().band(q_bshd, k_bshd, v_bshd, lo, hi, scale, softcap)
-        return self._forward(q_bshd, k_bshd, v_bshd, False, window, scale, softcap)
+            return super().band(q_bshd, k_bshd, v_bshd, lo, hi, scale, softcap, into)
+        out, lse = self._forward(q_bshd, k_bshd, v_bshd, False, window, scale, softcap)
+        if into is None:
+            return out, lse
+        into.fold_(slice(None), out, lse)
+        return None
 
-    def band_backward(self, dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, lo, hi, scale, softcap=None):
+    def band_backward(self, dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, lo, hi, scale, softcap=None,
+                      into=None):
         window = _window(q_bshd.shape[1], k_bshd.shape[1], lo, hi)
         if window is None:
-            return super().band_backward(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, lo, hi, scale, softcap)
-        return self._backward(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, False, window, scale, softcap)
+            return super().band_backward(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, lo, hi, scale, softcap,
+                                         into)
+        grads = self._backward(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, False, window, scale, softcap)
+        if into is None:
+            return grads
+        for acc, g in zip(into, grads):
+            acc.add_(slice(None), g)
+        return None
 
     def _forward(self, q_bshd, k_bshd, v_bshd, causal, window, scale, softcap):
         dv = v_bshd.shape[-1]

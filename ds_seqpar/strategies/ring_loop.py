@@ -49,11 +49,11 @@ from typing import Optional
 import torch
 
 from ..kernels import empty_accumulators
-from ..kernels.merge import FreshRows
+from ..kernels.merge import Merge, Sum
 from ..kernels.bands import Band
 from ..masks import Mask
 from .base import Strategy
-from .mask_plan import ALL, MaskPlan, PlanCache, plain_blocks, plan_mask  # plain_blocks: bench/window.py's import
+from .mask_plan import MaskPlan, PlanCache, plain_blocks, plan_mask  # plain_blocks: bench/window.py imports it here
 from .transport import DirectGrads, DirectKV, RelayGrads, RelayKV
 
 
@@ -69,10 +69,14 @@ def _transports(plan: MaskPlan):
     return RelayKV, RelayGrads, ()
 
 
-def _band_forward(kernel, plan: MaskPlan, q_bshd, k_bshd, v_bshd, b: Band, scale, softcap):
+def _band_forward(kernel, plan: MaskPlan, q_bshd, kv_block, b: Band, scale, softcap, acc: Merge) -> None:
+    """One band's (out, lse) folded into the accumulators (merge.py): a plain plan's blocks as the
+    kernel's own full / causal blocks, any other band through ``kernel.band``."""
+    q, k, v = q_bshd[:, b.q], kv_block[0][:, b.k], kv_block[1][:, b.k]
     if plan.kernel_blocks:
-        return kernel.forward_block(q_bshd, k_bshd, v_bshd, b.causal, b.anti, scale, softcap)
-    return kernel.band(q_bshd, k_bshd, v_bshd, b.lo, b.hi, scale, softcap)
+        acc.fold_(b.q, *kernel.forward_block(q, k, v, b.causal, b.anti, scale, softcap))
+    else:
+        kernel.band(q, k, v, b.lo, b.hi, scale, softcap, into=acc.part(b.q))
 
 
 def apply_sinks_(out_acc_bshd, lse_acc_bhs, sinks_h) -> None:
@@ -98,16 +102,14 @@ def ring_forward(q_bshd, k_bshd, v_bshd, scale: float, ctx, plan: MaskPlan,
     out_acc_bshd, lse_acc_bhs = empty_accumulators(q_bshd, v_bshd.shape[-1])
     kv_cls, _, extra = _transports(plan)
     kv = kv_cls(ctx, +1, (k_bshd, v_bshd), *extra)
-    rows = FreshRows(n)
+    acc = Merge(out_acc_bshd, lse_acc_bhs)
     for step in range(p):
         src = (me - step) % p                      # forward walk: blocks arrive from me-1
         if ctx.overlap:
             kv.post()                              # next block in flight during this compute
         kv_block = kv.current
         for b in (plan.received(me, src) if kv_block is not None else ()):
-            out_blk, lse_blk = _band_forward(ctx.kernel, plan, q_bshd[:, b.q], kv_block[0][:, b.k],
-                                             kv_block[1][:, b.k], b, scale, softcap)
-            rows.fold_(out_acc_bshd, lse_acc_bhs, b.q, out_blk, lse_blk)
+            _band_forward(ctx.kernel, plan, q_bshd, kv_block, b, scale, softcap, acc)
         if step < p - 1:
             kv.advance()
     if sinks_h is not None:
@@ -119,45 +121,43 @@ def ring_forward(q_bshd, k_bshd, v_bshd, scale: float, ctx, plan: MaskPlan,
 # backward
 
 
-def _block_grads(dout_bshd, q_bshd, kv_block, out_bshd, lse_bhs, bands, scale, kernel, plan, softcap):
-    """Kernel backward per band, given the final out/lse rows: [(band, dq, dk, dv)]."""
-    out = []
+def _band_grads(dout_bshd, q_bshd, kv_block, out_bshd, lse_bhs, bands, scale, kernel, plan, softcap,
+                dq: Sum, dk: Sum, dv: Sum) -> None:
+    """Kernel backward per band, given the final out/lse rows, added into the sums (merge.py)."""
     for b in bands:
         args = (dout_bshd[:, b.q], q_bshd[:, b.q], kv_block[0][:, b.k], kv_block[1][:, b.k], out_bshd[:, b.q],
                 lse_bhs[:, :, b.q])
-        grads = (kernel.backward_block(*args, b.causal, b.anti, scale, softcap) if plan.kernel_blocks
-                 else kernel.band_backward(*args, b.lo, b.hi, scale, softcap))
-        out.append((b, *grads))
-    return out
-
-
-def _sum_into(acc, pieces, fresh: bool) -> None:
-    """acc[:, s] += x for each (s, x). ``fresh``: acc is uninitialised and becomes exactly the sum
-    (a whole-width first piece is copied in, saving a zero-fill and an add pass)."""
-    if fresh:
-        if pieces and pieces[0][0] == ALL:
-            acc.copy_(pieces[0][1])
-            pieces = pieces[1:]
+        if plan.kernel_blocks:
+            for acc, tokens, g in zip((dq, dk, dv), (b.q, b.k, b.k),
+                                      kernel.backward_block(*args, b.causal, b.anti, scale, softcap)):
+                acc.add_(tokens, g)
         else:
-            acc.zero_()
-    for sl, x in pieces:
-        acc[:, sl] += x
+            kernel.band_backward(*args, b.lo, b.hi, scale, softcap, into=(dq.part(b.q), dk.part(b.k), dv.part(b.k)))
 
 
-def _sum_kv_into(dkv_acc, grads, fresh: bool) -> None:
-    _sum_into(dkv_acc[0], [(sub.k, dk) for sub, _, dk, _ in grads], fresh)
-    _sum_into(dkv_acc[1], [(sub.k, dv) for sub, _, _, dv in grads], fresh)
+def _fold_into(dkv_acc, step_sums, fresh: bool) -> None:
+    """A block's dK/dV shares of this step into its (travelling or sent) accumulator; ``fresh``: the
+    accumulator is uninitialised and becomes exactly the shares."""
+    for acc, share in zip(dkv_acc, step_sums or (None, None)):
+        if share is None:
+            if fresh:
+                acc.zero_()
+        elif fresh:
+            acc.copy_(share.total())
+        else:
+            acc += share.total()
 
 
 def ring_backward(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, scale: float, ctx, plan: MaskPlan,
                   softcap: Optional[float] = None):
     """(dq, dk, dv) of this rank's shards; the ring is walked in reverse (see module doc)."""
-    p, me, n = ctx.ring_size, ctx.ring_rank, q_bshd.shape[1]
+    p, me = ctx.ring_size, ctx.ring_rank
     dout_bshd = dout_bshd.contiguous()
     kv_cls, grads_cls, extra = _transports(plan)
     kv = kv_cls(ctx, -1, (k_bshd, v_bshd), *extra)
-    dq_acc_bshd = torch.empty(q_bshd.shape, dtype=torch.float32, device=q_bshd.device)
-    dkv_home = [torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (k_bshd, v_bshd)]
+    dq = Sum.empty(q_bshd)
+    home = [Sum.empty(t) for t in (k_bshd, v_bshd)]
+    dkv_home = [s.acc for s in home]
     dkv_away = grads_cls(ctx, dkv_home, ctx.overlap, *extra)
     for step in range(p):
         src = (me + step) % p                      # reverse walk: blocks arrive from me+1
@@ -165,17 +165,22 @@ def ring_backward(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, scale: f
             kv.post()
         kv_block = kv.current
         bands = plan.received(me, src) if kv_block is not None else ()
-        grads = _block_grads(dout_bshd, q_bshd, kv_block, out_bshd, lse_bhs, bands, scale, ctx.kernel, plan, softcap)
-        _sum_into(dq_acc_bshd, [(sub.q, dq) for sub, dq, _, _ in grads], fresh=step == 0)
-        if step == 0:
-            _sum_kv_into(dkv_home, grads, fresh=True)      # own block: its gradient never leaves
-        else:
-            dkv_away.add(step, src, lambda acc, fresh, grads=grads: _sum_kv_into(acc, grads, fresh), dkv_home)
-        del grads
+        if step == 0:                              # own block: its gradient never leaves
+            _band_grads(dout_bshd, q_bshd, kv_block, out_bshd, lse_bhs, bands, scale, ctx.kernel, plan, softcap,
+                        dq, *home)
+            for s in home:
+                s.total()
+        else:                                      # shares summed now, folded where the transport says
+            shares = [Sum.empty(t) for t in kv_block] if bands else None
+            if bands:
+                _band_grads(dout_bshd, q_bshd, kv_block, out_bshd, lse_bhs, bands, scale, ctx.kernel, plan, softcap,
+                            dq, *shares)
+            dkv_away.add(step, src, lambda acc, fresh, shares=shares: _fold_into(acc, shares, fresh), dkv_home)
+            del shares
         if step < p - 1:
             kv.advance()
     dkv_away.land(dkv_home, p)
-    return dq_acc_bshd.to(q_bshd.dtype), dkv_home[0].to(k_bshd.dtype), dkv_home[1].to(v_bshd.dtype)
+    return dq.total().to(q_bshd.dtype), dkv_home[0].to(k_bshd.dtype), dkv_home[1].to(v_bshd.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

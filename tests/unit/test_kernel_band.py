@@ -100,3 +100,31 @@ def test_flash_band_no_window_can_state_takes_the_default_cut():
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         torch.testing.assert_close(g.double(), w, rtol=0.0, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
     assert calls["forward"] >= 1 and calls["backward"] >= 1
+
+
+@pytest.mark.parametrize("kernel", ["flash", "default"])
+def test_band_into_the_callers_accumulators_equals_its_result(kernel):
+    """As the ring loop calls it: the band folded into accumulators of more rows (merge.py views), over
+    rows another block wrote first (merged) and keys another band wrote first (added)."""
+    from ds_seqpar.kernels.merge import Merge, Sum
+    kern = _flash_kernel() if kernel == "flash" else MathKernel()
+    q, k, v, dout = (t.double() for t in _inputs(10, sq=24, sk=24))
+    rows, keys, lo, hi = slice(4, 20), slice(2, 18), -5, 0
+    want_out, want_lse = kern.band(q[:, rows], k[:, keys], v[:, keys], lo, hi, 0.25)
+    acc = Merge.empty(q, v.shape[-1])
+    assert kern.band(q[:, rows], k[:, keys], v[:, keys], lo, hi, 0.25, into=acc.part(rows)) is None
+    torch.testing.assert_close(acc.out[:, rows].double(), want_out.double(), rtol=0.0, atol=1e-6)
+    torch.testing.assert_close(acc.lse[:, :, rows], want_lse.float(), rtol=0.0, atol=1e-6)
+    assert torch.isneginf(acc.lse[:, :, :4]).all() and (acc.out[:, 20:] == 0).all()
+    out, lse = want_out.to(q.dtype), want_lse
+    want = kern.band_backward(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out, lse, lo, hi, 0.25)
+    sums = [Sum.empty(t) for t in (q, k, v)]
+    sums[1].add_(slice(0, 4), torch.ones_like(k[:, :4], dtype=torch.float32))      # keys 2, 3 written before
+    kern.band_backward(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out, lse, lo, hi, 0.25,
+                       into=(sums[0].part(rows), sums[1].part(keys), sums[2].part(keys)))
+    dq, dk, dv = (s.total() for s in sums)
+    torch.testing.assert_close(dq[:, rows].double(), want[0].double(), rtol=0.0, atol=1e-6)
+    torch.testing.assert_close(dv[:, keys].double(), want[2].double(), rtol=0.0, atol=1e-6)
+    torch.testing.assert_close(dk[:, 4:18].double(), want[1][:, 2:].double(), rtol=0.0, atol=1e-6)
+    torch.testing.assert_close(dk[:, 2:4].double(), want[1][:, :2].double() + 1, rtol=0.0, atol=1e-6)
+    assert (dq[:, :4] == 0).all() and (dk[:, 18:] == 0).all() and (dk[:, :2] == 1).all()
