@@ -17,6 +17,7 @@ A window that covers the sequence masks nothing; ``effective_window`` is the one
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -38,6 +39,14 @@ class Mask:
     window: Optional[int] = None
     docs: Optional[Tuple[int, ...]] = None
     real_len: Optional[int] = None
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        # strategies look their plan up by mask on every layer's call: hash thousands of documents once
+        return hash((self.causal, self.window, self.docs, self.real_len))
 
     @classmethod
     def from_boundaries(cls, bounds: Optional[Sequence[int]], causal: bool = True, window: Optional[int] = None,
@@ -61,6 +70,12 @@ class Mask:
     def is_plain(self, seq: int) -> bool:
         """No document, no window and no padding: nothing but (optionally) causality."""
         return self.docs is None and self.window is None and self.real(seq) == seq
+
+    def chunked(self, chunk: int, seq: int) -> "Mask":
+        """Chunked attention (Llama 4's chunked layers: a query sees the keys of its own chunk of ``chunk``
+        global positions) over ``seq`` tokens: documents cut at every chunk boundary."""
+        bounds = chunk_bounds(self.bounds(seq), chunk, self.real(seq))
+        return replace(self, docs=tuple(b - a for a, b in zip(bounds, bounds[1:])), real_len=bounds[-1])
 
     def for_length(self, seq: int) -> "Mask":
         """The same mask over ``seq`` tokens: a window that covers them dropped (effective_window) and
@@ -102,6 +117,14 @@ def seen_keys(seq: int, padded: int, mask: Mask) -> torch.Tensor:
     return torch.where(pos < seq, (hi - lo).clamp(min=0), torch.zeros_like(pos))
 
 
+def chunk_bounds(bounds: Optional[Sequence[int]], chunk: int, real_len: int) -> List[int]:
+    """Document boundaries cut at every multiple of ``chunk`` below ``real_len`` (no bounds: one document)."""
+    cuts = set(range(0, real_len, chunk)) | {real_len}
+    if bounds is not None:
+        cuts |= {int(b) for b in bounds}
+    return sorted(cuts)
+
+
 def cut_documents(docs: Optional[Tuple[int, ...]], seq: int) -> Optional[Tuple[int, ...]]:
     """Document lengths cut (or extended by one last document) to ``seq`` tokens; None: one document."""
     if docs is None:
@@ -117,4 +140,4 @@ def cut_documents(docs: Optional[Tuple[int, ...]], seq: int) -> Optional[Tuple[i
     return tuple(out) if len(out) > 1 else None
 
 
-__all__ = ["Mask", "cut_documents", "effective_window", "seen_keys"]
+__all__ = ["Mask", "chunk_bounds", "cut_documents", "effective_window", "seen_keys"]

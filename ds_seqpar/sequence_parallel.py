@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import weakref
 from typing import Any, Mapping, Optional, Union
 
 import torch
@@ -24,11 +23,13 @@ from .config import ConfigError, SequenceParallelConfig, load_ds_config
 from .kernels import get_kernel
 from .kernels.base import check_head_groups
 from .loss import sequence_loss
+from .masks import Mask
 from .memory.tiled_loss import sequence_loss_from_hidden
 from .sharding.agreement import check_same_on_ranks
 from .sharding.batch import shard_batch
 from .sharding.documents import Documents, as_boundaries, check_documents
 from .sharding.layouts import make_layout
+from .sharding.masks import BatchMasks
 from .sharding.padding import check_seq_len, pad_to, padded_len
 from .strategies import StrategyContext, get_strategy
 from .strategies.state_passing import LinearExchange
@@ -57,7 +58,7 @@ class SequenceParallel:
         layout_name = get_strategy(config.strategy).layout_name
         self.layout = make_layout(layout_name, self.dims.ring_size, self.dims.ulysses_size)
         self.stats = comm.CommStats()
-        self._verified_cu = None       # (weakref, version, bounds) of the cu_seqlens shard_batch checked
+        self._masks = BatchMasks()     # the running batch's Mask per layer kind (sharding/masks.py)
         c = self.groups.coords
         self.strategy = strategies.build(config, StrategyContext(
             sp_group=self.groups.sp_group, ulysses_group=self.groups.ulysses_group,
@@ -152,7 +153,7 @@ class SequenceParallel:
         ``seq_len``: the real global length when shard() padded the sequence; padding keys are then
         excluded (causal attention never sees them anyway, padding.py). ``cu_seqlens``: packed
         documents [0, l1, l1+l2, ..., N], global and the same on every rank, batch size 1: no token
-        attends across a document boundary (strategies/varlen.py).
+        attends across a document boundary (masks.py; strategies/mask_plan.py).
         ``window``: transformers' sliding_window: query i sees keys j with i - window < j <= i
         (non-causal: |i - j| < window), inside each document; blocks outside it are neither computed
         nor sent. ``softcap``: scores become softcap * tanh(scores / softcap). ``sinks`` [heads]: one
@@ -163,14 +164,44 @@ class SequenceParallel:
         strategies.check_heads(self.config, q.shape[2], k.shape[2])
         if seq_len is not None:
             check_seq_len(seq_len, q.shape[1] * self.size, self.layout.required_multiple)
-        docs = None if cu_seqlens is None else self._documents(cu_seqlens, q, seq_len)
+        mask = self._mask(q, causal, seq_len, cu_seqlens, window)
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        options = dict(docs=docs, window=window, softcap=None if softcap is None else float(softcap), sinks=sinks)
+        options = dict(softcap=None if softcap is None else float(softcap), sinks=sinks)
         wire = self._comm_dtype(q.dtype)
         if wire == q.dtype:
-            return self.strategy.attention(q, k, v, causal, scale, seq_len, **options)
-        out = self.strategy.attention(q.to(wire), k.to(wire), v.to(wire), causal, scale, seq_len, **options)
+            return self.strategy.attention(q, k, v, mask, scale, **options)
+        out = self.strategy.attention(q.to(wire), k.to(wire), v.to(wire), mask, scale, **options)
         return out.to(q.dtype)
+
+    def _mask(self, q: torch.Tensor, causal: bool, seq_len: Optional[int], cu_seqlens, window) -> Mask:
+        """This layer's Mask: the first call of a batch with these documents (or shard_batch) checks
+        them, every later layer finds its mask by one lookup (sharding/masks.py), and the strategy's
+        plan of it is built once (strategies/mask_plan.py: PlanCache)."""
+        docs = self._masks.documents(cu_seqlens)
+        key = (q.shape[0], q.shape[1], bool(causal), seq_len, window)
+        mask = docs.masks.get(key)
+        if mask is None:
+            bounds = None if cu_seqlens is None else self._check_documents(docs, cu_seqlens, q, seq_len)
+            mask = docs.remember(key, Mask.from_boundaries(bounds, bool(causal), window, seq_len))
+        return mask
+
+    def _check_documents(self, docs, cu_seqlens, q: torch.Tensor, seq_len: Optional[int]):
+        """The boundaries of ``cu_seqlens`` checked against shards shaped like ``q``: local checks, then
+        one small all-reduce that every rank joins (agreement.py) unless these documents were agreed
+        already (shard_batch's tensor, or an earlier layer's call). ValueError naming cu_seqlens."""
+        padded = q.shape[1] * self.size
+        if docs.agreed:
+            check_documents(docs.bounds, q.shape[0], padded, self.layout.required_multiple, seq_len)
+            return docs.bounds
+        bounds, error = None, None
+        try:
+            bounds = as_boundaries(cu_seqlens)
+            check_documents(bounds, q.shape[0], padded, self.layout.required_multiple, seq_len)
+        except ValueError as err:
+            error = err
+        check_same_on_ranks(bounds, error, self.group, self.stats, q.device)
+        docs.agree(bounds)
+        return bounds
 
     def linear_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          decay: Optional[torch.Tensor] = None, cu_seqlens=None) -> torch.Tensor:
@@ -187,28 +218,14 @@ class SequenceParallel:
         """sequence_parallel.comm_dtype: auto keeps the model's dtype (config.py)."""
         return _COMM_DTYPES.get(self.config.comm_dtype, dtype)
 
-    def _documents(self, cu_seqlens, q: torch.Tensor, seq_len: Optional[int] = None) -> Documents:
-        """Validated packed-document boundaries for shards shaped like ``q``: local checks, then one
-        small all-reduce that every rank joins (agreement.py) unless ``cu_seqlens`` is the tensor
-        shard_batch returned and verified, unchanged. ValueError naming cu_seqlens otherwise."""
-        padded = q.shape[1] * self.size
-        if self._verified_cu is not None and self._verified_cu[0]() is cu_seqlens \
-                and cu_seqlens._version == self._verified_cu[1]:
-            bounds, error = self._verified_cu[2], None
-            check_documents(bounds, q.shape[0], padded, self.layout.required_multiple, seq_len)
-        else:
-            bounds, error = None, None
-            try:
-                bounds = as_boundaries(cu_seqlens)
-                check_documents(bounds, q.shape[0], padded, self.layout.required_multiple, seq_len)
-            except ValueError as err:
-                error = err
-            check_same_on_ranks(bounds, error, self.group, self.stats, q.device)
-        return Documents(bounds, padded)
+    def _documents(self, cu_seqlens, q: torch.Tensor) -> Documents:
+        """Validated packed-document boundaries for linear attention's shards shaped like ``q``."""
+        bounds = self._check_documents(self._masks.documents(cu_seqlens), cu_seqlens, q, None)
+        return Documents(bounds, q.shape[1] * self.size)
 
     def _remember_verified(self, cu_seqlens: torch.Tensor, bounds) -> None:
         """shard_batch checked ``cu_seqlens`` across ranks: attention may skip the all-reduce for it."""
-        self._verified_cu = (weakref.ref(cu_seqlens), cu_seqlens._version, tuple(bounds))
+        self._masks.documents(cu_seqlens).agree(tuple(bounds))
 
     # -- training helpers ----------------------------------------------------------------------
     def shard_batch(self, batch, ignore_index: int = -100):

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional
 import torch.nn as nn
 
 from . import hooks
-from .attention import make_attention_function
+from .attention import chunked_documents, is_chunked, make_attention_function
 from .checks import UnsupportedModelError, check_config, check_heads, check_hybrid, check_modules
 from .linear.families import linear_modules
 from .linear.mixers import LinearMixers
@@ -47,6 +47,7 @@ class SequenceParallelState:
         self.previous_attn = previous_attn
         self.previous_loss = previous_loss
         self.calls: set = set()           # attention layers that called the function in this forward
+        self.chunked: dict = {}           # this forward's chunked documents (chunks), shared by its layers
         self.labels_given = False
         self.shift_labels_given = False
         self.loss_routed = False
@@ -59,6 +60,17 @@ class SequenceParallelState:
 
     def layer_name(self, module) -> str:
         return self.names.get(id(module), type(module).__name__)
+
+    def chunks(self, module, cu_seqlens, real_len: int):
+        """The documents ``module`` attends within: its chunks (Llama 4's chunked layers) built once per
+        forward, so that every chunked layer passes the same object and sp finds their mask; else
+        ``cu_seqlens``."""
+        if not is_chunked(module):
+            return cu_seqlens
+        key = (id(cu_seqlens), real_len)
+        if key not in self.chunked:
+            self.chunked[key] = chunked_documents(module, cu_seqlens, real_len)
+        return self.chunked[key]
 
 
 def apply_sequence_parallel(model: nn.Module, sp) -> nn.Module:

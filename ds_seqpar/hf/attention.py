@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from ..masks import effective_window
+from ..masks import chunk_bounds, effective_window
 from .checks import UnsupportedModelError
 
 
@@ -41,7 +41,7 @@ def make_attention_function(state) -> Callable:
         check_call(where, query, key, attention_mask, dropout, kwargs, sp.size, causal, seq_len)
         n_global = query.shape[2] * sp.size
         window, softcap, sinks = score_options(kwargs, n_global)
-        cu_seqlens = chunked_documents(module, cu_seqlens, seq_len or n_global)
+        cu_seqlens = state.chunks(module, cu_seqlens, seq_len or n_global)
         state.calls.add(id(module))
         # [b, h, s, d] -> [b, s, h, d]: sp.attention's layout (contiguous: strategies view and split it)
         q_bshd, k_bshd, v_bshd = (t.transpose(1, 2).contiguous() for t in (query, key, value))
@@ -63,20 +63,22 @@ def score_options(kwargs, n_global: int):
     return window, kwargs.get("softcap"), kwargs.get("s_aux")
 
 
-def chunked_documents(module, cu_seqlens, real_len: int):
-    """Llama 4's chunked attention layers (layer_types[i] == "chunked_attention"): a query sees the keys
-    of its own chunk of ``attention_chunk_size`` global positions, i.e. documents that are the chunks
-    intersected with the packed documents (if any). Other layers: ``cu_seqlens`` unchanged."""
+def is_chunked(module) -> bool:
+    """Llama 4's chunked attention layers (layer_types[i] == "chunked_attention")."""
     config = getattr(module, "config", None)
     types = getattr(config, "layer_types", None) or ()
     idx = getattr(module, "layer_idx", None)
-    if idx is None or idx >= len(types) or types[idx] != "chunked_attention":
+    return idx is not None and idx < len(types) and types[idx] == "chunked_attention"
+
+
+def chunked_documents(module, cu_seqlens, real_len: int):
+    """A chunked layer's documents (is_chunked): a query sees the keys of its own chunk of
+    ``attention_chunk_size`` global positions, i.e. documents that are the chunks intersected with
+    the packed documents (if any). Other layers: ``cu_seqlens`` unchanged."""
+    if not is_chunked(module):
         return cu_seqlens
-    chunk = int(config.attention_chunk_size)
-    bounds = set(range(0, real_len, chunk)) | {real_len}
-    if cu_seqlens is not None:
-        bounds |= {int(b) for b in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)}
-    return sorted(bounds)
+    bounds = None if cu_seqlens is None else (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)
+    return chunk_bounds(bounds, int(module.config.attention_chunk_size), real_len)
 
 
 def _call_options(module, kwargs):

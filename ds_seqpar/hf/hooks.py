@@ -56,6 +56,7 @@ def install(model, state) -> list:
         if "use_cache" in params and "use_cache" not in names[:len(args)]:
             kwargs["use_cache"] = False
         state.calls = set()
+        state.chunked = {}
         state.labels_given = call.get("labels") is not None
         state.shift_labels_given = call.get("shift_labels") is not None
         state.loss_routed = False

@@ -9,14 +9,20 @@ nothing of ranks. Layouts (the legend used across ds_seqpar):
     out_bshd [batch, seq_q, heads, head_dim_v]      same dtype as q
     lse_bhs  [batch, heads, seq_q]                  fp32 log-sum-exp of the scaled scores
 
-``causal`` means top-left aligned on a square block: query i sees keys j <= i. Ring strategies
-only ever ask for causal on square blocks (the diagonal), so the kernels refuse other shapes
-rather than pick an alignment silently; a kernel whose ``band_column`` is not None also takes tall
-top-left causal blocks (seq_q >= seq_k: rows past seq_k see every key), which strategies/bands.py
-then uses for sliding windows. ``anti`` (``block_forward``) is the mirror, query i sees keys
-j >= i - (seq_q - seq_k) (j >= i on a square): the far edge of a sliding window. The default runs
-it as a causal block on the reversed sequence (exact: a permutation of queries and keys); kernels
-with a native window (flash-attn's window_size) override ``forward_block`` / ``backward_block``.
+The strategies call ``band`` / ``band_backward``: the queries against the keys between two diagonal
+offsets, key j visible to query i iff lo <= j - i <= hi (None: unbounded; causal = (None, 0), a
+sliding window's edge lo = 1 - w; bands.py). Every row of a band sees at least one key (the plans
+trim them so). The default cuts the band into full, causal and anti-causal sub-blocks
+(``pieces``: bands.py's cutter) and merges their (out, lse); a kernel may cut differently (the torch
+kernel's CPU tiles and key columns) or compute a band in one call (flash-attn's window_size). The ring
+loop passes its own fp32 accumulators (``into``: merge.Merge / merge.Sum views of the band's rows and
+keys), so pieces fold straight in: no band-sized buffer, no second pass.
+
+``causal`` (``forward``) means top-left aligned on a square block: query i sees keys j <= i; the
+kernels refuse other shapes rather than pick an alignment silently. ``anti`` (``forward_block``)
+is the mirror, query i sees keys j >= i - (seq_q - seq_k) (j >= i on a square): the far edge of a
+sliding window. The default runs it as a causal block on the reversed sequence (exact: a permutation
+of queries and keys).
 
 ``softcap`` (Gemma 2): scores s = scale * q.k become softcap * tanh(s / softcap) before the softmax;
 lse is that of the capped scores, and backward multiplies by the tanh's derivative.
@@ -27,25 +33,45 @@ those, the per-block gradient formulas give exactly that block's share of dq, dk
 from __future__ import annotations
 
 import functools
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
+
+from .bands import SubBlock, band_blocks
+from .merge import Merge, Sum
 
 
 class AttentionKernel:
     name = "base"
 
-    def causal_tile(self, size: int, device) -> Optional[int]:
-        """Tile to cut a causal square of ``size`` into (causal squares of the tile on the diagonal, full
-        rectangles below), when the kernel wastes work on small causal blocks; None: call it whole.
-        Packed documents use it (strategies/varlen.py): their causal squares are document-sized."""
-        return None
+    def pieces(self, nq: int, nk: int, lo: Optional[int], hi: Optional[int], device) -> List[SubBlock]:
+        """The sub-blocks the default ``band`` computes a band of nq x nk in: bands.py's cut into
+        squares and rectangles."""
+        return band_blocks(0, nq, 0, nk, lo, hi)
 
-    def band_column(self, width: int, device) -> Optional[int]:
-        """Keys per column when a band of ``width`` diagonals (a sliding window) is cut into key tiles
-        of tall causal / anti blocks (strategies/bands.py: band_columns); None: cut it by rows into
-        squares and rectangles. A kernel returning a number must take tall top-left causal blocks."""
-        return None
+    def band(self, q_bshd, k_bshd, v_bshd, lo: Optional[int], hi: Optional[int], scale: float,
+             softcap: Optional[float] = None, into: Optional[Merge] = None):
+        """(out_bshd, lse_bhs fp32) of every query against the keys of its band (module doc), fp32; or,
+        with ``into`` (the caller's accumulators of these rows, merge.py), folded into it: None."""
+        acc = Merge.empty(q_bshd, v_bshd.shape[-1]) if into is None else into
+        for s in self.pieces(q_bshd.shape[1], k_bshd.shape[1], lo, hi, q_bshd.device):
+            out, lse = self.forward_block(q_bshd[:, s.q], k_bshd[:, s.k], v_bshd[:, s.k], s.causal, s.anti, scale,
+                                          softcap)
+            acc.fold_(s.q, out, lse)
+        return (acc.out, acc.lse) if into is None else None
+
+    def band_backward(self, dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, lo: Optional[int],
+                      hi: Optional[int], scale: float, softcap: Optional[float] = None,
+                      into: Optional[Tuple[Sum, Sum, Sum]] = None):
+        """(dq, dk, dv) fp32 of a band, given its rows' final out and lse (every block merged); or, with
+        ``into`` (the caller's sums of these rows and keys, merge.py), added into them: None."""
+        sums = tuple(Sum.empty(t) for t in (q_bshd, k_bshd, v_bshd)) if into is None else into
+        for s in self.pieces(q_bshd.shape[1], k_bshd.shape[1], lo, hi, q_bshd.device):
+            g = self.backward_block(dout_bshd[:, s.q], q_bshd[:, s.q], k_bshd[:, s.k], v_bshd[:, s.k],
+                                    out_bshd[:, s.q], lse_bhs[:, :, s.q], s.causal, s.anti, scale, softcap)
+            for acc, tokens, x in zip(sums, (s.q, s.k, s.k), g):
+                acc.add_(tokens, x)
+        return tuple(acc.total() for acc in sums) if into is None else None
 
     def forward(self, q_bshd, k_bshd, v_bshd, causal: bool, scale: float,
                 softcap: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -95,15 +121,15 @@ def check_head_groups(num_heads: int, num_kv_heads: int, where: str = "") -> Non
         raise ValueError(f"{where}q heads ({num_heads}) must be a multiple of k/v heads ({num_kv_heads})")
 
 
-def check_block(q_bshd, k_bshd, v_bshd, causal: bool, tall: bool = False) -> None:
-    """Shapes of one block; ``tall``: the kernel also takes top-left causal blocks with seq_q > seq_k."""
+def check_block(q_bshd, k_bshd, v_bshd, causal: bool) -> None:
+    """Shapes of one block: 4-D, GQA groups, a causal block square."""
     if q_bshd.dim() != 4 or k_bshd.dim() != 4 or v_bshd.dim() != 4:
         raise ValueError(f"attention expects [batch, seq, heads, head_dim] tensors, got q {tuple(q_bshd.shape)}, "
                          f"k {tuple(k_bshd.shape)}, v {tuple(v_bshd.shape)}")
     check_head_groups(q_bshd.shape[2], k_bshd.shape[2])
     sq, sk = q_bshd.shape[1], k_bshd.shape[1]
-    if causal and sq != sk and not (tall and sq > sk):
-        raise ValueError(f"causal block must be square{' or tall' if tall else ''}, got seq_q={sq}, seq_k={sk}")
+    if causal and sq != sk:
+        raise ValueError(f"causal block must be square, got seq_q={sq}, seq_k={sk}")
 
 
 class LocalAttention(torch.autograd.Function):

@@ -8,9 +8,11 @@ flash-attn 2.x (>= 2.7: split window sizes, four return values) entry points, as
                         softcap, alibi_slopes, return_softmax) -> (out, softmax_lse [b, h, s] fp32, S_dmask, rng_state)
     _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
                          window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state)
-Its window: query i sees keys j in [i + sk - sq - left, i + sk - sq + right] (-1 = unbounded). So an
-anti-causal square (strategies/bands.py: query i sees j >= i) is window (0, -1), with no reversal;
-softcap is its own argument (0.0 = off). flash-attn reads softmax_lse as a dense [b, h, sq] array
+Its window: query i sees keys j in [i + sk - sq - left, i + sk - sq + right] (-1 = unbounded). So a
+band (base.py: lo <= j - i <= hi) is ONE call with left = sk - sq - lo and right = hi - (sk - sq)
+(flash-attn itself treats (-1, 0) on a square as causal), and an anti-causal square (query i sees
+j >= i) is window (0, -1), with no reversal; a band whose offsets no window can state (a negative
+left or right) takes the default cut. Softcap is its own argument (0.0 = off). flash-attn reads softmax_lse as a dense [b, h, sq] array
 and refuses head dims that are not a multiple of 8: a sub-block's lse slice is made contiguous,
 and q/k/v are zero-padded to a multiple of 8 (exact: zero columns add nothing to q.k with the scale
 passed explicitly, and zero columns of v give output columns that are cropped). tests/unit/test_flash_attn_conformance.py checks these calls
@@ -47,25 +49,63 @@ class FlashAttnKernel(AttentionKernel):
 
     def forward_block(self, q_bshd, k_bshd, v_bshd, causal, anti, scale, softcap=None):
         check_block(q_bshd, k_bshd, v_bshd, causal or anti)
+        return self._forward(q_bshd, k_bshd, v_bshd, causal, (0, -1) if anti else (-1, -1), scale, softcap)
+
+    def backward_block(self, dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, causal, anti, scale,
+                       softcap=None):
+        return self._backward(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, causal,
+                              (0, -1) if anti else (-1, -1), scale, softcap)
+
+    def band(self, q_bshd, k_bshd, v_bshd, lo, hi, scale, softcap=None, into=None):
+        window = _window(q_bshd.shape[1], k_bshd.shape[1], lo, hi)
+        if window is None:
+            return super().band(q_bshd, k_bshd, v_bshd, lo, hi, scale, softcap, into)
+        out, lse = self._forward(q_bshd, k_bshd, v_bshd, False, window, scale, softcap)
+        if into is None:
+            return out, lse
+        into.fold_(slice(None), out, lse)
+        return None
+
+    def band_backward(self, dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, lo, hi, scale, softcap=None,
+                      into=None):
+        window = _window(q_bshd.shape[1], k_bshd.shape[1], lo, hi)
+        if window is None:
+            return super().band_backward(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, lo, hi, scale, softcap,
+                                         into)
+        grads = self._backward(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, False, window, scale, softcap)
+        if into is None:
+            return grads
+        for acc, g in zip(into, grads):
+            acc.add_(slice(None), g)
+        return None
+
+    def _forward(self, q_bshd, k_bshd, v_bshd, causal, window, scale, softcap):
         dv = v_bshd.shape[-1]
         q_bshd, k_bshd, v_bshd = (_pad8(t) for t in (q_bshd, k_bshd, v_bshd))
-        left, right = (0, -1) if anti else (-1, -1)
         res = self._fa._flash_attn_forward(q_bshd, k_bshd, v_bshd, 0.0, scale, causal=causal,
-                                           window_size_left=left, window_size_right=right,
+                                           window_size_left=window[0], window_size_right=window[1],
                                            softcap=0.0 if softcap is None else float(softcap),
                                            alibi_slopes=None, return_softmax=False)
         return res[0][..., :dv], res[1].float()
 
-    def backward_block(self, dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, causal, anti, scale,
-                       softcap=None):
+    def _backward(self, dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, causal, window, scale, softcap):
         d, dv_width = q_bshd.shape[-1], v_bshd.shape[-1]
         q_p, k_p, v_p, dout_p, out_p = (_pad8(t) for t in (q_bshd, k_bshd, v_bshd, dout_bshd, out_bshd))
         dq, dk, dv = torch.empty_like(q_p), torch.empty_like(k_p), torch.empty_like(v_p)
-        left, right = (0, -1) if anti else (-1, -1)
         self._fa._flash_attn_backward(dout_p, q_p, k_p, v_p, out_p, lse_bhs.float().contiguous(), dq, dk, dv,
-                                      0.0, scale, causal, left, right, 0.0 if softcap is None else float(softcap),
-                                      None, False, None)
+                                      0.0, scale, causal, window[0], window[1],
+                                      0.0 if softcap is None else float(softcap), None, False, None)
         return dq[..., :d], dk[..., :d], dv[..., :dv_width]
+
+
+def _window(sq: int, sk: int, lo, hi):
+    """flash-attn's (left, right) for the band lo <= j - i <= hi of an sq x sk block (-1: unbounded),
+    or None when one of them would be negative (no window states that band)."""
+    left = -1 if lo is None else sk - sq - lo
+    right = -1 if hi is None else hi - (sk - sq)
+    if (lo is not None and left < 0) or (hi is not None and right < 0):
+        return None
+    return left, right
 
 
 def _pad8(x_bshd):

@@ -13,6 +13,8 @@ A row that no key of either block may see has lse = -inf and stays (out = 0, lse
 
 Layouts: out_bshd [batch, seq, heads, dim], lse_bhs [batch, heads, seq] (``acc_dtype``).
 """
+from typing import Optional
+
 import torch
 
 NEG_INF = float("-inf")
@@ -38,6 +40,95 @@ def merge_(out_acc_bshd: torch.Tensor, lse_acc_bhs: torch.Tensor,
     # the two weights sum to 1, so the weighted sum is one fused lerp: acc + w_blk * (blk - acc)
     out_acc_bshd.lerp_(out_blk_bshd.to(out_acc_bshd.dtype), _weight_bsh1(lse_blk_bhs, lse_new_bhs))
     lse_acc_bhs.copy_(lse_new_bhs)
+
+
+class Seen:
+    """Which tokens [off, off + n) of an accumulator hold a value yet: bytes, since a band's pieces ask
+    per piece (a torch op per question cost as much as the merges it saved)."""
+
+    def __init__(self, n: int, buf: Optional[bytearray] = None, off: int = 0):
+        self.buf, self.off, self.n = (bytearray(n) if buf is None else buf), off, n
+
+    def span(self, tokens: slice):
+        a, b, _ = tokens.indices(self.n)
+        return self.off + a, self.off + b
+
+    def part(self, tokens: slice) -> "Seen":
+        a, b = self.span(tokens)
+        return Seen(b - a, self.buf, a)
+
+    def none(self, a: int, b: int) -> bool:
+        return self.buf.find(1, a, b) < 0
+
+    def all(self, a: int, b: int) -> bool:
+        return self.buf.find(0, a, b) < 0
+
+    def mark(self, a: int, b: int) -> None:
+        self.buf[a:b] = b"\x01" * (b - a)
+
+    def unseen(self, a: int, b: int) -> torch.Tensor:
+        """bool [b - a]: the tokens of [a, b) without a value."""
+        return torch.frombuffer(bytearray(self.buf[a:b]), dtype=torch.uint8) == 0
+
+
+class Merge:
+    """(out, lse) accumulators (``acc_dtype``) of some query rows, and which rows hold a value yet: a block over
+    rows none of which does is copied in, not merged. ``part(rows)`` is a view of some rows, so a
+    kernel folds the pieces of a band straight into its caller's accumulators."""
+
+    def __init__(self, out_acc_bshd, lse_acc_bhs, seen: Optional[Seen] = None):
+        self.out, self.lse = out_acc_bshd, lse_acc_bhs
+        self.seen = Seen(out_acc_bshd.shape[1]) if seen is None else seen
+
+    @classmethod
+    def empty(cls, q_bshd: torch.Tensor, head_dim_v: int) -> "Merge":
+        return cls(*empty_accumulators(q_bshd, head_dim_v))
+
+    def part(self, rows: slice) -> "Merge":
+        return Merge(self.out[:, rows], self.lse[:, :, rows], self.seen.part(rows))
+
+    def fold_(self, rows: slice, out_blk_bshd, lse_blk_bhs) -> None:
+        """A block's (out, lse) of ``rows``: copied or merged."""
+        a, b = self.seen.span(rows)
+        if self.seen.none(a, b):
+            self.out[:, rows].copy_(out_blk_bshd)
+            self.lse[:, :, rows].copy_(lse_blk_bhs)
+        else:
+            merge_(self.out[:, rows], self.lse[:, :, rows], out_blk_bshd, lse_blk_bhs)
+        self.seen.mark(a, b)
+
+
+class Sum:
+    """A sum (``acc_dtype``) of gradient pieces over the tokens (dim 1) of ``acc``, and which tokens hold a value
+    yet: a piece over tokens none of which does is copied in, not added (no zero fill); ``total()``
+    zeroes the tokens no piece reached. ``part(tokens)`` is a view, as Merge's."""
+
+    def __init__(self, acc: torch.Tensor, seen: Optional[Seen] = None):
+        self.acc = acc
+        self.seen = Seen(acc.shape[1]) if seen is None else seen
+
+    @classmethod
+    def empty(cls, like: torch.Tensor) -> "Sum":
+        return cls(torch.empty(like.shape, dtype=acc_dtype(like.dtype), device=like.device))
+
+    def part(self, tokens: slice) -> "Sum":
+        return Sum(self.acc[:, tokens], self.seen.part(tokens))
+
+    def add_(self, tokens: slice, x: torch.Tensor) -> None:
+        a, b = self.seen.span(tokens)
+        if self.seen.none(a, b):
+            self.acc[:, tokens].copy_(x)
+        else:
+            if not self.seen.all(a, b):
+                self.acc[:, tokens][:, self.seen.unseen(a, b).to(self.acc.device)] = 0
+            self.acc[:, tokens] += x
+        self.seen.mark(a, b)
+
+    def total(self) -> torch.Tensor:
+        a, b = self.seen.off, self.seen.off + self.seen.n
+        if not self.seen.all(a, b):
+            self.acc[:, self.seen.unseen(a, b).to(self.acc.device)] = 0
+        return self.acc
 
 
 def empty_accumulators(q_bshd: torch.Tensor, head_dim_v: int):

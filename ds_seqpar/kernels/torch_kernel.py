@@ -12,6 +12,7 @@ Softcap: no fused PyTorch op caps scores, so softcapped blocks take the exact wr
 """
 import torch
 
+from .bands import cut_band
 from .base import AttentionKernel, check_block
 from .math_kernel import MathKernel
 from .merge import acc_dtype, empty_accumulators, merge_
@@ -39,6 +40,11 @@ def _sum_kv(dx_bshd, group):
 class TorchKernel(AttentionKernel):
     name = "torch"
 
+    def pieces(self, nq, nk, lo, hi, device):
+        # bands.py's cut with this kernel's measured preferences (below); on CUDA none applies
+        return cut_band(nq, nk, lo, hi, lambda size: self.causal_tile(size, device),
+                        lambda width: self.band_column(width, device))
+
     def causal_tile(self, size, device):
         # The CPU flash kernel skips masked work only in whole key tiles of 512: a causal square of
         # <= 512 tokens costs what the full square costs (fwd+bwd per visible pair, 8 heads x 64: 214 ns
@@ -58,8 +64,8 @@ class TorchKernel(AttentionKernel):
         return 128
 
     def forward(self, q_bshd, k_bshd, v_bshd, causal, scale, softcap=None):
-        # tall top-left causal blocks (band_column) on CPU: the CPU op aligns causal top-left
-        check_block(q_bshd, k_bshd, v_bshd, causal, tall=not q_bshd.is_cuda)
+        # on CPU the op aligns causal top-left, so tall causal blocks (band_column's key columns) are exact too
+        check_block(q_bshd, k_bshd, v_bshd, causal and (q_bshd.is_cuda or q_bshd.shape[1] <= k_bshd.shape[1]))
         if softcap is not None:
             return _softcap_forward(q_bshd, k_bshd, v_bshd, causal, scale, softcap)
         if q_bshd.is_cuda:

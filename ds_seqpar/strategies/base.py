@@ -44,13 +44,11 @@ class Strategy:
     def __init__(self, ctx: StrategyContext):
         self.ctx = ctx
 
-    def attention(self, q_bshd: torch.Tensor, k_bshd: torch.Tensor, v_bshd: torch.Tensor,
-                  causal: bool, scale: float, seq_len: Optional[int] = None, docs=None,
-                  window: Optional[int] = None, softcap: Optional[float] = None,
+    def attention(self, q_bshd: torch.Tensor, k_bshd: torch.Tensor, v_bshd: torch.Tensor, mask,
+                  scale: float, softcap: Optional[float] = None,
                   sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``seq_len``: the real global length when the shards carry end padding (padding.py);
-        ``docs``: packed documents (sharding/documents.Documents, validated), or None; ``window``,
-        ``softcap``, ``sinks``: as sp.attention documents them, validated."""
+        """``mask``: the layer's masks.Mask over the global sequence (causal, window, packed documents,
+        real length), validated; ``softcap``, ``sinks``: as sp.attention documents them, validated."""
         raise ValueError(f"sequence_parallel.strategy={self.name!r} computes linear attention; call "
                          f"sp.linear_attention(q, k, v, decay) or pick a softmax strategy "
                          f"(ulysses, ring, zigzag, striped)")

@@ -164,7 +164,7 @@ def ring_key_ranges(bounds: Sequence[int], ring_layout, padded: int, causal: boo
     query of ring position me can see (same document; causal: key <= query; window w: query - w <
     key, non-causal |query - key| < w), or None. Computed key by key from the mask on global
     positions (each key's visible queries are an interval; does me hold one?), independently of the
-    sub-block decomposition (varlen.py)."""
+    bands of the plan (mask_plan.py)."""
     p, real = ring_layout.size, bounds[-1]
     cu = torch.tensor(bounds)
     big = padded + (window or padded)

@@ -10,7 +10,7 @@ Math -> code:
     q_bshd [b, n, H, d] --all_to_all in ulysses_group (ulysses.scatter_heads)--> [b, U*n, H/U, d]
         (k, v likewise with H_kv heads, repeated f = U / gcd(H_kv, U) times only if U does not
         divide H_kv); the U*n tokens are this ring position's shard, in its local order
-    ring loop over ring_group on those tensors, with the ring strategy's mask policy
+    ring loop over ring_group on those tensors, with the mask's plan over the ring strategy's layout
     out [b, U*n, H/U, d] --all_to_all back (ulysses.heads_to_seq)--> [b, n, H, d]
 
 Attention is independent per head, so splitting heads inside the group and running the ring
@@ -36,7 +36,7 @@ from .ulysses import heads_to_seq, local_heads, scatter_heads
 
 class HybridAttention(RingFamily):
     """Composition: Ulysses all-to-alls around ``ring``'s loop. ``ring`` is the ring, zigzag or
-    striped strategy built over the same context; its mask policy and layout are used as they are."""
+    striped strategy built over the same context; its blocks (a plain mask's plan) and layout are used as they are."""
 
     name = "hybrid"
 
@@ -48,13 +48,12 @@ class HybridAttention(RingFamily):
     def blocks(self, me, src, p, causal, n):
         return self.ring.blocks(me, src, p, causal, n)
 
-    def attention(self, q_bshd, k_bshd, v_bshd, causal, scale, seq_len=None, docs=None, window=None,
-                  softcap=None, sinks=None):
+    def attention(self, q_bshd, k_bshd, v_bshd, mask, scale, softcap=None, sinks=None):
         ctx = self.ctx
         check_local_length(self.ring.name, ctx, q_bshd.shape[1])
         # [b, n, H, d] -> [b, U*n, H/U, d]: this ring position's whole shard, a slice of the heads
         q_u, k_u, v_u = scatter_heads(q_bshd, k_bshd, v_bshd, ctx.ulysses_group, ctx.ulysses_size, ctx.stats)
-        blocks = self.ring.policy(causal, seq_len, q_u.shape[1], docs, q_u.device, window)
+        plan = self.plan(mask, q_u.shape[1])          # the ring strategy's blocks over U*n-token shards
         sinks_h = None if sinks is None else local_heads(sinks, ctx.ulysses_size, ctx.ulysses_rank)
-        out_u = ring_attention(q_u, k_u, v_u, causal, scale, ctx, blocks, softcap, sinks_h)
+        out_u = ring_attention(q_u, k_u, v_u, scale, ctx, plan, softcap, sinks_h)
         return heads_to_seq(out_u, ctx.ulysses_group, ctx.stats)            # [b, n, H, d]

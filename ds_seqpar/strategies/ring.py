@@ -26,14 +26,15 @@ element size, e_acc = 4:
 
     S_kv * (P - 1) * (4*e + 2*e_acc)         (fp32: 48 * S_kv * (P - 1))
 
-Packed documents (cu_seqlens): the policy is varlen.DocumentBlocks on this layout; a document is a
+Packed documents (cu_seqlens): the masked plan (mask_plan.py) on this layout; a document is a
 contiguous run of one or a few neighbouring ranks, so a block is needed only by the later ranks its
 last document reaches, and K/V travel only there (transport.DirectKV): documents that stay inside
 their shards send nothing at all. Balance follows where the long documents fall.
 """
 from __future__ import annotations
 
-from .ring_loop import DIAGONAL, FULL, SKIP, RingFamily
+from .mask_plan import DIAGONAL, FULL, SKIP
+from .ring_loop import RingFamily
 
 
 class RingAttention(RingFamily):

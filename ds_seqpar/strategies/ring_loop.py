@@ -11,11 +11,11 @@ Legend (shapes on this rank; "n" is the ring shard this rank holds):
 
 Three pieces, kept apart, so how K/V travels is separate from what is computed on it: transport.py
 moves K/V blocks and their dK/dV between ranks (the relay ring through comm.p2p, double buffered;
-or, for packed documents, direct sends to the ranks that need a block), ``kernels.merge_`` folds
-partial (out, lse) into fp32 accumulators, and a strategy's mask policy
-``blocks(me, src, P, causal, n)`` says which sub-blocks of (my queries) x (src's keys) to compute:
-a list of ``SubBlock(q, k, causal)`` slices, [] to skip.
-``causal`` on a sub-block means top-left on a square block, the only kind the kernels accept.
+or, for masked plans, direct sends to the ranks that need a block), ``kernels.merge_`` folds
+partial (out, lse) into fp32 accumulators, and the mask's plan (mask_plan.py: built once per mask,
+shared by the layers) says which bands of (my queries) x (src's keys) to compute: a list of
+``Band(q, k, lo, hi)`` slices, [] to skip, each one ``kernel.band`` call (a plain plan's bands are
+the layout's own full / causal blocks, called as they are).
 
 Forward walks the ring forward: send to me+1, receive from me-1, so step s holds src = me - s.
 With ctx.overlap the transfer of the next block is posted before this block's compute.
@@ -35,58 +35,48 @@ for one forward + backward are exactly
 with S_k, S_v the elements of the local k, v tensors, e their element size and e_acc = 4 (fp32
 accumulators). (Sending the own block's share around as well would cost S_kv*2*e_acc more.)
 
-Packed documents (cu_seqlens): the policy is varlen.DocumentBlocks, a function of the global
-document boundaries; blocks no query of mine shares a document with are skipped, and K/V go only
-where they are computed on (transport.DirectKV / DirectGrads): a rank sends its K/V to each rank
-that needs them and its dK/dV shares to each rank whose block it needed, instead of P-1 hops of
-each (closed_form.ring_masked_bytes; the same bytes when every rank needs every key).
+Packed documents (cu_seqlens) and windows: the plan is a function of the global mask; blocks no
+query of mine shares a document with are skipped, and K/V go only where they are computed on
+(``plan.direct``: transport.DirectKV / DirectGrads): a rank sends its K/V to each rank that needs
+them and its dK/dV shares to each rank whose block it needed, instead of P-1 hops of each
+(closed_form.ring_masked_bytes; the same bytes when every rank needs every key).
 """
 from __future__ import annotations
 
 import math
-from typing import Callable, List, Optional, Sequence
+from typing import Optional
 
 import torch
 
-from ..kernels import acc_dtype, empty_accumulators, merge_
-from ..sharding.padding import valid_prefix
-from .bands import SubBlock
+from ..kernels import empty_accumulators
+from ..kernels.merge import Merge, Sum
+from ..kernels.bands import Band
+from ..masks import Mask
 from .base import Strategy
+from .mask_plan import MaskPlan, PlanCache, plain_blocks, plan_mask  # plain_blocks: bench/window.py imports it here
 from .transport import DirectGrads, DirectKV, RelayGrads, RelayKV
-
-
-ALL = slice(None)
-FULL = [SubBlock(ALL, ALL, False)]          # every (query, key) pair of the block
-DIAGONAL = [SubBlock(ALL, ALL, True)]       # the causal square block: query i sees keys j <= i
-SKIP: List[SubBlock] = []                   # nothing in this block is visible
-
-BlockPolicy = Callable[[int, int, int, bool, int], Sequence[SubBlock]]
 
 
 # ---------------------------------------------------------------------------------------------
 # forward
 
 
-def _transports(ctx, blocks):
-    """(K/V schedule, dK/dV schedule) classes: direct for masked policies (packed documents, sliding
-    windows: the policy says who needs which keys of which block), the relay ring otherwise
-    (transport.py)."""
-    key_range = getattr(blocks, "key_range", None)
-    if key_range is None:
-        return RelayKV, RelayGrads, ()
-    return DirectKV, DirectGrads, (key_range,)
+def _transports(plan: MaskPlan):
+    """(K/V schedule, dK/dV schedule) classes and their extra argument: direct for masked plans (the
+    plan says who needs which keys of which block), the relay ring otherwise (transport.py)."""
+    if plan.direct:
+        return DirectKV, DirectGrads, (plan.key_range,)
+    return RelayKV, RelayGrads, ()
 
 
-def _subs(blocks, me, src, p, causal, n, kv) -> Sequence[SubBlock]:
-    """The policy's sub-blocks for the block held now, keys shifted into the part that travelled
-    (``kv.offset``: a masked schedule sends only the keys a rank can see, transport.py)."""
-    if kv.current is None:
-        return ()
-    subs = blocks(me, src, p, causal, n)
-    off = getattr(kv, "offset", 0)
-    if not off:
-        return subs
-    return [s._replace(k=slice(s.k.start - off, s.k.stop - off)) for s in subs]
+def _band_forward(kernel, plan: MaskPlan, q_bshd, kv_block, b: Band, scale, softcap, acc: Merge) -> None:
+    """One band's (out, lse) folded into the accumulators (merge.py): a plain plan's blocks as the
+    kernel's own full / causal blocks, any other band through ``kernel.band``."""
+    q, k, v = q_bshd[:, b.q], kv_block[0][:, b.k], kv_block[1][:, b.k]
+    if plan.kernel_blocks:
+        acc.fold_(b.q, *kernel.forward_block(q, k, v, b.causal, b.anti, scale, softcap))
+    else:
+        kernel.band(q, k, v, b.lo, b.hi, scale, softcap, into=acc.part(b.q))
 
 
 def apply_sinks_(out_acc_bshd, lse_acc_bhs, sinks_h) -> None:
@@ -106,40 +96,22 @@ def sinks_grad(dout_bshd, out_bshd, lse_bhs, sinks_h) -> torch.Tensor:
     return -(p_sink * delta_bhs).sum((0, 2)).to(sinks_h.dtype)
 
 
-class _FreshRows:
-    """Which query rows no sub-block has written yet: a first write is a copy, not a merge."""
-
-    def __init__(self, n: int):
-        self._seen = torch.zeros(n, dtype=torch.bool)
-
-    def take(self, rows: slice) -> bool:
-        fresh = not bool(self._seen[rows].any())
-        self._seen[rows] = True
-        return fresh
-
-
-def ring_forward(q_bshd, k_bshd, v_bshd, causal: bool, scale: float, ctx, blocks: BlockPolicy,
+def ring_forward(q_bshd, k_bshd, v_bshd, scale: float, ctx, plan: MaskPlan,
                  softcap: Optional[float] = None, sinks_h: Optional[torch.Tensor] = None):
     """(out_bshd in q's dtype, lse_bhs fp32) of q against the whole ring's K/V; ``softcap`` caps the
     scores in every kernel call, ``sinks_h`` (one logit per q head) join the final merge."""
     p, me, n = ctx.ring_size, ctx.ring_rank, q_bshd.shape[1]
     out_acc_bshd, lse_acc_bhs = empty_accumulators(q_bshd, v_bshd.shape[-1])
-    kv_cls, _, extra = _transports(ctx, blocks)
+    kv_cls, _, extra = _transports(plan)
     kv = kv_cls(ctx, +1, (k_bshd, v_bshd), *extra)
-    rows = _FreshRows(n)
+    acc = Merge(out_acc_bshd, lse_acc_bhs)
     for step in range(p):
         src = (me - step) % p                      # forward walk: blocks arrive from me-1
         if ctx.overlap:
             kv.post()                              # next block in flight during this compute
         kv_block = kv.current
-        for sub in _subs(blocks, me, src, p, causal, n, kv):
-            out_blk, lse_blk = ctx.kernel.forward_block(q_bshd[:, sub.q], kv_block[0][:, sub.k],
-                                                        kv_block[1][:, sub.k], sub.causal, sub.anti, scale, softcap)
-            if rows.take(sub.q):                   # nothing merged into these rows yet
-                out_acc_bshd[:, sub.q].copy_(out_blk)
-                lse_acc_bhs[:, :, sub.q].copy_(lse_blk)
-            else:
-                merge_(out_acc_bshd[:, sub.q], lse_acc_bhs[:, :, sub.q], out_blk, lse_blk)
+        for b in (plan.received(me, src) if kv_block is not None else ()):
+            _band_forward(ctx.kernel, plan, q_bshd, kv_block, b, scale, softcap, acc)
         if step < p - 1:
             kv.advance()
     if sinks_h is not None:
@@ -151,60 +123,66 @@ def ring_forward(q_bshd, k_bshd, v_bshd, causal: bool, scale: float, ctx, blocks
 # backward
 
 
-def _block_grads(dout_bshd, q_bshd, kv_block, out_bshd, lse_bhs, subs, scale, kernel, softcap):
-    """Kernel backward per sub-block, given the final out/lse rows: [(sub, dq, dk, dv)]."""
-    return [(sub, *kernel.backward_block(dout_bshd[:, sub.q], q_bshd[:, sub.q], kv_block[0][:, sub.k],
-                                         kv_block[1][:, sub.k], out_bshd[:, sub.q], lse_bhs[:, :, sub.q],
-                                         sub.causal, sub.anti, scale, softcap))
-            for sub in subs]
-
-
-def _sum_into(acc, pieces, fresh: bool) -> None:
-    """acc[:, s] += x for each (s, x). ``fresh``: acc is uninitialised and becomes exactly the sum
-    (a whole-width first piece is copied in, saving a zero-fill and an add pass)."""
-    if fresh:
-        if pieces and pieces[0][0] == ALL:
-            acc.copy_(pieces[0][1])
-            pieces = pieces[1:]
+def _band_grads(dout_bshd, q_bshd, kv_block, out_bshd, lse_bhs, bands, scale, kernel, plan, softcap,
+                dq: Sum, dk: Sum, dv: Sum) -> None:
+    """Kernel backward per band, given the final out/lse rows, added into the sums (merge.py)."""
+    for b in bands:
+        args = (dout_bshd[:, b.q], q_bshd[:, b.q], kv_block[0][:, b.k], kv_block[1][:, b.k], out_bshd[:, b.q],
+                lse_bhs[:, :, b.q])
+        if plan.kernel_blocks:
+            for acc, tokens, g in zip((dq, dk, dv), (b.q, b.k, b.k),
+                                      kernel.backward_block(*args, b.causal, b.anti, scale, softcap)):
+                acc.add_(tokens, g)
         else:
-            acc.zero_()
-    for sl, x in pieces:
-        acc[:, sl] += x
+            kernel.band_backward(*args, b.lo, b.hi, scale, softcap, into=(dq.part(b.q), dk.part(b.k), dv.part(b.k)))
 
 
-def _sum_kv_into(dkv_acc, grads, fresh: bool) -> None:
-    _sum_into(dkv_acc[0], [(sub.k, dk) for sub, _, dk, _ in grads], fresh)
-    _sum_into(dkv_acc[1], [(sub.k, dv) for sub, _, _, dv in grads], fresh)
+def _fold_into(dkv_acc, step_sums, fresh: bool) -> None:
+    """A block's dK/dV shares of this step into its (travelling or sent) accumulator; ``fresh``: the
+    accumulator is uninitialised and becomes exactly the shares."""
+    for acc, share in zip(dkv_acc, step_sums or (None, None)):
+        if share is None:
+            if fresh:
+                acc.zero_()
+        elif fresh:
+            acc.copy_(share.total())
+        else:
+            acc += share.total()
 
 
-def ring_backward(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, causal: bool, scale: float,
-                  ctx, blocks: BlockPolicy, softcap: Optional[float] = None):
+def ring_backward(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, scale: float, ctx, plan: MaskPlan,
+                  softcap: Optional[float] = None):
     """(dq, dk, dv) of this rank's shards; the ring is walked in reverse (see module doc)."""
-    p, me, n = ctx.ring_size, ctx.ring_rank, q_bshd.shape[1]
+    p, me = ctx.ring_size, ctx.ring_rank
     dout_bshd = dout_bshd.contiguous()
-    kv_cls, grads_cls, extra = _transports(ctx, blocks)
+    kv_cls, grads_cls, extra = _transports(plan)
     kv = kv_cls(ctx, -1, (k_bshd, v_bshd), *extra)
-    dtype = acc_dtype(q_bshd.dtype)
-    dq_acc_bshd = torch.empty(q_bshd.shape, dtype=dtype, device=q_bshd.device)
-    dkv_home = [torch.empty(t.shape, dtype=dtype, device=t.device) for t in (k_bshd, v_bshd)]
+    dq = Sum.empty(q_bshd)
+    home = [Sum.empty(t) for t in (k_bshd, v_bshd)]
+    dkv_home = [s.acc for s in home]
     dkv_away = grads_cls(ctx, dkv_home, ctx.overlap, *extra)
     for step in range(p):
         src = (me + step) % p                      # reverse walk: blocks arrive from me+1
         if ctx.overlap:
             kv.post()
         kv_block = kv.current
-        subs = _subs(blocks, me, src, p, causal, n, kv)
-        grads = _block_grads(dout_bshd, q_bshd, kv_block, out_bshd, lse_bhs, subs, scale, ctx.kernel, softcap)
-        _sum_into(dq_acc_bshd, [(sub.q, dq) for sub, dq, _, _ in grads], fresh=step == 0)
-        if step == 0:
-            _sum_kv_into(dkv_home, grads, fresh=True)      # own block: its gradient never leaves
-        else:
-            dkv_away.add(step, src, lambda acc, fresh, grads=grads: _sum_kv_into(acc, grads, fresh), dkv_home)
-        del grads
+        bands = plan.received(me, src) if kv_block is not None else ()
+        if step == 0:                              # own block: its gradient never leaves
+            _band_grads(dout_bshd, q_bshd, kv_block, out_bshd, lse_bhs, bands, scale, ctx.kernel, plan, softcap,
+                        dq, *home)
+            for s in home:
+                s.total()
+        else:                                      # shares summed now, folded where the transport says
+            shares = [Sum.empty(t) for t in kv_block] if bands else None
+            if bands:
+                _band_grads(dout_bshd, q_bshd, kv_block, out_bshd, lse_bhs, bands, scale, ctx.kernel, plan, softcap,
+                            dq, *shares)
+            dkv_away.add(step, src, lambda acc, fresh, shares=shares: _fold_into(acc, shares, fresh), dkv_home)
+            del shares
         if step < p - 1:
             kv.advance()
     dkv_away.land(dkv_home, p)
-    return dq_acc_bshd.to(q_bshd.dtype), dkv_home[0].to(k_bshd.dtype), dkv_home[1].to(v_bshd.dtype)
+    return dq.total().to(q_bshd.dtype), dkv_home[0].to(k_bshd.dtype), dkv_home[1].to(v_bshd.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,28 +193,28 @@ class RingAttentionFunction(torch.autograd.Function):
     """Thin: save what backward needs, call the plain functions."""
 
     @staticmethod
-    def forward(fctx, q_bshd, k_bshd, v_bshd, sinks_h, ctx, blocks, causal, scale, softcap):
-        out_bshd, lse_bhs = ring_forward(q_bshd, k_bshd, v_bshd, causal, scale, ctx, blocks, softcap, sinks_h)
+    def forward(fctx, q_bshd, k_bshd, v_bshd, sinks_h, ctx, plan, scale, softcap):
+        out_bshd, lse_bhs = ring_forward(q_bshd, k_bshd, v_bshd, scale, ctx, plan, softcap, sinks_h)
         # with sinks, out and lse are the final ones (sinks included): the kernels' backward formulas
         # then give the exact q/k/v gradients (a sink is a key with no value)
         fctx.save_for_backward(q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, sinks_h)
-        fctx.ctx, fctx.blocks, fctx.causal, fctx.scale, fctx.softcap = ctx, blocks, causal, scale, softcap
+        fctx.ctx, fctx.plan, fctx.scale, fctx.softcap = ctx, plan, scale, softcap
         return out_bshd
 
     @staticmethod
     def backward(fctx, dout_bshd):
         q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, sinks_h = fctx.saved_tensors
-        dq, dk, dv = ring_backward(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, fctx.causal,
-                                   fctx.scale, fctx.ctx, fctx.blocks, fctx.softcap)
+        dq, dk, dv = ring_backward(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, fctx.scale, fctx.ctx,
+                                   fctx.plan, fctx.softcap)
         dsinks = None if sinks_h is None else sinks_grad(dout_bshd, out_bshd, lse_bhs, sinks_h)
-        return dq, dk, dv, dsinks, None, None, None, None, None
+        return dq, dk, dv, dsinks, None, None, None, None
 
 
-def ring_attention(q_bshd, k_bshd, v_bshd, causal: bool, scale: float, ctx, blocks: BlockPolicy,
+def ring_attention(q_bshd, k_bshd, v_bshd, scale: float, ctx, plan: MaskPlan,
                    softcap: Optional[float] = None, sinks_h: Optional[torch.Tensor] = None):
-    """Differentiable exact attention of this rank's queries against every ring rank's K/V.
-    ``sinks_h``: this rank's q heads' sink logits (their gradient is this rank's share)."""
-    return RingAttentionFunction.apply(q_bshd, k_bshd, v_bshd, sinks_h, ctx, blocks, causal, scale, softcap)
+    """Differentiable exact attention of this rank's queries against every ring rank's K/V, as
+    ``plan`` says. ``sinks_h``: this rank's q heads' sink logits (their gradient is this rank's share)."""
+    return RingAttentionFunction.apply(q_bshd, k_bshd, v_bshd, sinks_h, ctx, plan, scale, softcap)
 
 
 def check_local_length(strategy_name: str, ctx, n_local: int) -> None:
@@ -258,57 +236,26 @@ def check_local_length(strategy_name: str, ctx, n_local: int) -> None:
 
 
 class RingFamily(Strategy):
-    """Base of ring, zigzag and striped: attention is the ring loop driven by ``blocks``."""
+    """Base of ring, zigzag and striped: attention is the ring loop over the mask's plan."""
 
     name = "ring_family"
 
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self._plans = PlanCache(lambda mask, padded: plan_mask(mask, self.ctx.layout.ring_layout, padded,
+                                                               self.blocks))
+
     @staticmethod
-    def blocks(me: int, src: int, p: int, causal: bool, n: int) -> Sequence[SubBlock]:
+    def blocks(me: int, src: int, p: int, causal: bool, n: int):
+        """The layout's hand-derived bands of a plain mask (mask_plan.py)."""
         raise NotImplementedError
 
-    def attention(self, q_bshd, k_bshd, v_bshd, causal, scale, seq_len=None, docs=None, window=None,
-                  softcap=None, sinks=None):
+    def plan(self, mask: Mask, n_ring: int) -> MaskPlan:
+        """The plan of ``mask`` over the ring positions, each holding ``n_ring`` tokens (built once per
+        mask: PlanCache)."""
+        return self._plans.get(mask, n_ring * self.ctx.ring_size)
+
+    def attention(self, q_bshd, k_bshd, v_bshd, mask: Mask, scale, softcap=None, sinks=None):
         check_local_length(self.name, self.ctx, q_bshd.shape[1])
-        blocks = self.policy(causal, seq_len, q_bshd.shape[1], docs, q_bshd.device, window)
-        return ring_attention(q_bshd, k_bshd, v_bshd, causal, scale, self.ctx, blocks, softcap, sinks)
-
-    def policy(self, causal: bool, seq_len, n_ring: int, docs=None, device="cpu", window=None) -> BlockPolicy:
-        """The mask policy; with end padding (seq_len < padded length) non-causal blocks keep only
-        the real keys, a prefix of each block (padding.py). Causal blocks never see pads. With
-        packed documents (``docs``, sharding/documents.py) or a sliding ``window`` the policy
-        follows the mask on global positions and leaves the pads out (varlen.py)."""
-        padded = n_ring * self.ctx.ring_size
-        if docs is not None or window is not None:
-            return masked_policy(self.ctx, self.ctx.layout.ring_layout, docs, padded, seq_len, causal, window,
-                                 device)
-        if causal or seq_len is None or seq_len == padded:
-            return self.blocks
-        return only_real_keys(self.blocks, valid_prefix(self.ctx.layout.ring_layout, padded, seq_len))
-
-
-def masked_policy(ctx, layout, docs, padded: int, seq_len, causal: bool, window, device) -> BlockPolicy:
-    """varlen.DocumentBlocks over ``layout``'s positions (a single one for Ulysses' whole sequence):
-    documents, or the sequence as one document, under the window."""
-    from .varlen import document_blocks, one_document
-    kernel = ctx.kernel                     # how it wants squares and window bands cut (kernels/base.py)
-    docs = docs if docs is not None else one_document(padded, seq_len)
-    return document_blocks(docs, layout, causal, lambda size: kernel.causal_tile(size, device), window,
-                           lambda width: kernel.band_column(width, device))
-
-
-def plain_blocks(me: int, src: int, p: int, causal: bool, n: int) -> Sequence[SubBlock]:
-    """The policy of one position holding the whole sequence (Ulysses after its all-to-all)."""
-    return DIAGONAL if causal else FULL
-
-
-def only_real_keys(blocks: BlockPolicy, valid: Sequence[int]) -> BlockPolicy:
-    """Restrict every (non-causal) sub-block's keys to the first ``valid[src]`` of the block."""
-    def policy(me, src, p, causal, n):
-        subs = []
-        for sub in blocks(me, src, p, causal, n):
-            start, stop, _ = sub.k.indices(n)
-            stop = min(stop, valid[src])
-            if stop > start:
-                subs.append(sub._replace(k=slice(start, stop)))
-        return subs
-    return policy
+        plan = self.plan(mask, q_bshd.shape[1])
+        return ring_attention(q_bshd, k_bshd, v_bshd, scale, self.ctx, plan, softcap, sinks)

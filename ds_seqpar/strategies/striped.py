@@ -28,13 +28,14 @@ element size, e_acc = 4 (the same schedule as ring):
     S_kv * (P - 1) * (4*e + 2*e_acc)         (fp32: 48 * S_kv * (P - 1))
 
 Packed documents (cu_seqlens): a document [a, b) is a contiguous local range on every rank (slots
-ceil((a-r)/P) ..), so varlen.DocumentBlocks cuts each block into per-document causal squares, the
+ceil((a-r)/P) ..), so the masked plan (mask_plan.py) cuts each block into per-document causal bands, the
 higher-rank ones shifted by one exactly as above. Every document of >= P tokens is spread over all
 ranks: the best balance for mixed lengths, but every block is needed (the general bytes).
 """
 from __future__ import annotations
 
-from .ring_loop import DIAGONAL, FULL, SKIP, RingFamily, SubBlock
+from .mask_plan import DIAGONAL, FULL, SKIP, Band
+from .ring_loop import RingFamily
 
 
 class StripedAttention(RingFamily):
@@ -49,4 +50,4 @@ class StripedAttention(RingFamily):
             return DIAGONAL
         if n < 2:
             return SKIP
-        return [SubBlock(slice(1, None), slice(None, -1), True)]
+        return [Band(slice(1, None), slice(None, -1), None, 0)]

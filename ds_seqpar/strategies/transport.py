@@ -93,14 +93,13 @@ class DirectKV:
     """Masked schedules (packed documents, sliding windows): for step s+1, send the part of the own
     block that me + shift*(s+1) needs (``key_range``: the keys its queries can see), receive the part
     of src = me - shift*(s+1)'s block this rank needs. ``current`` is None when this rank computes
-    nothing at a step (no transfer was made for it); ``offset`` is the first key slot of ``current``
-    within its owner's block (0 for the own block)."""
+    nothing at a step (no transfer was made for it); the plan counts the keys of what arrived
+    (mask_plan.MaskPlan.received)."""
 
     def __init__(self, ctx, shift: int, own: Sequence[torch.Tensor], key_range: KeyRange):
         self._ctx, self._shift, self._own, self._range = ctx, shift, tuple(own), key_range
         self._p, self._me = ctx.ring_size, ctx.ring_rank
         self.current: Optional[tuple] = self._own
-        self.offset, self._next_offset = 0, 0
         self._step, self._pending = 0, None
 
     def post(self) -> None:
@@ -111,14 +110,13 @@ class DirectKV:
         theirs, mine = self._range(dst, self._me), self._range(self._me, src)
         sends = [(t[:, theirs[0]:theirs[1]], dst) for t in self._own] if theirs else []
         recvs = [(_empty_rows(t, mine[1] - mine[0]), src) for t in self._own] if mine else []
-        self._next_offset = mine[0] if mine else 0
         self._pending = comm.p2p(sends, recvs, self._ctx.ring_group, self._ctx.stats, "ring")
 
     def advance(self) -> None:
         self.post()
         received = self._pending.wait()
         self.current = tuple(received) if received else None
-        self.offset, self._step, self._pending = self._next_offset, self._step + 1, None
+        self._step, self._pending = self._step + 1, None
 
 
 def _empty_rows(like: torch.Tensor, rows: int, dtype=None) -> torch.Tensor:

@@ -18,8 +18,9 @@ dv backward, each sending (P-1)/P of its local tensor: 8*e*S*(P-1)/P for MHA, wh
 number of elements of one local full-head tensor.
 
 Packed documents (cu_seqlens) and sliding windows: after the all-to-all every rank holds the whole
-sequence, so local attention follows the mask (varlen.py: a causal square per document, band
-pieces for a window; end padding pairs with nothing); the bytes are unchanged. Softcap goes to the
+sequence, so local attention follows the mask's plan over one position (mask_plan.py: a causal band
+per document, a window's band; end padding pairs with nothing) through the ring loop's single step;
+the bytes are unchanged. Softcap goes to the
 kernel; sinks join the final merge (ring_loop.apply_sinks_), each rank with its heads' sinks
 (``local_heads``): its sink gradient is its heads' share, the others' rows are zero.
 """
@@ -32,10 +33,11 @@ import torch
 from .. import comm
 from ..kernels import local_attention
 from ..kernels.base import check_head_groups
+from ..masks import Mask
 from ..sharding.layouts import make_layout
-from ..sharding.padding import valid_prefix
 from .base import Strategy
-from .ring_loop import masked_policy, only_real_keys, plain_blocks, ring_attention
+from .mask_plan import PlanCache, plain_blocks, plan_mask
+from .ring_loop import ring_attention
 
 
 def kv_replication(num_heads: int, num_kv_heads: int, size: int) -> int:
@@ -81,28 +83,27 @@ class UlyssesAttention(Strategy):
     name = "ulysses"
     layout_name = "contiguous"
 
-    def attention(self, q_bshd, k_bshd, v_bshd, causal, scale, seq_len=None, docs=None, window=None,
-                  softcap=None, sinks=None):
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        whole = make_layout("contiguous", 1)            # after the all-to-all: one position, global order
+        self._plans = PlanCache(lambda mask, padded: plan_mask(mask, whole, padded, plain_blocks))
+
+    def attention(self, q_bshd, k_bshd, v_bshd, mask: Mask, scale, softcap=None, sinks=None):
         ctx = self.ctx
         q_full, k_full, v_full = scatter_heads(q_bshd, k_bshd, v_bshd, ctx.ulysses_group, ctx.ulysses_size,
                                                ctx.stats)
-        if docs is not None or window is not None or softcap is not None or sinks is not None:
-            # the whole sequence is here, in global order: the masked policy's sub-blocks through the
-            # ring loop's single step (one position, nothing travels; varlen.py), which also applies
-            # softcap in the kernel and sinks in the final merge
-            padded = q_full.shape[1]
-            if docs is not None or window is not None:
-                whole = make_layout("contiguous", 1)
-                blocks = masked_policy(ctx, whole, docs, padded, seq_len, causal, window, q_full.device)
-            elif causal or seq_len is None or seq_len == padded:
-                blocks = plain_blocks
-            else:
-                blocks = only_real_keys(plain_blocks, valid_prefix(make_layout("contiguous", 1), padded, seq_len))
+        padded = q_full.shape[1]
+        if mask.docs is not None or mask.window is not None or softcap is not None or sinks is not None:
+            # the whole sequence is here, in global order: the plan's bands through the ring loop's
+            # single step (one position, nothing travels), which also applies softcap in the kernel and
+            # sinks in the final merge
+            plan = self._plans.get(mask, padded)
             sinks_h = None if sinks is None else local_heads(sinks, ctx.ulysses_size, ctx.ulysses_rank)
-            out_full = ring_attention(q_full, k_full, v_full, causal, scale, ctx, blocks, softcap, sinks_h)
+            out_full = ring_attention(q_full, k_full, v_full, scale, ctx, plan, softcap, sinks_h)
             return heads_to_seq(out_full, ctx.ulysses_group, ctx.stats)
-        if not causal and seq_len is not None and seq_len < k_full.shape[1]:
-            # end padding (padding.py): the real keys are the first seq_len of the whole sequence
-            k_full, v_full = k_full[:, :seq_len], v_full[:, :seq_len]
-        out_full = local_attention(q_full, k_full, v_full, ctx.kernel, causal, scale)   # [b, S, H/P, d]
+        real = mask.real(padded)
+        if not mask.causal and real < padded:
+            # end padding (padding.py): the real keys are the first ``real`` of the whole sequence
+            k_full, v_full = k_full[:, :real], v_full[:, :real]
+        out_full = local_attention(q_full, k_full, v_full, ctx.kernel, mask.causal, scale)   # [b, S, H/P, d]
         return heads_to_seq(out_full, ctx.ulysses_group, ctx.stats)

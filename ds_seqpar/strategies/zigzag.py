@@ -28,13 +28,14 @@ element size, e_acc = 4 (the same schedule as ring; only the work per step diffe
 
     S_kv * (P - 1) * (4*e + 2*e_acc)         (fp32: 48 * S_kv * (P - 1))
 
-Packed documents (cu_seqlens): varlen.DocumentBlocks on the two chunks of each rank; documents
+Packed documents (cu_seqlens): the masked plan (mask_plan.py) on the two chunks of each rank; documents
 shorter than a chunk mostly stay on one rank (nothing travels for them), a long document is
 balanced as above, and only blocks that share a document with my queries are computed or sent.
 """
 from __future__ import annotations
 
-from .ring_loop import DIAGONAL, FULL, RingFamily, SubBlock
+from .mask_plan import ALL, DIAGONAL, FULL, Band
+from .ring_loop import RingFamily
 
 
 class ZigzagAttention(RingFamily):
@@ -49,5 +50,5 @@ class ZigzagAttention(RingFamily):
             return DIAGONAL
         c = n // 2
         if src < me:
-            return [SubBlock(slice(None), slice(0, c), False)]
-        return [SubBlock(slice(c, None), slice(None), False)]
+            return [Band(ALL, slice(0, c))]
+        return [Band(slice(c, None), ALL)]

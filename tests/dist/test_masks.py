@@ -148,3 +148,53 @@ def test_bad_window_softcap_and_sinks_are_refused_before_communication(pool):
     names = ["window=0", "window=2.5", "window=True", "softcap=0.0", "softcap=inf", "sinks", "sinks", "sinks"]
     for name, msg in zip(names, per_rank[0]):
         assert msg is not None and name in msg, (name, msg)
+
+
+# -- one plan per mask, not one per layer --------------------------------------------------------------
+
+
+def _plans_built(cfg, layers):
+    """MaskPlans built (strategies/mask_plan.py) by forward + backward of L-layer models on one packed
+    batch: the own LM twice (the second step finds the first one's plan), then a Hugging Face Qwen2
+    whose first half of layers is full attention and second half a sliding window of 8."""
+    import transformers as T
+
+    from ds_seqpar.hf import apply_sequence_parallel
+    from ds_seqpar.models.lm import CausalLM, ModelConfig
+    from ds_seqpar.strategies import mask_plan
+    built, init = [], mask_plan.MaskPlan.__init__
+
+    def counting(self, *args, **kwargs):
+        built.append(1)
+        init(self, *args, **kwargs)
+    mask_plan.MaskPlan.__init__ = counting
+    try:
+        pos = torch.cat([torch.arange(n) for n in (7, 12, 3, 10)])[None]
+        ids = torch.randint(0, 96, (1, 32), generator=torch.Generator().manual_seed(0))
+        counts = []
+        sp = SequenceParallel(cfg)
+        own = CausalLM(ModelConfig(vocab_size=96, dim=32, n_layers=layers, n_heads=4, n_kv_heads=2), sp)
+        for _ in range(2):
+            batch = sp.shard_batch({"input_ids": ids, "position_ids": pos})
+            own(batch["input_ids"], batch["position_ids"], batch["labels"], batch["cu_seqlens"]).backward()
+            counts.append(len(built) - sum(counts))
+        sp = SequenceParallel(cfg)
+        hf_cfg = T.Qwen2Config(hidden_size=32, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=96, attention_dropout=0.0, use_cache=False,
+                               use_sliding_window=True, sliding_window=8, max_window_layers=layers // 2)
+        model = apply_sequence_parallel(T.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa"), sp)
+        batch = sp.shard_batch({"input_ids": ids, "labels": ids, "position_ids": pos})
+        labels = batch.pop("labels")
+        sp.loss(model(**batch).logits, labels).backward()
+        counts.append(len(built) - sum(counts))
+    finally:
+        mask_plan.MaskPlan.__init__ = init
+    return counts
+
+
+@pytest.mark.parametrize("cfg", [{"strategy": "zigzag", "size": 2}, {"strategy": "ulysses", "size": 2}],
+                         ids=["zigzag", "ulysses"])
+def test_a_model_of_l_layers_plans_each_mask_once(pool, cfg):
+    """Before, every layer's attention call rebuilt the document / window plan (L per forward)."""
+    for counts in pool.run(_plans_built, cfg, 6):
+        assert counts == [1, 0, 2], f"{cfg}: plans built per forward (own LM, again, HF full + sliding): {counts}"

@@ -109,11 +109,8 @@ class CountingKernel(AttentionKernel):
         m = min(sq, sk)                     # causal: top-left, tall blocks' rows past sk see every key
         return m * (m + 1) // 2 + (sq - m) * sk if causal else sq * sk
 
-    def causal_tile(self, size, device):
-        return self.inner.causal_tile(size, device)
-
-    def band_column(self, width, device):
-        return self.inner.band_column(width, device)
+    def pieces(self, nq, nk, lo, hi, device):
+        return self.inner.pieces(nq, nk, lo, hi, device)       # the inner kernel's cut, counted here
 
     def forward(self, q, k, v, causal, scale, softcap=None):
         self.calls["forward"].append(self._pairs(q.shape[1], k.shape[1], causal))

@@ -1,11 +1,11 @@
-"""Band decomposition (strategies/bands.py): rendered, the pieces cover every visible (query, key)
+"""Band decomposition (kernels/bands.py): rendered, the pieces cover every visible (query, key)
 pair exactly once and no hidden pair, for any band, block shape and tile."""
 import itertools
 import random
 
 import torch
 
-from ds_seqpar.strategies.bands import band_blocks, visible_pairs
+from ds_seqpar.kernels.bands import band_blocks, visible_pairs
 
 
 def render(subs, nq, nk, qa=0, ka=0, tall=False):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_seqpar.masks import Mask, cut_documents, effective_window, seen_keys
+from ds_seqpar.masks import Mask, chunk_bounds, cut_documents, effective_window, seen_keys
 
 
 def _brute(seq, real, causal, window, bounds):
@@ -61,3 +61,34 @@ def test_cut_documents():
     assert cut_documents((4, 4), 6) == (4, 2)
     assert cut_documents((4,), 6) == (4, 2)
     assert cut_documents((8, 8), 6) is None
+
+
+def test_chunked_attention_is_documents_cut_at_every_chunk():
+    assert chunk_bounds(None, 4, 10) == [0, 4, 8, 10]
+    assert chunk_bounds([0, 3, 10], 4, 10) == [0, 3, 4, 8, 10]
+    mask = Mask.from_boundaries([0, 3, 10], window=2).chunked(4, 12)
+    assert (mask.docs, mask.real_len, mask.window) == ((3, 1, 4, 2), 10, 2)
+    pos = torch.arange(12)
+    same_chunk = (pos[:, None] // 4 == pos[None, :] // 4) & (pos[:, None] < 10) & (pos[None, :] < 10)
+    assert not (mask.visible(pos, pos, 12) & ~same_chunk).any()
+
+
+def test_batch_masks_know_documents_by_object_version_and_value():
+    """sp.attention's memo (sharding/masks.py): the same tensor is the same documents until written in
+    place; a list while its values stay; None is one entry too."""
+    from ds_seqpar.sharding.masks import BatchMasks
+    memo = BatchMasks()
+    cu = torch.tensor([0, 4, 8])
+    first = memo.documents(cu)
+    first.agree([0, 4, 8])
+    assert memo.documents(cu) is first and first.agreed
+    cu[1] = 5                                                      # written in place: new documents
+    assert memo.documents(cu) is not first and not memo.documents(cu).agreed
+    bounds = [0, 2, 8]
+    listed = memo.documents(bounds)
+    listed.agree(bounds)
+    assert memo.documents(bounds) is listed
+    bounds[1] = 3
+    assert memo.documents(bounds) is not listed
+    assert memo.documents(None) is memo.documents(None)
+    assert memo.documents([0, 2, 8]) is not memo.documents([0, 2, 8])     # another object: checked again

@@ -10,7 +10,7 @@ import pytest
 
 from ds_seqpar.plan import calibrate_fit, calibrate_p4, calibrate_window
 from ds_seqpar.plan.cost.times import window_calls
-from ds_seqpar.strategies.bands import SubBlock, visible_pairs
+from ds_seqpar.kernels.bands import SubBlock, visible_pairs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
