@@ -52,17 +52,17 @@ def _sweep_verdict_with_wrong_backward(error):
     from ds_seqpar import SequenceParallel
     from ds_seqpar.strategies import ring_loop
     from ..hf_zoo import check_model
-    real = ring_loop._block_grads
+    real = ring_loop._band_grads
 
-    def shifted(dout, q, kv, out, lse, subs, *rest):
-        return real(dout, q, kv, out, lse + error, subs, *rest)
+    def shifted(dout, q, kv, out, lse, *rest):
+        return real(dout, q, kv, out, lse + error, *rest)
 
-    ring_loop._block_grads = shifted
+    ring_loop._band_grads = shifted
     try:
         return check_model("diffllama", {s: SequenceParallel({"strategy": s, "size": 2})
                                          for s in ("ring", "zigzag", "striped")})
     finally:
-        ring_loop._block_grads = real
+        ring_loop._band_grads = real
 
 
 def test_rounding_bound_holds_cancelling_gradients_and_still_catches_a_wrong_backward(pool):
