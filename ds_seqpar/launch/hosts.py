@@ -12,13 +12,15 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 from .. import comm
 
-# one entry per global rank: {"host": hostname, "addr": the address it reaches the rendezvous from}
-_HOSTS: List[Dict[str, str]] = []
+# one entry per global rank: {"host": hostname, "addr": the address it reaches the rendezvous from,
+# "local_world_size": how many ranks its launcher says share its host (None: not said)}
+_HOSTS: List[Dict] = []
 
 
-def this_host(env: Mapping[str, str]) -> Dict[str, str]:
-    """This process's hostname and the local address on its route to MASTER_ADDR (the interface
-    its peers reach it on; no packet is sent: connecting a UDP socket only picks the route)."""
+def this_host(env: Mapping[str, str]) -> Dict:
+    """This process's hostname, the local address on its route to MASTER_ADDR (the interface its
+    peers reach it on; no packet is sent: connecting a UDP socket only picks the route), and the
+    launcher's LOCAL_WORLD_SIZE (launch/env.py sets it from every launcher's own variables)."""
     addr = ""
     master = env.get("MASTER_ADDR")
     if master:
@@ -28,16 +30,17 @@ def this_host(env: Mapping[str, str]) -> Dict[str, str]:
                 addr = s.getsockname()[0]
         except (OSError, ValueError):
             addr = ""
-    return {"host": socket.gethostname(), "addr": addr}
+    local = env.get("LOCAL_WORLD_SIZE")
+    return {"host": socket.gethostname(), "addr": addr, "local_world_size": int(local) if local else None}
 
 
-def gather(env: Optional[Mapping[str, str]] = None) -> List[Dict[str, str]]:
+def gather(env: Optional[Mapping[str, str]] = None) -> List[Dict]:
     """Collective (every rank, once, after joining the world): every rank's host, in rank order."""
     _HOSTS[:] = comm.gather_object(this_host(os.environ if env is None else env))
     return list(_HOSTS)
 
 
-def known() -> List[Dict[str, str]]:
+def known() -> List[Dict]:
     """The map gathered at start ([] before gather())."""
     return list(_HOSTS)
 

@@ -32,9 +32,10 @@ from typing import Any, Callable, Dict, Mapping, Optional
 
 import torch
 
-from .. import comm, strategies
+from .. import comm, strategies, topology
 from ..config import ConfigError, SequenceParallelConfig
 from ..launch import hosts
+from ..launch.links import sever_peer_links
 from ..memory import MemoryConfig, apply_memory_features
 from ..models import CausalLM, ModelConfig
 from ..sequence_parallel import SequenceParallel
@@ -58,6 +59,7 @@ def run_training(args: Mapping[str, Any], model_factory: Optional[Callable] = No
     sp_cfg.check_world(_place_rank(opts))                      # before any rank joins the world,
     check_run(sp_cfg, opts, model_cfg, hf_config)              # so that every rank says it
     _join_world(opts, sp_cfg.timeout_s)
+    _warn_placement(sp_cfg)
     # checks size | world before building groups; takes the loss's ZeRO factor from the config
     sp = SequenceParallel.from_ds_config(ds_config)
     tokens = load_tokens(opts)
@@ -126,6 +128,20 @@ def _join_world(opts, timeout_s: float) -> None:
         # ranks share the machine's cores; oversubscribed intra-op threads only thrash
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", comm.world_size()))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+
+
+def _warn_placement(sp_cfg: SequenceParallelConfig) -> None:
+    """Rank 0 says what is wrong with where the ranks run (topology.placement_problems). Warned, not
+    refused: all-to-all across hosts gives the same numbers, and on a fast interconnect it is a
+    setup users choose (DeepSpeed's Ulysses over several nodes); only the speed suffers."""
+    known = hosts.known()
+    if not known or comm.global_rank() != 0:
+        return
+    ulysses = sp_cfg.effective_ulysses_size
+    dims = topology.ParallelDims(len(known), sp_cfg.size, ulysses)
+    key = "sequence_parallel.size" if sp_cfg.strategy == "ulysses" else "sequence_parallel.ulysses_size"
+    for problem in topology.placement_problems(dims, known, key):
+        sys.stderr.write(f"ds_seqpar.train: warning: {problem}\n")
 
 
 def build_ds_config(opts) -> dict:
@@ -273,6 +289,8 @@ def _fail_rank(err: BaseException) -> int:
     what = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
     code = 130 if isinstance(err, KeyboardInterrupt) else 1
     if _is_comm_error(err):
+        # peers blocked on this rank fail now, not after their timeout, and reach the census in time
+        sever_peer_links(os.environ)
         hint = _comm_failure_hint(what)
         # the store lives in rank 0 under most launchers: it stays a moment for peers still asking it
         return _fail(code, f"ds_seqpar.train: rank {rank} failed: {what}{hint}",

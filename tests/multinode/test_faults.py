@@ -1,5 +1,5 @@
-"""A host lost mid-training: its link cut (torchrun on each host), or its rank processes killed
-(`deepspeed --hostfile` through pdsh). Every surviving rank ends within the bound, naming the ranks
+"""A host lost mid-training: its link cut (torchrun on each host, Ulysses over both hosts: warned
+about), or its rank processes killed (`deepspeed --hostfile` through pdsh, the 2D hybrid). Every surviving rank ends within the bound, naming the ranks
 and the host it lost, and the launchers exit non-zero (pdsh's exit code included)."""
 import os
 import re
@@ -41,7 +41,8 @@ def names(line, ranks, host, addr, state):
 def test_link_down_mid_training_every_rank_ends_naming_the_other_host(fresh, tmp_path):
     hosts = fresh
     runs = str(tmp_path / "runs")
-    cfg = ["--deepspeed_config", jobs.ds_config(tmp_path, strategy="zigzag", size=4, timeout_s=TIMEOUT_S),
+    # Ulysses over both hosts: it trains, and rank 0 warns that its all-to-all crosses them
+    cfg = ["--deepspeed_config", jobs.ds_config(tmp_path, strategy="ulysses", size=4, timeout_s=TIMEOUT_S),
            "--steps", str(STEPS), *jobs.TINY, "--run_dir", runs]
     job = jobs.Job([jobs.torchrun_on(hosts, node, 29621, cfg) for node in (0, 1)], hosts.env())
     try:
@@ -62,6 +63,8 @@ def test_link_down_mid_training_every_rank_ends_naming_the_other_host(fresh, tmp
     for r in (2, 3):
         assert all(names(line, [0, 1], "dsmn-a", "10.77.0.1", "unreachable") for line in said[r]), said
     assert said[0] + said[1] and said[2] + said[3], f"a host's ranks said nothing:\n{out[-6000:]}"
+    assert out.count("warning: sequence_parallel.size=4 puts all-to-all groups across hosts (ranks 0, 1, 2, 3 "
+                     "on dsmn-a, dsmn-b)") == 1, out[-6000:]
 
 
 @needs("pdsh")

@@ -66,3 +66,23 @@ def test_where_groups_ranks_by_host():
 def test_this_host_takes_the_address_on_the_route_to_the_master():
     assert hosts.this_host({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})["addr"] == "127.0.0.1"
     assert hosts.this_host({})["addr"] == ""
+
+
+def test_sever_peer_links_cuts_peers_and_keeps_the_store():
+    import socket
+    from ds_seqpar.launch.links import sever_peer_links
+    peer_srv, store_srv = socket.create_server(("127.0.0.1", 0)), socket.create_server(("127.0.0.1", 0))
+    mine = socket.create_connection(peer_srv.getsockname())
+    peer, _ = peer_srv.accept()
+    to_store = socket.create_connection(store_srv.getsockname())
+    store, _ = store_srv.accept()
+    try:
+        assert sever_peer_links({"MASTER_PORT": str(store_srv.getsockname()[1])}) >= 2
+        peer.settimeout(5)
+        assert peer.recv(1) == b""                        # the peer sees the link closed at once
+        to_store.sendall(b"x")
+        store.settimeout(5)
+        assert store.recv(1) == b"x"                      # the store's connection still works
+    finally:
+        for s in (mine, peer, to_store, store, peer_srv, store_srv):
+            s.close()
