@@ -9,6 +9,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
@@ -60,27 +61,27 @@ def deepspeed_hostfile(hosts: Hosts, tmp_path, launcher: str, port: int, train_a
 
 
 class Job:
-    """Launcher processes started together (one per host, or one for all), in their own sessions so
-    that all they started can be stopped."""
+    """Launcher processes started together (one per host, or one for all), each in its own session
+    so that all it started there can be stopped. Their output is read by threads: a rank left
+    running on a cut-off host keeps the pipe open, and the test must not wait for that."""
 
     def __init__(self, cmds: Sequence[List[str]], env: Dict[str, str], cwd: str = ROOT):
-        self.started = time.time()
         self.procs = [subprocess.Popen(c, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                        text=True, start_new_session=True) for c in cmds]
-        self.outs: List[str] = []
+        self._lines: List[List[str]] = [[] for _ in self.procs]
+        for p, lines in zip(self.procs, self._lines):
+            threading.Thread(target=lambda p=p, lines=lines: lines.extend(p.stdout), daemon=True).start()
 
     def wait(self, timeout: float) -> List[Optional[int]]:
-        """Exit codes (None: still running at the timeout, then stopped); outputs in self.outs."""
+        """Exit codes (None: still running at the timeout, then stopped)."""
         deadline, codes = time.time() + timeout, []
         for p in self.procs:
             try:
-                out, _ = p.communicate(timeout=max(1.0, deadline - time.time()))
-                codes.append(p.returncode)
+                codes.append(p.wait(timeout=max(0.1, deadline - time.time())))
             except subprocess.TimeoutExpired:
                 self.stop(p)
-                out, _ = p.communicate()
                 codes.append(None)
-            self.outs.append(out)
+        time.sleep(0.5)          # the readers take the last lines
         return codes
 
     @staticmethod
@@ -89,16 +90,16 @@ class Job:
             os.killpg(p.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        p.wait()
 
     def close(self) -> None:
         for p in self.procs:
             if p.poll() is None:
                 self.stop(p)
-                p.communicate()
 
     @property
     def output(self) -> str:
-        return "\n".join(self.outs)
+        return "\n".join("".join(lines) for lines in self._lines)
 
 
 def losses(run_dir: str) -> List[float]:
