@@ -19,7 +19,7 @@ arguments, unit-tested without processes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import Dict, List, Mapping, Sequence
 
 from . import comm
 from .config import check_sizes
@@ -75,6 +75,35 @@ class Coords:
     sp_rank: int
     ring_rank: int
     ulysses_rank: int
+
+
+def placement_problems(dims: ParallelDims, hosts: Sequence[Mapping],
+                       key: str = "sequence_parallel.ulysses_size") -> List[str]:
+    """What is wrong with where the ranks run, from every rank's host as gathered at start
+    (launch/hosts.py: ``host`` and the launcher's ``local_world_size``, None when it set none).
+
+    The rank order above puts each Ulysses group on consecutive ranks, which launchers place on
+    one host (torchrun, deepspeed, mpirun's default by-slot mapping, Slurm's block distribution);
+    the ring then crosses hosts. Said here: a launcher whose local world disagrees with the host
+    names (its local ranks would pick the wrong devices), and Ulysses groups spanning hosts
+    (correct, but each all-to-all then crosses the slower link: ulysses_size is too large for
+    the ranks of one host, or the launcher did not place ranks by host)."""
+    on_host: Dict[str, List[int]] = {}
+    for rank, h in enumerate(hosts):
+        on_host.setdefault(h["host"], []).append(rank)
+    problems = [f"rank {r}: the launcher says {h['local_world_size']} ranks share its host {h['host']!r}, "
+                f"but {len(on_host[h['host']])} do (ranks {', '.join(map(str, on_host[h['host']]))})"
+                for r, h in enumerate(hosts)
+                if h.get("local_world_size") is not None and h["local_world_size"] != len(on_host[h["host"]])]
+    spanning = [g for g in dims.ulysses_group_ranks() if len({hosts[r]["host"] for r in g}) > 1]
+    if spanning:
+        fewest = min(len(ranks) for ranks in on_host.values())
+        problems.append(
+            f"{key}={dims.ulysses_size} puts all-to-all groups across hosts (ranks "
+            f"{', '.join(map(str, spanning[0]))} on {', '.join(sorted({hosts[r]['host'] for r in spanning[0]}))}): "
+            f"every all-to-all crosses the network. With {fewest} rank(s) per host, ulysses_size dividing "
+            f"{fewest} (a ring strategy) keeps them inside a host and puts the ring across hosts")
+    return problems
 
 
 def _member_group(all_ranks: List[List[int]], rank: int, backend_groups: list):

@@ -30,9 +30,11 @@ from typing import Any, Callable, Dict, Mapping, Optional
 
 import torch
 
-from .. import comm, strategies
+from .. import comm, strategies, topology
 from ..config import ConfigError, SequenceParallelConfig
 from ..dynamic import check_dynamic_heads
+from ..launch import hosts
+from ..launch.links import sever_peer_links
 from ..memory import MemoryConfig, apply_memory_features
 from ..models import CausalLM, ModelConfig
 from ..sequence_parallel import SequenceParallel
@@ -60,6 +62,7 @@ def run_training(args: Mapping[str, Any], model_factory: Optional[Callable] = No
         sp_cfg.check_world(world)                              # before any rank joins the world,
     check_run(sp_cfg, opts, model_cfg, hf_config)              # so that every rank says it
     _join_world(opts, sp_cfg.timeout_s)
+    _warn_placement(sp_cfg)
     # checks size | world before building groups; takes the loss's ZeRO factor from the config
     sp = documents.build_runner(ds_config, sp_cfg, model_cfg) if sp_cfg.is_dynamic \
         else SequenceParallel.from_ds_config(ds_config)
@@ -117,6 +120,8 @@ def _join_world(opts, timeout_s: float) -> None:
                                    timeout=datetime.timedelta(seconds=timeout_s))
     else:
         deepspeed.init_distributed(dist_backend=comm.backend_name())   # adopt the existing world
+    # while every host is reachable: the failure path names the hosts of lost ranks, run.json records them
+    hosts.gather()
     if not torch.cuda.is_available():
         # DeepSpeed's CPU all-reduce leaves a 66 MB /dev/shm file per rank behind every job; once
         # every rank has mapped its peers' (the barrier) the names can go
@@ -127,6 +132,20 @@ def _join_world(opts, timeout_s: float) -> None:
         # ranks share the machine's cores; oversubscribed intra-op threads only thrash
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", comm.world_size()))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+
+
+def _warn_placement(sp_cfg: SequenceParallelConfig) -> None:
+    """Rank 0 says what is wrong with where the ranks run (topology.placement_problems). Warned, not
+    refused: all-to-all across hosts gives the same numbers, and on a fast interconnect it is a
+    setup users choose (DeepSpeed's Ulysses over several nodes); only the speed suffers."""
+    known = hosts.known()
+    if not known or comm.global_rank() != 0 or sp_cfg.is_dynamic:     # dynamic groups: placed by the schedule
+        return
+    ulysses = sp_cfg.effective_ulysses_size
+    dims = topology.ParallelDims(len(known), sp_cfg.size, ulysses)
+    key = "sequence_parallel.size" if sp_cfg.strategy == "ulysses" else "sequence_parallel.ulysses_size"
+    for problem in topology.placement_problems(dims, known, key):
+        sys.stderr.write(f"ds_seqpar.train: warning: {problem}\n")
 
 
 def load_hf_config(opts, sp_cfg: SequenceParallelConfig, ds_config):
@@ -239,17 +258,28 @@ def main(argv: Optional[list] = None) -> int:
         said = joined or reports_errors(os.environ)
         return _fail(2, f"ds_seqpar.train: error: {err}" if said else "", linger_s=1.0 if rank0 else 0.0)
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - say which rank failed, then end the job
-        rank = os.environ.get("RANK", "?")
-        hint = _comm_failure_hint() if _is_comm_error(err) else ""
-        # a peer's failed collective is explained by the hint; this rank's own error by its traceback
-        detail = "" if hint or isinstance(err, KeyboardInterrupt) else traceback.format_exc()
-        # rank 0 names the unresponsive ranks (it ran the monitored barrier): a peer leaving first
-        # could get it stopped by the launcher before it says so
-        what = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
-        return _fail(130 if isinstance(err, KeyboardInterrupt) else 1,
-                     f"{detail}ds_seqpar.train: rank {rank} failed: {what}{hint}",
-                     linger_s=1.0 if hint and rank != "0" else 0.0)
+        return _fail_rank(err)
     return 0
+
+
+def _fail_rank(err: BaseException) -> int:
+    """This rank's failure, said by this rank. A failed collective is a peer's failure seen from
+    here: the census (comm.failure_census) finds out who is gone and where, within CENSUS_WAIT_S
+    on every rank. This rank's own error goes to the census too (peers name it: its log may be on
+    another host) and is said here with its traceback."""
+    rank = os.environ.get("RANK", "?")
+    what = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+    code = 130 if isinstance(err, KeyboardInterrupt) else 1
+    if _is_comm_error(err):
+        # peers blocked on this rank fail now, not after their timeout, and reach the census in time
+        sever_peer_links(os.environ)
+        hint = _comm_failure_hint(what)
+        # the store lives in rank 0 under most launchers: it stays a moment for peers still asking it
+        return _fail(code, f"ds_seqpar.train: rank {rank} failed: {what}{hint}",
+                     linger_s=1.0 if rank == "0" else 0.0)
+    comm.failure_census(f"{_OWN}{_one_line(what)}", wait_s=0)
+    detail = "" if isinstance(err, KeyboardInterrupt) else traceback.format_exc()
+    return _fail(code, f"{detail}ds_seqpar.train: rank {rank} failed: {what}")
 
 
 def _fail(code: int, message: str, linger_s: float = 0.0) -> int:
@@ -268,11 +298,44 @@ def _fail(code: int, message: str, linger_s: float = 0.0) -> int:
     return code
 
 
-def _comm_failure_hint() -> str:
-    missing = comm.unresponsive_ranks()
-    who = (f"rank(s) {', '.join(map(str, missing))} stopped responding" if missing else
-           "another rank died or stopped responding; its own error is above")
-    return f" (a collective failed or timed out: {who}; sequence_parallel.timeout_s bounds the wait)"
+CENSUS_WAIT_S = 10.0     # how long a rank whose collective failed waits to hear from its peers
+_OWN = "own error: "     # the census line of a rank that failed by itself (not through a peer)
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[:limit] + "..."
+
+
+def _comm_failure_hint(what: str) -> str:
+    """Who is gone and on which host, from the census: the ranks that never answered and the ranks
+    that failed by themselves, or the rendezvous store's host when the store cannot be reached."""
+    census = comm.failure_census(_one_line(what), wait_s=CENSUS_WAIT_S)
+    me = comm.global_rank() if comm.is_initialized() else -1
+    parts = []
+    if census is not None and census.store_error:
+        master = os.environ.get("MASTER_ADDR", "?")
+        lost = [r for r in hosts.ranks_at(master) if r not in census.said]
+        parts.append(f"the rendezvous store at {master}:{os.environ.get('MASTER_PORT', '?')} stopped "
+                     f"answering ({_one_line(census.store_error, 120)})")
+        if lost and me not in lost:
+            parts.append(_named(lost, "unreachable"))
+    elif census is not None:
+        silent = [r for r in census.silent if r != me]
+        if silent:
+            parts.append(_named(silent, "stopped responding"))
+        for r, line in sorted(census.said.items()):
+            if line.startswith(_OWN):
+                at = hosts.where([r])
+                parts.append(f"rank {r} failed by itself{f' on {at}' if at else ''}: {line[len(_OWN):]}")
+    if not parts:
+        parts.append("another rank failed or stopped responding; its error is in that rank's own log")
+    return f" (a collective failed or timed out: {'; '.join(parts)}; sequence_parallel.timeout_s bounds the wait)"
+
+
+def _named(ranks, state: str) -> str:
+    at = hosts.where(ranks)
+    return f"rank(s) {', '.join(map(str, ranks))} {state}" + (f" [{at}]" if at else "")
 
 
 def _is_comm_error(err: BaseException) -> bool:

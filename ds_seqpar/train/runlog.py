@@ -18,6 +18,7 @@ import time
 from contextlib import contextmanager
 from typing import Optional
 
+from ..launch import hosts
 from ..launch.env import restored_environ
 
 
@@ -55,6 +56,8 @@ class RunLog:
 
     def write_config(self, config: dict) -> None:
         if self.run_dir:
+            # every rank's host and address, as gathered at start (several hosts: where each rank ran)
+            config = dict(config, hosts=hosts.known())
             with open(os.path.join(self.run_dir, "run.json"), "w") as f:
                 json.dump(config, f, indent=2, sort_keys=True, default=str)
 

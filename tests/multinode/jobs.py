@@ -1,0 +1,161 @@
+"""The main job on the namespace hosts, started as users start it on real ones: torchrun on every
+host (through ssh, one per node), or one `deepspeed --hostfile` whose pdsh/openmpi reaches them
+through ssh. Commands are built here once; docs/launchers.md shows the same."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Dict, List, Optional, Sequence
+
+from .netns import IFNAME, Hosts
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
+RANKS_PER_HOST = 2
+TINY = ["--seq_len", "64", "--dim", "32", "--n_layers", "2", "--corpus_bytes", "131072", "--no_progress",
+        "--no_wandb"]
+# what a rank needs on a remote host besides the command: the interface gloo binds to (else it
+# takes the address the hostname resolves to), one thread per rank on a shared CPU, and this
+# checkout when the package is not installed
+REMOTE_ENV = {"GLOO_SOCKET_IFNAME": IFNAME, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+              **({"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {})}
+
+
+def ds_config(tmp_path, **sequence_parallel) -> str:
+    """configs/ulysses_zero2.json with sequence_parallel overrides, written to tmp_path."""
+    with open(os.path.join(ROOT, "configs", "ulysses_zero2.json")) as f:
+        ds = json.load(f)
+    ds["sequence_parallel"].update(sequence_parallel)
+    path = os.path.join(str(tmp_path), f"ds-{len(os.listdir(str(tmp_path)))}.json")
+    with open(path, "w") as f:
+        json.dump(ds, f)
+    return path
+
+
+def torchrun_on(hosts: Hosts, node: int, port: int, train_args: Sequence[str], nnodes: Optional[int] = None,
+                nproc: int = RANKS_PER_HOST) -> List[str]:
+    """ssh HOST torchrun ...: node ``node`` of ``nnodes`` (all hosts), static rendezvous at host 0."""
+    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in REMOTE_ENV.items())
+    torchrun = (f"torchrun --nnodes {nnodes or len(hosts.names)} --node-rank {node} "
+                f"--nproc-per-node {nproc} --rdzv-endpoint {hosts.addrs[0]}:{port} "
+                f"-m ds_seqpar.train {' '.join(map(shlex.quote, train_args))}")
+    return ["ssh", hosts.names[node], f"cd {shlex.quote(ROOT)} && env {exports} {torchrun}"]
+
+
+def deepspeed_hostfile(hosts: Hosts, tmp_path, launcher: str, port: int, train_args: Sequence[str]) -> List[str]:
+    """deepspeed --hostfile (``launcher`` pdsh or openmpi), run on this machine; the environment
+    the ranks need goes in .deepspeed_env (DS_ENV_FILE), which DeepSpeed exports on every host."""
+    hostfile = os.path.join(str(tmp_path), "hostfile")
+    with open(hostfile, "w") as f:
+        f.write("".join(f"{h} slots={RANKS_PER_HOST}\n" for h in hosts.names))
+    with open(os.path.join(str(tmp_path), ".deepspeed_env"), "w") as f:
+        f.write("".join(f"{k}={v}\n" for k, v in REMOTE_ENV.items()))
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", hostfile, "--launcher", launcher,
+            "--master_addr", hosts.addrs[0], "--master_port", str(port), "--module", "ds_seqpar.train",
+            *train_args]
+
+
+class Job:
+    """Launcher processes started together (one per host, or one for all), each in its own session
+    so that all it started there can be stopped. Their output is read by threads: a rank left
+    running on a cut-off host keeps the pipe open, and the test must not wait for that."""
+
+    def __init__(self, cmds: Sequence[List[str]], env: Dict[str, str], cwd: str = ROOT):
+        self.procs = [subprocess.Popen(c, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True, start_new_session=True) for c in cmds]
+        self._lines: List[List[str]] = [[] for _ in self.procs]
+        for p, lines in zip(self.procs, self._lines):
+            threading.Thread(target=lambda p=p, lines=lines: lines.extend(p.stdout), daemon=True).start()
+
+    def wait(self, timeout: float) -> List[Optional[int]]:
+        """Exit codes (None: still running at the timeout, then stopped)."""
+        deadline, codes = time.time() + timeout, []
+        for p in self.procs:
+            try:
+                codes.append(p.wait(timeout=max(0.1, deadline - time.time())))
+            except subprocess.TimeoutExpired:
+                self.stop(p)
+                codes.append(None)
+        time.sleep(0.5)          # the readers take the last lines
+        return codes
+
+    @staticmethod
+    def stop(p: subprocess.Popen) -> None:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                self.stop(p)
+
+    @property
+    def output(self) -> str:
+        return "\n".join("".join(lines) for lines in self._lines)
+
+
+def losses(run_dir: str) -> List[float]:
+    """Per-step losses from the run's metrics.jsonl (rank 0 writes it)."""
+    (name,) = os.listdir(run_dir)
+    with open(os.path.join(run_dir, name, "metrics.jsonl")) as f:
+        return [json.loads(line)["loss"] for line in f]
+
+
+def run_info(run_dir: str) -> dict:
+    (name,) = os.listdir(run_dir)
+    with open(os.path.join(run_dir, name, "run.json")) as f:
+        return json.load(f)
+
+
+def rank_pids(run_dir: str) -> Dict[int, int]:
+    """{global rank: pid} of the rank processes of the job writing to ``run_dir`` (on any host:
+    namespaces share the process table), not of the launchers around them."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+            if (len(argv) > 3 and os.path.basename(argv[0]).startswith("python") and argv[1] in ("-u", "-m")
+                    and "ds_seqpar.train" in argv[1:4] and run_dir in argv):
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = dict(kv.split("=", 1) for kv in f.read().decode(errors="replace").split("\0") if "=" in kv)
+                found[int(env["RANK"])] = int(pid)
+        except (OSError, KeyError, ValueError):
+            continue
+    return found
+
+
+def steps_logged(run_dir: str) -> int:
+    try:
+        (name,) = os.listdir(run_dir)
+        with open(os.path.join(run_dir, name, "metrics.jsonl")) as f:
+            return sum(1 for _ in f)
+    except (OSError, ValueError):
+        return 0
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        if time.time() > deadline:
+            raise TimeoutError(f"{what} did not happen within {timeout:.0f}s")
+        time.sleep(0.2)
+
+
+def watch_ends(pids: Dict[int, int], timeout: float) -> Dict[int, Optional[float]]:
+    """Seconds until each rank process is gone (None: still there at the timeout)."""
+    start, ends = time.time(), {r: None for r in pids}
+    while time.time() - start < timeout and any(v is None for v in ends.values()):
+        for r, pid in pids.items():
+            if ends[r] is None and not os.path.exists(f"/proc/{pid}"):
+                ends[r] = time.time() - start
+        time.sleep(0.1)
+    return ends

@@ -1,0 +1,96 @@
+"""A host lost mid-training: its link cut (torchrun on each host, Ulysses over both hosts: warned
+about), or its rank processes killed (`deepspeed --hostfile` through pdsh, the 2D hybrid). Every surviving rank ends within the bound, naming the ranks
+and the host it lost, and the launchers exit non-zero (pdsh's exit code included)."""
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from . import jobs
+from .conftest import needs
+
+pytestmark = [pytest.mark.multinode, pytest.mark.launcher]
+TIMEOUT_S = 20               # sequence_parallel.timeout_s of these jobs: a cut link is noticed after it
+STEPS = 400                  # more than run before the fault: it comes mid-training
+STARTUP_S = 240
+
+
+def start_and_wait_for_steps(job, runs):
+    try:
+        jobs.wait_for(lambda: jobs.steps_logged(runs) >= 2, STARTUP_S, "two logged steps")
+    except TimeoutError:
+        job.close()
+        raise AssertionError(f"the job never trained:\n{job.output or ''}") from None
+    pids = jobs.rank_pids(runs)
+    assert sorted(pids) == [0, 1, 2, 3], pids
+    return pids
+
+
+def failure_lines(out, ranks):
+    return {r: [line for line in out.splitlines() if f"ds_seqpar.train: rank {r} failed:" in line] for r in ranks}
+
+
+def names(line, ranks, host, addr, state):
+    listed = ", ".join(map(str, ranks))
+    return f"rank(s) {listed} {state} [host {host} ({addr}): rank(s) {listed}]" in line
+
+
+@needs("torchrun")
+def test_link_down_mid_training_every_rank_ends_naming_the_other_host(fresh, tmp_path):
+    hosts = fresh
+    runs = str(tmp_path / "runs")
+    # Ulysses over both hosts: it trains, and rank 0 warns that its all-to-all crosses them
+    cfg = ["--deepspeed_config", jobs.ds_config(tmp_path, strategy="ulysses", size=4, timeout_s=TIMEOUT_S),
+           "--steps", str(STEPS), *jobs.TINY, "--run_dir", runs]
+    job = jobs.Job([jobs.torchrun_on(hosts, node, 29621, cfg) for node in (0, 1)], hosts.env())
+    try:
+        pids = start_and_wait_for_steps(job, runs)
+        hosts.link("dsmn-b", "down")
+        ends = jobs.watch_ends(pids, TIMEOUT_S + 30)
+        codes = job.wait(30)
+    finally:
+        job.close()
+    out = job.output
+    print(f"link down: ranks ended after {ends} s; launchers exited {codes}")      # shown with -s
+    assert all(t is not None for t in ends.values()), f"ranks still running {TIMEOUT_S + 30}s after the cut: {ends}\n{out[-6000:]}"
+    assert all(c not in (0, None) for c in codes), f"launcher exit codes {codes}\n{out[-6000:]}"
+    said = failure_lines(out, range(4))
+    # host a's ranks lost ranks 2, 3; host b's lost the store and ranks 0, 1 with it
+    for r in (0, 1):
+        assert all(names(line, [2, 3], "dsmn-b", "10.77.0.2", "stopped responding") for line in said[r]), said
+    for r in (2, 3):
+        assert all(names(line, [0, 1], "dsmn-a", "10.77.0.1", "unreachable") for line in said[r]), said
+    assert said[0] + said[1] and said[2] + said[3], f"a host's ranks said nothing:\n{out[-6000:]}"
+    assert out.count("warning: sequence_parallel.size=4 puts all-to-all groups across hosts (ranks 0, 1, 2, 3 "
+                     "on dsmn-a, dsmn-b)") == 1, out[-6000:]
+
+
+@needs("pdsh")
+def test_killed_host_every_survivor_ends_naming_it_and_pdsh_fails(fresh, tmp_path):
+    hosts = fresh
+    runs = str(tmp_path / "runs")
+    cfg = ["--deepspeed_config", jobs.ds_config(tmp_path, strategy="zigzag", size=4, ulysses_size=2,
+                                                timeout_s=TIMEOUT_S), "--steps", str(STEPS), *jobs.TINY,
+           "--run_dir", runs]
+    env = dict(hosts.env(), DS_ENV_FILE=os.path.join(str(tmp_path), ".deepspeed_env"))
+    job = jobs.Job([jobs.deepspeed_hostfile(hosts, tmp_path, "pdsh", 29622, cfg)], env)
+    try:
+        pids = start_and_wait_for_steps(job, runs)
+        for r in (2, 3):
+            os.kill(pids[r], signal.SIGKILL)
+        killed = time.time()
+        ends = jobs.watch_ends({r: pids[r] for r in (0, 1)}, 60)
+        codes = job.wait(60 - (time.time() - killed))
+    finally:
+        job.close()
+    out = job.output
+    print(f"host b killed: ranks 0, 1 ended after {ends} s; deepspeed (pdsh) exited {codes}")
+    assert all(t is not None for t in ends.values()), f"survivors still running 60s after the kill: {ends}\n{out[-6000:]}"
+    assert codes[0] not in (0, None), f"deepspeed/pdsh exit code {codes}\n{out[-6000:]}"
+    said = failure_lines(out, (0, 1))
+    assert said[0] + said[1], f"no survivor said what failed:\n{out[-6000:]}"
+    for line in said[0] + said[1]:
+        assert names(line, [2, 3], "dsmn-b", "10.77.0.2", "stopped responding"), line
+        assert not re.search(r"own error is above", line), line
