@@ -16,8 +16,9 @@ import os
 import platform
 import shlex
 import statistics
+import sys
 import time
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -210,13 +211,40 @@ def machine_line(meta: Dict[str, Any]) -> str:
             f"run {meta['elapsed']:.0f} s.")
 
 
-def save_json(path: str, saved: Any) -> None:
-    """A suite's measured summary, what --render (and plan --calibrate) read back."""
+def save_json(path: str, saved: Any, default=list) -> None:
+    """A suite's measured results, what --render (and plan --calibrate) read back; written whole or not
+    at all (a run stopped mid-write leaves the previous file)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(saved, f, indent=1, default=list)
+    with open(path + ".tmp", "w") as f:
+        json.dump(saved, f, indent=1, default=default)
+    os.replace(path + ".tmp", path)
+
+
+def load_json(path: str) -> Any:
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_page(out: str, saved: Dict[str, Any], rows, facts: Dict[str, Any], prog: str) -> int:
+    """<out>/<name>.json (``saved``, the measured results: --render and plan --calibrate read them),
+    <out>/<name>.md and <out>/<name>.rows.json (the page and its rows)."""
+    from ..report.render import write
+    save_json(os.path.join(out, f"{saved['meta']['name']}.json"), saved)
+    write(out, saved["meta"]["name"], rows, facts, prog)
+    return 0
+
+
+def suite_main(argv: Optional[List[str]], parser: argparse.ArgumentParser, rerender, measure) -> int:
+    """A suite's command line: with --render JSON, ``rerender(saved, folder of JSON)`` rewrites the page
+    of a saved results file beside it; otherwise ``measure(args, argv)``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    if args.render:
+        return rerender(load_json(args.render), os.path.dirname(args.render) or ".")
+    return measure(args, argv)
 
 
 __all__ = ["SOFTMAX", "LINEAR", "strategy_config", "attention_inputs", "fwd_bwd", "timed", "saved_bytes",
            "interleaved_rounds", "case_times", "median_ratio", "ratio_range", "bytes_ratio", "measure_on_pool",
-           "page_options", "machine_facts", "command_line", "machine_line", "save_json"]
+           "page_options", "machine_facts", "command_line", "machine_line", "save_json", "load_json", "write_page",
+           "suite_main"]

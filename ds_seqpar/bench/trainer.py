@@ -34,8 +34,8 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
-from .harness import (command_line, machine_facts, median_ratio, page_options, ratio_range, save_json,
-                      strategy_config)
+from .harness import (command_line, machine_facts, median_ratio, page_options, ratio_range,
+                      strategy_config, suite_main, write_page)
 from .trainer_alst import gather_with_group_ranks, gloo_errors
 
 PROG = "ds-seqpar bench trainer"
@@ -349,25 +349,17 @@ def measure(args, command: str, pool=None) -> Dict[str, Any]:
 
 
 def write(res: Dict[str, Any], out: str) -> int:
-    """<out>/<name>.json (the results: --render reads them), <out>/<name>.md and <out>/<name>.rows.json."""
-    from ..report.render import write as write_rows
     from .trainer_rows import facts, rows
-    save_json(os.path.join(out, f"{res['meta']['name']}.json"), res)
-    write_rows(out, res["meta"]["name"], rows(res), facts(res), PROG)
-    return 0
+    return write_page(out, res, rows(res), facts(res), PROG)
+
+
+def _measure(args, argv: List[str]) -> int:
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    return write(measure(resolve(args), command_line(PROG, argv)), args.out)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    if args.render:
-        with open(args.render) as f:
-            res = json.load(f)
-        out = os.path.dirname(args.render) or "."
-    else:
-        os.environ.setdefault("WANDB_MODE", "disabled")
-        res, out = measure(resolve(args), command_line(PROG, argv)), args.out
-    return write(res, out)
+    return suite_main(argv, build_parser(), write, _measure)
 
 
 __all__ = ["CASES", "main", "write", "run_case", "own_loop", "trainer_loop", "gloo_errors", "compare", "step_time"]
