@@ -129,6 +129,11 @@ def case_times(per_rank, key) -> dict:
     return row
 
 
+def spread(xs: List[float]) -> Dict[str, float]:
+    """Median, min and max: a value and how far its rounds went either way."""
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
 def median_ratio(a, b) -> float:
     return statistics.median(x / y for x, y in zip(a, b))
 
@@ -245,6 +250,6 @@ def suite_main(argv: Optional[List[str]], parser: argparse.ArgumentParser, reren
 
 
 __all__ = ["SOFTMAX", "LINEAR", "strategy_config", "attention_inputs", "fwd_bwd", "timed", "saved_bytes",
-           "interleaved_rounds", "case_times", "median_ratio", "ratio_range", "bytes_ratio", "measure_on_pool",
-           "page_options", "machine_facts", "command_line", "machine_line", "save_json", "load_json", "write_page",
-           "suite_main"]
+           "interleaved_rounds", "case_times", "spread", "median_ratio", "ratio_range", "bytes_ratio",
+           "measure_on_pool", "page_options", "machine_facts", "command_line", "machine_line", "save_json",
+           "load_json", "write_page", "suite_main"]
