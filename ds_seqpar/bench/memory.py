@@ -190,7 +190,7 @@ def run(args, argv: List[str]) -> Dict[str, Any]:
         print(f"ds-seqpar bench memory: {spec.model} P={spec.world} {spec.strategy} features={spec.features} "
               f"{spec.tokens_per_rank} tokens/rank ({spec.purpose}) ...", flush=True)
         res["measurements"].append(measure_one(spec, args.malloc))
-        save_json(res, path, default=str)
+        save_json(path, res, default=str)
     if args.timing_tokens:
         for model in args.models.split(","):
             for world in [p for p in args.P if p <= 2]:
@@ -199,7 +199,7 @@ def run(args, argv: List[str]) -> Dict[str, Any]:
                     continue
                 print(f"ds-seqpar bench memory: step time {k} ...", flush=True)
                 res["timing"][k] = measure_timing(model, world, args)
-                save_json(res, path, default=str)
+                save_json(path, res, default=str)
     res["elapsed_s"] = res.get("elapsed_s", 0.0) + time.monotonic() - start
     return finish(res, args.out)
 
@@ -217,7 +217,7 @@ def finish(res: Dict[str, Any], out: str) -> Dict[str, Any]:
     res["strategy_rows"] = S.strategy_rows([m for m in res["measurements"] if m.get("purpose") == "strategies"])
     res["timing_rows"] = S.timing_rows(res["timing"], res["meta"])
     res.setdefault("machine", machine_facts())
-    save_json(res, os.path.join(out, f"{res['meta']['name']}.json"), default=str)
+    save_json(os.path.join(out, f"{res['meta']['name']}.json"), res, default=str)
     write_plots(res, out)
     found = rows(res)
     md = write(out, res["meta"]["name"], found, facts(res))
