@@ -1,8 +1,8 @@
 """The harness every suite of ``ds-seqpar bench`` runs on (one module per suite beside it: attention
 (cases.py, summary.py, attention.py), packed.py, window.py, hybrid.py, trainer.py, memory.py; each
 turns its measurements into report/rows.py's rows): the case vocabulary, timing, interleaved rounds
-after a barrier, a fresh local rank pool, the machine and load facts, and the options every suite
-shares.
+after a barrier, a fresh local rank pool, the machine and load facts, the options every suite
+shares, and the results file and page each writes.
 
 Rounds: ``warmup + repeats``, each running every case once after a barrier in a fixed order (A B C A
 B C ...), so load from other processes hits all cases alike; a case's time in a round is its slowest
@@ -151,10 +151,11 @@ def bytes_ratio(measured: List[int], form: List[int]) -> List[float]:
 # -- the run -----------------------------------------------------------------------------------------
 
 
-def measure_on_pool(rank_fn, args, command: str):
+def measure_on_pool(rank_fn, args, command: str, versions: bool = False):
     """``rank_fn(args)`` on P fresh local CPU ranks (one thread each): (per-rank results, the page's
-    meta: the options, CPUs, elapsed seconds, load before / after / at the end of the rounds, command).
-    Each rank's result carries its "load_1min" at the end of the rounds."""
+    meta: the options, CPUs, elapsed seconds, load before / after / at the end of the rounds, command;
+    with ``versions`` also the CPU model, torch and DeepSpeed versions). Each rank's result carries its
+    "load_1min" at the end of the rounds."""
     from ..launch.rankpool import RankPool
     load_before, start = os.getloadavg(), time.monotonic()
     pool = RankPool(args.P, timeout_s=3600.0, threads_per_rank=1).start()
@@ -166,6 +167,8 @@ def measure_on_pool(rank_fn, args, command: str):
                 load_before=" ".join(f"{x:.2f}" for x in load_before),
                 load_after=" ".join(f"{x:.2f}" for x in os.getloadavg()),
                 load_during=max(r["load_1min"] for r in per_rank), command=command)
+    if versions:
+        meta.update({k: v for k, v in machine_facts().items() if k in ("cpu_model", "torch", "deepspeed")})
     return per_rank, meta
 
 

@@ -32,7 +32,7 @@ import sys
 import tempfile
 from typing import Dict, List, Optional
 
-from .harness import (bytes_ratio, case_times, command_line, interleaved_rounds, machine_facts, machine_line,
+from .harness import (bytes_ratio, case_times, command_line, interleaved_rounds, machine_line,
                       measure_on_pool, median_ratio, page_options, ratio_range, suite_main, timed,
                       write_page)
 from ..report.rows import Row
@@ -323,14 +323,12 @@ def write(summary, meta, out: str, ops=None, train=None) -> int:
 def measure(args, argv: List[str]) -> int:
     import transformers
     from .summary import train_rows
-    per_rank, meta = measure_on_pool(bench_rank, resolve(args), command_line(PROG, argv))
+    per_rank, meta = measure_on_pool(bench_rank, resolve(args), command_line(PROG, argv), versions=True)
     train = None
     if args.train_repeats:
         train = {label: train_rows({"zigzag": m}, args.P)["zigzag"] for label, m in measure_train(args).items()}
         meta.update(load_after=" ".join(f"{x:.2f}" for x in os.getloadavg()))
-    machine = machine_facts()
-    meta.update(cpu_model=machine["cpu_model"], torch=machine["torch"], deepspeed=machine["deepspeed"],
-                transformers=transformers.__version__)
+    meta.update(transformers=transformers.__version__)
     return write(summarize(per_rank, args), meta, args.out, per_rank[0].get("ops"), train)
 
 

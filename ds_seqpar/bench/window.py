@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Tuple
 from ..report.rows import Row
 from ..report.targets import TARGETS
 from .harness import (attention_inputs, bytes_ratio, case_times, command_line, fwd_bwd, interleaved_rounds,
-                      machine_facts, machine_line, measure_on_pool, median_ratio, page_options, ratio_range,
+                      machine_line, measure_on_pool, median_ratio, page_options, ratio_range,
                       strategy_config, suite_main, timed, write_page)
 from .predict import window_closed_form, window_work
 
@@ -267,9 +267,7 @@ def write(summary, meta, out: str, pieces: Optional[List[dict]] = None) -> int:
 
 
 def measure(args, argv: List[str]) -> int:
-    per_rank, meta = measure_on_pool(bench_rank, resolve(args), command_line(PROG, argv))
-    facts_ = machine_facts()
-    meta.update(cpu_model=facts_["cpu_model"], torch=facts_["torch"], deepspeed=facts_["deepspeed"])
+    per_rank, meta = measure_on_pool(bench_rank, resolve(args), command_line(PROG, argv), versions=True)
     return write(summarize(per_rank, args), meta, args.out, per_rank[0].get("pieces"))
 
 
