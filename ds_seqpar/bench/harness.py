@@ -1,8 +1,8 @@
 """The harness every suite of ``ds-seqpar bench`` runs on (one module per suite beside it: attention
 (cases.py, summary.py, attention.py), packed.py, window.py, hybrid.py, trainer.py, memory.py; each
 turns its measurements into report/rows.py's rows): the case vocabulary, timing, interleaved rounds
-after a barrier, a fresh local rank pool, the machine and load facts, and the options every suite
-shares.
+after a barrier, a fresh local rank pool, the machine and load facts, the options every suite
+shares, and the results file and page each writes.
 
 Rounds: ``warmup + repeats``, each running every case once after a barrier in a fixed order (A B C A
 B C ...), so load from other processes hits all cases alike; a case's time in a round is its slowest
@@ -16,8 +16,9 @@ import os
 import platform
 import shlex
 import statistics
+import sys
 import time
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -128,6 +129,11 @@ def case_times(per_rank, key) -> dict:
     return row
 
 
+def spread(xs: List[float]) -> Dict[str, float]:
+    """Median, min and max: a value and how far its rounds went either way."""
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
 def median_ratio(a, b) -> float:
     return statistics.median(x / y for x, y in zip(a, b))
 
@@ -145,10 +151,11 @@ def bytes_ratio(measured: List[int], form: List[int]) -> List[float]:
 # -- the run -----------------------------------------------------------------------------------------
 
 
-def measure_on_pool(rank_fn, args, command: str):
+def measure_on_pool(rank_fn, args, command: str, versions: bool = False):
     """``rank_fn(args)`` on P fresh local CPU ranks (one thread each): (per-rank results, the page's
-    meta: the options, CPUs, elapsed seconds, load before / after / at the end of the rounds, command).
-    Each rank's result carries its "load_1min" at the end of the rounds."""
+    meta: the options, CPUs, elapsed seconds, load before / after / at the end of the rounds, command;
+    with ``versions`` also the CPU model, torch and DeepSpeed versions). Each rank's result carries its
+    "load_1min" at the end of the rounds."""
     from ..launch.rankpool import RankPool
     load_before, start = os.getloadavg(), time.monotonic()
     pool = RankPool(args.P, timeout_s=3600.0, threads_per_rank=1).start()
@@ -160,6 +167,8 @@ def measure_on_pool(rank_fn, args, command: str):
                 load_before=" ".join(f"{x:.2f}" for x in load_before),
                 load_after=" ".join(f"{x:.2f}" for x in os.getloadavg()),
                 load_during=max(r["load_1min"] for r in per_rank), command=command)
+    if versions:
+        meta.update({k: v for k, v in machine_facts().items() if k in ("cpu_model", "torch", "deepspeed")})
     return per_rank, meta
 
 
@@ -210,13 +219,40 @@ def machine_line(meta: Dict[str, Any]) -> str:
             f"run {meta['elapsed']:.0f} s.")
 
 
-def save_json(path: str, saved: Any) -> None:
-    """A suite's measured summary, what --render (and plan --calibrate) read back."""
+def save_json(path: str, saved: Any, default=list) -> None:
+    """A suite's measured results, what --render (and plan --calibrate) read back; written whole or not
+    at all (a run stopped mid-write leaves the previous file)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(saved, f, indent=1, default=list)
+    with open(path + ".tmp", "w") as f:
+        json.dump(saved, f, indent=1, default=default)
+    os.replace(path + ".tmp", path)
+
+
+def load_json(path: str) -> Any:
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_page(out: str, saved: Dict[str, Any], rows, facts: Dict[str, Any], prog: str) -> int:
+    """<out>/<name>.json (``saved``, the measured results: --render and plan --calibrate read them),
+    <out>/<name>.md and <out>/<name>.rows.json (the page and its rows)."""
+    from ..report.render import write
+    save_json(os.path.join(out, f"{saved['meta']['name']}.json"), saved)
+    write(out, saved["meta"]["name"], rows, facts, prog)
+    return 0
+
+
+def suite_main(argv: Optional[List[str]], parser: argparse.ArgumentParser, rerender, measure) -> int:
+    """A suite's command line: with --render JSON, ``rerender(saved, folder of JSON)`` rewrites the page
+    of a saved results file beside it; otherwise ``measure(args, argv)``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    if args.render:
+        return rerender(load_json(args.render), os.path.dirname(args.render) or ".")
+    return measure(args, argv)
 
 
 __all__ = ["SOFTMAX", "LINEAR", "strategy_config", "attention_inputs", "fwd_bwd", "timed", "saved_bytes",
-           "interleaved_rounds", "case_times", "median_ratio", "ratio_range", "bytes_ratio", "measure_on_pool",
-           "page_options", "machine_facts", "command_line", "machine_line", "save_json"]
+           "interleaved_rounds", "case_times", "spread", "median_ratio", "ratio_range", "bytes_ratio",
+           "measure_on_pool", "page_options", "machine_facts", "command_line", "machine_line", "save_json",
+           "load_json", "write_page", "suite_main"]

@@ -32,8 +32,9 @@ import sys
 import tempfile
 from typing import Dict, List, Optional
 
-from .harness import (bytes_ratio, case_times, command_line, interleaved_rounds, machine_facts, machine_line,
-                      measure_on_pool, median_ratio, page_options, ratio_range, save_json, timed)
+from .harness import (bytes_ratio, case_times, command_line, interleaved_rounds, machine_line,
+                      measure_on_pool, median_ratio, page_options, ratio_range, suite_main, timed,
+                      write_page)
 from ..report.rows import Row
 from .hybrid_families import FAMILIES, SP_CASES, family_cases, family_config, family_sizes
 from .predict import hybrid_closed_form
@@ -315,34 +316,25 @@ def resolve(args) -> argparse.Namespace:
 
 
 def write(summary, meta, out: str, ops=None, train=None) -> int:
-    """<out>/<name>.json (the measured summary: --render and plan --calibrate read it), <out>/<name>.md and
-    <out>/<name>.rows.json (the page and its rows)."""
-    from ..report.render import write as write_rows
-    save_json(os.path.join(out, f"{meta['name']}.json"), {"rows": summary, "ops": ops, "train": train, "meta": meta})
-    write_rows(out, meta["name"], rows(summary, meta, ops, train), facts(meta, list(summary)), PROG)
-    return 0
+    return write_page(out, {"rows": summary, "ops": ops, "train": train, "meta": meta},
+                      rows(summary, meta, ops, train), facts(meta, list(summary)), PROG)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def measure(args, argv: List[str]) -> int:
     import transformers
     from .summary import train_rows
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    if args.render:
-        with open(args.render) as f:
-            saved = json.load(f)
-        return write(saved["rows"], saved["meta"], os.path.dirname(args.render) or ".", saved.get("ops"),
-                     saved.get("train"))
-    args = resolve(args)
-    per_rank, meta = measure_on_pool(bench_rank, args, command_line(PROG, argv))
+    per_rank, meta = measure_on_pool(bench_rank, resolve(args), command_line(PROG, argv), versions=True)
     train = None
     if args.train_repeats:
         train = {label: train_rows({"zigzag": m}, args.P)["zigzag"] for label, m in measure_train(args).items()}
         meta.update(load_after=" ".join(f"{x:.2f}" for x in os.getloadavg()))
-    facts = machine_facts()
-    meta.update(cpu_model=facts["cpu_model"], torch=facts["torch"], deepspeed=facts["deepspeed"],
-                transformers=transformers.__version__)
+    meta.update(transformers=transformers.__version__)
     return write(summarize(per_rank, args), meta, args.out, per_rank[0].get("ops"), train)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    return suite_main(argv, build_parser(), lambda saved, out: write(saved["rows"], saved["meta"], out,
+                                                                     saved.get("ops"), saved.get("train")), measure)
 
 
 __all__ = ["main", "bench_rank", "summarize", "write", "equal_llama", "family_config", "family_cases",

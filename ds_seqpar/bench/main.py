@@ -30,7 +30,6 @@ and the whole training step of the small LM (ZeRO-2) at P ranks vs one. Writes <
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -40,7 +39,7 @@ from ..kernels.base import check_head_groups
 from ..report.plotting import require_matplotlib
 from ..strategies import STRATEGIES
 from .cases import BASELINE, CASES, DTYPES, BenchSpec
-from .harness import command_line, machine_facts
+from .harness import command_line, load_json, machine_facts, save_json
 
 ALIASES = {"lasp": ["lasp2", "lasp1"], "deepspeed": ["ds_ulysses"]}
 # every registered strategy (lasp: both exchanges) and DeepSpeed's Ulysses
@@ -296,9 +295,7 @@ def _measure_under_launcher(args, spec: BenchSpec):
 
 def _write(res: Dict[str, Any], args) -> None:
     from ..report.render import result
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
-        json.dump(res, f, indent=1, default=str)
+    save_json(os.path.join(args.out, f"{args.name}.json"), res, default=str)
     md, rows = render_results(res, args.out)
     if args.wandb:
         from .wandb_log import log_bench
@@ -322,11 +319,9 @@ def render_results(res: Dict[str, Any], out_dir: str):
 
 def render_saved(path: str) -> str:
     """Re-render a results JSON next to itself (page, rows and plots); the measurements are untouched."""
-    with open(path) as f:
-        res = json.load(f)
+    res = load_json(path)
     res.pop("checks", None)                 # results saved before the rows carried their checks this way
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1, default=str)
+    save_json(path, res, default=str)
     return render_results(res, os.path.dirname(path) or ".")[0]
 
 

@@ -24,14 +24,13 @@ step's phases and memory_summary.py for the arithmetic.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from typing import Any, Dict, List, Optional
 
 from ..report.plotting import require_matplotlib
-from .harness import command_line, machine_facts
+from .harness import command_line, load_json, machine_facts, save_json
 from .memory_step import MemorySpec, measure_peak, time_steps
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -172,7 +171,7 @@ def _spec_id(m: Dict[str, Any]) -> tuple:
 
 def run(args, argv: List[str]) -> Dict[str, Any]:
     path = os.path.join(args.out, f"{args.name}.json")
-    res = _load(path) if args.resume and os.path.exists(path) else {"measurements": [], "timing": {}, "skipped": []}
+    res = load_json(path) if args.resume and os.path.exists(path) else {"measurements": [], "timing": {}, "skipped": []}
     res["meta"] = {"name": args.name, "command": command_line("ds-seqpar bench memory", argv), "malloc": args.malloc,
                    "budget_bytes": int(args.budget_gib * 2 ** 30), "hidden": args.hidden, "layers": args.layers,
                    "vocab": MemorySpec.vocab, "heads": MemorySpec.heads, "kv_heads": MemorySpec.kv_heads,
@@ -191,7 +190,7 @@ def run(args, argv: List[str]) -> Dict[str, Any]:
         print(f"ds-seqpar bench memory: {spec.model} P={spec.world} {spec.strategy} features={spec.features} "
               f"{spec.tokens_per_rank} tokens/rank ({spec.purpose}) ...", flush=True)
         res["measurements"].append(measure_one(spec, args.malloc))
-        _save(res, path)
+        save_json(path, res, default=str)
     if args.timing_tokens:
         for model in args.models.split(","):
             for world in [p for p in args.P if p <= 2]:
@@ -200,7 +199,7 @@ def run(args, argv: List[str]) -> Dict[str, Any]:
                     continue
                 print(f"ds-seqpar bench memory: step time {k} ...", flush=True)
                 res["timing"][k] = measure_timing(model, world, args)
-                _save(res, path)
+                save_json(path, res, default=str)
     res["elapsed_s"] = res.get("elapsed_s", 0.0) + time.monotonic() - start
     return finish(res, args.out)
 
@@ -218,7 +217,7 @@ def finish(res: Dict[str, Any], out: str) -> Dict[str, Any]:
     res["strategy_rows"] = S.strategy_rows([m for m in res["measurements"] if m.get("purpose") == "strategies"])
     res["timing_rows"] = S.timing_rows(res["timing"], res["meta"])
     res.setdefault("machine", machine_facts())
-    _save(res, os.path.join(out, f"{res['meta']['name']}.json"))
+    save_json(os.path.join(out, f"{res['meta']['name']}.json"), res, default=str)
     write_plots(res, out)
     found = rows(res)
     md = write(out, res["meta"]["name"], found, facts(res))
@@ -227,24 +226,11 @@ def finish(res: Dict[str, Any], out: str) -> Dict[str, Any]:
     return res
 
 
-def _load(path: str) -> Dict[str, Any]:
-    with open(path) as f:
-        return json.load(f)
-
-
-def _save(res: Dict[str, Any], path: str) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(res, f, indent=1, default=str)
-    os.replace(tmp, path)
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.render:
-        res = _load(args.render)
+        res = load_json(args.render)
         finish(res, os.path.dirname(args.render) or ".")
         return 0
     try:

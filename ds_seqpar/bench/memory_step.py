@@ -46,11 +46,6 @@ class MemorySpec:
     steps: int = 1                  # measured steps after the first (timing runs: steps per round)
     seed: int = 0
 
-    @property
-    def floor_bytes_per_token(self) -> int:
-        """The checkpointed residual stream: one hidden vector per layer per token, fp32."""
-        return self.layers * self.hidden * 4
-
     def as_dict(self) -> Dict[str, Any]:
         return asdict(self)
 

@@ -21,15 +21,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
-import time
 from typing import Dict, List, Optional, Tuple
 
 from ..report.rows import Row
 from ..report.targets import TARGETS
 from .harness import (LINEAR, SOFTMAX, attention_inputs, case_times, command_line, fwd_bwd, interleaved_rounds,
-                      machine_line, measure_on_pool, median_ratio, page_options, ratio_range, save_json,
-                      strategy_config, timed)
+                      load_json, machine_line, measure_on_pool, median_ratio, page_options, ratio_range,
+                      strategy_config, suite_main, timed, write_page)
 from .predict import imbalance_sweep, packed_closed_form, work_per_rank
 
 PROG = "ds-seqpar bench packed"
@@ -158,15 +156,14 @@ def resolve(args) -> argparse.Namespace:
     return args
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    if args.render:
-        return write(**_load(args.render), out=os.path.dirname(args.render) or ".")
-    args = resolve(args)
-    per_rank, meta = measure_on_pool(bench_rank, args, command_line(PROG, argv))
+def measure(args, argv: List[str]) -> int:
+    per_rank, meta = measure_on_pool(bench_rank, resolve(args), command_line(PROG, argv))
     meta["sweep"] = imbalance_sweep(args.seq, trials=args.sweep_trials) if args.sweep_trials else None
     return write(summarize(per_rank, args), per_rank[0]["masked"], meta, args.out)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    return suite_main(argv, build_parser(), lambda saved, out: write(**_restored(saved), out=out), measure)
 
 
 def summarize(per_rank, args) -> Dict[str, dict]:
@@ -258,22 +255,20 @@ def render(summary, masked, meta) -> str:
     return render_rows(rows(summary, masked, meta), facts(meta))
 
 
-def _load(path: str) -> dict:
-    import json
-    with open(path) as f:
-        saved = json.load(f)
+def _restored(saved: dict) -> dict:
+    """write's arguments from the saved JSON (the sweep's P keys back to ints, its pairs to tuples)."""
     saved["meta"]["sweep"] = {name: {int(p): tuple(v) for p, v in per.items()}
                               for name, per in (saved["meta"].get("sweep") or {}).items()} or None
     return {"summary": saved["rows"], "masked": saved["masked"], "meta": saved["meta"]}
 
 
+def _load(path: str) -> dict:
+    return _restored(load_json(path))
+
+
 def write(summary, masked, meta, out: str) -> int:
-    """<out>/<name>.json (the measured summary, what --render and plan --calibrate read), and the page with
-    its rows: <out>/<name>.md, <out>/<name>.rows.json."""
-    from ..report.render import write as write_rows
-    save_json(os.path.join(out, f"{meta['name']}.json"), {"rows": summary, "masked": masked, "meta": meta})
-    write_rows(out, meta["name"], rows(summary, masked, meta), facts(meta), PROG)
-    return 0
+    return write_page(out, {"rows": summary, "masked": masked, "meta": meta}, rows(summary, masked, meta),
+                      facts(meta), PROG)
 
 
 __all__ = ["main", "bench_rank", "variant_bounds", "summarize", "rows", "render", "write"]

@@ -12,11 +12,8 @@ import statistics
 from typing import Any, Dict, List
 
 from .cases import BASELINE, CASES
+from .harness import spread
 from .predict import attention_closed_form, expected_imbalance, speedup_bound
-
-
-def _spread(xs: List[float]) -> Dict[str, float]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
 def _walls(per_rank: List[Dict[str, Any]], seq: int, case: str) -> List[float]:
@@ -39,8 +36,8 @@ def case_row(per_rank: List[Dict[str, Any]], seq: int, case: str, meta: Dict[str
     saved = [r["lengths"][seq]["saved_bytes"][case] for r in per_rank]
     saved = [s for s in saved if s is not None]
     base_saved = per_rank[0]["lengths"][seq]["saved_bytes"][base]
-    row = {"case": case, "seq": seq, "baseline": base, "time_s": _spread(walls),
-           "speedup": _spread([b / w for b, w in zip(base_walls, walls)]),
+    row = {"case": case, "seq": seq, "baseline": base, "time_s": spread(walls),
+           "speedup": spread([b / w for b, w in zip(base_walls, walls)]),
            "cpu_s": cpu, "cpu_ratio": base_cpu / max(cpu), "imbalance": max(cpu) / statistics.mean(cpu),
            "inflation": sum(cpu) / base_cpu, "saved_bytes": saved, "mem_ratio": max(saved) / base_saved,
            "mem_extra_bytes": max(saved) - base_saved / p,
@@ -73,7 +70,7 @@ def attention_rows(per_rank: List[Dict[str, Any]], meta: Dict[str, Any]) -> Dict
         if "ds_ulysses" in rows and "ulysses" in rows:
             # paired per round, like the speedups: ours / DeepSpeed's wall time
             ours, theirs = _walls(per_rank, seq, "ulysses"), _walls(per_rank, seq, "ds_ulysses")
-            rows["ds_ulysses"]["ours_over_theirs"] = _spread([o / t for o, t in zip(ours, theirs)])
+            rows["ds_ulysses"]["ours_over_theirs"] = spread([o / t for o, t in zip(ours, theirs)])
     return out
 
 
@@ -89,8 +86,8 @@ def max_seq_rows(per_rank: List[Dict[str, Any]], meta: Dict[str, Any]) -> Dict[s
 
 
 def train_rows(measured: Dict[str, Dict[str, Any]], p: int) -> Dict[str, Dict[str, Any]]:
-    return {s: {"one_s": _spread(m["one_s"]), "p_s": _spread(m["p_s"]), "speedup": _spread(m["ratios"]),
-                "compute_speedup": _spread(m["compute_ratios"]),
+    return {s: {"one_s": spread(m["one_s"]), "p_s": spread(m["p_s"]), "speedup": spread(m["ratios"]),
+                "compute_speedup": spread(m["compute_ratios"]),
                 "tokens_per_s": [statistics.median(m["one_tokens_per_s"]), statistics.median(m["p_tokens_per_s"])],
                 "loss_rel_diff": m["loss_rel_diff"], "max_load_1min": max(m["load_1min"]),
                 "bound": float(p)}

@@ -34,8 +34,8 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
-from .harness import (command_line, machine_facts, median_ratio, page_options, ratio_range, save_json,
-                      strategy_config)
+from .harness import (command_line, machine_facts, median_ratio, page_options, ratio_range,
+                      spread, strategy_config, suite_main, write_page)
 from .trainer_alst import gather_with_group_ranks, gloo_errors
 
 PROG = "ds-seqpar bench trainer"
@@ -229,10 +229,6 @@ def step_time(ends: List[float], warmup: int) -> float:
     return statistics.median([b - a for a, b in zip(ends, ends[1:])][warmup:])
 
 
-def _spread(xs: List[float]) -> Dict[str, float]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
-
-
 def side_by_side(pool, opts, root: str) -> Dict[str, Any]:
     """Every case once per round in CASES' order, the first ``--warmup`` rounds (first imports and
     allocations) not timed; then the per-case summary against plain."""
@@ -271,7 +267,7 @@ def compare(runs: Dict[str, list], skip: int, untimed: int = 1) -> Dict[str, Any
                      [w["learning_rate"] for w in plain["steps"]],
                      "param_dev": max(float((first["params"][k] - v).abs().max()) for k, v in plain["params"].items()),
                      "repeatable": all(r["steps"] == first["steps"] for r in rs),
-                     "step_s": _spread(times), "step_s_rounds": times,
+                     "step_s": spread(times), "step_s_rounds": times,
                      "vs_plain": {"median": median_ratio(times, plain_times), "range": ratio_range(times, plain_times)}}
     return out
 
@@ -287,8 +283,8 @@ def overhead(pool, opts, root: str) -> Dict[str, Any]:
         if r >= opts.warmup:
             rounds.append({"own_s": own, "trainer_s": hf, "ratio": hf / own, "load_1min": os.getloadavg()[0]})
     ratios = [x["ratio"] for x in rounds]
-    return {"rounds": rounds, "ratio": _spread(ratios), "own_s": _spread([x["own_s"] for x in rounds]),
-            "trainer_s": _spread([x["trainer_s"] for x in rounds])}
+    return {"rounds": rounds, "ratio": spread(ratios), "own_s": spread([x["own_s"] for x in rounds]),
+            "trainer_s": spread([x["trainer_s"] for x in rounds])}
 
 
 # -- command line ----------------------------------------------------------------------------------------
@@ -349,25 +345,17 @@ def measure(args, command: str, pool=None) -> Dict[str, Any]:
 
 
 def write(res: Dict[str, Any], out: str) -> int:
-    """<out>/<name>.json (the results: --render reads them), <out>/<name>.md and <out>/<name>.rows.json."""
-    from ..report.render import write as write_rows
     from .trainer_rows import facts, rows
-    save_json(os.path.join(out, f"{res['meta']['name']}.json"), res)
-    write_rows(out, res["meta"]["name"], rows(res), facts(res), PROG)
-    return 0
+    return write_page(out, res, rows(res), facts(res), PROG)
+
+
+def _measure(args, argv: List[str]) -> int:
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    return write(measure(resolve(args), command_line(PROG, argv)), args.out)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    if args.render:
-        with open(args.render) as f:
-            res = json.load(f)
-        out = os.path.dirname(args.render) or "."
-    else:
-        os.environ.setdefault("WANDB_MODE", "disabled")
-        res, out = measure(resolve(args), command_line(PROG, argv)), args.out
-    return write(res, out)
+    return suite_main(argv, build_parser(), write, _measure)
 
 
 __all__ = ["CASES", "main", "write", "run_case", "own_loop", "trainer_loop", "gloo_errors", "compare", "step_time"]

@@ -26,7 +26,6 @@ wall time and every ratio is taken per round, then the median. Reported, per str
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Dict, List, Optional, Tuple
@@ -34,8 +33,8 @@ from typing import Dict, List, Optional, Tuple
 from ..report.rows import Row
 from ..report.targets import TARGETS
 from .harness import (attention_inputs, bytes_ratio, case_times, command_line, fwd_bwd, interleaved_rounds,
-                      machine_facts, machine_line, measure_on_pool, median_ratio, page_options, ratio_range,
-                      save_json, strategy_config, timed)
+                      machine_line, measure_on_pool, median_ratio, page_options, ratio_range,
+                      strategy_config, suite_main, timed, write_page)
 from .predict import window_closed_form, window_work
 
 STRATEGIES = ("ring", "zigzag", "striped", "ulysses")
@@ -263,26 +262,18 @@ def resolve(args) -> argparse.Namespace:
 
 
 def write(summary, meta, out: str, pieces: Optional[List[dict]] = None) -> int:
-    """<out>/<name>.json (the measured summary: --render and plan --calibrate read it), <out>/<name>.md and
-    <out>/<name>.rows.json (the page and its rows)."""
-    from ..report.render import write as write_rows
-    save_json(os.path.join(out, f"{meta['name']}.json"), {"rows": summary, "pieces": pieces, "meta": meta})
-    write_rows(out, meta["name"], rows(summary, meta, pieces), facts(meta), PROG)
-    return 0
+    return write_page(out, {"rows": summary, "pieces": pieces, "meta": meta}, rows(summary, meta, pieces),
+                      facts(meta), PROG)
+
+
+def measure(args, argv: List[str]) -> int:
+    per_rank, meta = measure_on_pool(bench_rank, resolve(args), command_line(PROG, argv), versions=True)
+    return write(summarize(per_rank, args), meta, args.out, per_rank[0].get("pieces"))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    if args.render:
-        with open(args.render) as f:
-            saved = json.load(f)
-        return write(saved["rows"], saved["meta"], os.path.dirname(args.render) or ".", saved.get("pieces"))
-    args = resolve(args)
-    per_rank, meta = measure_on_pool(bench_rank, args, command_line(PROG, argv))
-    facts_ = machine_facts()
-    meta.update(cpu_model=facts_["cpu_model"], torch=facts_["torch"], deepspeed=facts_["deepspeed"])
-    return write(summarize(per_rank, args), meta, args.out, per_rank[0].get("pieces"))
+    return suite_main(argv, build_parser(), lambda saved, out: write(saved["rows"], saved["meta"], out,
+                                                                     saved.get("pieces")), measure)
 
 
 __all__ = ["main", "bench_rank", "summarize", "rows", "write", "variants"]

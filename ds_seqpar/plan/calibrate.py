@@ -12,7 +12,6 @@ reports/plan_cpu.{md,json}.
 """
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics

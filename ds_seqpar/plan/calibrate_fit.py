@@ -16,7 +16,7 @@ reports/hybrid_cpu.json's real layers) are not fitted at all: they reuse the sof
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from .cost import times
 from .kernel_model import lstsq2
@@ -36,12 +36,20 @@ def messages(strategy: str, p: int) -> int:
 TRUSTED_RESIDUAL = 0.3     # a block fit worse than this was timed under load: its c_call is not used
 
 
+def trusted_cost(blocks: Optional[Dict[str, Any]]) -> Dict[str, float]:
+    """c_call and the window factors of the timed blocks, or none of them when the fit is untrusted."""
+    if not blocks or blocks.get("max_rel_residual", 1.0) > TRUSTED_RESIDUAL:
+        return {"c_call_s": 0.0, "tall_factor": 1.0, "anti_factor": 1.0}
+    return {"c_call_s": blocks["c_call_s"], "tall_factor": blocks.get("tall_factor", 1.0),
+            "anti_factor": blocks.get("anti_factor", 1.0)}
+
+
 def softmax_rows(full: Dict[str, Any], block_cost: Dict[str, float]) -> List[Dict[str, Any]]:
     """Per (N, strategy) of cpu_full: the busiest rank's kernel seconds (computed pairs at the rate
     the run's single case shows at that N, plus c_call per call when the timed blocks fit it well),
     the measured time, messages and bytes."""
     meta, rows = full["meta"], []
-    c_call = block_cost.get("c_call_s", 0.0) if block_cost.get("max_rel_residual", 1.0) <= TRUSTED_RESIDUAL else 0.0
+    c_call = trusted_cost(block_cost)["c_call_s"]
     p, heads = meta["world"], meta["heads"]
     for n_key, cases in sorted(full["attention"].items(), key=lambda kv: int(kv[0])):
         n = int(n_key)
@@ -120,8 +128,8 @@ def hybrid_rows(hybrid: Dict[str, Any], fit: Dict[str, float]) -> List[Dict[str,
     return rows
 
 
-__all__ = ["exchange_s", "fit_exchange", "hybrid_rows", "lasp_rows", "lm_shape", "messages", "predict_softmax", "softmax_rows",
-           "step_rows"]
+__all__ = ["exchange_s", "fit_exchange", "hybrid_rows", "lasp_rows", "lm_shape", "messages", "predict_softmax",
+           "predicted_steps", "softmax_rows", "step_rows", "trusted_cost"]
 
 
 def lm_shape(tm: Dict[str, Any], linear: bool = False):
@@ -135,26 +143,32 @@ def lm_shape(tm: Dict[str, Any], linear: bool = False):
     return ModelShape("lm", dim, layers, heads, heads, dim // heads, mlp, 256, tied=True, transition="fixed", **lin)
 
 
+def predicted_steps(strategy: str, tm: Dict[str, Any], profile):
+    """(shape, P = 1, P = 2): search.predict of cpu_full's training step of ``strategy`` (the project's LM
+    of ``tm``, fp32, ZeRO-2) on one rank and on two."""
+    from .cost.candidate import Candidate, Features
+    from .search import Cluster, predict
+    linear = strategy == "lasp"
+    shape = lm_shape(tm, linear)
+    one = predict(Candidate(strategy if linear else "ulysses", 1, 1, 2, Features()), shape, tm["seq_len"],
+                  Cluster(1, 1, profile, "fp32"), own_linear=linear)
+    two = predict(Candidate(strategy, 2, 2 if strategy == "ulysses" else 1, 2, Features()), shape, tm["seq_len"],
+                  Cluster(2, 2, profile, "fp32"), own_linear=linear)
+    return shape, one, two
+
+
 def step_rows(full: Dict[str, Any], fit: Dict[str, float], profile) -> List[Dict[str, Any]]:
     """cpu_full's whole training step at P = 2 (the project's LM, fp32, ZeRO-2): the measured P = 1
     step scaled by the plan's compute ratio (search.predict: busiest rank's FLOPs at P over P = 1's),
     plus every exchange of the step at the softmax rows' (alpha, beta): the layers' bytes from the
     closed forms (per layer x layers) and ZeRO-2's reduce-scatter + all-gather (2 messages)."""
-    from .cost.candidate import Candidate, Features
-    from .search import Cluster, predict
     tm = full.get("train_model") or {}
     if not tm:
         return []
-    layers = tm["n_layers"]
+    layers, p = tm["n_layers"], 2
     rows = []
     for strategy, measured in sorted(full.get("train", {}).items()):
-        linear = strategy == "lasp"
-        shape = lm_shape(tm, linear)
-        p = 2
-        one = predict(Candidate(strategy if linear else "ulysses", 1, 1, 2, Features()), shape, tm["seq_len"],
-                      Cluster(1, 1, profile, "fp32"), own_linear=linear)
-        two = predict(Candidate(strategy, p, p if strategy == "ulysses" else 1, 2, Features()), shape,
-                      tm["seq_len"], Cluster(p, p, profile, "fp32"), own_linear=linear)
+        shape, one, two = predicted_steps(strategy, tm, profile)
         if not (one.compute_s and two.compute_s):
             continue
         layer_bytes = sum(two.comm_bytes.values()) * layers

@@ -14,7 +14,6 @@ from typing import Any, Dict, List, Optional
 from . import calibrate_fit, calibrate_p4, calibrate_window, kernel_model
 from .calibrate import STRATEGIES, predict_speedups
 from .cost import memory
-from .cost.candidate import Candidate, Features
 from .cost.pairs import KEY_TILE, computed_pairs
 
 
@@ -50,18 +49,14 @@ def speedup_rows(cal: Dict[str, Any], full: Dict[str, Any]) -> List[Dict[str, An
 def step_rows(cal: Dict[str, Any], full: Dict[str, Any], profile) -> List[Dict[str, Any]]:
     """cpu_full's whole training step (the project's LM, fp32, ZeRO-2, byte vocabulary, tied
     embeddings) at P=2 over P=1, predicted by search.predict with the calibrated profile."""
-    from .search import Cluster, predict
     tm = full.get("train_model") or {}
     if not tm:
         return []
-    shape = calibrate_fit.lm_shape(tm)
-    one = predict(Candidate("ulysses", 1, 1, 2, Features()), shape, tm["seq_len"], Cluster(1, 1, profile, "fp32"))
     rows = []
     for strategy, measured in sorted(full.get("train", {}).items()):
         if strategy not in ("zigzag", "ulysses"):
             continue
-        c = Candidate(strategy, 2, 2 if strategy == "ulysses" else 1, 2, Features())
-        two = predict(c, shape, tm["seq_len"], Cluster(2, 2, profile, "fp32"))
+        _, one, two = calibrate_fit.predicted_steps(strategy, tm, profile)
         rows.append({"strategy": strategy, "measured": measured["speedup"]["median"],
                      "predicted": one.step_s / two.step_s, "comm_s": two.comm_s, "compute_s": two.compute_s,
                      "one_s_measured": measured["one_s"]["median"], "one_s_predicted": one.step_s,
@@ -165,7 +160,7 @@ def window_p4_sections(window: List[Dict[str, Any]], p4_bytes: List[Dict[str, An
     phases at P=1, beside them (a miss P=1 shares is the count's, not the sequence parallelism's)."""
     out: List[str] = []
     if window:
-        cost = calibrate_window.trusted_cost(blocks)
+        cost = calibrate_fit.trusted_cost(blocks)
         near = within(window)
         exact = all(r["bytes_plan"] == r["bytes_form"] == r["bytes_measured"] for r in window)
         out += ["", "## Sliding windows at P=2: time with the window / without it (reports/window_cpu.json, N=8192)", "",

@@ -28,14 +28,6 @@ from ..masks import Mask
 from .cost.times import busiest_calls_s, rank_calls, window_calls
 
 
-def trusted_cost(blocks: Optional[Dict[str, Any]]) -> Dict[str, float]:
-    """c_call and the window factors of the timed blocks, or none of them when the fit is untrusted."""
-    if not blocks or blocks.get("max_rel_residual", 1.0) > calibrate_fit.TRUSTED_RESIDUAL:
-        return {"c_call_s": 0.0, "tall_factor": 1.0, "anti_factor": 1.0}
-    return {"c_call_s": blocks["c_call_s"], "tall_factor": blocks.get("tall_factor", 1.0),
-            "anti_factor": blocks.get("anti_factor", 1.0)}
-
-
 def plan_bytes(strategy: str, p: int, ulysses: int, shapes: Shapes, window: Optional[int]) -> List[int]:
     """Bytes each rank sends per fwd + bwd as the plan counts them (cost.bytes.rank_bytes)."""
     return [sum(b.values()) for b in rank_bytes(strategy, p, ulysses, shapes, Mask(True, window))]
@@ -53,12 +45,13 @@ def window_rows(report: Dict[str, Any], fit: Dict[str, float], blocks: Optional[
     meta, rows = report["meta"], []
     p, n, heads = meta["P"], meta["seq"], meta["heads"]
     shapes = Shapes(1, n, heads, heads, meta["head_dim"])
-    base = trusted_cost(blocks)
+    base = calibrate_fit.trusted_cost(blocks)
     for s in meta["strategies"]:
         r = report["rows"][s]
+        u = p if s == "ulysses" else 1                     # Ulysses over every rank, the ring family alone
         h = heads / p if s == "ulysses" else heads
         msgs = calibrate_fit.messages(s, p)
-        plain_x = calibrate_fit.exchange_s(fit, msgs, max(plan_bytes(s, p, p if s == "ulysses" else 1, shapes, None)))
+        plain_x = calibrate_fit.exchange_s(fit, msgs, max(plan_bytes(s, p, u, shapes, None)))
         # a masked plain block is priced as causal, whichever its direction (the timed blocks' line)
         plain_calls = [[(nq, nk, c or a, False) for nq, nk, c, a in r] for r in rank_calls(s, p, n)]
         unit = busiest_calls_s(plain_calls, dict(base, c_call_s=0.0, t_pair_s=1.0), h)
@@ -67,16 +60,16 @@ def window_rows(report: Dict[str, Any], fit: Dict[str, float], blocks: Optional[
         for w in meta["windows"]:
             case = r[f"window={w}"]
             calls = window_calls(s, p, n, w)
-            ours = plan_bytes(s, p, p if s == "ulysses" else 1, shapes, w)
+            ours = plan_bytes(s, p, u, shapes, w)
             kernel = busiest_calls_s(calls, cost, h)
             x = calibrate_fit.exchange_s(fit, msgs, max(ours))
             alone = [x["cpu"] for x in report.get("pieces", []) if (x["strategy"], x["window"]) == (s, w)]
             rows.append({"strategy": s, "window": w, "measured": case["ratio"], "kernel_timed_s": alone[0] if alone else None,
                          "predicted": (kernel + x) / r["plain"]["time"], "kernel_s": kernel, "exchange_s": x,
                          "calls": max(len(c) for c in calls), "t_pair_s": cost["t_pair_s"], "bytes_plan": ours,
-                         "bytes_form": form_bytes(s, p, p if s == "ulysses" else 1, shapes, w),
+                         "bytes_form": form_bytes(s, p, u, shapes, w),
                          "bytes_measured": case["bytes"]})
     return rows
 
 
-__all__ = ["form_bytes", "plan_bytes", "trusted_cost", "window_rows"]
+__all__ = ["form_bytes", "plan_bytes", "window_rows"]

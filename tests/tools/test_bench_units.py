@@ -159,3 +159,32 @@ def _page(name: str) -> str:
 def test_every_committed_suite_page_is_its_rows_rendered(name):
     with open(os.path.join(REPORTS, f"{name}.md")) as f:
         assert _page(name) == f.read(), f"reports/{name}.md differs from its JSON's rendering (re-render it)"
+
+
+@pytest.mark.parametrize("suite,name", [("packed", "packed_cpu"), ("window", "window_cpu"), ("hybrid", "hybrid_cpu"),
+                                        ("trainer", "hf_trainer_cpu"), ("memory", "memory_cpu")])
+def test_render_rewrites_a_saved_report_unchanged(suite, name, tmp_path, capsys):
+    """``ds-seqpar bench SUITE --render JSON``: the saved results, the page and the rows written beside the
+    JSON are the committed ones, byte for byte (the results file is read, then written back)."""
+    import shutil
+    from ds_seqpar.bench.main import main
+    shutil.copy(os.path.join(REPORTS, f"{name}.json"), tmp_path)
+    assert main([suite, "--render", str(tmp_path / f"{name}.json")]) == 0
+    for ext in (".json", ".md", ".rows.json"):
+        with open(os.path.join(REPORTS, name + ext)) as want, open(tmp_path / (name + ext)) as got:
+            assert got.read() == want.read(), f"{suite} --render: {name}{ext} differs from the committed one"
+
+
+def _load_only(args):
+    return {"load_1min": 0.25}
+
+
+def test_measure_on_pool_adds_the_versions_a_page_names_when_asked():
+    """window and hybrid name the CPU model, torch and DeepSpeed on their page; packed does not."""
+    import argparse
+    import torch
+    from ds_seqpar.bench.harness import measure_on_pool
+    per_rank, meta = measure_on_pool(_load_only, argparse.Namespace(P=1), "cmd", versions=True)
+    assert per_rank == [{"load_1min": 0.25}] and meta["command"] == "cmd" and meta["load_during"] == 0.25
+    assert list(meta)[-3:] == ["cpu_model", "torch", "deepspeed"] and meta["torch"] == torch.__version__
+    assert "torch" not in measure_on_pool(_load_only, argparse.Namespace(P=1), "cmd")[1]
