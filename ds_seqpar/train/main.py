@@ -256,7 +256,8 @@ def main(argv: Optional[list] = None) -> int:
         joined = comm.is_initialized()
         rank0 = joined and comm.global_rank() == 0
         said = joined or reports_errors(os.environ)
-        return _fail(2, f"ds_seqpar.train: error: {err}" if said else "", linger_s=1.0 if rank0 else 0.0)
+        linger = 1.0 if rank0 else 0.0 if said else preflight.QUIET_LINGER_S
+        return _fail(2, f"ds_seqpar.train: error: {err}" if said else "", linger_s=linger)
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - say which rank failed, then end the job
         return _fail_rank(err)
     return 0

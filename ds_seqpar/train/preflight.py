@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import time
 from typing import Mapping, Optional, Tuple
 
 from ..config import ConfigError, SequenceParallelConfig, load_ds_config
@@ -88,12 +89,20 @@ def reports_errors(env: Mapping[str, str]) -> bool:
     return launch is None or launch.rank == 0
 
 
+# A quiet rank leaving at once could have its launcher (torchrun, deepspeed) stop rank 0 before rank 0,
+# slower to start on a loaded machine, has said the error; it waits instead. The job still ends when
+# rank 0 leaves: the launcher then stops the ranks still waiting.
+QUIET_LINGER_S = 5.0
+
+
 def say_config_error(err: Exception, env: Mapping[str, str]) -> int:
     """Rank 0 writes the error as one line (no traceback); every rank returns the same exit code."""
     if reports_errors(env):
         sys.stdout.flush()
         sys.stderr.write(f"ds_seqpar.train: error: {err}\n")
         sys.stderr.flush()
+    elif int(env.get("WORLD_SIZE", "1")) > 1:
+        time.sleep(QUIET_LINGER_S)
     return CONFIG_ERROR
 
 
@@ -107,4 +116,4 @@ def check(opts) -> Optional[int]:
     return None
 
 
-__all__ = ["build_ds_config", "check_options", "check_config", "reports_errors", "say_config_error", "check"]
+__all__ = ["QUIET_LINGER_S", "build_ds_config", "check_options", "check_config", "reports_errors", "say_config_error", "check"]

@@ -51,7 +51,7 @@ def main_job_run(directory):
     of its wandb run (read as the run finishes: an offline run writes no summary file) and its name."""
     import wandb
     from ds_seqpar.train import run_training, runlog
-    finish, seen = runlog.wandb_finish, {}
+    finish, seen, mode = runlog.wandb_finish, {}, os.environ.get("WANDB_MODE")
 
     def finish_and_keep():
         if wandb.run is not None:
@@ -63,7 +63,8 @@ def main_job_run(directory):
                       "run_dir": directory})
     finally:
         runlog.wandb_finish = finish
-        del os.environ["WANDB_MODE"]
+        # the pool's ranks outlive this test: the mode they had (conftest's offline) stays for the next
+        os.environ.pop("WANDB_MODE") if mode is None else os.environ.update(WANDB_MODE=mode)
     return (seen["summary"], seen["config"], seen["name"]) if seen else None
 
 

@@ -358,6 +358,9 @@ def run_with_wandb(cfg, micro, directory):
     finally:
         if wandb.run is not None:
             wandb.finish()
+        # wandb keeps the settings of its first run in the process (WANDB_DIR included): a later test on
+        # these pool ranks must start from its own directory
+        wandb.teardown()
         os.environ.pop("WANDB_DIR") if old is None else os.environ.update(WANDB_DIR=old)
     comm.barrier()
     if comm.global_rank() != 0:
