@@ -122,3 +122,15 @@ def ring_bytes_from_spans(spans, me, token_elems, elem, acc_elem=4):
     sent = sum(width(spans[o][me]) for o in range(len(spans)) if o != me)
     used = sum(width(spans[me][o]) for o in range(len(spans)) if o != me)
     return {"ring": sent * token_elems * 2 * elem, "ring_grad": used * token_elems * acc_elem}
+
+
+def band_visible(nq, nk, lo, hi):
+    """bool [nq, nk]: query row i sees key column j iff lo <= j - i <= hi (None: unbounded), the band
+    predicate kernels/bands.py cuts and kernel.band computes."""
+    d = torch.arange(nk)[None, :] - torch.arange(nq)[:, None]
+    ok = torch.ones(nq, nk, dtype=torch.bool)
+    if lo is not None:
+        ok &= d >= lo
+    if hi is not None:
+        ok &= d <= hi
+    return ok

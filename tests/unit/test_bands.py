@@ -7,6 +7,8 @@ import torch
 
 from ds_seqpar.kernels.bands import band_blocks, visible_pairs
 
+from ..reference import band_visible
+
 
 def render(subs, nq, nk, qa=0, ka=0, tall=False):
     """How many times each (i, j) of the block is computed (``tall``: causal / anti blocks may be
@@ -27,13 +29,7 @@ def render(subs, nq, nk, qa=0, ka=0, tall=False):
 
 
 def predicate(nq, nk, lo, hi):
-    d = torch.arange(nk)[None, :] - torch.arange(nq)[:, None]
-    ok = torch.ones(nq, nk, dtype=torch.bool)
-    if lo is not None:
-        ok &= d >= lo
-    if hi is not None:
-        ok &= d <= hi
-    return ok.to(torch.int64)
+    return band_visible(nq, nk, lo, hi).to(torch.int64)
 
 
 def check(nq, nk, lo, hi, tile, qa=0, ka=0, column=None):

@@ -11,7 +11,7 @@ import torch
 from ds_seqpar.kernels import MathKernel, TorchKernel
 from ds_seqpar.kernels.bands import trimmed
 
-from ..reference import assert_derived_close
+from ..reference import assert_derived_close, band_visible
 from .test_flash_attn_conformance import _flash_kernel, stand_in
 from .test_kernels import _inputs, _masked_reference
 
@@ -20,15 +20,6 @@ from .test_kernels import _inputs, _masked_reference
 BANDS = [(16, 16, None, 0), (16, 16, -5, 0), (12, 18, -3, 6), (20, 12, -10, None), (16, 16, 0, None),
          (10, 14, None, None), (300, 300, -259, 0)]
 
-
-def _visible(nq, nk, lo, hi):
-    d = torch.arange(nk)[None, :] - torch.arange(nq)[:, None]
-    ok = torch.ones(nq, nk, dtype=torch.bool)
-    if lo is not None:
-        ok &= d >= lo
-    if hi is not None:
-        ok &= d <= hi
-    return ok
 
 
 def _band_grads(kernel, q, k, v, dout, lo, hi, softcap):
@@ -44,7 +35,7 @@ def test_band_is_the_masked_attention(kernel, softcap, nq, nk, lo, hi):
     band = trimmed(0, nq, 0, nk, lo, hi)
     assert band == (slice(0, nq), slice(0, nk), lo, hi), f"every row of the case sees a key: {band}"
     q, k, v, dout = _inputs(7, sq=nq, sk=nk)
-    visible = _visible(nq, nk, lo, hi)
+    visible = band_visible(nq, nk, lo, hi)
     ref64 = _masked_reference(q, k, v, dout, visible, 0.25, torch.float64, softcap)
     plain = _masked_reference(q, k, v, dout, visible, 0.25, torch.float32, softcap)
     got = _band_grads(kernel, q, k, v, dout, lo, hi, softcap)
@@ -84,7 +75,7 @@ def test_flash_band_is_one_call_with_window_size(softcap, nq, nk, lo, hi):
     q, k, v, dout = (t.double() for t in _inputs(8, sq=nq, sk=nk))
     got = _band_grads(_flash_kernel(module), q, k, v, dout, lo, hi, softcap)
     assert calls == {"forward": 1, "backward": 1}, calls
-    want = _masked_reference(q, k, v, dout, _visible(nq, nk, lo, hi), 0.25, torch.float64, softcap)
+    want = _masked_reference(q, k, v, dout, band_visible(nq, nk, lo, hi), 0.25, torch.float64, softcap)
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):     # (flash-attn's lse is fp32)
         torch.testing.assert_close(g, w, rtol=0.0, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
@@ -96,7 +87,7 @@ def test_flash_band_no_window_can_state_takes_the_default_cut():
     module, calls = _counting_stand_in()
     q, k, v, dout = (t.double() for t in _inputs(9, sq=4, sk=12))
     got = _band_grads(_flash_kernel(module), q, k, v, dout, None, 2, None)
-    want = _masked_reference(q, k, v, dout, _visible(4, 12, None, 2), 0.25, torch.float64)
+    want = _masked_reference(q, k, v, dout, band_visible(4, 12, None, 2), 0.25, torch.float64)
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         torch.testing.assert_close(g.double(), w, rtol=0.0, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
     assert calls["forward"] >= 1 and calls["backward"] >= 1
