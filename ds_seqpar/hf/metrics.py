@@ -12,10 +12,8 @@ from __future__ import annotations
 import time
 from typing import Dict
 
-import torch
-
-from .. import comm
 from ..memory.usage import StepMemory
+from ..step_stats import compute_clock, compute_imbalance, gather_ranks
 
 # CommStats kinds that are not the attention's exchanges: the loss, the batch check, eval, TRL's metrics
 NOT_ATTENTION = ("loss", "batch_check", "eval_loss", "eval_gather", "unshard", "trl_metrics")
@@ -35,11 +33,7 @@ class StepMeter:
         self.tokens = 0
 
     def clock(self) -> float:
-        """As the main job's: CPU time on CPU (waiting on a peer is not compute), synced wall time on CUDA."""
-        if self.sp.device.type == "cuda":
-            torch.cuda.synchronize()
-            return time.perf_counter()
-        return time.process_time()
+        return compute_clock(self.sp.device)
 
     def _attention(self):
         stats = self.sp.stats
@@ -70,18 +64,14 @@ class StepMeter:
 
     def record(self) -> Dict[str, float]:
         """The steps since the last call, reduced over the world (a collective: every rank calls it)."""
-        sp, n = self.sp, max(self.steps, 1)
-        keys = SUMMED + LARGEST
-        mine = [self.totals.get(k, 0.0) / (n if k in SUMMED else 1) for k in keys]
-        every = comm.all_gather_nograd(torch.tensor([mine], dtype=torch.float64, device=sp.device), 0,
-                                       sp.groups.seq_data_group).cpu()
-        col = {k: every[:, i] for i, k in enumerate(keys)}
-        compute = col["compute_s"].view(sp.dp_size, sp.size)
+        n = max(self.steps, 1)
+        means = {k: self.totals.get(k, 0.0) / (n if k in SUMMED else 1) for k in SUMMED + LARGEST}
+        col = gather_ranks(self.sp, means)
         step_s = col["step_s"].max().item()
         self.totals, self.steps = {}, 0
         return {"tokens_per_s": col["tokens"].sum().item() / max(step_s, 1e-12), "step_s": step_s,
                 "compute_s_max": col["compute_s"].max().item(),
-                "compute_imbalance": (compute.max(1).values / compute.mean(1).clamp(min=1e-12)).max().item(),
+                "compute_imbalance": compute_imbalance(self.sp, col["compute_s"]),
                 "attn_comm_bytes": int(col["attn_comm_bytes"].max().item()),
                 "attn_comm_s": col["attn_comm_s"].max().item(),
                 **{k: col[k].max().item() for k in LARGEST}}

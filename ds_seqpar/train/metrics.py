@@ -7,9 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any, Dict
 
-import torch
-
-from .. import comm
+from ..step_stats import compute_clock, compute_imbalance, gather_ranks
 from . import runlog
 
 # rank-local measurements whose maximum over ranks is what the step costs
@@ -23,12 +21,7 @@ class StepMetrics:
 
     # -- measurement (this rank) -----------------------------------------------------------------
     def clock(self) -> float:
-        """CPU: this process's CPU time, so waiting on a slower peer does not count as compute.
-        CUDA: wall time after a sync (kernels are asynchronous; CPU time says nothing)."""
-        if self.sp.device.type == "cuda":
-            torch.cuda.synchronize()
-            return time.perf_counter()
-        return time.process_time()
+        return compute_clock(self.sp.device)
 
     def attn_bytes(self) -> int:
         return sum(b for k, b in self.sp.stats.bytes.items() if k != "loss")
@@ -39,12 +32,8 @@ class StepMetrics:
     # -- reduction (every rank) ------------------------------------------------------------------
     def reduce(self, step: int, local: Dict[str, float], tokens: int, engine) -> Dict[str, Any]:
         """Gather every rank's numbers into the step's record; ``tokens`` trained this step."""
-        sp, keys = self.sp, list(local)
-        mine = torch.tensor([[local[k] for k in keys]], dtype=torch.float64)
-        every = comm.all_gather_nograd(mine, 0, sp.groups.seq_data_group)             # [world, keys]
-        col = {k: every[:, i] for i, k in enumerate(keys)}
-        compute_gp = col["compute_s"].view(sp.dp_size, sp.size)     # [dp groups, sp ranks]
-        imbalance = (compute_gp.max(1).values / compute_gp.mean(1).clamp(min=1e-12)).max().item()
+        col = gather_ranks(self.sp, local)
+        imbalance = compute_imbalance(self.sp, col["compute_s"])
         worst = {k: col[k].max().item() for k in WORST_OF}
         return {"step": step + 1, "loss": col["loss"].mean().item(), "grad_norm": local["grad_norm"],
                 "tokens_per_s": tokens / worst["step_s"], "step_s": worst["step_s"],

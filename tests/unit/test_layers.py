@@ -1,7 +1,7 @@
 """The layer rule, read from the source with ``ast`` (nothing is imported):
 
 - the core (config, errors, sequence_parallel, topology, comm, loss, zero, masks, sharding, strategies,
-  kernels, memory, schedule, dynamic, and plan.cost: the cost model, which the runtime may price
+  kernels, memory, schedule, dynamic, step_stats, and plan.cost: the cost model, which the runtime may price
   with) imports nothing from models, launch, train, bench, report, hf, nor the rest of plan;
 - models, launch and hf import the core only; train the core, models, launch and hf; bench those,
   train (it times the training step through train.run_training) and report's plotting helper, rows,
@@ -26,7 +26,7 @@ import ds_seqpar
 
 PACKAGE = "ds_seqpar"
 CORE = frozenset({"config", "errors", "sequence_parallel", "topology", "comm", "loss", "zero", "sharding",
-                  "strategies", "kernels", "memory", "masks", "schedule", "dynamic"})
+                  "strategies", "kernels", "memory", "masks", "schedule", "dynamic", "step_stats"})
 CORE_MODULES = ("plan.cost",)               # core modules inside a tool's folder (and everything under them)
 TOOLS = frozenset({"models", "launch", "train", "bench", "report", "hf", "plan", "dashboard"})
 # layer -> the layers it may import besides itself ("report.plotting": that one module of report)
