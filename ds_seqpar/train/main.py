@@ -106,6 +106,7 @@ def _join_world(opts, timeout_s: float) -> None:
     """Join torch.distributed as _place_rank placed this process, on the launcher's device."""
     import datetime
     import deepspeed
+    from ..launch import rendezvous
     from ..launch.env import local_device
     fresh = not comm.is_initialized()
     if torch.cuda.is_available():
@@ -116,8 +117,9 @@ def _join_world(opts, timeout_s: float) -> None:
         # every env:// variable is set, so DeepSpeed runs no MPI discovery of its own (which would
         # take the local rank from host names and disagree with Open MPI's); the world group's
         # collectives (DeepSpeed's own) get the same timeout as ours
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
-                                   timeout=datetime.timedelta(seconds=timeout_s))
+        rendezvous.join(lambda: deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
+                                                           timeout=datetime.timedelta(seconds=timeout_s)),
+                        os.environ, timeout_s)
     else:
         deepspeed.init_distributed(dist_backend=comm.backend_name())   # adopt the existing world
     # while every host is reachable: the failure path names the hosts of lost ranks, run.json records them
