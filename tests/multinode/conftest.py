@@ -33,3 +33,4 @@ def fresh(hosts):
     for name in hosts.names:
         netns.kill_inside(name)
         hosts.link(name, "up")
+        hosts.impair(name, "")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -97,6 +98,22 @@ class Hosts:
     def link(self, host: str, state: str) -> None:
         """Set a host's interface 'down' (its cable pulled) or 'up'."""
         _ip("-n", host, "link", "set", IFNAME, state)
+
+    def impair(self, host: str, qdisc: str) -> None:
+        """Shape the packets a host sends with a ``tc`` qdisc ("" clears it). This machine's kernel has
+        ``tbf`` but neither ``netem`` nor tc's filter actions, so a lossy link is a token bucket whose
+        short queue drops what a burst overflows (TCP retransmits it) and delays what it holds."""
+        args = ["ip", "netns", "exec", host, "tc", "qdisc"]
+        subprocess.run([*args, "del", "dev", IFNAME, "root"], capture_output=True, timeout=30)
+        if qdisc:
+            subprocess.run([*args, "add", "dev", IFNAME, "root", *qdisc.split()], check=True,
+                           capture_output=True, timeout=30)
+
+    def dropped(self, host: str) -> int:
+        """Packets the host's qdisc dropped since it was set."""
+        out = subprocess.run(["ip", "netns", "exec", host, "tc", "-s", "qdisc", "show", "dev", IFNAME],
+                             capture_output=True, text=True, timeout=30).stdout
+        return sum(int(n) for n in re.findall(r"dropped (\d+)", out))
 
     def env(self) -> dict:
         """The environment for a launcher reaching these hosts: bin/ssh first on PATH."""

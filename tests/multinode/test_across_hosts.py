@@ -1,6 +1,7 @@
 """Exact across hosts: the main job's per-step losses at 2 hosts x 2 ranks equal one host x 4 ranks,
-under torchrun on every host (zigzag) and under `deepspeed --hostfile` with pdsh (the 2D hybrid);
-run.json says which host each rank ran on."""
+under torchrun on every host (zigzag, over a slow link that queues and drops packets: a `tc tbf`
+token bucket on both hosts; this kernel has no `netem`) and under `deepspeed --hostfile` with pdsh (the 2D hybrid); run.json says
+which host each rank ran on."""
 import os
 
 import pytest
@@ -11,6 +12,7 @@ from .conftest import needs
 pytestmark = [pytest.mark.multinode, pytest.mark.launcher]
 STEPS = 3
 TIMEOUT_S = 240
+SLOW_LINK = "tbf rate 4mbit burst 8kb latency 20ms"     # 4 Mbit/s, a 20 ms queue: bursts overflow it
 
 
 def one_host_losses(hosts, tmp_path, port, cfg):
@@ -35,12 +37,18 @@ def test_zigzag_torchrun_on_each_host_equals_one_host(fresh, tmp_path):
     cfg = ["--deepspeed_config", jobs.ds_config(tmp_path, strategy="zigzag", size=4), "--steps", str(STEPS),
            *jobs.TINY]
     runs = str(tmp_path / "two_hosts")
+    for name in hosts.names:
+        hosts.impair(name, SLOW_LINK)   # TCP retransmits what is dropped: slower, never different
     job = jobs.Job([jobs.torchrun_on(hosts, node, 29611, [*cfg, "--run_dir", runs]) for node in (0, 1)],
                    hosts.env())
     try:
         assert job.wait(TIMEOUT_S) == [0, 0], job.output[-4000:]
     finally:
         job.close()
+    dropped = sum(hosts.dropped(name) for name in hosts.names)
+    for name in hosts.names:
+        hosts.impair(name, "")
+    assert dropped > 0, "the shaped link dropped nothing: the test did not exercise a lossy link"
     check_placed_by_host(runs)
     assert jobs.losses(runs) == one_host_losses(hosts, tmp_path, 29612, cfg)
 
