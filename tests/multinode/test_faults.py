@@ -1,6 +1,8 @@
 """A host lost mid-training: its link cut (torchrun on each host, Ulysses over both hosts: warned
 about), or its rank processes killed (`deepspeed --hostfile` through pdsh, the 2D hybrid). Every surviving rank ends within the bound, naming the ranks
-and the host it lost, and the launchers exit non-zero (pdsh's exit code included)."""
+and the host it lost, and the launchers exit non-zero (pdsh's exit code included). The killed job's
+checkpoint then resumes on the surviving host alone (half the ranks, through the universal
+checkpoint) and gives the loss the lost job logged for that step."""
 import os
 import re
 import signal
@@ -71,9 +73,10 @@ def test_link_down_mid_training_every_rank_ends_naming_the_other_host(fresh, tmp
 def test_killed_host_every_survivor_ends_naming_it_and_pdsh_fails(fresh, tmp_path):
     hosts = fresh
     runs = str(tmp_path / "runs")
-    cfg = ["--deepspeed_config", jobs.ds_config(tmp_path, strategy="zigzag", size=4, ulysses_size=2,
-                                                timeout_s=TIMEOUT_S), "--steps", str(STEPS), *jobs.TINY,
-           "--run_dir", runs]
+    saved = str(tmp_path / "ckpt")
+    ds_json = jobs.ds_config(tmp_path, strategy="zigzag", size=4, ulysses_size=2, timeout_s=TIMEOUT_S)
+    cfg = ["--deepspeed_config", ds_json, "--steps", str(STEPS), *jobs.TINY, "--run_dir", runs,
+           "--save_dir", saved, "--save_interval", "1"]
     env = dict(hosts.env(), DS_ENV_FILE=os.path.join(str(tmp_path), ".deepspeed_env"))
     job = jobs.Job([jobs.deepspeed_hostfile(hosts, tmp_path, "pdsh", 29622, cfg)], env)
     try:
@@ -94,3 +97,17 @@ def test_killed_host_every_survivor_ends_naming_it_and_pdsh_fails(fresh, tmp_pat
     for line in said[0] + said[1]:
         assert names(line, [2, 3], "dsmn-b", "10.77.0.2", "stopped responding"), line
         assert not re.search(r"own error is above", line), line
+    # step 1's checkpoint is complete (step 2 was logged after it was saved): host a alone resumes it
+    # at 2 ranks (zigzag over both, 1 data replica as before: the same global batch) and its step 2
+    # is the lost job's step 2
+    lost = jobs.losses(runs)
+    resumed_runs = str(tmp_path / "resumed")
+    again = ["--deepspeed_config", ds_json, "--sp_size", "2", "--ulysses_size", "1", "--steps", "2", *jobs.TINY,
+             "--run_dir", resumed_runs, "--save_dir", saved, "--resume_universal", "--resume_tag", "step1"]
+    job = jobs.Job([jobs.torchrun_on(hosts, 0, 29623, again, nnodes=1)], hosts.env())
+    try:
+        assert job.wait(STARTUP_S) == [0], job.output[-4000:]
+    finally:
+        job.close()
+    (step2,) = jobs.losses(resumed_runs)
+    assert abs(step2 - lost[1]) <= 1e-5 * lost[1], f"resumed on one host: step 2 loss {step2} vs the lost job's {lost[1]}"
