@@ -206,28 +206,23 @@ def rank_calls(strategy: str, p: int, seq: int, causal: bool = True) -> List[Lis
 
 
 def window_calls(strategy: str, p: int, seq: int, window: int) -> List[List[Tuple[int, int, bool, bool]]]:
-    """Per rank, (queries, keys, causal, anti) of every sub-block the masked policy gives a causal
-    sliding window on CPU: strategies/varlen.py with the torch kernel's causal_tile and band_column
-    (what the ring loop runs, and what ``ds-seqpar bench --window`` times). Ulysses: one position holding
+    """Per rank, (queries, keys, causal, anti) of every kernel call of a causal sliding window on CPU: the
+    masked plan's bands (strategies/mask_plan.py), each cut as the torch kernel's ``band`` cuts it
+    (``pieces``: its CPU tiles and key columns), what the ring loop runs. Ulysses: one position holding
     the whole sequence (its H / P heads counted by the caller)."""
     from ...kernels import get_kernel
     from ...sharding.layouts import make_layout
     from ...strategies import get_strategy
-    from ...strategies.varlen import document_blocks, one_document, whole_sequence_blocks
-    kernel = get_kernel("torch", "cpu")
-    tile = lambda size: kernel.causal_tile(size, "cpu")  # noqa: E731
-    column = lambda width: kernel.band_column(width, "cpu")  # noqa: E731
-    docs = one_document(seq, None)
-    if strategy == "ulysses" or p == 1:
-        policy, positions, n = whole_sequence_blocks(docs, True, tile, window, column), 1, seq
-    else:
-        layout = make_layout(get_strategy(strategy).layout_name, p)
-        policy, positions, n = document_blocks(docs, layout, True, tile, window, column), p, seq // p
+    from ...strategies.mask_plan import masked_plan
+    kernel, whole = get_kernel("torch", "cpu"), strategy == "ulysses" or p == 1
+    layout = make_layout("contiguous" if whole else get_strategy(strategy).layout_name, 1 if whole else p)
+    plan = masked_plan(Mask(True, window), layout, seq)
     out = []
-    for me in range(positions):
-        subs = [b for src in range(positions) for b in policy(me, src, positions, True, n)]
-        out.append([(b.q.stop - b.q.start, b.k.stop - b.k.start, bool(b.causal), bool(b.anti)) for b in subs])
-    return out * p if positions == 1 else out
+    for me in range(layout.size):
+        bands = [b for src in range(layout.size) for b in plan.bands(me, src)]
+        out.append([(s.q.stop - s.q.start, s.k.stop - s.k.start, bool(s.causal), bool(s.anti)) for b in bands
+                    for s in kernel.pieces(b.q.stop - b.q.start, b.k.stop - b.k.start, b.lo, b.hi, "cpu")])
+    return out * p if whole else out
 
 
 __all__ = ["all_to_all_time", "attention_keys", "busiest_calls_s", "busiest_kernel_s", "call_s", "collective_time", "comm_s",
