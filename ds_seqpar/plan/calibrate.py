@@ -10,7 +10,7 @@ cost model with this machine's calibration (measure.py), one row per measured nu
 (alpha, beta) are least squares over cpu_full's softmax rows; each length is predicted with the fit
 of the OTHER lengths, so no row predicts itself. LASP (cpu_full), the hybrids' layers (hybrid_cpu), the
 training step (cpu_full) and the windows (window_cpu) reuse that fit: nothing is fitted on them. The
-window's pieces are the masked plan's bands cut as the CPU kernel cuts them (cost.times.window_calls),
+window's pieces are the masked plan's bands cut as the CPU kernel cuts them (cost.times.rank_calls),
 priced at the window run's own plain rate; the loop around each call (merge, gradient sums) is not
 priced, so those rows read a few percent optimistic. P = 4 is not timed (2 cores: it would measure
 the oversubscription): its bytes are held to the closed forms and its memory to memory_cpu.
@@ -238,7 +238,7 @@ def window_rows(window: Run, fit: Dict[str, float], blocks: Optional[Dict[str, A
         plain_x = exchange_s(fit, msgs, max(plan_bytes(s, p, u, shapes, None)))
         cost = dict(base, t_pair_s=(plain_s - plain_x - base["c_call_s"] * max(len(c) for c in plain_calls)) / unit)
         for w in m["windows"]:
-            calls, ours = times.window_calls(s, p, n, w), plan_bytes(s, p, u, shapes, w)
+            calls, ours = times.rank_calls(s, p, n, True, w), plan_bytes(s, p, u, shapes, w)
             kernel, x = times.busiest_calls_s(calls, cost, h), exchange_s(fit, msgs, max(ours))
             ratios.append(Row(SUITE, s, f"w={w}", WINDOW, "x", times_[s, str(w)].value, predicted=(kernel + x) / plain_s,
                               detail={"busiest rank's pieces": max(len(c) for c in calls), "kernel s priced": kernel,

@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate", action="store_true", help="measure this machine's alpha/beta (gloo, local ranks) and "
                    "kernel throughput; write the profile and the predicted-vs-measured report (--reports, --name)")
     p.add_argument("--reports", default="reports", help="--calibrate: where the measured reports are and the report goes")
-    p.add_argument("--name", default="plan_cpu", help="--calibrate: report name (REPORTS/NAME.md, .json, _profile.json)")
+    p.add_argument("--name", default="plan_cpu", help="--calibrate: report name (REPORTS/NAME.md, .rows.json, _profile.json)")
     return p
 
 

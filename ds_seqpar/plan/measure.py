@@ -1,15 +1,9 @@
-"""``--calibrate``'s measurements on this machine, and the least-squares fits over them.
-
-    alpha, beta   all-to-all and ring send/recv between 2 local ranks (launch.rankpool.RankPool),
-                  16 KiB .. 16 MiB, median of repeats: t = alpha + bytes / beta
-    throughput    one thread: a 1024^3 fp32 matmul; causal SDPA fwd + bwd at N = 2048 (8 heads x 64),
-                  FLOPs counted as cost/flops.py counts them
-    kernel calls  one thread, fp32, the project's CPU kernel (what the ring loop calls) on full and
-                  causal blocks: t(call) = c_call + t_pair x computed pairs (cost.pairs.computed_pairs:
-                  the CPU flash kernel skips masked work in whole key tiles only, so a causal square
-                  costs more per visible pair than a rectangle, and many small calls fall short of the
-                  FLOP bound). A window's pieces (a tall causal block per 128 keys, a 128 x 128 anti
-                  square) are timed too, not fitted: their cost over the fitted line is a factor each.
+"""``--calibrate``'s measurements on this machine and the least-squares fits over them: gloo's alpha
+and beta between 2 local ranks (16 KiB .. 16 MiB), one thread's matmul and causal SDPA rates, and the
+project's CPU kernel timed on full and causal blocks, t(call) = c_call + t_pair x computed pairs
+(cost.pairs.computed_pairs: the CPU flash kernel skips masked work in whole key tiles only). A window's
+pieces (a tall causal block per 128 keys, a 128 x 128 anti square) are timed, not fitted: their cost
+over the fitted line is a factor each.
 """
 from __future__ import annotations
 
@@ -163,20 +157,17 @@ def measure_blocks(heads: int = 8, head_dim: int = 64, repeats: int = 3) -> Dict
 
 def cpu_profile(comm: Dict[str, Any], kernels: Dict[str, float]) -> Gpu:
     """A profile (usable as --gpu) whose "peaks" are the measured rates and whose efficiencies are 1."""
-    a2a = comm["all_to_all"]
-    mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
-    tflops, link = kernels["matmul_flops_s"] / 1e12, a2a["beta_bytes_s"] / 1e9
-    alpha_us = a2a["alpha_s"] * 1e6
-    raw = {"name": "cpu-calibrated", "description": f"this machine ({platform.processor() or platform.machine()}), gloo",
-           "sources": {"measured": "ds-seqpar plan --calibrate (all-to-all alpha/beta, matmul and SDPA throughput)"},
-           "datasheet_peaks": {"memory_gb": mem_gb, "bf16_tflops": tflops, "tf32_tflops": tflops, "hbm_tb_s": 0.0,
-                               "nvlink_gb_s_per_direction": link, "inter_node_gb_s_per_gpu": link,
-                               "pcie_gb_s_per_direction": link, "host_memory_gb_per_node": mem_gb},
-           "assumed": {"usable_memory_fraction": 1.0, "runtime_reserve_gb": 0.0, "matmul_efficiency": 1.0,
-                       "attention_efficiency": kernels["attention_flops_s"] / kernels["matmul_flops_s"],
-                       "nvlink_efficiency": 1.0, "inter_node_efficiency": 1.0, "alpha_intra_us": alpha_us,
-                       "alpha_inter_us": alpha_us, "cpu_adam_params_per_s": 1e8}}
-    return from_dict(raw, "calibrated")
+    a2a, mem_gb = comm["all_to_all"], os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    tflops, link, alpha_us = kernels["matmul_flops_s"] / 1e12, a2a["beta_bytes_s"] / 1e9, a2a["alpha_s"] * 1e6
+    peaks = dict(memory_gb=mem_gb, bf16_tflops=tflops, tf32_tflops=tflops, hbm_tb_s=0.0, nvlink_gb_s_per_direction=link,
+                 inter_node_gb_s_per_gpu=link, pcie_gb_s_per_direction=link, host_memory_gb_per_node=mem_gb)
+    assumed = dict(usable_memory_fraction=1.0, runtime_reserve_gb=0.0, matmul_efficiency=1.0, nvlink_efficiency=1.0,
+                   attention_efficiency=kernels["attention_flops_s"] / kernels["matmul_flops_s"], alpha_intra_us=alpha_us,
+                   inter_node_efficiency=1.0, alpha_inter_us=alpha_us, cpu_adam_params_per_s=1e8)
+    return from_dict({"name": "cpu-calibrated", "datasheet_peaks": peaks, "assumed": assumed,
+                      "description": f"this machine ({platform.processor() or platform.machine()}), gloo",
+                      "sources": {"measured": "ds-seqpar plan --calibrate (all-to-all alpha/beta, matmul and SDPA "
+                                              "throughput)"}}, "calibrated")
 
 
 __all__ = ["BLOCKS", "WINDOW_BLOCKS", "cpu_profile", "fit_alpha_beta", "fit_call_cost", "lstsq2", "measure_blocks",

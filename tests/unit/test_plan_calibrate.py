@@ -148,7 +148,7 @@ def test_window_calls_are_the_sub_blocks_the_benchmark_ran(runs):
     assert len(pieces) == 8
     for (strategy, variant), r in pieces.items():
         w, rank = (int(x) for x in variant.split(", rank "))
-        calls = times.window_calls(strategy, p, n, w)[rank]
+        calls = times.rank_calls(strategy, p, n, True, w)[rank]
         pairs_ = sum(visible_pairs(SubBlock(slice(0, nq), slice(0, nk), c, a)) for nq, nk, c, a in calls)
         assert (len(calls), pairs_) == (r.detail["sub-blocks"], r.detail["visible pairs"]), f"{strategy} w={w}"
         assert any(c and nq > nk for nq, nk, c, _ in calls), "no tall key-column block: the window is cut by rows"
