@@ -1,22 +1,13 @@
-"""``--calibrate``'s models: what the bench measured here (its rows, report/rows.py) predicted by the
-cost model with this machine's calibration (measure.py), one row per measured number.
-
-    kernel    the busiest rank's kernel calls (cost.times: computed pairs at the rate of the run's own
-              single-process case, + c_call per call when the timed blocks fit well)
-    exchange  alpha x messages + bytes / beta, not overlapped (on 2 shared cores gloo's copies take
-              the core the kernel would use); messages: Ulysses 8 all-to-alls, the ring family
-              3 (P - 1) exchanges (K/V forward, K/V backward, dK/dV back), LASP 2
-
-(alpha, beta) are least squares over cpu_full's softmax rows; each length is predicted with the fit
-of the OTHER lengths, so no row predicts itself. LASP (cpu_full), the hybrids' layers (hybrid_cpu), the
-training step (cpu_full) and the windows (window_cpu) reuse that fit: nothing is fitted on them. The
-window's pieces are the masked plan's bands cut as the CPU kernel cuts them (cost.times.rank_calls),
-priced at the window run's own plain rate; the loop around each call (merge, gradient sums) is not
-priced, so those rows read a few percent optimistic. P = 4 is not timed (2 cores: it would measure
-the oversubscription): its bytes are held to the closed forms and its memory to memory_cpu.
-
-A run is read through the metrics its suite names (``Run.table``: the metric's first words) and its
-parameters (facts["meta"], as the bench saved them).
+"""``--calibrate``'s models: what the bench measured here (its rows, report/rows.py; a run's parameters
+in facts["meta"]) predicted by the cost model with this machine's calibration (measure.py), one row per
+measured number. A rank's time is its kernel calls (cost.times.rank_calls: computed pairs at the rate
+of the run's own single-process case, + c_call per call when the timed blocks fit well) plus its
+exchanges, alpha x messages + bytes / beta, not overlapped (on 2 shared cores gloo's copies take the
+core the kernel would use; messages: Ulysses 8 all-to-alls, the ring family 3 (P - 1), LASP 2).
+(alpha, beta) are least squares over cpu_full's softmax rows, each length predicted with the fit of the
+OTHER lengths; LASP, the hybrids' layers, the training step and the windows reuse that fit. P = 4 is not
+timed (2 cores: it would measure the oversubscription): its bytes are held to the closed forms and its
+memory to memory_cpu.
 """
 from __future__ import annotations
 
@@ -45,7 +36,8 @@ class Run:
     def __init__(self, path: str):
         self.rows, facts = load_rows(path)
         if "meta" not in facts:
-            raise PlanError(f"{path}: its facts lack the run's parameters (\"meta\"); re-render it with the bench")
+            raise PlanError(f"{path}: its facts lack \"meta\", the run's parameters --calibrate reads (the bench's "
+                            f"meta of the run: P or world, seq, heads, head_dim, ...)")
         self.meta = facts["meta"]
 
     def table(self, metric: str) -> Dict[Tuple[str, str], Row]:
