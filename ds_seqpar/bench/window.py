@@ -266,7 +266,7 @@ def resolve(args) -> argparse.Namespace:
 
 def write(summary, meta, out: str, pieces: Optional[List[dict]] = None) -> int:
     return write_page(out, {"rows": summary, "pieces": pieces, "meta": meta}, rows(summary, meta, pieces),
-                      facts(meta), PROG)
+                      dict(facts(meta), meta=meta), PROG)        # meta: the run's parameters plan --calibrate reads
 
 
 def measure(args, argv: List[str]) -> int:
