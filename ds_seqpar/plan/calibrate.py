@@ -31,7 +31,9 @@ SUITE = "plan"
 
 
 class Run:
-    """One bench run: its rows and parameters (facts["meta"])."""
+    """One bench run: its rows and parameters (facts["meta"]). ``table`` finds rows by the first words of
+    the metric their suite names them with (bench/attention.py, window.py, hybrid.py, memory_rows.py):
+    a metric renamed there is renamed here (tests/unit/test_plan_calibrate.py reads every one)."""
 
     def __init__(self, path: str):
         self.rows, facts = load_rows(path)
