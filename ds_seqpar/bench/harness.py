@@ -234,7 +234,7 @@ def load_json(path: str) -> Any:
 
 
 def write_page(out: str, saved: Dict[str, Any], rows, facts: Dict[str, Any], prog: str) -> int:
-    """<out>/<name>.json (``saved``, the measured results: --render and plan --calibrate read them),
+    """<out>/<name>.json (``saved``, the measured results: --render reads them; plan --calibrate the rows),
     <out>/<name>.md and <out>/<name>.rows.json (the page and its rows)."""
     from ..report.render import write
     save_json(os.path.join(out, f"{saved['meta']['name']}.json"), saved)

@@ -317,7 +317,7 @@ def resolve(args) -> argparse.Namespace:
 
 def write(summary, meta, out: str, ops=None, train=None) -> int:
     return write_page(out, {"rows": summary, "ops": ops, "train": train, "meta": meta},
-                      rows(summary, meta, ops, train), facts(meta, list(summary)), PROG)
+                      rows(summary, meta, ops, train), dict(facts(meta, list(summary)), meta=meta), PROG)
 
 
 def measure(args, argv: List[str]) -> int:

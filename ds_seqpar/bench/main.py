@@ -314,7 +314,8 @@ def render_results(res: Dict[str, Any], out_dir: str):
     from .attention import facts, rows, write_plots
     found = rows(res)
     write_plots(found, res["meta"], os.path.join(out_dir, res["meta"]["name"]))
-    return write(out_dir, res["meta"]["name"], found, facts(res)), found
+    meta = dict(res["meta"], train_model=res.get("train_model"))      # the run's parameters plan --calibrate reads
+    return write(out_dir, res["meta"]["name"], found, dict(facts(res), meta=meta)), found
 
 
 def render_saved(path: str) -> str:

@@ -220,7 +220,7 @@ def finish(res: Dict[str, Any], out: str) -> Dict[str, Any]:
     save_json(os.path.join(out, f"{res['meta']['name']}.json"), res, default=str)
     write_plots(res, out)
     found = rows(res)
-    md = write(out, res["meta"]["name"], found, facts(res))
+    md = write(out, res["meta"]["name"], found, dict(facts(res), meta=res["meta"]))    # meta: for plan --calibrate
     print("\n".join(f"{r.case} {r.variant}: {r.metric[:50]}  {r.value:8.3f}  {result(r)}" for r in found if r.target))
     print(f"ds-seqpar bench memory: wrote {md}")
     return res

@@ -99,7 +99,7 @@ def bench_rank(args) -> Dict[str, list]:
 
 def masked_vs_subblocks(args) -> List[dict]:
     """One rank's diagonal block (n = N/P tokens) of documents of one length: per-document causal
-    sub-blocks (what varlen.py does) vs one masked block (attn_mask, same CPU flash kernel), fwd+bwd."""
+    sub-blocks (what the masked plan computes) vs one masked block (attn_mask, same CPU flash kernel), fwd+bwd."""
     import torch
     n = args.seq // args.P
     q, k, v, dout = (t.transpose(1, 2) for t in attention_inputs(n, args.heads, args.head_dim))     # [b, h, s, d]

@@ -71,13 +71,12 @@ def window_work(name: str, p: int, seq: int, window: Optional[int]) -> List[int]
 
 
 def policy_work(name: str, p: int, seq: int, window: Optional[int]) -> List[int]:
-    """(q, k) pairs per rank the masked block policy computes (strategies/varlen.py), ring family."""
+    """(q, k) pairs per rank the masked plan computes (strategies/mask_plan.py), ring family."""
     from ..sharding.layouts import make_layout
     from ..strategies import get_strategy
-    from ..strategies.varlen import document_blocks, one_document
-    layout = make_layout(get_strategy(name).layout_name, p)
-    policy = document_blocks(one_document(seq, None), layout, True, None, window)
-    return [sum(policy.pairs(me, src) for src in range(p)) for me in range(p)]
+    from ..strategies.mask_plan import masked_plan
+    plan = masked_plan(Mask(True, window), make_layout(get_strategy(name).layout_name, p), seq)
+    return [sum(plan.pairs(me, src) for src in range(p)) for me in range(p)]
 
 
 def window_closed_form(name: str, args, window: Optional[int]) -> List[int]:

@@ -79,29 +79,32 @@ def bench_rank(args) -> Dict[str, list]:
 
 def _policies(name: str, args, window: Optional[int]):
     """(busiest position, sub-blocks of (position, src), positions, local length, heads) of one strategy:
-    the ring family's own blocks without a window, the masked policy (varlen.py, the torch kernel's
-    tiles) with one; Ulysses one position, the whole sequence, heads / P."""
+    the ring family's own blocks without a window, the masked plan's bands cut as the torch kernel's ``band``
+    cuts them (its tiles and key columns) with one; Ulysses one position, the whole sequence, heads / P."""
     from ..kernels import get_kernel
+    from ..masks import Mask
     from ..sharding.layouts import make_layout
     from ..strategies import STRATEGIES, get_strategy
+    from ..strategies.mask_plan import masked_plan
     from ..strategies.ring_loop import plain_blocks
-    from ..strategies.varlen import document_blocks, one_document, whole_sequence_blocks
     kernel, n = get_kernel("torch", "cpu"), args.seq
-    tile = lambda size: kernel.causal_tile(size, "cpu")  # noqa: E731
-    column = lambda width: kernel.band_column(width, "cpu")  # noqa: E731
+    shift = lambda s, a: slice(a + s.start, a + s.stop)  # noqa: E731
+
+    def cut(plan):
+        return lambda me, src: [s._replace(q=shift(s.q, b.q.start), k=shift(s.k, b.k.start))
+                                for b in plan.bands(me, src)
+                                for s in kernel.pieces(b.q.stop - b.q.start, b.k.stop - b.k.start, b.lo, b.hi, "cpu")]
     if name == "ulysses":
         if window is None:
             return 0, lambda me, src: plain_blocks(0, 0, 1, True, n), 1, n, args.heads // args.P
-        policy = whole_sequence_blocks(one_document(n, None), True, tile, window, column)
-        return 0, lambda me, src: policy(me, src, 1, True, n), 1, n, args.heads // args.P
+        return 0, cut(masked_plan(Mask(True, window), make_layout("contiguous", 1), n)), 1, n, args.heads // args.P
     work = window_work(name, args.P, n, window)
     busiest, n = work.index(max(work)), n // args.P
     if window is None:
         blocks = STRATEGIES[name].blocks
         return busiest, lambda me, src: blocks(me, src, args.P, True, n), args.P, n, args.heads
     layout = make_layout(get_strategy(name).layout_name, args.P)
-    policy = document_blocks(one_document(args.seq, None), layout, True, tile, window, column)
-    return busiest, lambda me, src: policy(me, src, args.P, True, n), args.P, n, args.heads
+    return busiest, cut(masked_plan(Mask(True, window), layout, args.seq)), args.P, n, args.heads
 
 
 def kernel_pieces(args) -> List[dict]:
@@ -110,7 +113,7 @@ def kernel_pieces(args) -> List[dict]:
     cost, and its time per visible pair (small and diagonal pieces cost more per pair than big blocks)."""
     import statistics
     from ..kernels import get_kernel
-    from ..strategies.bands import SubBlock, visible_pairs
+    from ..kernels.bands import SubBlock, visible_pairs
     kernel, scale, rows = get_kernel("torch", "cpu"), args.head_dim ** -0.5, []
     for name in args.strategies:
         for window in [None] + list(args.windows):
@@ -263,7 +266,7 @@ def resolve(args) -> argparse.Namespace:
 
 def write(summary, meta, out: str, pieces: Optional[List[dict]] = None) -> int:
     return write_page(out, {"rows": summary, "pieces": pieces, "meta": meta}, rows(summary, meta, pieces),
-                      facts(meta), PROG)
+                      dict(facts(meta), meta=meta), PROG)        # meta: the run's parameters plan --calibrate reads
 
 
 def measure(args, argv: List[str]) -> int:

@@ -83,7 +83,7 @@ class AttentionKernel:
 
     def forward_block(self, q_bshd, k_bshd, v_bshd, causal: bool, anti: bool, scale: float,
                       softcap: Optional[float] = None):
-        """One sub-block (strategies/bands.py): full, causal or anti-causal."""
+        """One sub-block (kernels/bands.py): full, causal or anti-causal."""
         if not anti:
             return self.forward(q_bshd, k_bshd, v_bshd, causal, scale, softcap)
         out_bshd, lse_bhs = self.forward(*_reversed(q_bshd, k_bshd, v_bshd), True, scale, softcap)

@@ -7,11 +7,10 @@
     model_shape.py  the numbers of a model, from its Hugging Face config
     search.py       every configuration, checked as the main job checks it, predicted and ranked
     ds_json.py      the chosen configuration as a DeepSpeed JSON
-    main.py         the command line
-    calibrate.py    --calibrate: this machine's alpha/beta (gloo ranks) and kernel rates
-    kernel_model.py --calibrate: kernel calls timed here, the per-call and per-pair costs fitted
-    calibrate_fit.py, calibrate_window.py, calibrate_p4.py  the calibrated predictions per measured report
-    calibrate_report.py  reports/plan_cpu.md: the calibrated predictions beside what reports/ measured
+    main.py         the command line; inputs.py: the model and documents it is asked for
+    measure.py      --calibrate's timing here: gloo alpha/beta, kernel rates, kernel calls, and their fits
+    calibrate.py    --calibrate's models: the bench's rows (report/rows.py) predicted with those numbers
+    calibrate_report.py  --calibrate: measure, predict, write reports/plan_cpu as rows (report/render.py)
 
 Bytes per rank come from strategies/closed_form.py, the same oracle the distributed tests hold the
 strategies to. docs/plan.md has the model and how its predictions compare with published and

@@ -8,17 +8,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections import OrderedDict
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 from ..config import ConfigError
 from . import hardware
 from .ds_json import ds_config
 from .cost.bytes import SPAN_BUDGET
-from .hardware import PlanError
-from .model_shape import ModelShape, from_hf_config
+from .inputs import OWN_LM, check_args, equal_documents, load_model
+from .model_shape import ModelShape
 from .search import Cluster, Prediction, gpus_needed, longest_sequence, plan
 
 GB, KB, MB = 1e9, 1e3, 1e6
@@ -43,73 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate", action="store_true", help="measure this machine's alpha/beta (gloo, local ranks) and "
                    "kernel throughput; write the profile and the predicted-vs-measured report (--reports, --name)")
     p.add_argument("--reports", default="reports", help="--calibrate: where the measured reports are and the report goes")
-    p.add_argument("--name", default="plan_cpu", help="--calibrate: report name (REPORTS/NAME.md, .json, _profile.json)")
+    p.add_argument("--name", default="plan_cpu", help="--calibrate: report name (REPORTS/NAME.md, .rows.json, _profile.json)")
     return p
-
-
-OWN_LM = "ds_seqpar_lm"
-
-
-def own_lm_shape(raw: dict, name: str) -> ModelShape:
-    """The project's own LM (models/lm.py) from a JSON of its ModelConfig fields with "model_type":
-    "ds_seqpar_lm" (configs/plan/own_lm_linear.json); validated by ModelConfig itself. Softmax: a
-    Llama-style shape; linear: every layer "lasp" (strategy lasp, one [d, d] state per q head)."""
-    from ..models.lm import ModelConfig
-    fields = {k: v for k, v in raw.items() if k != "model_type"}
-    try:
-        cfg = ModelConfig(**fields)
-    except (TypeError, ValueError) as err:
-        raise PlanError(f"--model {name}: not a ds_seqpar_lm config ({err}); keys are ModelConfig's: "
-                        f"{', '.join(ModelConfig.__dataclass_fields__)}") from None
-    linear = cfg.attention == "linear"
-    return ModelShape(name, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_hidden,
-                      cfg.vocab_size, tied=cfg.tie_embeddings, kinds=("lasp",) * cfg.n_layers if linear else (),
-                      lin_heads=cfg.n_heads if linear else 0, lin_dk=cfg.head_dim if linear else 0,
-                      lin_dv=cfg.head_dim if linear else 0, transition="fixed", model_type=OWN_LM)
-
-
-def load_model(path: str) -> ModelShape:
-    """The HF config through the project's loader, checked as the main job checks it; or the
-    project's own LM (own_lm_shape)."""
-    from ..hf.checks import check_config, text_config
-    from ..hf.linear_layers import HYBRID_MODEL_TYPES
-    from ..hf.model_io import load_config
-    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
-        raise PlanError(f"--model {path!r} is a directory without config.json; pass a Hugging Face model directory "
-                        f"or a config JSON file (e.g. configs/models/llama_small.json)")
-    if path.endswith(".json") and os.path.isfile(path):
-        with open(path) as f:
-            try:
-                raw = json.load(f)
-            except json.JSONDecodeError as err:
-                raise PlanError(f"--model {path!r} is not valid JSON: {err}") from None
-        if isinstance(raw, dict) and raw.get("model_type") == OWN_LM:
-            return own_lm_shape(raw, os.path.basename(path))
-    config = load_config(path)
-    hybrid = getattr(text_config(config), "model_type", None) in HYBRID_MODEL_TYPES
-    check_config(config, training=True, linear_ok=hybrid)
-    return from_hf_config(config, os.path.basename(path.rstrip("/")), HYBRID_MODEL_TYPES)
-
-
-def equal_documents(seq: int, doc_len: Optional[int]) -> Optional[Tuple[int, ...]]:
-    """``--doc-len``: documents of doc_len tokens packed into seq (the last one shorter)."""
-    if not doc_len or doc_len >= seq:
-        return None
-    full, rest = divmod(seq, doc_len)
-    return (doc_len,) * full + ((rest,) if rest else ())
-
-
-def check_args(opts) -> None:
-    for name in ("model", "seq_len", "gpus"):
-        if getattr(opts, name) is None:
-            raise PlanError(f"--{name.replace('_', '-')} is required")
-    if opts.seq_len < 2 or opts.gpus < 1 or opts.gpus_per_node < 1:
-        raise PlanError(f"--seq-len={opts.seq_len} must be >= 2, --gpus={opts.gpus} and "
-                        f"--gpus-per-node={opts.gpus_per_node} >= 1")
-    if opts.doc_len is not None and opts.doc_len < 1:
-        raise PlanError(f"--doc-len={opts.doc_len} must be >= 1 (tokens per packed document)")
-    if opts.gpus > opts.gpus_per_node and opts.gpus % opts.gpus_per_node:
-        raise PlanError(f"--gpus={opts.gpus} is not a whole number of nodes of --gpus-per-node={opts.gpus_per_node}")
 
 
 def _gb(x: float) -> str:
@@ -187,7 +121,8 @@ def _as_json(p: Prediction) -> dict:
 
 def run(opts) -> int:
     if opts.calibrate:
-        return calibrate_here(opts)
+        from .calibrate_report import run as calibrate
+        return calibrate(opts)
     check_args(opts)
     gpu = hardware.load_gpu(opts.gpu)
     shape = load_model(opts.model)
@@ -218,28 +153,6 @@ def run(opts) -> int:
             print(f"run it with the model's sizes: python -m ds_seqpar.train --deepspeed_config {opts.out} "
                   f"--dim {shape.hidden} --n_layers {shape.layers} --n_heads {shape.heads} --n_kv_heads "
                   f"{shape.kv_heads} --mlp_hidden {shape.intermediate}" + (" --untied" if not shape.tied else ""))
-    return 0
-
-
-def calibrate_here(opts) -> int:
-    """Measure, write REPORTS/NAME_profile.json (usable as --gpu) and REPORTS/NAME.md."""
-    import time as _time
-    from . import calibrate, calibrate_report
-    start = _time.time()
-    load = os.getloadavg()[0]
-    from . import kernel_model
-    kernels = calibrate.measure_kernels()
-    blocks = kernel_model.measure_blocks()
-    comm = calibrate.measure_comm(2, 7)
-    profile = calibrate.cpu_profile(comm, kernels)
-    os.makedirs(opts.reports, exist_ok=True)
-    with open(os.path.join(opts.reports, f"{opts.name}_profile.json"), "w") as f:
-        json.dump(hardware.describe(profile), f, indent=2)
-    note = (f"Machine: {os.cpu_count()} cores, 1-minute load {load:.1f} before and {os.getloadavg()[0]:.1f} after "
-            f"(the rates move with the load); calibration took {_time.time() - start:.0f} s.")
-    md = calibrate_report.write({"kernels": kernels, "comm": comm, "blocks": blocks}, opts.reports, opts.name, note,
-                                profile)
-    print(f"wrote {md} and {os.path.join(opts.reports, opts.name + '_profile.json')} (usable as --gpu)")
     return 0
 
 

@@ -16,7 +16,7 @@ from typing import List, Sequence, Tuple
 import torch
 
 __all__ = ["Layout", "ContiguousLayout", "ZigzagLayout", "StripedLayout", "HybridLayout",
-           "LAYOUTS", "make_layout", "causal_mask_picture"]
+           "LAYOUTS", "make_layout"]
 
 
 def _positive_int(value, what: str) -> int:
@@ -120,11 +120,6 @@ class Layout:
     def inverse(self, seq_len: int, device=None) -> torch.Tensor:
         """inv[t] = rank-major slot of global token t (argsort of the permutation)."""
         return torch.argsort(self.permutation(seq_len, device))
-
-    def causal_work(self, seq_len: int) -> List[int]:
-        """Per rank, the number of (q, k) pairs with k <= q over the whole sequence's keys."""
-        n = self.validate(seq_len)
-        return [int((self._local_indices(n, r) + 1).sum()) for r in range(self.size)]
 
     def shard(self, x: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
         """Global-order x -> this rank's tokens along `dim`, in local order."""
@@ -374,27 +369,3 @@ def make_layout(name: str, ring_size: int, ulysses_size: int = 1) -> Layout:
     if _positive_int(ulysses_size, "ulysses_size") == 1:
         return LAYOUTS[name](ring_size)
     return HybridLayout(LAYOUTS[name], ring_size, ulysses_size)
-
-
-def causal_mask_picture(layout: Layout, seq_len: int) -> str:
-    """The ASCII picture used in the docstrings above: owners, then the causal mask with rows
-    (queries) and columns (keys) in rank-major order, x = attended; then work per rank."""
-    n = layout.validate(seq_len)
-    owned = [layout.indices(n, r).tolist() for r in range(layout.size)]
-    owner = layout.inverse(n).div(n // layout.size, rounding_mode="floor").tolist()
-    w, rw = len(str(n - 1)), len(f"r{layout.size - 1}")
-
-    def cells(fn):
-        return " | ".join(" ".join(f"{fn(k):>{w}}" for k in keys) for keys in owned)
-
-    pad = " " * (rw + w + 4)
-    header = cells(str)
-    lines = ["rank of each token: " + " ".join(str(r) for r in owner), pad + header]
-    for r, queries in enumerate(owned):
-        if r:
-            lines.append(pad + "".join("+" if ch == "|" else "-" for ch in header))
-        for i, q in enumerate(queries):
-            label = f"r{r}" if i == 0 else ""
-            lines.append(f"{label:<{rw}}  {q:>{w}}  " + cells(lambda k: "x" if k <= q else "."))
-    work = " ".join(f"r{r}={c}" for r, c in enumerate(layout.causal_work(n)))
-    return "\n".join(lines + [f"causal (q, k) pairs per rank: {work}"])

@@ -8,6 +8,8 @@ import torch
 
 from ds_seqpar import SequenceParallel
 from ds_seqpar.kernels import AttentionKernel
+from ds_seqpar.masks import Mask
+from ds_seqpar.plan.cost.pairs import layout_pairs
 from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind
 
 from ..dist_checks import HEAD_CASES, check_attention_exact, global_inputs, sharded_attention_grads
@@ -146,7 +148,7 @@ def _work_per_rank(cfgs, causal):
         sp.strategy.ctx.kernel = counter
         q, k, v, dout = global_inputs(3, 1, SEQ, 2, 2, HEAD_DIM)
         sharded_attention_grads(sp, q, k, v, dout, causal)
-        visible = sp.layout.causal_work(SEQ)[sp.rank] if causal else (SEQ // sp.size) * SEQ
+        visible = layout_pairs(sp.layout, SEQ, SEQ, Mask(True))[sp.rank] if causal else (SEQ // sp.size) * SEQ
         out.append((sp.rank, counter.calls, visible))
     return out
 

@@ -7,8 +7,10 @@ import torch
 
 from ds_seqpar.sharding.documents import (Documents, as_boundaries, boundaries_from_positions, check_documents,
                                           layout_stride, positions_from_boundaries)
+from ds_seqpar.kernels.bands import cut_band
+from ds_seqpar.masks import Mask
 from ds_seqpar.sharding.layouts import make_layout
-from ds_seqpar.strategies.varlen import document_blocks, whole_sequence_blocks
+from ds_seqpar.strategies.mask_plan import masked_plan
 
 LAYOUTS = [("contiguous", 4, 1), ("zigzag", 4, 1), ("striped", 4, 1), ("zigzag", 2, 2), ("striped", 2, 2),
            ("contiguous", 1, 1), ("zigzag", 3, 1)]
@@ -19,6 +21,17 @@ def _mask(docs, g_q, g_k, causal):
     dq, dk = docs.doc_of(g_q), docs.doc_of(g_k)
     same = (dq[:, None] == dk[None, :]) & (dq[:, None] >= 0)
     return same & (g_k[None, :] <= g_q[:, None]) if causal else same
+
+
+def _plan(docs, ring_layout, causal):
+    return masked_plan(Mask.from_boundaries(docs.bounds, causal), ring_layout, docs.padded_len)
+
+
+def _pieces(plan, me, src, tile=None):
+    """The plan's bands of (me, src) cut into sub-blocks (causal squares in tiles of ``tile``), local slots."""
+    shift = lambda s, a: slice(a + s.start, a + s.stop)  # noqa: E731
+    return [s._replace(q=shift(s.q, b.q.start), k=shift(s.k, b.k.start)) for b in plan.bands(me, src)
+            for s in cut_band(b.q.stop - b.q.start, b.k.stop - b.k.start, b.lo, b.hi, tile)]
 
 
 def _tiled(subs, nq, nk):
@@ -42,22 +55,22 @@ def test_sub_blocks_tile_the_document_mask_exactly(name, ring, ulysses, bounds, 
     layout = make_layout(name, ring, ulysses)
     padded = -(-48 // layout.required_multiple) * layout.required_multiple
     docs = Documents(bounds, padded)
-    policy = document_blocks(docs, layout.ring_layout, causal, None if tile is None else lambda size: tile)
+    plan = _plan(docs, layout.ring_layout, causal)
     idx = [layout.ring_layout.indices(padded, r) for r in range(ring)]
     for me, src in itertools.product(range(ring), repeat=2):
-        subs = policy(me, src, ring, causal, len(idx[me]))
+        subs = _pieces(plan, me, src, None if tile is None else lambda size: tile)
         cover = _tiled(subs, len(idx[me]), len(idx[src]))
         want = _mask(docs, idx[me], idx[src], causal).to(torch.int64)
         assert torch.equal(cover, want), (name, ring, ulysses, bounds, causal, me, src, subs)
-        assert policy.needs(me, src) == bool(want.any())
+        assert plan.needs(me, src) == bool(want.any())
 
 
 def test_cpu_kernel_cuts_small_causal_squares_only():
     from ds_seqpar.kernels import TorchKernel
     kernel = TorchKernel()
     assert [kernel.causal_tile(n, "cpu") for n in (64, 256, 512, 1024, 4096)] == [None, None, 128, 128, 256]
-    subs = whole_sequence_blocks(Documents([0, 300], 300), True, lambda size: kernel.causal_tile(size, "cpu"))(
-        0, 0, 1, True, 300)
+    subs = _pieces(_plan(Documents([0, 300], 300), make_layout("contiguous", 1), True), 0, 0,
+                   lambda size: kernel.causal_tile(size, "cpu"))
     assert [(s.q.start, s.q.stop, s.k.start, s.k.stop, s.causal) for s in subs] == [
         (0, 128, 0, 128, True), (128, 256, 128, 256, True), (128, 256, 0, 128, False),
         (256, 300, 256, 300, True), (256, 300, 0, 256, False)]
@@ -65,7 +78,7 @@ def test_cpu_kernel_cuts_small_causal_squares_only():
 
 def test_whole_sequence_policy_is_one_square_per_document():
     docs = Documents([0, 3, 10, 11], 12)                   # token 11: end padding, attends nothing
-    subs = whole_sequence_blocks(docs, True)(0, 0, 1, True, 12)
+    subs = _pieces(_plan(docs, make_layout("contiguous", 1), True), 0, 0)
     assert [(s.q.start, s.q.stop, s.causal) for s in subs] == [(0, 3, True), (3, 10, True), (10, 11, True)]
     assert [(s.k.start, s.k.stop) for s in subs] == [(0, 3), (3, 10), (10, 11)]
 

@@ -106,7 +106,7 @@ def _masked_reference(q, k, v, dout, visible, scale, dtype, softcap=None):
 @pytest.mark.parametrize("anti", [False, True])
 @pytest.mark.parametrize("softcap", [None, 3.0])
 def test_tall_causal_and_anti_blocks_match_reference(monkeypatch, anti, softcap):
-    """The CPU kernel's tall blocks (a window cut into key columns, strategies/bands.py): top-left
+    """The CPU kernel's tall blocks (a window cut into key columns, kernels/bands.py): top-left
     causal (rows past seq_k see every key) and its bottom-right mirror, softcapped too (the written-out
     path, cut at the triangle's end: SOFTCAP_ROWS made small so the cut lands inside the block)."""
     import ds_seqpar.kernels.torch_kernel as tk

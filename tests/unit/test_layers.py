@@ -6,7 +6,8 @@
 - models, launch and hf import the core only; train the core, models, launch and hf; bench those,
   train (it times the training step through train.run_training) and report's plotting helper, rows,
   renderer and targets;
-  report the core only (nothing of train or bench);
+  plan the core, models, hf, launch and report's rows and renderer (--calibrate);
+  report the core only (nothing of train, bench or plan);
 - only comm.py talks to torch.distributed (launch/ and train/, which start the world, may too; and
   bench/trainer.py, which runs DeepSpeed's own Ulysses path: it reproduces that path's raw calls and
   the gloo errors they raise, and stands in for one of them, so it must call what that code calls);
@@ -39,7 +40,8 @@ ALLOWED = {
     "bench": {"core", "models", "launch", "hf", "train", "report.plotting", "report.rows", "report.render",
               "report.targets"},                    # bench writes rows and renders them; report never reads bench
     "report": {"core"},
-    "plan": {"core", "models", "hf", "launch"},   # the own LM's ModelConfig; HF configs through hf/; --calibrate's ranks
+    "plan": {"core", "models", "hf", "launch", "report.rows", "report.render"},   # the own LM's ModelConfig; HF
+                                            # configs through hf/; --calibrate's ranks, the rows it reads and writes
     "dashboard": set(),                     # the wandb view: plain data, imports nothing of the package
     "root": {"core"},                       # ds_seqpar/__init__.py: the public API is the core's
     "cli": {"core", "models", "launch", "hf", "train", "bench", "report", "plan", "dashboard"},     # the entry point over all commands

@@ -2,8 +2,10 @@
 import pytest
 import torch
 
+from ds_seqpar.masks import Mask
+from ds_seqpar.plan.cost.pairs import layout_pairs
 from ds_seqpar.sharding.layouts import (LAYOUTS, ContiguousLayout, HybridLayout, Layout, StripedLayout,
-                               ZigzagLayout, causal_mask_picture, make_layout)
+                                        ZigzagLayout, make_layout)
 
 # (name, ring_size, ulysses_size): every plain layout at P = 1..4, and 2D hybrids
 CASES = [(name, p, 1) for name in LAYOUTS for p in (1, 2, 3, 4)]
@@ -176,16 +178,20 @@ def _brute_force_work(layout, n):
     return [int(causal[layout.indices(n, r)].sum()) for r in range(layout.size)]
 
 
+def _causal_work(layout, n):
+    """Per rank, the causal (q, k) pairs its queries see: the cost model's count (plan/cost/pairs.py)."""
+    return list(layout_pairs(layout, n, n, Mask(True)))
+
+
 def test_causal_work_matches_brute_force(layout):
     n = 2 * layout.required_multiple
-    assert layout.causal_work(n) == _brute_force_work(layout, n), f"{layout} N={n}"
+    assert _causal_work(layout, n) == _brute_force_work(layout, n), f"{layout} N={n}"
 
 
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_zigzag_balanced_striped_nearly_contiguous_not(p):
     n = 1024 * 3
-    zig, stri, cont = (LAYOUTS[name](p).causal_work(n) for name in ("zigzag", "striped",
-                                                                      "contiguous"))
+    zig, stri, cont = (_causal_work(LAYOUTS[name](p), n) for name in ("zigzag", "striped", "contiguous"))
     total = n * (n + 1) // 2
     for name, work in (("zigzag", zig), ("striped", stri), ("contiguous", cont)):
         assert sum(work) == total, f"{name} P={p}: work {work} does not sum to {total}"
@@ -197,6 +203,30 @@ def test_zigzag_balanced_striped_nearly_contiguous_not(p):
 
 
 # -- docstring pictures ------------------------------------------------------------------------
+
+def causal_mask_picture(layout: Layout, seq_len: int) -> str:
+    """The ASCII picture of the layouts' docstrings: owners, then the causal mask with rows
+    (queries) and columns (keys) in rank-major order, x = attended; then work per rank."""
+    n = layout.validate(seq_len)
+    owned = [layout.indices(n, r).tolist() for r in range(layout.size)]
+    owner = layout.inverse(n).div(n // layout.size, rounding_mode="floor").tolist()
+    w, rw = len(str(n - 1)), len(f"r{layout.size - 1}")
+
+    def cells(fn):
+        return " | ".join(" ".join(f"{fn(k):>{w}}" for k in keys) for keys in owned)
+
+    pad = " " * (rw + w + 4)
+    header = cells(str)
+    lines = ["rank of each token: " + " ".join(str(r) for r in owner), pad + header]
+    for r, queries in enumerate(owned):
+        if r:
+            lines.append(pad + "".join("+" if ch == "|" else "-" for ch in header))
+        for i, q in enumerate(queries):
+            label = f"r{r}" if i == 0 else ""
+            lines.append(f"{label:<{rw}}  {q:>{w}}  " + cells(lambda k: "x" if k <= q else "."))
+    work = " ".join(f"r{r}={c}" for r, c in enumerate(_causal_work(layout, n)))
+    return "\n".join(lines + [f"causal (q, k) pairs per rank: {work}"])
+
 
 def _lines(text):
     return [line.strip() for line in text.strip().splitlines()]

@@ -264,7 +264,7 @@ def test_a_sequence_nothing_fits_says_what_would(capsys):
 # -- --calibrate's arithmetic (the measurement itself needs ranks: not here) ------------------------
 
 def test_alpha_beta_fit_recovers_a_line():
-    from ds_seqpar.plan.calibrate import fit_alpha_beta
+    from ds_seqpar.plan.measure import fit_alpha_beta
     points = [(b, 2e-4 + b / 3e9) for b in (1 << 14, 1 << 18, 1 << 20, 1 << 24)]
     fit = fit_alpha_beta(points)
     assert fit["alpha_s"] == pytest.approx(2e-4, rel=1e-6) and fit["beta_bytes_s"] == pytest.approx(3e9, rel=1e-6)
@@ -282,15 +282,21 @@ def test_calibrated_speedups_are_the_compute_bounds_when_comm_is_free():
     assert all(worse[s] < got[s] for s in got)
 
 
-def test_calibrate_report_memory_rows_follow_the_measurements():
-    from ds_seqpar.plan.calibrate_report import memory_rows
+def test_calibrate_report_memory_rows_follow_the_measurements(tmp_path):
+    """--calibrate reads the memory benchmark's rows: the fitted phase slopes (KiB per token) of a variant
+    measured at two lengths, against the plan's count."""
+    from ds_seqpar.plan.calibrate import Run, memory_rows
+    from ds_seqpar.report.rows import Row, save_rows
     base = {"model": "llama", "world": 1, "features": False, "hidden": 256, "layers": 8, "heads": 8, "kv_heads": 2,
             "intermediate": 688, "vocab": 32000, "tiled_loss_tokens": 256, "tiled_mlp_tokens": 1024, "strategy": "zigzag"}
-    ms = [dict(base, tokens_per_rank=n, phase_peak_bytes={"forward": 1e9 + 400_000 * n, "optimizer": 1.2e9})
-          for n in (1024, 2048)]
-    rows = memory_rows({"measurements": ms})
-    assert len(rows) == 1 and rows[0]["measured"] == pytest.approx(400_000)
-    assert rows[0]["predicted"] == max(memory.per_token(_shape_of(base, False), 4, Features(), True).values())
+    rows = [Row("memory", "llama", "P=1 off", "Bytes per token of each phase (KiB, fitted slope)", "KiB", 400_000 / 1024,
+                detail={"forward": 400_000 / 1024, "optimizer": 0.0})]
+    rows += [Row("memory", "llama", f"P=1 off, {n} tokens/rank", "Every measurement: peak per rank of the whole step "
+                 "(MiB)", "MiB", 1e3) for n in (1024, 2048)]
+    save_rows(str(tmp_path / "memory.rows.json"), rows, {"meta": base})
+    rows = memory_rows(Run(str(tmp_path / "memory.rows.json")))
+    assert len(rows) == 1 and rows[0].value == pytest.approx(400_000)
+    assert rows[0].predicted == max(memory.per_token(_shape_of(base, False), 4, Features(), True).values())
 
 
 def test_the_cost_model_imports_only_the_core():
@@ -300,7 +306,7 @@ def test_the_cost_model_imports_only_the_core():
     import ds_seqpar.plan as plan_pkg
     from tests.unit.test_layers import CORE
     folder = os.path.dirname(plan_pkg.__file__)
-    tools_only = {"main.py", "calibrate.py", "calibrate_report.py"}
+    tools_only = {"main.py", "inputs.py", "measure.py", "calibrate.py", "calibrate_report.py"}
     bad = []
     for name in sorted(os.listdir(folder)):
         if not name.endswith(".py") or name in tools_only:

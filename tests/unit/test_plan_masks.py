@@ -1,6 +1,6 @@
 """The plan's masks (plan/cost: pairs.py, bytes.py): sliding windows and packed documents in the attention work and
 the bytes, per layer kind, held to the strategies' closed forms and to the work the window benchmark
-counted (reports/window_cpu.json); and the project's own LM with strategy lasp. Pure Python, no ranks."""
+counted (reports/window_cpu.rows.json); and the project's own LM with strategy lasp. Pure Python, no ranks."""
 from __future__ import annotations
 
 import json
@@ -21,7 +21,7 @@ from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind
 from ..reference import pairs_per_query_set
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-WINDOW_REPORT = os.path.join(ROOT, "reports", "window_cpu.json")
+WINDOW_REPORT = os.path.join(ROOT, "reports", "window_cpu.rows.json")
 OWN_LINEAR = os.path.join(ROOT, "configs", "plan", "own_lm_linear_1b.json")
 
 
@@ -39,18 +39,19 @@ def test_pairs_total_is_the_mask_counted_pair_by_pair(causal, window, docs):
 
 @pytest.mark.parametrize("strategy", ["ring", "zigzag", "striped", "ulysses"])
 def test_work_per_rank_is_the_window_benchmarks(strategy):
-    """reports/window_cpu.json counted the visible pairs per rank of P=2 x 8192 tokens (plain, windows
+    """reports/window_cpu counted the visible pairs per rank of P=2 x 8192 tokens (plain, windows
     1024 and 2048) and their work ratios; the plan's busiest-rank work must be the same numbers."""
-    with open(WINDOW_REPORT) as f:
-        report = json.load(f)
-    meta, rows = report["meta"], report["rows"][strategy]
+    from ds_seqpar.plan.calibrate import Run
+    report = Run(WINDOW_REPORT)
+    meta, rows = report.meta, report.table("Sliding window")
     plain = pairs.pairs_per_rank(strategy, meta["P"], 1, meta["seq"], Mask(True))
-    assert plain == rows["plain"]["work"], f"{strategy} plain: {plain} != {rows['plain']['work']}"
+    want = rows[strategy, str(meta["windows"][0])].detail["work per rank (plain)"]
+    assert plain == want, f"{strategy} plain: {plain} != {want}"
     for w in meta["windows"]:
         got = pairs.pairs_per_rank(strategy, meta["P"], 1, meta["seq"], Mask(True, w))
-        row = rows[f"window={w}"]
-        assert got == row["work"], f"{strategy} window {w}: {got} != {row['work']}"
-        assert max(got) / max(plain) == pytest.approx(row["work_ratio"], rel=1e-12)
+        row = rows[strategy, str(w)]
+        assert got == row.detail["work per rank"], f"{strategy} window {w}: {got} != {row.detail['work per rank']}"
+        assert max(got) / max(plain) == pytest.approx(row.predicted, rel=1e-12)
 
 
 @pytest.mark.parametrize("strategy,p,u", [("ring", 4, 1), ("zigzag", 4, 1), ("striped", 4, 1), ("zigzag", 4, 2),

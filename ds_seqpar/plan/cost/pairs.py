@@ -67,12 +67,17 @@ def plain_position_pairs(layout_name: str, r: int, seq: int, causal: bool) -> Li
     return [r * n * (n - 1) // 2 + n * (p + 1) for p in range(r)]          # striped
 
 
+def layout_pairs(layout, seq: int, padded: int, mask: Mask) -> Tuple[int, ...]:
+    """Pairs per rank of any layout (sharding/layouts.py) over ``padded`` tokens, ``seq`` of them real:
+    the keys each of its queries sees (masks.seen_keys), summed over the rank's tokens."""
+    seen = seen_keys(seq, padded, mask)
+    return tuple(int(seen[layout.indices(padded, rank)].sum()) for rank in range(layout.size))
+
+
 @functools.lru_cache(maxsize=256)
 def position_pairs(layout_name: str, r: int, seq: int, padded: int, mask: Mask) -> Tuple[int, ...]:
     """Pairs per ring position of ``layout_name`` over ``padded`` tokens, ``seq`` of them real."""
-    seen = seen_keys(seq, padded, mask)
-    layout = make_layout(layout_name, r)
-    return tuple(int(seen[layout.indices(padded, pos)].sum()) for pos in range(r))
+    return layout_pairs(make_layout(layout_name, r), seq, padded, mask)
 
 
 def pairs_per_rank(strategy: str, size: int, ulysses: int, seq: int, mask: Mask) -> List[float]:
@@ -124,5 +129,6 @@ def computed_pairs(nq: int, nk: int, masked: bool) -> float:
     return float(min(nq * nk, s * (s + 1) / 2 + (nq - s) * nk + s * min(KEY_TILE, s) / 2))
 
 
-__all__ = ["KEY_TILE", "busiest_keys_per_token", "computed_pairs", "expected_imbalance", "imbalance", "padded_length", "pairs_per_rank", "pairs_total",
-           "plain_position_pairs", "position_pairs", "ring_of", "speedup_bound"]
+__all__ = ["KEY_TILE", "busiest_keys_per_token", "computed_pairs", "expected_imbalance", "imbalance", "layout_pairs",
+           "padded_length", "pairs_per_rank", "pairs_total", "plain_position_pairs", "position_pairs", "ring_of",
+           "speedup_bound"]

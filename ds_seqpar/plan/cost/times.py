@@ -187,49 +187,28 @@ def busiest_kernel_s(strategy: str, p: int, seq: int, heads: int, cost: Dict[str
     return busiest_calls_s(rank_calls(strategy, p, seq, causal), cost, heads / p if strategy == "ulysses" else heads)
 
 
-def rank_calls(strategy: str, p: int, seq: int, causal: bool = True) -> List[List[Tuple[int, int, bool, bool]]]:
-    """Per rank, the (queries, keys, causal, anti) of every kernel call of one attention fwd + bwd (the
-    strategy's blocks; Ulysses: one call over the whole sequence, counted at H / P heads by the caller)."""
-    if strategy == "ulysses" or p == 1:
-        return [[(seq, seq, causal, False)] for _ in range(p)]
-    from ...strategies import STRATEGIES
-    n, out = seq // p, []
-    for me in range(p):
-        calls = []
-        for src in range(p):
-            for b in STRATEGIES[strategy].blocks(me, src, p, causal, n):
-                q0, q1, _ = b.q.indices(n)
-                k0, k1, _ = b.k.indices(n)
-                calls.append((q1 - q0, k1 - k0, bool(b.causal), bool(b.anti)))
-        out.append(calls)
-    return out
-
-
-def window_calls(strategy: str, p: int, seq: int, window: int) -> List[List[Tuple[int, int, bool, bool]]]:
-    """Per rank, (queries, keys, causal, anti) of every sub-block the masked policy gives a causal
-    sliding window on CPU: strategies/varlen.py with the torch kernel's causal_tile and band_column
-    (what the ring loop runs, and what ``ds-seqpar bench --window`` times). Ulysses: one position holding
-    the whole sequence (its H / P heads counted by the caller)."""
+def rank_calls(strategy: str, p: int, seq: int, causal: bool = True,
+               window: Optional[int] = None) -> List[List[Tuple[int, int, bool, bool]]]:
+    """Per rank, the (queries, keys, causal, anti) of every kernel call of one attention fwd + bwd: the
+    mask's plan over the strategy's layout (strategies/mask_plan.py), a plain plan's bands the whole
+    blocks the ring loop calls, a masked plan's cut as the CPU torch kernel's ``band`` cuts them
+    (``pieces``: its tiles and key columns). Ulysses: one position holding the whole sequence (its
+    H / P heads counted by the caller)."""
     from ...kernels import get_kernel
     from ...sharding.layouts import make_layout
-    from ...strategies import get_strategy
-    from ...strategies.varlen import document_blocks, one_document, whole_sequence_blocks
-    kernel = get_kernel("torch", "cpu")
-    tile = lambda size: kernel.causal_tile(size, "cpu")  # noqa: E731
-    column = lambda width: kernel.band_column(width, "cpu")  # noqa: E731
-    docs = one_document(seq, None)
-    if strategy == "ulysses" or p == 1:
-        policy, positions, n = whole_sequence_blocks(docs, True, tile, window, column), 1, seq
-    else:
-        layout = make_layout(get_strategy(strategy).layout_name, p)
-        policy, positions, n = document_blocks(docs, layout, True, tile, window, column), p, seq // p
+    from ...strategies import STRATEGIES
+    from ...strategies.mask_plan import plain_blocks, plan_mask
+    kernel, whole = get_kernel("torch", "cpu"), strategy == "ulysses" or p == 1
+    layout = make_layout("contiguous" if whole else STRATEGIES[strategy].layout_name, 1 if whole else p)
+    plan = plan_mask(Mask(causal, window), layout, seq, plain_blocks if whole else STRATEGIES[strategy].blocks)
+    size = lambda s: len(range(*s.indices(plan.n)))  # noqa: E731
     out = []
-    for me in range(positions):
-        subs = [b for src in range(positions) for b in policy(me, src, positions, True, n)]
-        out.append([(b.q.stop - b.q.start, b.k.stop - b.k.start, bool(b.causal), bool(b.anti)) for b in subs])
-    return out * p if positions == 1 else out
+    for me in range(layout.size):
+        bands = [b for src in range(layout.size) for b in plan.bands(me, src)]
+        out.append([(size(x.q), size(x.k), bool(x.causal), bool(x.anti)) for b in bands for x in
+                    ([b] if plan.kernel_blocks else kernel.pieces(size(b.q), size(b.k), b.lo, b.hi, "cpu"))])
+    return out * p if whole else out
 
 
 __all__ = ["all_to_all_time", "attention_keys", "busiest_calls_s", "busiest_kernel_s", "call_s", "collective_time", "comm_s",
-           "compute_s", "rank_calls", "ring_link", "ring_time", "spans_nodes", "StepTime", "step_time", "window_calls",
-           "zero_bytes"]
+           "compute_s", "rank_calls", "ring_link", "ring_time", "spans_nodes", "StepTime", "step_time", "zero_bytes"]

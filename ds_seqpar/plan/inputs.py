@@ -1,0 +1,77 @@
+"""What ``ds-seqpar plan`` is asked: the model (a Hugging Face config checked as the main job checks it,
+or the project's own LM), packed documents, and the command line's numbers."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional, Tuple
+
+from .hardware import PlanError
+from .model_shape import ModelShape, from_hf_config
+
+OWN_LM = "ds_seqpar_lm"
+
+
+def own_lm_shape(raw: dict, name: str) -> ModelShape:
+    """The project's own LM (models/lm.py) from a JSON of its ModelConfig fields with "model_type":
+    "ds_seqpar_lm" (configs/plan/own_lm_linear.json); validated by ModelConfig itself. Softmax: a
+    Llama-style shape; linear: every layer "lasp" (strategy lasp, one [d, d] state per q head)."""
+    from ..models.lm import ModelConfig
+    fields = {k: v for k, v in raw.items() if k != "model_type"}
+    try:
+        cfg = ModelConfig(**fields)
+    except (TypeError, ValueError) as err:
+        raise PlanError(f"--model {name}: not a ds_seqpar_lm config ({err}); keys are ModelConfig's: "
+                        f"{', '.join(ModelConfig.__dataclass_fields__)}") from None
+    linear = cfg.attention == "linear"
+    return ModelShape(name, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_hidden,
+                      cfg.vocab_size, tied=cfg.tie_embeddings, kinds=("lasp",) * cfg.n_layers if linear else (),
+                      lin_heads=cfg.n_heads if linear else 0, lin_dk=cfg.head_dim if linear else 0,
+                      lin_dv=cfg.head_dim if linear else 0, transition="fixed", model_type=OWN_LM)
+
+
+def load_model(path: str) -> ModelShape:
+    """The HF config through the project's loader, checked as the main job checks it; or the
+    project's own LM (own_lm_shape)."""
+    from ..hf.checks import check_config, text_config
+    from ..hf.linear_layers import HYBRID_MODEL_TYPES
+    from ..hf.model_io import load_config
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
+        raise PlanError(f"--model {path!r} is a directory without config.json; pass a Hugging Face model directory "
+                        f"or a config JSON file (e.g. configs/models/llama_small.json)")
+    if path.endswith(".json") and os.path.isfile(path):
+        with open(path) as f:
+            try:
+                raw = json.load(f)
+            except json.JSONDecodeError as err:
+                raise PlanError(f"--model {path!r} is not valid JSON: {err}") from None
+        if isinstance(raw, dict) and raw.get("model_type") == OWN_LM:
+            return own_lm_shape(raw, os.path.basename(path))
+    config = load_config(path)
+    hybrid = getattr(text_config(config), "model_type", None) in HYBRID_MODEL_TYPES
+    check_config(config, training=True, linear_ok=hybrid)
+    return from_hf_config(config, os.path.basename(path.rstrip("/")), HYBRID_MODEL_TYPES)
+
+
+def equal_documents(seq: int, doc_len: Optional[int]) -> Optional[Tuple[int, ...]]:
+    """``--doc-len``: documents of doc_len tokens packed into seq (the last one shorter)."""
+    if not doc_len or doc_len >= seq:
+        return None
+    full, rest = divmod(seq, doc_len)
+    return (doc_len,) * full + ((rest,) if rest else ())
+
+
+def check_args(opts) -> None:
+    for name in ("model", "seq_len", "gpus"):
+        if getattr(opts, name) is None:
+            raise PlanError(f"--{name.replace('_', '-')} is required")
+    if opts.seq_len < 2 or opts.gpus < 1 or opts.gpus_per_node < 1:
+        raise PlanError(f"--seq-len={opts.seq_len} must be >= 2, --gpus={opts.gpus} and "
+                        f"--gpus-per-node={opts.gpus_per_node} >= 1")
+    if opts.doc_len is not None and opts.doc_len < 1:
+        raise PlanError(f"--doc-len={opts.doc_len} must be >= 1 (tokens per packed document)")
+    if opts.gpus > opts.gpus_per_node and opts.gpus % opts.gpus_per_node:
+        raise PlanError(f"--gpus={opts.gpus} is not a whole number of nodes of --gpus-per-node={opts.gpus_per_node}")
+
+
+__all__ = ["OWN_LM", "check_args", "equal_documents", "load_model", "own_lm_shape"]
