@@ -32,14 +32,62 @@ import sys
 import tempfile
 from typing import Dict, List, Optional
 
-from .harness import (bytes_ratio, case_times, command_line, interleaved_rounds, machine_line,
-                      measure_on_pool, median_ratio, page_options, ratio_range, suite_main, timed,
-                      write_page)
 from ..report.rows import Row
-from .hybrid_families import FAMILIES, SP_CASES, family_cases, family_config, family_sizes
+from .harness import (alone, bytes_ratio, case_times, command_line, interleaved_rounds, machine_line,
+                      measure_on_pool, median_ratio, page_options, ratio_range, suite_main, write_page)
 from .predict import hybrid_closed_form
 
 PROG = "ds-seqpar bench hybrid"
+# the families (one linear layer of a Hugging Face hybrid each, built from the model type's own config
+# class) and the sequence-parallel cases a layer runs under
+SP_CASES = {"lasp_allgather": dict(linear_strategy="lasp", lasp_comm="allgather"),
+            "lasp_ring": dict(linear_strategy="lasp", lasp_comm="ring"),
+            "ulysses": dict(linear_strategy="ulysses")}
+# family -> (as in, model type, config keys): one linear layer of the model's own classes; head sizes as
+# the named models', fewer heads (one CPU thread per rank)
+FAMILIES = {
+    "gdn": ("Qwen3.5 gated DeltaNet", "qwen3_5_text", dict(
+        layer_types=["linear_attention"], linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4)),
+    "kda": ("Kimi-Linear delta attention", "kimi_linear", dict(
+        layer_types=["linear_attention"], linear_num_heads=2, linear_head_dim=32, linear_conv_kernel_dim=4)),
+    "ssd": ("Bamba / Nemotron-H Mamba2 SSD", "bamba", dict(
+        attn_layer_indices=[], mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=2, mamba_d_state=128,
+        mamba_chunk_size=128, mamba_expand=1, mamba_d_conv=4)),
+    "lightning": ("MiniMax lightning attention", "minimax", dict(
+        layer_types=["linear_attention"], num_attention_heads=4, head_dim=128, block_size=256)),
+    "conv": ("LFM2 gated short convolution", "lfm2", dict(layer_types=["conv"], conv_L_cache=3)),
+}
+_BASE = dict(num_hidden_layers=1, intermediate_size=256, num_key_value_heads=4, vocab_size=256, use_cache=False,
+             tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2, num_local_experts=2,
+             num_experts=2, num_experts_per_tok=1, moe_intermediate_size=64)
+
+
+def family_config(name: str, hidden: int):
+    """The family's model type's own config class with one linear layer at width ``hidden``."""
+    from transformers import CONFIG_MAPPING
+    _, model_type, keys = FAMILIES[name]
+    cls = CONFIG_MAPPING[model_type]
+    known = cls().to_dict()
+    kw = {k: v for k, v in _BASE.items() if k in known}
+    return cls(**dict(kw, hidden_size=hidden, **keys))
+
+
+def family_cases(name: str) -> List[str]:
+    """A short conv has no state: lasp ring and ulysses run the same halo as allgather."""
+    return ["single", "halves"] + (["lasp_allgather"] if name == "conv" else list(SP_CASES))
+
+
+def family_sizes(fam: str, hidden: int) -> str:
+    c = family_config(fam, hidden)
+    keys = {"gdn": ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                    "linear_conv_kernel_dim"),
+            "kda": ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim"),
+            "ssd": ("mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_chunk_size", "mamba_d_conv"),
+            "lightning": ("num_attention_heads", "head_dim", "block_size"), "conv": ("conv_L_cache",)}[fam]
+    return ", ".join(f"{k}={getattr(c, k)}" for k in keys)
+
+
 def _mixer(cfg, sp=None):
     """(model, its one linear layer module), seeded, applied when ``sp`` is given."""
     import torch
@@ -164,17 +212,11 @@ def _op_runs(fam: str, original, call: dict):
 def op_pieces(args) -> List[dict]:
     rows = []
     for fam in [f for f in args.families if f in OP_FAMILIES]:
-        original, call = _captured_call(fam, args)
-        plain, mapped = _op_runs(fam, original, call)
-        times = {"plain": [], "map": []}
-        for rnd in range(args.op_rounds + 1):
-            for key, fn in (("plain", plain), ("map", mapped)) if rnd % 2 else (("map", mapped), ("plain", plain)):
-                t = timed(fn)["cpu"]
-                if rnd:
-                    times[key].append(t)
-        ratios = [m / p for m, p in zip(times["map"], times["plain"])]
+        plain, mapped = _op_runs(fam, *_captured_call(fam, args))
+        t = alone({"plain": plain, "map": mapped}, args.op_rounds, warmup=1)
+        ratios = [m / p for m, p in zip(t["map"], t["plain"])]
         rows.append({"family": fam, "op": OP_FAMILIES[fam], "tokens": args.seq // args.P,
-                     "plain": statistics.median(times["plain"]), "map": statistics.median(times["map"]),
+                     "plain": statistics.median(t["plain"]), "map": statistics.median(t["map"]),
                      "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)]})
     return rows
 
@@ -322,7 +364,7 @@ def write(summary, meta, out: str, ops=None, train=None) -> int:
 
 def measure(args, argv: List[str]) -> int:
     import transformers
-    from .summary import train_rows
+    from .attention_rows import train_rows
     per_rank, meta = measure_on_pool(bench_rank, resolve(args), command_line(PROG, argv), versions=True)
     train = None
     if args.train_repeats:
@@ -335,11 +377,3 @@ def measure(args, argv: List[str]) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     return suite_main(argv, build_parser(), lambda saved, out: write(saved["rows"], saved["meta"], out,
                                                                      saved.get("ops"), saved.get("train")), measure)
-
-
-__all__ = ["main", "bench_rank", "summarize", "write", "equal_llama", "family_config", "family_cases",
-           "FAMILIES"]
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -19,7 +19,7 @@ malloc keeps freed blocks below its dynamic mmap threshold (up to 32 MB) in the 
 inflate the resident set by whatever the step freed last; the pools therefore run with
 MALLOC_MMAP_THRESHOLD_=65536 (tensors are mapped and unmapped, so resident memory follows live
 tensors). ``--malloc default`` measures with glibc's defaults instead. See memory_step.py for a
-step's phases and memory_summary.py for the arithmetic.
+step's phases and memory_rows.py for the arithmetic.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ..report.plotting import require_matplotlib
-from .harness import command_line, load_json, machine_facts, save_json
+from .harness import command_line, load_json, machine_facts, save_json, write_page
 from .memory_step import MemorySpec, measure_peak, time_steps
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -205,24 +205,16 @@ def run(args, argv: List[str]) -> Dict[str, Any]:
 
 
 def finish(res: Dict[str, Any], out: str) -> Dict[str, Any]:
-    """Summaries and machine facts; JSON, plots, and the page with its rows (memory_rows.py)."""
-    from ..report.render import result, write
-    from . import predict as S
-    from .memory_plots import write_plots
-    from .memory_rows import facts, rows
+    """Summaries (memory_rows.py) and machine facts; the JSON, the plots and the page with its rows."""
+    from . import memory_rows as R
     floor = res["meta"]["layers"] * res["meta"]["hidden"] * 4
     scaling = [m for m in res["measurements"] if m.get("purpose", "scaling") == "scaling"]
-    res.pop("checks", None)                 # results saved before the rows carried their checks this way
-    res["variants"] = S.summarize(scaling, floor, res["meta"]["budget_bytes"])
-    res["strategy_rows"] = S.strategy_rows([m for m in res["measurements"] if m.get("purpose") == "strategies"])
-    res["timing_rows"] = S.timing_rows(res["timing"], res["meta"])
+    res["variants"] = R.summarize(scaling, floor, res["meta"]["budget_bytes"])
+    res["strategy_rows"] = R.strategy_rows([m for m in res["measurements"] if m.get("purpose") == "strategies"])
+    res["timing_rows"] = R.timing_rows(res["timing"], res["meta"])
     res.setdefault("machine", machine_facts())
-    save_json(os.path.join(out, f"{res['meta']['name']}.json"), res, default=str)
-    write_plots(res, out)
-    found = rows(res)
-    md = write(out, res["meta"]["name"], found, facts(res))
-    print("\n".join(f"{r.case} {r.variant}: {r.metric[:50]}  {r.value:8.3f}  {result(r)}" for r in found if r.target))
-    print(f"ds-seqpar bench memory: wrote {md}")
+    R.write_plots(res, out)
+    write_page(out, res, R.rows(res), R.facts(res), "ds-seqpar bench memory", default=str)
     return res
 
 
@@ -241,6 +233,3 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     run(args, argv)
     return 0
-
-
-__all__ = ["main", "run", "plan", "measure_one", "PRESET"]

@@ -25,9 +25,9 @@ from typing import Dict, List, Optional, Tuple
 
 from ..report.rows import Row
 from ..report.targets import TARGETS
-from .harness import (LINEAR, SOFTMAX, attention_inputs, case_times, command_line, fwd_bwd, interleaved_rounds,
+from .harness import (LINEAR, SOFTMAX, alone, attention_inputs, case_times, command_line, fwd_bwd, interleaved_rounds,
                       load_json, machine_line, measure_on_pool, median_ratio, page_options, ratio_range,
-                      strategy_config, suite_main, timed, write_page)
+                      strategy_config, suite_main, write_page)
 from .predict import imbalance_sweep, packed_closed_form, work_per_rank
 
 PROG = "ds-seqpar bench packed"
@@ -122,14 +122,9 @@ def masked_vs_subblocks(args) -> List[dict]:
                                                                             True, scale=scale)
                 aten._scaled_dot_product_flash_attention_for_cpu_backward(dout[:, :, s], q[:, :, s], k[:, :, s],
                                                                         v[:, :, s], out, lse, 0.0, True, scale=scale)
-        times = {"masked": [], "subblocks": []}
-        for rnd in range(args.repeats + 1):
-            for name, fn in (("masked", masked), ("subblocks", subblocks)):
-                t = timed(fn)["wall"]
-                if rnd:
-                    times[name].append(t)
-        rows.append({"doc_len": length, "docs": n // length, "masked": statistics.median(times["masked"]),
-                     "subblocks": statistics.median(times["subblocks"])})
+        t = alone({"masked": masked, "subblocks": subblocks}, args.repeats, key="wall", warmup=1)
+        rows.append({"doc_len": length, "docs": n // length, "masked": statistics.median(t["masked"]),
+                     "subblocks": statistics.median(t["subblocks"])})
     return rows
 
 
@@ -269,6 +264,3 @@ def _load(path: str) -> dict:
 def write(summary, masked, meta, out: str) -> int:
     return write_page(out, {"rows": summary, "masked": masked, "meta": meta}, rows(summary, masked, meta),
                       facts(meta), PROG)
-
-
-__all__ = ["main", "bench_rank", "variant_bounds", "summarize", "rows", "render", "write"]

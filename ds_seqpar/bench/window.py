@@ -32,9 +32,9 @@ from typing import Dict, List, Optional, Tuple
 
 from ..report.rows import Row
 from ..report.targets import TARGETS
-from .harness import (attention_inputs, bytes_ratio, case_times, command_line, fwd_bwd, interleaved_rounds,
+from .harness import (alone, attention_inputs, bytes_ratio, case_times, command_line, fwd_bwd, interleaved_rounds,
                       machine_line, measure_on_pool, median_ratio, page_options, ratio_range,
-                      strategy_config, suite_main, timed, write_page)
+                      strategy_config, suite_main, write_page)
 from .predict import window_closed_form, window_work
 
 STRATEGIES = ("ring", "zigzag", "striped", "ulysses")
@@ -127,7 +127,7 @@ def kernel_pieces(args) -> List[dict]:
                     out, lse = kernel.forward_block(q[:, b.q], k[:, b.k], v[:, b.k], b.causal, b.anti, scale)
                     kernel.backward_block(dout[:, b.q], q[:, b.q], k[:, b.k], v[:, b.k], out, lse, b.causal, b.anti,
                                           scale)
-            cpu = statistics.median([timed(run)["cpu"] for _ in range(args.kernel_rounds + 1)][1:])
+            cpu = statistics.median(alone({"run": run}, args.kernel_rounds, warmup=1)["run"])
             pairs = sum(visible_pairs(b) for _, b in subs)
             rows.append({"strategy": name, "window": window, "rank": me, "subblocks": len(subs), "pairs": pairs,
                          "cpu": cpu, "ns_per_pair": cpu / pairs * 1e9})
@@ -274,10 +274,3 @@ def measure(args, argv: List[str]) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     return suite_main(argv, build_parser(), lambda saved, out: write(saved["rows"], saved["meta"], out,
                                                                      saved.get("pieces")), measure)
-
-
-__all__ = ["main", "bench_rank", "summarize", "rows", "write", "variants"]
-
-
-if __name__ == "__main__":
-    sys.exit(main())
