@@ -127,6 +127,19 @@ def interleaved_rounds(fns, warmup: int, repeats: int, device: str = "cpu") -> D
     return rounds
 
 
+def rank_rounds(args, case_fns, after=None) -> Dict[str, Any]:
+    """What every rank of a suite runs: the interleaved rounds of ``case_fns(args, rank)``, then, with
+    ``after`` = (key, fn), rank 0 alone on its share of the machine ``fn(args)`` under ``key``."""
+    from .. import comm
+    rank = comm.global_rank()
+    out = {"rounds": interleaved_rounds(case_fns(args, rank), args.warmup, args.repeats),
+           "load_1min": os.getloadavg()[0]}
+    if rank == 0 and after:
+        out[after[0]] = after[1](args)
+    comm.barrier()
+    return out
+
+
 def case_times(per_rank, key) -> dict:
     """One case's rounds over the ranks that ran it: medians (min-max) of the slowest rank's wall time,
     per-rank CPU, per-round walls and busiest-rank CPU (for per-round ratios), bytes and wait per rank."""
@@ -184,10 +197,14 @@ def measure_on_pool(rank_fn, args, command: str, versions: bool = False):
     return per_rank, meta
 
 
-def page_options(ap: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
-    """The options every suite but attention shares (packed, window, hybrid, trainer): rounds and the page."""
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=1)
+def suite_parser(prog: str, doc: str, name: str, repeats: int = 5, **sizes: int) -> argparse.ArgumentParser:
+    """A suite's parser with the options every suite shares: its sizes (P, seq, heads, head_dim: integer
+    options with these defaults), the rounds and the page."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
+    for key, default in sizes.items():
+        ap.add_argument(f"--{key.replace('_', '-')}", type=int, default=default)
+    ap.add_argument("--repeats", type=int, default=repeats, help="measured rounds")
+    ap.add_argument("--warmup", type=int, default=1, help="unmeasured rounds first")
     ap.add_argument("--out", default="reports")
     ap.add_argument("--name", default=name)
     ap.add_argument("--notes", default="", help="free text added to the page")

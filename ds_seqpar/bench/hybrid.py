@@ -1,26 +1,15 @@
-"""``ds-seqpar bench hybrid``: the linear-attention, SSM and convolution layers of Hugging Face
-hybrids under sequence parallelism against the same layer unsharded, and a whole training step of a
+"""``ds-seqpar bench hybrid``: the linear-attention, SSM and convolution layers of Hugging Face hybrids
+under sequence parallelism against the same layer unsharded, and a whole training step of a
 Qwen3.5-style hybrid next to a Llama of equal size, in one run (not a test).
 
-    ds-seqpar bench hybrid [--P 2] [--seq 8192] [--families gdn,kda,ssd,lightning,conv] [--hidden 512]
-                             [--repeats 5] [--warmup 1] [--op-rounds 3] [--train-model PATH]
-                             [--train-seq 4096] [--train-repeats 3] [--out reports] [--name hybrid_cpu]
-
-  layer  per family (FAMILIES), ONE transformers layer: the model's own mixer module (projections,
-         conv, gates, norm and the op), forward + backward of N tokens. Cases: "single" (rank 0, the
-         unapplied layer on all N tokens, one thread), "halves" (every rank the unapplied layer on its
-         N/P tokens, nothing exchanged: the bound no exact split beats here), and the layer applied by
-         ds_seqpar (softmax strategy ring: one contiguous run per rank) under linear_strategy lasp with
-         lasp_comm allgather and ring, and linear_strategy ulysses. The rounds are the harness's
-         (harness.interleaved_rounds: every case once per round after a barrier, so the baseline and
-         the cases share the load); speedup = single / case per round, median (min-max). Bytes per
-         rank of one fwd+bwd against strategies/closed_form.py (must be 1.000).
-  op     rank 0 after the rounds, one thread: the plain local op of a rank's N/P tokens against the
-         call(s) ds_seqpar makes for a run's affine map (delta rule: delta_rule_map, the widened call;
-         SSD: ssd_map, the plain call and a width-1 probe), same captured inputs, fwd+bwd.
-  train  a whole training step at --train-seq tokens, P ranks vs one (train_step.measure_training:
-         ZeRO-2, zigzag for the softmax layers, rounds alternate 1 and P ranks) of --train-model and
-         of a Llama config with its sizes (equal_llama: same width, depth, heads, vocabulary).
+  layer  per family (FAMILIES) ONE transformers layer, the model's own mixer module, fwd+bwd of N
+         tokens: "single" (rank 0, unapplied, all N tokens), "halves" (every rank unapplied on its N/P
+         tokens: the bound no exact split beats) and the layer applied by ds_seqpar under each SP_CASES,
+         in the harness's interleaved rounds; bytes per rank against strategies/closed_form.py.
+  op     rank 0 after the rounds: the plain local op on N/P tokens against the call(s) ds_seqpar makes
+         for a run's affine map (delta_rule_map, ssd_map), same captured inputs, fwd+bwd.
+  train  a whole training step, P ranks vs one (train_step.measure_training), of --train-model and of a
+         Llama with its sizes (equal_llama).
 """
 from __future__ import annotations
 
@@ -33,8 +22,8 @@ import tempfile
 from typing import Dict, List, Optional
 
 from ..report.rows import Row
-from .harness import (alone, bytes_ratio, case_times, command_line, interleaved_rounds, machine_line,
-                      measure_on_pool, median_ratio, page_options, ratio_range, suite_main, write_page)
+from .harness import (alone, bytes_ratio, case_times, command_line, machine_line,
+                      measure_on_pool, rank_rounds, median_ratio, suite_parser, ratio_range, suite_main, write_page)
 from .predict import hybrid_closed_form
 
 PROG = "ds-seqpar bench hybrid"
@@ -141,14 +130,8 @@ def _case_fns(args, rank: int):
 
 
 def bench_rank(args) -> Dict[str, object]:
-    """Every rank: warmup + repeats interleaved rounds; then rank 0 alone times the ops (op_pieces)."""
-    from .. import comm
-    rounds = interleaved_rounds(_case_fns(args, comm.global_rank()), args.warmup, args.repeats)
-    out = {"rounds": rounds, "load_1min": os.getloadavg()[0]}
-    if comm.global_rank() == 0 and args.op_rounds:
-        out["ops"] = op_pieces(args)
-    comm.barrier()
-    return out
+    """Every rank: the interleaved rounds; then rank 0 alone times the ops (op_pieces)."""
+    return rank_rounds(args, _case_fns, ("ops", op_pieces) if args.op_rounds else None)
 
 
 # -- the local op alone ------------------------------------------------------------------------------
@@ -332,9 +315,7 @@ def facts(meta, families: List[str]) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    ap.add_argument("--P", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=8192)
+    ap = suite_parser(PROG, __doc__, "hybrid_cpu", P=2, seq=8192)
     ap.add_argument("--families", default=",".join(FAMILIES), help=f"comma list of {', '.join(FAMILIES)}")
     ap.add_argument("--hidden", type=int, default=512, help="the layer's hidden size")
     ap.add_argument("--op-rounds", type=int, default=3, help="rounds of the op-alone timing on rank 0 (0: skip)")
@@ -342,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the hybrid of the training-step comparison (a config JSON or model directory)")
     ap.add_argument("--train-seq", type=int, default=4096)
     ap.add_argument("--train-repeats", type=int, default=3, help="measured training rounds (0: skip the training step)")
-    return page_options(ap, "hybrid_cpu")
+    return ap
 
 
 def resolve(args) -> argparse.Namespace:

@@ -20,7 +20,7 @@ import os
 import statistics
 from typing import Any, Dict, List
 
-from ..plan.cost.memory import fit_line, max_tokens, phase_model, peak as predict_peak  # noqa: F401
+from ..plan.cost.memory import max_tokens, phase_model, peak as predict_peak
 from ..report.plotting import line_figure
 from ..report.rows import Row
 
@@ -268,7 +268,8 @@ def write_plots(res: Dict[str, Any], out: str) -> None:
         return
     floor, per_token, peak = m["layers"] * m["hidden"] * 4, [], []
     for v in variants:
-        label, static = f"{v['model']} P={v['world']} {'with' if v['features'] else 'without'}", v["rows"][0]["resident_bytes"]
+        label = f"{v['model']} P={v['world']} {'with' if v['features'] else 'without'}"
+        static = v["rows"][0]["resident_bytes"]
         xs = [r["tokens_per_rank"] for r in v["rows"]]
         top = max(xs + [v["max_tokens_per_rank"]])
         grid = [min(xs) * (top / min(xs)) ** (i / 60) for i in range(61)]

@@ -1,32 +1,22 @@
-"""``ds-seqpar bench packed``: packed documents (cu_seqlens) against one document of the same
-length, for every strategy, side by side in one run (not a test).
+"""``ds-seqpar bench packed``: packed documents (cu_seqlens) against one document of the same length,
+for every strategy, side by side in one run (not a test).
 
-    ds-seqpar bench packed [--P 2] [--seq 8192] [--docs 8] [--heads 8] [--head-dim 64]
-                             [--repeats 5] [--warmup 1] [--out reports] [--name packed_cpu]
-
-Per strategy three variants of the same N tokens: one document (cu_seqlens=None, the ordinary
-call), ``--docs`` equal documents, and documents of mixed lengths (``--mixed``). Every round runs
-every (strategy, variant) once after a barrier, in a fixed order, so load from other processes hits
-all alike; "single" is the one-process kernel (rank 0, one thread; documents: one kernel call per
-document) while the other ranks wait. A case's time is the slowest rank's wall time, medians over
-rounds. Reported: time(equal documents) / time(one document) beside the ideal 1/docs (causal work
-is the sum of squared document lengths) and the goal 0.20; per-rank CPU time and the per-rank work
-of the mixed documents (pairs computed, from the policy) with their imbalance max/mean; bytes per
-rank against the document closed forms; and, on one process, one rank's block computed as
-per-document sub-blocks against one masked block (the CPU flash kernel's attn_mask) per document
-length. The page is report/render.py's, from ``rows``; predictions come through bench/predict.py.
+Per strategy three variants of the same N tokens: one document (the ordinary call), ``--docs`` equal
+documents and documents of mixed lengths (``--mixed``), in the harness's interleaved rounds; "single"
+is the one-process kernel (rank 0; documents: one kernel call per document). After the rounds, rank 0
+alone times one rank's block as per-document sub-blocks against one masked block. The page (facts
+below) says what each table means; predictions come through bench/predict.py.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 from typing import Dict, List, Optional, Tuple
 
 from ..report.rows import Row
 from ..report.targets import TARGETS
-from .harness import (LINEAR, SOFTMAX, alone, attention_inputs, case_times, command_line, fwd_bwd, interleaved_rounds,
-                      load_json, machine_line, measure_on_pool, median_ratio, page_options, ratio_range,
+from .harness import (LINEAR, SOFTMAX, alone, attention_inputs, case_times, command_line, fwd_bwd,
+                      load_json, machine_line, measure_on_pool, rank_rounds, median_ratio, suite_parser, ratio_range,
                       strategy_config, suite_main, write_page)
 from .predict import imbalance_sweep, packed_closed_form, work_per_rank
 
@@ -86,15 +76,8 @@ def _case_fns(args, rank):
 
 
 def bench_rank(args) -> Dict[str, list]:
-    """What every rank runs: warmup + repeats interleaved rounds; then (rank 0) masked vs sub-blocks."""
-    from .. import comm
-    rank = comm.global_rank()
-    rounds = interleaved_rounds(_case_fns(args, rank), args.warmup, args.repeats)
-    out = {"rounds": rounds, "load_1min": os.getloadavg()[0]}
-    if rank == 0:
-        out["masked"] = masked_vs_subblocks(args)
-    comm.barrier()
-    return out
+    """Every rank: the interleaved rounds; then rank 0 alone: masked block vs sub-blocks."""
+    return rank_rounds(args, _case_fns, ("masked", masked_vs_subblocks))
 
 
 def masked_vs_subblocks(args) -> List[dict]:
@@ -130,16 +113,12 @@ def masked_vs_subblocks(args) -> List[dict]:
 
 def build_parser() -> argparse.ArgumentParser:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    ap.add_argument("--P", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=8192)
+    ap = suite_parser(PROG, __doc__, "packed_cpu", P=2, seq=8192, heads=8, head_dim=64)
     ap.add_argument("--docs", type=int, default=8, help="equal documents of the packed variant")
     ap.add_argument("--mixed", type=ints, default=list(MIXED), help="lengths of the mixed variant (sum = --seq)")
     ap.add_argument("--strategies", default=None, help="comma list (default: every strategy that runs at --P)")
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--sweep-trials", type=int, default=200, help="random packings in the balance sweep (0: skip)")
-    return page_options(ap, "packed_cpu")
+    return ap
 
 
 def resolve(args) -> argparse.Namespace:

@@ -20,7 +20,7 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
-from .harness import (command_line, loads, machine_facts, median_ratio, page_options, ratio_range, spread,
+from .harness import (command_line, loads, machine_facts, median_ratio, suite_parser, ratio_range, spread,
                       strategy_config, suite_main, write_page)
 
 PROG = "ds-seqpar bench trainer"
@@ -333,7 +333,7 @@ def overhead(pool, opts, root: str) -> Dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    ap = suite_parser(PROG, __doc__, "hf_trainer_cpu", repeats=3)   # timed side-by-side rounds after --warmup
     ap.add_argument("--steps", type=int, default=6, help="optimizer steps per side-by-side run")
     ap.add_argument("--skip-steps", type=int, default=1, help="step intervals dropped at the start of every run")
     ap.add_argument("--overhead-rounds", type=int, default=4, help="counted overhead rounds (0: skip the part)")
@@ -341,8 +341,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--overhead-seq", type=int, default=512, help="tokens per row in the overhead part")
     ap.add_argument("--model", default=os.path.join(ROOT, "configs", "models", "llama_small.json"),
                     help="the overhead part's model (a config JSON or model directory)")
-    ap = page_options(ap, "hf_trainer_cpu")       # --repeats: timed side-by-side rounds after --warmup untimed ones
-    ap.set_defaults(repeats=3)
     return ap
 
 

@@ -98,9 +98,10 @@ def write_plots(runs, rows, labels, folder: str, skip: int) -> List[Tuple[str, s
     return [("loss curves", line_figure(per_step("loss"), [], os.path.join(folder, "loss.png"), "training loss (mean "
                                         "over replicas)", "Loss curves (same data, seed and global batch: the curves "
                                         "coincide)", styles=True, **steps)),
-            ("tokens per second", line_figure(per_step("tokens_per_s", skip), [], os.path.join(folder, "tokens_per_s.png"),
-                                              "tokens / s (whole job)", f"Throughput per step (first {skip} step(s) "
-                                              f"of each run left out)", **steps)),
+            ("tokens per second", line_figure(per_step("tokens_per_s", skip), [],
+                                              os.path.join(folder, "tokens_per_s.png"), "tokens / s (whole job)",
+                                              f"Throughput per step (first {skip} step(s) of each run left out)",
+                                              **steps)),
             ("memory and communication", resources(rows, labels, os.path.join(folder, "resources.png")))]
 
 
