@@ -19,6 +19,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import asdict
 from typing import Any, Dict, List, Optional
 
 from ..kernels.base import check_head_groups
@@ -201,12 +202,9 @@ def run(args: argparse.Namespace, argv: List[str], pools=None) -> Optional[Dict[
     per_rank, train, skipped = _measure(args, spec, pools)
     if per_rank is None:
         return None
-    meta = dict(name=args.name, world=args.P, device=args.device, comm_backend="nccl" if args.device == "cuda"
-                else "gloo", dtype=args.dtype, causal=args.causal, batch=args.batch, heads=args.heads,
-                kv_heads=args.kv_heads, head_dim=args.head_dim, backend=args.backend, seq_lens=args.seq_lens,
-                warmup=args.warmup, repeats=args.repeats, cases=args.cases, mem_budget_n=args.mem_budget_n,
-                decay=not args.no_decay, preset=args.preset, notes=args.notes, command=_command(argv),
-                lasp_breakdown=args.lasp_breakdown)
+    meta = dict(asdict(spec), name=args.name, cases=args.cases, comm_backend="nccl" if args.device == "cuda" else
+                "gloo", seq_lens=args.seq_lens, mem_budget_n=args.mem_budget_n, preset=args.preset, notes=args.notes,
+                command=_command(argv))
     load_by_length = {str(n): per_rank[0]["lengths"][n]["load_1min"] for n in args.seq_lens}
     during = list(load_by_length.values()) + [x for t in train.values() for x in t["load_1min"]]
     res = {"meta": meta, "machine": machine(load_before, during), "elapsed_s": time.monotonic() - start,

@@ -18,7 +18,7 @@ from ..report.plotting import MIB
 from ..report.rows import Row
 from ..report.targets import TARGETS
 from .cases import BASELINE, CASES
-from .harness import spread
+from .harness import bytes_ratio, spread
 from .predict import attention_closed_form, expected_imbalance, speedup_bound
 
 SPEEDUP = "Attention fwd+bwd speedup over one process"
@@ -225,7 +225,7 @@ def _bytes_fields(per_rank, seq, case, meta) -> Dict[str, Any]:
     if c.runner != "sp":
         return {"bytes": None, "bytes_form": form, "bytes_ratio": None}
     sent = [sorted({x["bytes"] for x in r["lengths"][seq]["rounds"][case]}) for r in per_rank]
-    ratio = [max(s) / f if f else float(max(s) == 0) for s, f in zip(sent, form)]
+    ratio = bytes_ratio([max(s) for s in sent], form)
     constant = all(len(s) == 1 for s in sent)
     return {"bytes": [s[-1] for s in sent], "bytes_form": form, "bytes_ratio": ratio if constant else None}
 

@@ -79,7 +79,7 @@ class BenchSpec:
     decay: bool = True              # linear attention: the small LM's per-head decay
     warmup: int = 1
     repeats: int = 5
-    lasp_breakdown: bool = False    # kernel work per LASP rank position (lasp_pieces.py), rank 0 alone
+    lasp_breakdown: bool = False    # kernel work per LASP rank position (lasp_pieces), rank 0 alone
 
 
 # ---------------------------------------------------------------------------------------------

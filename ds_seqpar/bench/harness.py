@@ -169,6 +169,13 @@ def ratio_range(a, b):
     return min(ratios), max(ratios)
 
 
+def versus(a: dict, b: dict) -> Dict[str, Any]:
+    """Case times ``a`` against ``b`` (case_times): per round a / b (they ran back to back, under the same
+    load), then the median: the wall time's ratio, its (min, max), and the busiest rank's CPU time's."""
+    return {"ratio": median_ratio(a["walls"], b["walls"]), "ratio_range": ratio_range(a["walls"], b["walls"]),
+            "cpu_ratio": median_ratio(a["cpu_rounds"], b["cpu_rounds"])}
+
+
 def bytes_ratio(measured: List[int], form: List[int]) -> List[float]:
     """Per rank measured / closed form (1.0 where both are 0)."""
     return [m / f if f else float(m == 0) for m, f in zip(measured, form)]
@@ -270,11 +277,11 @@ def load_json(path: str) -> Any:
 def write_page(out: str, saved: Dict[str, Any], rows, facts: Dict[str, Any], prog: str, default=list) -> int:
     """<out>/<name>.json (``saved``, the measured results: --render and plan --calibrate read them),
     <out>/<name>.md and <out>/<name>.rows.json (the page and its rows); prints the targets' verdicts."""
-    from ..report.render import result, write
+    from ..report.render import checked, result, write
     save_json(os.path.join(out, f"{saved['meta']['name']}.json"), saved, default=default)
     held = [r for r in rows if r.target]
     width = max([len(f"{r.case} {r.variant}") for r in held] or [0])
-    print("\n".join(f"{r.case + ' ' + r.variant:<{width}}  {r.metric[:40]:<40}  {max(r.values()):8.3f}  {result(r)}"
+    print("\n".join(f"{r.case + ' ' + r.variant:<{width}}  {r.metric[:40]:<40}  {max(checked(r)):8.3f}  {result(r)}"
                     for r in held))
     write(out, saved["meta"]["name"], rows, facts, prog)
     return 0

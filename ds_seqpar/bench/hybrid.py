@@ -22,8 +22,8 @@ import tempfile
 from typing import Dict, List, Optional
 
 from ..report.rows import Row
-from .harness import (alone, bytes_ratio, case_times, command_line, machine_line,
-                      measure_on_pool, rank_rounds, median_ratio, suite_parser, ratio_range, suite_main, write_page)
+from .harness import (alone, bytes_ratio, case_times, command_line, machine_line, measure_on_pool, rank_rounds,
+                      suite_main, suite_parser, versus, write_page)
 from .predict import hybrid_closed_form
 
 PROG = "ds-seqpar bench hybrid"
@@ -211,9 +211,8 @@ def summarize(per_rank, args) -> Dict[str, dict]:
         rows = {case: case_times(per_rank, f"{fam}/{case}") for case in family_cases(fam)}
         single = rows["single"]
         for case, r in rows.items():
-            r["speedup"] = median_ratio(single["walls"], r["walls"])
-            r["speedup_range"] = ratio_range(single["walls"], r["walls"])
-            r["cpu_speedup"] = median_ratio(single["cpu_rounds"], r["cpu_rounds"])
+            x = versus(single, r)
+            r.update(speedup=x["ratio"], speedup_range=x["ratio_range"], cpu_speedup=x["cpu_ratio"])
             if case in SP_CASES:
                 r["form"] = hybrid_closed_form(fam, case, args, family_config, SP_CASES)
                 r["bytes_ratio"] = bytes_ratio(r["bytes"], r["form"])

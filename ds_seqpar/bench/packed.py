@@ -15,9 +15,9 @@ from typing import Dict, List, Optional, Tuple
 
 from ..report.rows import Row
 from ..report.targets import TARGETS
-from .harness import (LINEAR, SOFTMAX, alone, attention_inputs, case_times, command_line, fwd_bwd,
-                      load_json, machine_line, measure_on_pool, rank_rounds, median_ratio, suite_parser, ratio_range,
-                      strategy_config, suite_main, write_page)
+from .harness import (LINEAR, SOFTMAX, alone, attention_inputs, case_times, command_line, fwd_bwd, load_json,
+                      machine_line, measure_on_pool, rank_rounds, strategy_config, suite_main, suite_parser, versus,
+                      write_page)
 from .predict import imbalance_sweep, packed_closed_form, work_per_rank
 
 PROG = "ds-seqpar bench packed"
@@ -144,10 +144,7 @@ def summarize(per_rank, args) -> Dict[str, dict]:
     out = {}
     for name in ("single", "single_linear") + tuple(args.strategies):
         rows = {v: case_times(per_rank, f"{name}/{v}") for v in ("one", "equal", "mixed")}
-        # per round (the two variants ran back to back, under the same load), then the median
-        rows["ratio"] = median_ratio(rows["equal"]["walls"], rows["one"]["walls"])
-        rows["ratio_range"] = ratio_range(rows["equal"]["walls"], rows["one"]["walls"])
-        rows["cpu_ratio"] = median_ratio(rows["equal"]["cpu_rounds"], rows["one"]["cpu_rounds"])
+        rows.update(versus(rows["equal"], rows["one"]))
         if not name.startswith("single"):
             mixed = variant_bounds("mixed", args.seq, args.docs, tuple(args.mixed))
             work = work_per_rank(name, args, mixed)

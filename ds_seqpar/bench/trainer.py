@@ -20,8 +20,8 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
-from .harness import (command_line, loads, machine_facts, median_ratio, suite_parser, ratio_range, spread,
-                      strategy_config, suite_main, write_page)
+from .harness import (command_line, loads, machine_facts, median_ratio, ratio_range, spread, strategy_config,
+                      suite_main, suite_parser, write_page)
 
 PROG = "ds-seqpar bench trainer"
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))

@@ -14,9 +14,8 @@ from typing import Dict, List, Optional, Tuple
 
 from ..report.rows import Row
 from ..report.targets import TARGETS
-from .harness import (alone, attention_inputs, bytes_ratio, case_times, command_line, fwd_bwd,
-                      machine_line, measure_on_pool, rank_rounds, median_ratio, suite_parser, ratio_range,
-                      strategy_config, suite_main, write_page)
+from .harness import (alone, attention_inputs, bytes_ratio, case_times, command_line, fwd_bwd, machine_line,
+                      measure_on_pool, rank_rounds, strategy_config, suite_main, suite_parser, versus, write_page)
 from .predict import window_closed_form, window_work
 
 STRATEGIES = ("ring", "zigzag", "striped", "ulysses")
@@ -124,9 +123,7 @@ def summarize(per_rank, args) -> Dict[str, dict]:
             r["bytes_ratio"] = bytes_ratio(r["bytes"], r["form"])
             if key == "plain":
                 continue
-            r["ratio"] = median_ratio(r["walls"], plain["walls"])
-            r["ratio_range"] = ratio_range(r["walls"], plain["walls"])
-            r["cpu_ratio"] = median_ratio(r["cpu_rounds"], plain["cpu_rounds"])
+            r.update(versus(r, plain))
             if window is not None:
                 r["work"] = window_work(name, args.P, args.seq, window)
                 r["work_ratio"] = max(r["work"]) / max(plain["work"])
