@@ -1,181 +1,304 @@
-"""The attention suite's results (main.run: summary.py's per-length rows, the longest-sequence
-search, the training step, the LASP pieces) as rows, the facts around them and the plots.
+"""``ds-seqpar bench [attention]``: every strategy, the single-process kernels and DeepSpeed's own
+Ulysses, measured side by side in one run, with the ratios docs/design.md sets targets for.
 
-Targets are checked at the longest measured length, as docs/design.md states them (N=8192); the
-shorter lengths show the sweep. A missed target says why in the row's "why": compute itself (the
-CPU ratio is short too) or waiting and scheduling, and whether the machine was loaded.
+    ds-seqpar bench --preset quick                     # ~1 minute on 2 CPU cores
+    ds-seqpar bench --preset full                      # P=2, N up to 8192, fp32, causal -> reports/cpu_full.md
+    ds-seqpar bench --preset ring                      # the ring family and Ulysses at N=8192, no training
+    ds-seqpar bench --preset lasp                      # LASP-1/LASP-2 vs the halves bound, per-piece kernel work
+    ds-seqpar bench --strategies zigzag,lasp --P 4 --seq-lens 4096,8192 --no-causal --name mine
+    torchrun --nproc_per_node 2 -m ds_seqpar.cli bench ...   # under a launcher (GPUs: --device cuda)
+
+Without a launcher the command starts P local CPU ranks itself (RankPool, one thread each, gloo).
+The ranks run cases.py; train_step.py times the training step; attention_rows.py turns both into
+the summary, the rows and the plots (what each metric means is written on the page). Writes
+<out>/<name>.json, .md, .rows.json and <out>/<name>/*.png; with --wandb one wandb run per case.
 """
 from __future__ import annotations
 
+import argparse
 import os
-from typing import Any, Dict, List
+import sys
+import time
+from dataclasses import asdict
+from typing import Any, Dict, List, Optional
 
-from ..report.plotting import MIB
-from ..report.rows import Row
-from ..report.targets import TARGETS
-from .cases import CASES
+from ..kernels.base import check_head_groups
+from ..report.plotting import require_matplotlib
+from ..strategies import STRATEGIES
+from .cases import BASELINE, CASES, DTYPES, BenchSpec
+from .harness import command_line, load_json, loads, log_rows, machine_facts, write_page
 
-SPEEDUP = "Attention fwd+bwd speedup over one process"
-BYTES = "Bytes per rank against the closed form"
-MEMORY = "Activation memory per rank / single process (bytes saved for backward)"
-MAX_SEQ = "Longest sequence in a fixed per-rank budget, P ranks vs 1"
-PEER = "Ours vs DeepSpeed's Ulysses (DistributedAttention, same local kernel): ours / theirs time"
-LASP = "LASP-1 (ring) vs LASP-2 (all-gather)"
-TRAIN = "Whole training step, ZeRO-2: P ranks (sp=P, dp=1) vs one"
-
-
-def _why(r: Dict[str, Any], bound_target: float) -> str:
-    """A measured reason for a missed speedup: compute (CPU ratio, imbalance, inflation) vs waiting."""
-    if r["cpu_ratio"] < bound_target:
-        return (f"compute itself: CPU ratio {r['cpu_ratio']:.2f} (imbalance {r['imbalance']:.2f}, total work "
-                f"{r['inflation']:.2f}x single)")
-    return (f"compute is on target (CPU ratio {r['cpu_ratio']:.2f}); the rest is waiting and scheduling (comm wait "
-            f"up to {max(r.get('wait_s') or [0.0]):.3f} s per rank, wall {r['time_s']['median']:.3f} s)")
-
-
-def _loaded(load: float, cpus: int) -> str:
-    return f"; timed under load (1-minute load {load:.1f} on {cpus} cores)" if load > cpus else ""
-
-
-def _attention(res, seq: int, last: bool) -> List[Row]:
-    p, rows, out = res["meta"]["world"], res["attention"][str(seq)], []
-    load, cpus = res.get("load_by_length", {}).get(str(seq), 0.0), res.get("machine", {}).get("cpus") or 1
-    for case, r in rows.items():
-        key = f"speedup.{case}" if last and case != r["baseline"] and f"speedup.{case}" in TARGETS else None
-        why = _why(r, TARGETS[key].threshold(r["bound"])) + _loaded(load, cpus) if key else ""
-        out.append(Row("attention", case, f"N={seq}", SPEEDUP, "x", r["speedup"]["median"],
-                       (r["speedup"]["min"], r["speedup"]["max"]), bound=r["bound"], target=key, detail={
-                           "wall s": r["time_s"]["median"], "CPU s per rank": r["cpu_s"], "CPU ratio": r["cpu_ratio"],
-                           "imbalance (expected)": f"{r['imbalance']:.2f} ({r['expected_imbalance']:.2f})",
-                           "work vs single": r["inflation"], "comm wait s per rank": r.get("wait_s"), "why": why}))
-    for case, r in rows.items():
-        if r.get("bytes_form") is None:
-            continue
-        measured, why = r.get("bytes"), ""
-        if measured and r["bytes_ratio"] is None:
-            measured, why = [float("nan")] * p, "bytes varied between rounds"
-        out.append(Row("attention", case, f"N={seq}", BYTES, "B", measured, predicted=r["bytes_form"],
-                       target="bytes" if measured else None,
-                       detail={"why": why} if measured else {"measured": "not measured (DeepSpeed's own collectives)"}))
-    for case, r in rows.items():
-        base = rows[r["baseline"]]["saved_bytes"][0]
-        held = last and case != r["baseline"] and CASES[case].runner != "local"
-        out.append(Row("attention", case, f"N={seq}", MEMORY, "x", r["mem_ratio"], bound=1 / p,
-                       target="activation_memory" if held else None, detail={
-                           "MiB per rank": [b / MIB for b in r["saved_bytes"]], "baseline MiB": base / MIB,
-                           "why": f"{r['mem_extra_bytes']:.0f} bytes per rank beyond 1/P of one process's: state "
-                                  f"that does not shrink with N (LASP: one d x d state per head)"}))
-    if "ds_ulysses" in rows and "ulysses" in rows:
-        ours, theirs = rows["ulysses"], rows["ds_ulysses"]
-        s = theirs["ours_over_theirs"]
-        out.append(Row("attention", "ulysses / ds_ulysses", f"N={seq}", PEER, "x", s["median"], (s["min"], s["max"]),
-                       target="vs_deepspeed" if last else None, detail={
-                           "ours s": ours["time_s"]["median"], "DeepSpeed s": theirs["time_s"]["median"],
-                           "why": f"compute is the same (CPU per rank ours {max(ours['cpu_s']):.3f} s, theirs "
-                                  f"{max(theirs['cpu_s']):.3f} s), so the gap is in the all-to-alls (ours waited up to "
-                                  f"{max(ours.get('wait_s') or [0.0]):.3f} s per rank)" + _loaded(load, cpus)}))
-    if "lasp1" in rows and "lasp2" in rows:
-        t = {c: rows[c]["time_s"]["median"] for c in ("lasp1", "lasp2", "halves") if c in rows}
-        pairs = [("LASP-1 / LASP-2 time", "lasp1", "lasp2")] + \
-            ([("LASP-2 / halves time", "lasp2", "halves"), ("LASP-1 / halves time", "lasp1", "halves")]
-             if "halves" in t else [])
-        out += [Row("attention", label, f"N={seq}", LASP, "x", t[a] / t[b]) for label, a, b in pairs]
-    return out
+ALIASES = {"lasp": ["lasp2", "lasp1"], "deepspeed": ["ds_ulysses"]}
+# every registered strategy (lasp: both exchanges) and DeepSpeed's Ulysses
+DEFAULT_STRATEGIES = ",".join(list(STRATEGIES) + ["ds_ulysses"])
+_SIZES = dict(P=2, heads=8, head_dim=64, warmup=1)
+PRESETS = {
+    "quick": dict(_SIZES, seq_lens=[512, 1024, 2048], repeats=5, mem_budget_n=1024, strategies=DEFAULT_STRATEGIES,
+                  train_strategies="zigzag", train_preset="quick", lasp_breakdown=False),
+    "full": dict(_SIZES, seq_lens=[1024, 2048, 4096, 8192], repeats=5, mem_budget_n=2048,
+                 strategies=DEFAULT_STRATEGIES, train_strategies="zigzag,ulysses,lasp", train_preset="full",
+                 lasp_breakdown=False),
+    # the ring family against Ulysses and zigzag without overlap (formerly python -m ds_seqpar.bench_ring)
+    "ring": dict(_SIZES, seq_lens=[8192], repeats=5, mem_budget_n=0, strategies="ring,zigzag,striped,ulysses,"
+                 "zigzag_no_overlap", train_strategies="none", train_preset="full", lasp_breakdown=False),
+    # LASP-2 and LASP-1 against the halves bound, and where a LASP rank's time goes (formerly
+    # python -m ds_seqpar.bench_lasp)
+    "lasp": dict(_SIZES, seq_lens=[8192], repeats=7, mem_budget_n=0, strategies="lasp,halves",
+                 train_strategies="none", train_preset="full", lasp_breakdown=True),
+}
 
 
-def rows(res: Dict[str, Any]) -> List[Row]:
-    """Every number of an attention run: per length the speedups, bytes, memory, peers and LASP; then
-    the longest sequences, the LASP pieces and the training step."""
-    m, out = res["meta"], []
-    for seq in m["seq_lens"]:
-        out += _attention(res, seq, seq == max(m["seq_lens"]))
-    for case, r in res.get("max_seq", {}).items():
-        single = CASES[case].runner == "single"
-        out.append(Row("attention", case, f"budget: one process at N={m['mem_budget_n']}", MAX_SEQ, "x", r["ratio"],
-                       bound=None if single else float(m["world"]), target=None if single else "max_seq",
-                       detail={"budget MiB": r["budget_bytes"] / MIB, "longest N": r["max_seq"],
-                               "why": f"search step {r['step']} tokens; fixed per-rank state"}))
-    pieces = res.get("lasp_breakdown")
-    if pieces:
-        base = next(iter(pieces["cpu_s"].values()))
-        out += [Row("attention", name, f"N/P={pieces['local_len']}", f"LASP kernel work per rank position (N/P = "
-                    f"{pieces['local_len']}, no transfers)", "s", t, detail={"extra": f"{t / base - 1:+.1%}"})
-                for name, t in pieces["cpu_s"].items()]
-    cpus = res.get("machine", {}).get("cpus") or 1
-    for s, t in res.get("train", {}).items():
-        c = t["compute_speedup"]["median"]
-        why = (f"the busiest rank's fwd+bwd CPU time shrinks only {c:.2f}x" if c < TARGETS["train_step"].threshold(
-            t["bound"]) else f"fwd+bwd CPU time shrinks {c:.2f}x; the rest of the step (ZeRO-2 gradient reduction, "
-            f"optimizer, loss all-reduce, waiting for the slower rank) does not shrink with P")
-        out.append(Row("attention", s, f"seq {res['train_model']['seq_len']}", TRAIN, "x", t["speedup"]["median"],
-                       (t["speedup"]["min"], t["speedup"]["max"]), bound=t["bound"], target="train_step", detail={
-                           "1 rank s/step": t["one_s"]["median"], "P ranks s/step": t["p_s"]["median"],
-                           "compute speedup": c, "tokens/s 1 -> P": t["tokens_per_s"],
-                           "losses, max rel diff": f"{t['loss_rel_diff']:.1e}",
-                           "why": why + _loaded(t.get("max_load_1min", 0.0), cpus)}))
-    return out
+class BenchError(ValueError):
+    """A bad option, found before any rank starts."""
 
 
-def facts(res: Dict[str, Any]) -> Dict[str, Any]:
-    m, mach, t = res["meta"], res["machine"], res.get("train_model") or {}
-    loaded = (" **The machine was loaded** (1-minute load above its cores at some point): treat wall-clock speedups "
-              "as lower bounds; the CPU ratio is the less load-sensitive number." if mach["loaded"] else "")
-    model = (f"Hugging Face model `{os.path.basename(t['model'])}`" if t.get("model") else
-             f"the small LM (dim {t.get('dim')}, {t.get('n_layers')} layers, {t.get('n_heads')} heads)")
-    return {
-        "title": f"Sequence-parallel benchmark `{m['name']}`",
-        "setup": f"P={m['world']} ranks x 1 thread ({m['device']}, {m['comm_backend']}), {m['dtype']}, "
-                 f"{'causal' if m['causal'] else 'non-causal'}, batch {m['batch']}, {m['heads']} heads ({m['kv_heads']} "
-                 f"k/v), head_dim {m['head_dim']}, kernel `{m['backend']}`, forward + backward; lengths "
-                 f"{', '.join(map(str, m['seq_lens']))}; {m['warmup']} warm-up + {m['repeats']} interleaved rounds per "
-                 f"length; medians over rounds with (min-max).{loaded}",
-        "command": m["command"], "notes": m.get("notes", ""),
-        "machine": f"{mach['cpu_model']}, {mach['cpus']} cores; load average before {mach['load_before']}, after "
-                   f"{mach['load_after']}, highest 1-minute value seen during the run {mach['load_peak']:.2f}; torch "
-                   f"{mach['torch']}, deepspeed {mach['deepspeed']}, python {mach['python']}; whole run "
-                   f"{res['elapsed_s']:.0f} s.",
-        "metrics": {
-            SPEEDUP: "Per round, baseline wall time / case wall time (a case's: its slowest rank's; baseline: the "
-                     "single-process kernel, `single` for softmax, `single_linear` for LASP). CPU ratio = baseline CPU "
-                     "/ busiest rank's CPU: the speedup without communication. imbalance = max/mean CPU over ranks. "
-                     "work vs single = sum of per-rank CPU / baseline CPU. halves: every rank the single-process "
-                     "kernel on its own N/P tokens, no exchange: the bound no exact scheme beats here.",
-            BYTES: "What CommStats recorded per rank for one fwd+bwd, against `strategies/closed_form.py`.",
-            TRAIN: f"{model}, micro-batch {t.get('micro_batch')}, {t.get('steps')} steps per run (the first is warm-up), "
-                   f"through train.run_training; rounds alternate the 1-rank and the P-rank run. "
-                   + ("" if res.get("train") else res.get("train_skipped", "not measured"))},
-        "images": [(caption, f"{m['name']}/{png}.png") for png, caption in PLOTS.items()]}
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="ds-seqpar bench [attention]", description="The attention suite: every sequence-parallel strategy, the "
+        "single-process kernels and DeepSpeed's Ulysses side by side in one run; write <out>/<name>.{md,json,rows.json} "
+        "and plots. Other suites: ds-seqpar bench {packed,window,hybrid,trainer,memory} --help.",
+        epilog="presets: " + "; ".join(f"{k}: P={v['P']}, N={','.join(map(str, v['seq_lens']))}, {v['heads']} heads x "
+                                      f"{v['head_dim']}, cases {v['strategies']}, training {v['train_strategies']}"
+                                      for k, v in PRESETS.items()))
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="quick",
+                    help="defaults for the options below (quick: ~1 minute on 2 cores; ring, lasp: one family "
+                         "at N=8192)")
+    ap.add_argument("--strategies", help=f"comma list of {', '.join(c for c in CASES if c not in BASELINE.values())}; "
+                    f"lasp = lasp2,lasp1 (the single-process baselines are always measured); default: the "
+                    f"preset's ({DEFAULT_STRATEGIES} for quick and full)")
+    ap.add_argument("--P", "--world", dest="P", type=int, help="ranks (sequence-parallel size = world)")
+    ap.add_argument("--seq-lens", type=ints, help="global sequence lengths, comma separated")
+    ap.add_argument("--heads", type=int)
+    ap.add_argument("--kv-heads", type=int, help="k/v heads (GQA); default = heads")
+    ap.add_argument("--head-dim", type=int)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="bf16/fp16 need CUDA")
+    ap.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--no-decay", action="store_true", help="linear attention without the LM's per-head decay")
+    ap.add_argument("--backend", default="torch", choices=("torch", "math", "flash_attn", "auto"),
+                    help="local attention kernel (flash_attn needs CUDA and the flash-attn package)")
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    ap.add_argument("--repeats", type=int, help="measured rounds per length (>= 5 for numbers to report)")
+    ap.add_argument("--warmup", type=int, help="unmeasured rounds first")
+    ap.add_argument("--mem-budget-n", type=int, help="memory budget = what one process saves at this N (0: skip)")
+    ap.add_argument("--train-strategies", help="training-step comparison, comma list ('none' to skip)")
+    ap.add_argument("--train-seq-len", type=int, help="training sequence length (default: the preset's)")
+    ap.add_argument("--lasp-breakdown", action=argparse.BooleanOptionalAction, default=None,
+                    help="after the rounds, the kernel work of each LASP rank position at N/P on rank 0 "
+                         "(on in --preset lasp)")
+    ap.add_argument("--model", metavar="PATH", help="the training-step case trains this local Hugging Face model "
+                    "(a model directory or a config JSON, as `ds_seqpar.train --model`) instead of the small LM")
+    ap.add_argument("--out", default="reports", help="directory for <name>.md, <name>.json, <name>/*.png")
+    ap.add_argument("--name", help="default: <device>_<preset>")
+    ap.add_argument("--wandb", action="store_true", help="one wandb run per case (offline without credentials)")
+    ap.add_argument("--wandb-project", default="ds_seqpar")
+    ap.add_argument("--notes", default="", help="free text added to the report")
+    ap.add_argument("--render", metavar="JSON", help="measure nothing: rewrite the page and plots of a saved "
+                    "results file (e.g. after a change to the report's layout)")
+    ap.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)      # the deepspeed launcher's
+    return ap
 
 
-PLOTS = {"speedup": "speedup vs sequence length", "bytes": "bytes per rank", "memory": "memory per rank",
-         "imbalance": "CPU seconds per rank"}
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Preset defaults under explicit options; then every check that can fail, before any rank starts."""
+    preset = dict(PRESETS[args.preset])
+    args.train_preset = preset.pop("train_preset")            # the model the training comparison uses
+    for key, value in preset.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.kv_heads = args.kv_heads or args.heads
+    args.device = _device(args)
+    args.name = args.name or f"{args.device}_{args.preset}"
+    args.cases = _cases(args.strategies)
+    args.train = [] if args.train_strategies in ("", "none") else args.train_strategies.split(",")
+    _check(args)
+    require_matplotlib("the report's plots", BenchError)     # before measuring, not after
+    return args
 
 
-def write_plots(rows_: List[Row], meta: Dict[str, Any], folder: str) -> List[str]:
-    """speedup (with bounds), bytes (on the closed form), memory per rank over N; CPU per rank at the
-    longest length. One colour per case across the figures."""
-    from ..report.plotting import bar_figure, line_figure
-    n = lambda r: int(r.variant[2:])  # noqa: E731
-    last, p = max(meta["seq_lens"]), meta["world"]
-    parallel = [c for c in meta["cases"] if CASES[c].runner != "single"]
-    pick = lambda metric: [r for r in rows_ if r.metric == metric and r.case in parallel]  # noqa: E731
-    os.makedirs(folder, exist_ok=True)
-    speed = pick(SPEEDUP)
-    lines = [(r.case, n(r), r.value, r.spread) for r in speed]
-    marks = [(f"ideal P={p}", float(p))] + sorted({(f"{r.case} bound {r.bound:.2f}", r.bound) for r in speed
-                                                   if r.bound != p})
-    return [line_figure(lines, marks, os.path.join(folder, "speedup.png"), "speedup over one process (fwd+bwd)",
-                        f"Speedup vs sequence length, P={p}; bars: min-max over rounds"),
-            line_figure([(r.case, n(r), max(r.values()) / MIB, None) for r in pick(BYTES) if r.value]
-                        + [(f"{r.case}: closed form", n(r), max(r.predicted) / MIB, None) for r in pick(BYTES)], [],
-                        os.path.join(folder, "bytes.png"), "MiB sent by the busiest rank", "Bytes per rank: measured "
-                        "and the closed form", log_y=True),
-            line_figure([(r.case, n(r), max(r.detail["MiB per rank"]), None) for r in rows_ if r.metric == MEMORY],
-                        [], os.path.join(folder, "memory.png"), "MiB saved for backward, fullest rank",
-                        "Activation memory per rank", log_y=True),
-            bar_figure({r.case: r.detail["CPU s per rank"] for r in speed if r.variant == f"N={last}"},
-                       os.path.join(folder, "imbalance.png"), "CPU seconds per rank (fwd+bwd)",
-                       f"Per-rank compute at N={last}")]
+def _device(args) -> str:
+    import torch
+    cuda = torch.cuda.is_available()
+    if args.device == "cuda" and not cuda:
+        raise BenchError("--device cuda: CUDA is not available on this machine; use --device cpu")
+    device = args.device if args.device != "auto" else ("cuda" if cuda and _under_launcher() else "cpu")
+    if device == "cpu" and args.dtype in ("bf16", "fp16"):
+        raise BenchError(f"--dtype {args.dtype} needs CUDA (--device cuda under a launcher): on CPU the local "
+                         f"kernels would time a half-precision emulation no GPU run resembles; use --dtype fp32")
+    if device == "cpu" and args.backend == "flash_attn":
+        raise BenchError("--backend flash_attn needs CUDA and the flash-attn package; use --backend torch on CPU")
+    if device == "cuda" and not _under_launcher():
+        raise BenchError("--device cuda runs under a launcher (one GPU per rank), e.g. "
+                         "`torchrun --nproc_per_node P -m ds_seqpar.cli bench --device cuda ...`")
+    return device
 
 
-__all__ = ["rows", "facts", "write_plots"]
+def _cases(strategies: str) -> List[str]:
+    chosen = set()
+    for name in (s.strip() for s in strategies.split(",") if s.strip()):
+        for case in ALIASES.get(name, [name]):
+            if case not in CASES or case in BASELINE.values():
+                valid = [c for c in CASES if c not in BASELINE.values()] + list(ALIASES)
+                raise BenchError(f"--strategies: unknown case {name!r}; choose from {', '.join(valid)}")
+            chosen.add(case)
+    chosen |= {BASELINE[CASES[c].attention] for c in chosen}
+    return [c for c in CASES if c in chosen]          # a fixed order: baselines first in each family
+
+
+def _check(a) -> None:
+    if a.P < 2:
+        raise BenchError(f"--P {a.P}: a sequence-parallel benchmark needs at least 2 ranks")
+    try:
+        check_head_groups(a.heads, a.kv_heads)
+    except ValueError as err:
+        raise BenchError(f"--heads {a.heads}, --kv-heads {a.kv_heads}: {err}") from None
+    if any(c in a.cases for c in ("ulysses", "ds_ulysses", "hybrid")) and a.heads % a.P:
+        raise BenchError(f"--heads {a.heads} is not divisible by --P {a.P}: Ulysses splits heads over ranks; "
+                         f"drop ulysses/ds_ulysses from --strategies or pick --heads divisible by {a.P}")
+    if "hybrid" in a.cases and (a.P < 4 or a.P % 2):
+        raise BenchError(f"--strategies hybrid (ulysses_size 2 x zigzag ring) needs an even --P >= 4, got {a.P}")
+    multiple = 2 * a.P * (2 if "hybrid" in a.cases else 1)
+    bad = [n for n in a.seq_lens if n % multiple]
+    if bad or not a.seq_lens:
+        raise BenchError(f"--seq-lens {bad or a.seq_lens}: every length must be a positive multiple of {multiple} "
+                         f"(zigzag's 2P chunks)")
+    if a.model and "lasp" in a.train:
+        raise BenchError(f"--model {a.model!r} with --train-strategies lasp: Hugging Face models use softmax "
+                         f"attention; choose from ulysses, ring, zigzag, striped")
+    if a.model and not os.path.exists(a.model):
+        raise BenchError(f"--model {a.model!r} does not exist: pass a local model directory or config JSON")
+    if a.repeats < 1 or a.warmup < 0:
+        raise BenchError(f"--repeats {a.repeats} must be >= 1 and --warmup {a.warmup} >= 0")
+
+
+def _under_launcher() -> bool:
+    from ..launch.spawn import under_launcher
+    return under_launcher()
+
+
+def machine(load_before, during: List[float]) -> Dict[str, Any]:
+    """CPU, versions, and the load: before, after, and the highest 1-minute value seen during the run."""
+    facts = machine_facts()
+    after, cpus = os.getloadavg(), facts["cpus"]
+    peak = max([load_before[0], after[0]] + during)
+    return dict(facts, load_before=loads(load_before), load_peak=peak, loaded=peak > cpus)
+
+
+def _command(argv: List[str]) -> str:
+    launcher = f"(each of WORLD_SIZE={os.environ.get('WORLD_SIZE')} ranks of a launcher) " if _under_launcher() else ""
+    return launcher + command_line("ds-seqpar bench", argv)
+
+
+def run(args: argparse.Namespace, argv: List[str], pools=None) -> Optional[Dict[str, Any]]:
+    """Measure, summarise, write; returns the results dict on the writing rank (None elsewhere).
+    ``pools``: an already started (P-rank, 1-rank) RankPool pair to use instead of starting them."""
+    from . import attention_rows as S
+    load_before, start = os.getloadavg(), time.monotonic()
+    spec = BenchSpec(world=args.P, cases=tuple(args.cases), batch=args.batch, heads=args.heads,
+                     kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype, causal=args.causal,
+                     backend=args.backend, device=args.device, decay=not args.no_decay, warmup=args.warmup,
+                     repeats=args.repeats, lasp_breakdown=args.lasp_breakdown)
+    per_rank, train, skipped = _measure(args, spec, pools)
+    if per_rank is None:
+        return None
+    meta = dict(asdict(spec), name=args.name, cases=args.cases, comm_backend="nccl" if args.device == "cuda" else
+                "gloo", seq_lens=args.seq_lens, mem_budget_n=args.mem_budget_n, preset=args.preset, notes=args.notes,
+                command=_command(argv))
+    load_by_length = {str(n): per_rank[0]["lengths"][n]["load_1min"] for n in args.seq_lens}
+    during = list(load_by_length.values()) + [x for t in train.values() for x in t["load_1min"]]
+    res = {"meta": meta, "machine": machine(load_before, during), "elapsed_s": time.monotonic() - start,
+           "attention": S.attention_rows(per_rank, meta), "max_seq": S.max_seq_rows(per_rank, meta),
+           "train": S.train_rows(train, args.P) if train else {}, "train_skipped": skipped,
+           "train_model": _train_model(args), "load_by_length": load_by_length,
+           "lasp_breakdown": per_rank[0].get("lasp_breakdown"), "raw": {"ranks": per_rank, "train": train}}
+    found = write(res, args.out)
+    if args.wandb:
+        log_rows(found, meta, os.path.join(args.out, args.name), args.wandb_project)
+    return res
+
+
+def _train_model(args) -> Dict[str, Any]:
+    from .train_step import TRAIN_PRESETS
+    model = dict(TRAIN_PRESETS[args.train_preset])
+    if args.train_seq_len:
+        model["seq_len"] = args.train_seq_len
+    if getattr(args, "model", None):
+        # the Hugging Face model replaces the small LM's sizes; ranks may run elsewhere: absolute path
+        model = {k: v for k, v in model.items() if k in ("seq_len", "micro_batch", "steps")}
+        model["model"] = os.path.abspath(args.model)
+    return model
+
+
+def _measure(args, spec: BenchSpec, pools=None):
+    """(per-rank results, training results, why training was skipped); None on non-writing ranks."""
+    from .cases import run_rank
+    from ..launch.rankpool import RankPool
+    if _under_launcher():
+        return _measure_under_launcher(args, spec)
+    if pools is not None and pools[0].world_size != args.P:
+        raise BenchError(f"--P {args.P} but the given pool has {pools[0].world_size} ranks")
+    pool, solo = pools or (RankPool(args.P, timeout_s=3600.0, threads_per_rank=1).start(), None)
+    try:
+        per_rank = pool.run(run_rank, spec, args.seq_lens, args.mem_budget_n, timeout=3600.0)
+        train = {}
+        if args.train:
+            from .train_step import measure_training
+            # started only now: its process start and imports would load the attention timings
+            solo = solo or RankPool(1, timeout_s=3600.0, threads_per_rank=1).start()
+            train = measure_training(pool, solo, args.train, _train_model(args), args.warmup, args.repeats)
+    finally:
+        if pools is None:
+            pool.close()
+            if solo is not None:
+                solo.close()
+    return per_rank, train, "" if args.train else "skipped (--train-strategies none)"
+
+
+def _measure_under_launcher(args, spec: BenchSpec):
+    import deepspeed
+    from .. import comm
+    from ..launch.env import launch_env, local_device
+    from .cases import run_rank
+    # rank, local rank and rendezvous as the launcher gave them (Open MPI's local rank is not the
+    # rank): with every env:// variable set, DeepSpeed runs no MPI discovery of its own
+    os.environ.update(launch_env(os.environ))
+    if args.device == "cuda":
+        import torch
+        torch.cuda.set_device(local_device(os.environ, torch.cuda.device_count()))   # nccl object collectives use it
+    deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo", auto_mpi_discovery=False)
+    if args.device == "cpu":
+        import torch
+        torch.set_num_threads(1)        # the comparison is one thread per rank, as with RankPool
+    if comm.world_size() != args.P:
+        raise BenchError(f"--P {args.P} but the launcher started {comm.world_size()} ranks")
+    mine = run_rank(spec, args.seq_lens, args.mem_budget_n)
+    per_rank = comm.gather_object(mine)
+    why = ("not measured under a launcher: it needs a 1-rank world beside the P-rank one; run without a "
+           "launcher (CPU), or compare `ds-seqpar train` runs with `ds-seqpar report`")
+    return (per_rank if comm.global_rank() == 0 else None), {}, why
+
+
+def write(res: Dict[str, Any], out: str) -> list:
+    """<out>/<name>.json, .md, .rows.json and the plots of a results dict (attention_rows.py); its rows."""
+    from .attention_rows import facts, rows, write_plots
+    found = rows(res)
+    write_plots(found, res["meta"], os.path.join(out, res["meta"]["name"]))
+    meta = dict(res["meta"], train_model=res.get("train_model"))      # the run's parameters plan --calibrate reads
+    write_page(out, res, found, dict(facts(res), meta=meta), "ds-seqpar bench", default=str)
+    return found
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--render" in argv:
+        path = build_parser().parse_args(argv).render
+        write(load_json(path), os.path.dirname(path) or ".")
+        return 0
+    try:
+        args = resolve(build_parser().parse_args(argv))
+    except BenchError as err:
+        print(f"ds-seqpar bench: error: {err}", file=sys.stderr)
+        return 2
+    run(args, argv)
+    return 0

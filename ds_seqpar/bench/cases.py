@@ -1,7 +1,7 @@
 """Rank-side measurements of ``ds-seqpar bench``: every case (the single-process kernels, each
 strategy, DeepSpeed's own Ulysses, the no-communication "halves" bound) timed side by side in
 interleaved rounds, plus the bytes each case saves for backward. Runs on every rank (RankPool or a
-launcher); main.py drives it and summary.py turns what it returns into ratios.
+launcher); attention.py drives it and attention_rows.py turns what it returns into ratios.
 
 Round structure: for each sequence length, the harness's ``warmup + repeats`` interleaved rounds;
 each round runs every case once in a fixed order after a barrier (A B C A B C ...), so load from
@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from ..strategies import RING_STRATEGIES
-from .harness import attention_inputs, fwd_bwd, interleaved_rounds, saved_bytes
+from .harness import alone, attention_inputs, fwd_bwd, interleaved_rounds, saved_bytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
@@ -78,7 +79,7 @@ class BenchSpec:
     decay: bool = True              # linear attention: the small LM's per-head decay
     warmup: int = 1
     repeats: int = 5
-    lasp_breakdown: bool = False    # kernel work per LASP rank position (lasp_pieces.py), rank 0 alone
+    lasp_breakdown: bool = False    # kernel work per LASP rank position (lasp_pieces), rank 0 alone
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,19 +177,52 @@ def run_rank(spec: BenchSpec, seq_lens: List[int], budget_n: Optional[int]) -> D
 
 
 def lasp_breakdown(cases: "RankCases", seq: int) -> Optional[Dict[str, Any]]:
-    """Rank 0, alone on its share of the machine after the rounds: the kernel work of each LASP rank
-    position at the local length seq / P (lasp_pieces.py). None on the other ranks."""
+    """Rank 0, alone on its share of the machine after the rounds: where a LASP rank's time goes without
+    the transfers, the kernel work of one fwd+bwd at the local length seq / P per rank position
+    (lasp_pieces), median CPU seconds. None on the other ranks."""
     from .. import comm
-    from .lasp_pieces import breakdown
     spec, out = cases.spec, None
     comm.barrier()
     if cases.rank == 0:
         local = seq // spec.world
         q, k, v, dout = attention_inputs(local, spec.heads, spec.head_dim, spec.kv_heads, spec.batch, cases.dtype,
-                                cases.device)
-        out = {"local_len": local, "cpu_s": breakdown(q, k, v, dout, cases.decay, 3 * spec.repeats, spec.device)}
+                                         cases.device)
+        times = alone(lasp_pieces(q, k, v, dout, cases.decay), 3 * spec.repeats, device=spec.device)
+        out = {"local_len": local, "cpu_s": {name: statistics.median(t) for name, t in times.items()}}
     comm.barrier()
     return out
+
+
+def lasp_rank(q, k, v, dout, decay_h, state_in: Optional[torch.Tensor], dstate_local: Optional[torch.Tensor],
+              send_own: bool, chunk: int = 64) -> None:
+    """The kernel calls of one LASP rank's forward + backward (strategies/lasp.py, in its order, with its
+    chunk), without the transfers."""
+    from ..kernels import linear as la
+    fwd = la.forward_begin(q, k, v, decay_h, chunk)
+    if send_own:
+        la.forward_states(fwd)
+    if state_in is not None:
+        la.forward_diagonal(fwd)
+        la.forward_states(fwd, state_in)
+    la.forward_finish(fwd)
+    bwd = la.backward_begin(dout, q, k, v, decay_h, chunk, state_in)
+    la.backward_local(bwd)
+    la.backward_finish(bwd, dstate_local)
+
+
+def lasp_pieces(q, k, v, dout, decay_h, chunk: int = 64) -> Dict[str, Callable[[], None]]:
+    """Label -> the kernel work of that rank position. No states is what the "halves" case runs on every
+    rank; rank 0 sends its state and receives its gradient, the last rank the other way round, a middle
+    rank (all-gather) both: work the single process never does."""
+    from ..kernels import linear as la
+    state = la.intra_forward(q, k, v, decay_h, chunk)[1]
+    return {
+        "no states (intra_forward + intra_backward)":
+            lambda: (la.intra_forward(q, k, v, decay_h, chunk), la.intra_backward(dout, q, k, v, decay_h, chunk)),
+        "first rank (state_local out, dstate_local in)": lambda: lasp_rank(q, k, v, dout, decay_h, None, state, True),
+        "middle rank, allgather (both)": lambda: lasp_rank(q, k, v, dout, decay_h, state, state, True),
+        "last rank (state_in in, dstate_in out)": lambda: lasp_rank(q, k, v, dout, decay_h, state, None, False),
+    }
 
 
 def measure(cases: "RankCases", seq_lens: List[int]) -> Dict[int, Dict[str, Any]]:
@@ -267,7 +301,3 @@ def _largest(fits: Callable[[int], bool], step: int, limit: int) -> int:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid * step) else (lo, mid)
     return lo * step
-
-
-__all__ = ["CASES", "BASELINE", "Case", "BenchSpec", "DTYPES", "RankCases", "run_rank", "measure",
-           "max_seq_search", "saved_bytes", "lasp_breakdown"]

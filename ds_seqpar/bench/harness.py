@@ -1,8 +1,7 @@
-"""The harness every suite of ``ds-seqpar bench`` runs on (one module per suite beside it: attention
-(cases.py, summary.py, attention.py), packed.py, window.py, hybrid.py, trainer.py, memory.py; each
-turns its measurements into report/rows.py's rows): the case vocabulary, timing, interleaved rounds
-after a barrier, a fresh local rank pool, the machine and load facts, the options every suite
-shares, and the results file and page each writes.
+"""The harness every suite of ``ds-seqpar bench`` runs on (one module per suite beside it, main.py's
+SUITES; each turns its measurements into report/rows.py's rows): the case vocabulary, timing,
+interleaved rounds after a barrier, a fresh local rank pool, the machine and load facts, the options
+every suite shares, and the results file, page and wandb runs each writes.
 
 Rounds: ``warmup + repeats``, each running every case once after a barrier in a fixed order (A B C A
 B C ...), so load from other processes hits all cases alike; a case's time in a round is its slowest
@@ -91,6 +90,20 @@ def saved_bytes(forward: Callable[[], Any]) -> int:
     return sum(storages.values())
 
 
+def alone(fns: Dict[str, Callable[[], Any]], rounds: int, key: str = "cpu", warmup: int = 0,
+          device: str = "cpu") -> Dict[str, List[float]]:
+    """One process, no barrier: ``warmup + rounds`` rounds of every function, each round starting at the
+    next one (load and allocator state hit all alike); {name: seconds per kept round} (``key``: cpu or
+    wall)."""
+    names, out = list(fns), {name: [] for name in fns}
+    for rnd in range(warmup + rounds):
+        for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+            t = timed(fns[name], device=device)[key]
+            if rnd >= warmup:
+                out[name].append(t)
+    return out
+
+
 # -- rounds ------------------------------------------------------------------------------------------
 
 
@@ -112,6 +125,19 @@ def interleaved_rounds(fns, warmup: int, repeats: int, device: str = "cpu") -> D
                 rounds[f"{name}/{variant}"].append(res)
     comm.barrier()
     return rounds
+
+
+def rank_rounds(args, case_fns, after=None) -> Dict[str, Any]:
+    """What every rank of a suite runs: the interleaved rounds of ``case_fns(args, rank)``, then, with
+    ``after`` = (key, fn), rank 0 alone on its share of the machine ``fn(args)`` under ``key``."""
+    from .. import comm
+    rank = comm.global_rank()
+    out = {"rounds": interleaved_rounds(case_fns(args, rank), args.warmup, args.repeats),
+           "load_1min": os.getloadavg()[0]}
+    if rank == 0 and after:
+        out[after[0]] = after[1](args)
+    comm.barrier()
+    return out
 
 
 def case_times(per_rank, key) -> dict:
@@ -143,6 +169,13 @@ def ratio_range(a, b):
     return min(ratios), max(ratios)
 
 
+def versus(a: dict, b: dict) -> Dict[str, Any]:
+    """Case times ``a`` against ``b`` (case_times): per round a / b (they ran back to back, under the same
+    load), then the median: the wall time's ratio, its (min, max), and the busiest rank's CPU time's."""
+    return {"ratio": median_ratio(a["walls"], b["walls"]), "ratio_range": ratio_range(a["walls"], b["walls"]),
+            "cpu_ratio": median_ratio(a["cpu_rounds"], b["cpu_rounds"])}
+
+
 def bytes_ratio(measured: List[int], form: List[int]) -> List[float]:
     """Per rank measured / closed form (1.0 where both are 0)."""
     return [m / f if f else float(m == 0) for m, f in zip(measured, form)]
@@ -164,18 +197,21 @@ def measure_on_pool(rank_fn, args, command: str, versions: bool = False):
     finally:
         pool.close()
     meta = dict(vars(args), cpus=os.cpu_count(), elapsed=time.monotonic() - start,
-                load_before=" ".join(f"{x:.2f}" for x in load_before),
-                load_after=" ".join(f"{x:.2f}" for x in os.getloadavg()),
+                load_before=loads(load_before), load_after=loads(),
                 load_during=max(r["load_1min"] for r in per_rank), command=command)
     if versions:
         meta.update({k: v for k, v in machine_facts().items() if k in ("cpu_model", "torch", "deepspeed")})
     return per_rank, meta
 
 
-def page_options(ap: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
-    """The options every suite but attention shares (packed, window, hybrid, trainer): rounds and the page."""
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=1)
+def suite_parser(prog: str, doc: str, name: str, repeats: int = 5, **sizes: int) -> argparse.ArgumentParser:
+    """A suite's parser with the options every suite shares: its sizes (P, seq, heads, head_dim: integer
+    options with these defaults), the rounds and the page."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
+    for key, default in sizes.items():
+        ap.add_argument(f"--{key.replace('_', '-')}", type=int, default=default)
+    ap.add_argument("--repeats", type=int, default=repeats, help="measured rounds")
+    ap.add_argument("--warmup", type=int, default=1, help="unmeasured rounds first")
     ap.add_argument("--out", default="reports")
     ap.add_argument("--name", default=name)
     ap.add_argument("--notes", default="", help="free text added to the page")
@@ -194,7 +230,12 @@ def machine_facts() -> Dict[str, Any]:
     except (OSError, StopIteration):
         pass
     return {"cpu_model": model, "cpus": os.cpu_count(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
-            "python": platform.python_version(), "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg())}
+            "python": platform.python_version(), "load_after": loads()}
+
+
+def loads(values=None) -> str:
+    """The 1, 5 and 15-minute load averages (now, or ``values``), as the pages quote them."""
+    return " ".join(f"{x:.2f}" for x in (values or os.getloadavg()))
 
 
 def command_line(prefix: str, argv: List[str]) -> str:
@@ -233,13 +274,34 @@ def load_json(path: str) -> Any:
         return json.load(f)
 
 
-def write_page(out: str, saved: Dict[str, Any], rows, facts: Dict[str, Any], prog: str) -> int:
+def write_page(out: str, saved: Dict[str, Any], rows, facts: Dict[str, Any], prog: str, default=list) -> int:
     """<out>/<name>.json (``saved``, the measured results: --render reads them; plan --calibrate the rows),
-    <out>/<name>.md and <out>/<name>.rows.json (the page and its rows)."""
-    from ..report.render import write
-    save_json(os.path.join(out, f"{saved['meta']['name']}.json"), saved)
+    <out>/<name>.md and <out>/<name>.rows.json (the page and its rows); prints the targets' verdicts."""
+    from ..report.render import checked, result, write
+    save_json(os.path.join(out, f"{saved['meta']['name']}.json"), saved, default=default)
+    held = [r for r in rows if r.target]
+    width = max([len(f"{r.case} {r.variant}") for r in held] or [0])
+    print("\n".join(f"{r.case + ' ' + r.variant:<{width}}  {r.metric[:40]:<40}  {max(checked(r)):8.3f}  {result(r)}"
+                    for r in held))
     write(out, saved["meta"]["name"], rows, facts, prog)
     return 0
+
+
+def log_rows(rows, meta: Dict[str, Any], run_dir: str, project: str) -> None:
+    """--wandb: one run per case, grouped by the bench's name, every row's value (the largest rank's) by
+    metric and variant, and the targets' verdicts; offline without credentials (``wandb sync`` uploads)."""
+    import wandb
+    from ..report.render import result
+    from ..train.runlog import wandb_mode
+    os.makedirs(run_dir, exist_ok=True)
+    for case in dict.fromkeys(r.case for r in rows):
+        mine = [r for r in rows if r.case == case and r.value is not None]
+        run = wandb.init(project=project, group=meta["name"], name=f"{meta['name']}/{case}", job_type="bench",
+                         dir=os.path.abspath(run_dir), mode=wandb_mode(), config=dict(meta, case=case))
+        run.summary.update({f"{r.metric}/{r.variant}": max(r.values()) for r in mine})
+        run.summary["checks"] = [{"metric": r.metric, "variant": r.variant, "result": result(r)} for r in mine
+                                 if r.target]
+        run.finish()
 
 
 def suite_main(argv: Optional[List[str]], parser: argparse.ArgumentParser, rerender, measure) -> int:
@@ -250,9 +312,3 @@ def suite_main(argv: Optional[List[str]], parser: argparse.ArgumentParser, reren
     if args.render:
         return rerender(load_json(args.render), os.path.dirname(args.render) or ".")
     return measure(args, argv)
-
-
-__all__ = ["SOFTMAX", "LINEAR", "strategy_config", "attention_inputs", "fwd_bwd", "timed", "saved_bytes",
-           "interleaved_rounds", "case_times", "spread", "median_ratio", "ratio_range", "bytes_ratio",
-           "measure_on_pool", "page_options", "machine_facts", "command_line", "machine_line", "save_json",
-           "load_json", "write_page", "suite_main"]

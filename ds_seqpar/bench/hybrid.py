@@ -1,26 +1,15 @@
-"""``ds-seqpar bench hybrid``: the linear-attention, SSM and convolution layers of Hugging Face
-hybrids under sequence parallelism against the same layer unsharded, and a whole training step of a
+"""``ds-seqpar bench hybrid``: the linear-attention, SSM and convolution layers of Hugging Face hybrids
+under sequence parallelism against the same layer unsharded, and a whole training step of a
 Qwen3.5-style hybrid next to a Llama of equal size, in one run (not a test).
 
-    ds-seqpar bench hybrid [--P 2] [--seq 8192] [--families gdn,kda,ssd,lightning,conv] [--hidden 512]
-                             [--repeats 5] [--warmup 1] [--op-rounds 3] [--train-model PATH]
-                             [--train-seq 4096] [--train-repeats 3] [--out reports] [--name hybrid_cpu]
-
-  layer  per family (FAMILIES), ONE transformers layer: the model's own mixer module (projections,
-         conv, gates, norm and the op), forward + backward of N tokens. Cases: "single" (rank 0, the
-         unapplied layer on all N tokens, one thread), "halves" (every rank the unapplied layer on its
-         N/P tokens, nothing exchanged: the bound no exact split beats here), and the layer applied by
-         ds_seqpar (softmax strategy ring: one contiguous run per rank) under linear_strategy lasp with
-         lasp_comm allgather and ring, and linear_strategy ulysses. The rounds are the harness's
-         (harness.interleaved_rounds: every case once per round after a barrier, so the baseline and
-         the cases share the load); speedup = single / case per round, median (min-max). Bytes per
-         rank of one fwd+bwd against strategies/closed_form.py (must be 1.000).
-  op     rank 0 after the rounds, one thread: the plain local op of a rank's N/P tokens against the
-         call(s) ds_seqpar makes for a run's affine map (delta rule: delta_rule_map, the widened call;
-         SSD: ssd_map, the plain call and a width-1 probe), same captured inputs, fwd+bwd.
-  train  a whole training step at --train-seq tokens, P ranks vs one (train_step.measure_training:
-         ZeRO-2, zigzag for the softmax layers, rounds alternate 1 and P ranks) of --train-model and
-         of a Llama config with its sizes (equal_llama: same width, depth, heads, vocabulary).
+  layer  per family (FAMILIES) ONE transformers layer, the model's own mixer module, fwd+bwd of N
+         tokens: "single" (rank 0, unapplied, all N tokens), "halves" (every rank unapplied on its N/P
+         tokens: the bound no exact split beats) and the layer applied by ds_seqpar under each SP_CASES,
+         in the harness's interleaved rounds; bytes per rank against strategies/closed_form.py.
+  op     rank 0 after the rounds: the plain local op on N/P tokens against the call(s) ds_seqpar makes
+         for a run's affine map (delta_rule_map, ssd_map), same captured inputs, fwd+bwd.
+  train  a whole training step, P ranks vs one (train_step.measure_training), of --train-model and of a
+         Llama with its sizes (equal_llama).
 """
 from __future__ import annotations
 
@@ -32,14 +21,62 @@ import sys
 import tempfile
 from typing import Dict, List, Optional
 
-from .harness import (bytes_ratio, case_times, command_line, interleaved_rounds, machine_line,
-                      measure_on_pool, median_ratio, page_options, ratio_range, suite_main, timed,
-                      write_page)
 from ..report.rows import Row
-from .hybrid_families import FAMILIES, SP_CASES, family_cases, family_config, family_sizes
+from .harness import (alone, bytes_ratio, case_times, command_line, machine_line, measure_on_pool, rank_rounds,
+                      suite_main, suite_parser, versus, write_page)
 from .predict import hybrid_closed_form
 
 PROG = "ds-seqpar bench hybrid"
+# the families (one linear layer of a Hugging Face hybrid each, built from the model type's own config
+# class) and the sequence-parallel cases a layer runs under
+SP_CASES = {"lasp_allgather": dict(linear_strategy="lasp", lasp_comm="allgather"),
+            "lasp_ring": dict(linear_strategy="lasp", lasp_comm="ring"),
+            "ulysses": dict(linear_strategy="ulysses")}
+# family -> (as in, model type, config keys): one linear layer of the model's own classes; head sizes as
+# the named models', fewer heads (one CPU thread per rank)
+FAMILIES = {
+    "gdn": ("Qwen3.5 gated DeltaNet", "qwen3_5_text", dict(
+        layer_types=["linear_attention"], linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4)),
+    "kda": ("Kimi-Linear delta attention", "kimi_linear", dict(
+        layer_types=["linear_attention"], linear_num_heads=2, linear_head_dim=32, linear_conv_kernel_dim=4)),
+    "ssd": ("Bamba / Nemotron-H Mamba2 SSD", "bamba", dict(
+        attn_layer_indices=[], mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=2, mamba_d_state=128,
+        mamba_chunk_size=128, mamba_expand=1, mamba_d_conv=4)),
+    "lightning": ("MiniMax lightning attention", "minimax", dict(
+        layer_types=["linear_attention"], num_attention_heads=4, head_dim=128, block_size=256)),
+    "conv": ("LFM2 gated short convolution", "lfm2", dict(layer_types=["conv"], conv_L_cache=3)),
+}
+_BASE = dict(num_hidden_layers=1, intermediate_size=256, num_key_value_heads=4, vocab_size=256, use_cache=False,
+             tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2, num_local_experts=2,
+             num_experts=2, num_experts_per_tok=1, moe_intermediate_size=64)
+
+
+def family_config(name: str, hidden: int):
+    """The family's model type's own config class with one linear layer at width ``hidden``."""
+    from transformers import CONFIG_MAPPING
+    _, model_type, keys = FAMILIES[name]
+    cls = CONFIG_MAPPING[model_type]
+    known = cls().to_dict()
+    kw = {k: v for k, v in _BASE.items() if k in known}
+    return cls(**dict(kw, hidden_size=hidden, **keys))
+
+
+def family_cases(name: str) -> List[str]:
+    """A short conv has no state: lasp ring and ulysses run the same halo as allgather."""
+    return ["single", "halves"] + (["lasp_allgather"] if name == "conv" else list(SP_CASES))
+
+
+def family_sizes(fam: str, hidden: int) -> str:
+    c = family_config(fam, hidden)
+    keys = {"gdn": ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                    "linear_conv_kernel_dim"),
+            "kda": ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim"),
+            "ssd": ("mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_chunk_size", "mamba_d_conv"),
+            "lightning": ("num_attention_heads", "head_dim", "block_size"), "conv": ("conv_L_cache",)}[fam]
+    return ", ".join(f"{k}={getattr(c, k)}" for k in keys)
+
+
 def _mixer(cfg, sp=None):
     """(model, its one linear layer module), seeded, applied when ``sp`` is given."""
     import torch
@@ -93,14 +130,8 @@ def _case_fns(args, rank: int):
 
 
 def bench_rank(args) -> Dict[str, object]:
-    """Every rank: warmup + repeats interleaved rounds; then rank 0 alone times the ops (op_pieces)."""
-    from .. import comm
-    rounds = interleaved_rounds(_case_fns(args, comm.global_rank()), args.warmup, args.repeats)
-    out = {"rounds": rounds, "load_1min": os.getloadavg()[0]}
-    if comm.global_rank() == 0 and args.op_rounds:
-        out["ops"] = op_pieces(args)
-    comm.barrier()
-    return out
+    """Every rank: the interleaved rounds; then rank 0 alone times the ops (op_pieces)."""
+    return rank_rounds(args, _case_fns, ("ops", op_pieces) if args.op_rounds else None)
 
 
 # -- the local op alone ------------------------------------------------------------------------------
@@ -164,17 +195,11 @@ def _op_runs(fam: str, original, call: dict):
 def op_pieces(args) -> List[dict]:
     rows = []
     for fam in [f for f in args.families if f in OP_FAMILIES]:
-        original, call = _captured_call(fam, args)
-        plain, mapped = _op_runs(fam, original, call)
-        times = {"plain": [], "map": []}
-        for rnd in range(args.op_rounds + 1):
-            for key, fn in (("plain", plain), ("map", mapped)) if rnd % 2 else (("map", mapped), ("plain", plain)):
-                t = timed(fn)["cpu"]
-                if rnd:
-                    times[key].append(t)
-        ratios = [m / p for m, p in zip(times["map"], times["plain"])]
+        plain, mapped = _op_runs(fam, *_captured_call(fam, args))
+        t = alone({"plain": plain, "map": mapped}, args.op_rounds, warmup=1)
+        ratios = [m / p for m, p in zip(t["map"], t["plain"])]
         rows.append({"family": fam, "op": OP_FAMILIES[fam], "tokens": args.seq // args.P,
-                     "plain": statistics.median(times["plain"]), "map": statistics.median(times["map"]),
+                     "plain": statistics.median(t["plain"]), "map": statistics.median(t["map"]),
                      "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)]})
     return rows
 
@@ -186,9 +211,8 @@ def summarize(per_rank, args) -> Dict[str, dict]:
         rows = {case: case_times(per_rank, f"{fam}/{case}") for case in family_cases(fam)}
         single = rows["single"]
         for case, r in rows.items():
-            r["speedup"] = median_ratio(single["walls"], r["walls"])
-            r["speedup_range"] = ratio_range(single["walls"], r["walls"])
-            r["cpu_speedup"] = median_ratio(single["cpu_rounds"], r["cpu_rounds"])
+            x = versus(single, r)
+            r.update(speedup=x["ratio"], speedup_range=x["ratio_range"], cpu_speedup=x["cpu_ratio"])
             if case in SP_CASES:
                 r["form"] = hybrid_closed_form(fam, case, args, family_config, SP_CASES)
                 r["bytes_ratio"] = bytes_ratio(r["bytes"], r["form"])
@@ -290,9 +314,7 @@ def facts(meta, families: List[str]) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    ap.add_argument("--P", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=8192)
+    ap = suite_parser(PROG, __doc__, "hybrid_cpu", P=2, seq=8192)
     ap.add_argument("--families", default=",".join(FAMILIES), help=f"comma list of {', '.join(FAMILIES)}")
     ap.add_argument("--hidden", type=int, default=512, help="the layer's hidden size")
     ap.add_argument("--op-rounds", type=int, default=3, help="rounds of the op-alone timing on rank 0 (0: skip)")
@@ -300,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the hybrid of the training-step comparison (a config JSON or model directory)")
     ap.add_argument("--train-seq", type=int, default=4096)
     ap.add_argument("--train-repeats", type=int, default=3, help="measured training rounds (0: skip the training step)")
-    return page_options(ap, "hybrid_cpu")
+    return ap
 
 
 def resolve(args) -> argparse.Namespace:
@@ -322,7 +344,7 @@ def write(summary, meta, out: str, ops=None, train=None) -> int:
 
 def measure(args, argv: List[str]) -> int:
     import transformers
-    from .summary import train_rows
+    from .attention_rows import train_rows
     per_rank, meta = measure_on_pool(bench_rank, resolve(args), command_line(PROG, argv), versions=True)
     train = None
     if args.train_repeats:
@@ -335,11 +357,3 @@ def measure(args, argv: List[str]) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     return suite_main(argv, build_parser(), lambda saved, out: write(saved["rows"], saved["meta"], out,
                                                                      saved.get("ops"), saved.get("train")), measure)
-
-
-__all__ = ["main", "bench_rank", "summarize", "write", "equal_llama", "family_config", "family_cases",
-           "FAMILIES"]
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -18,20 +18,25 @@ phase through /proc/self/clear_refs): the real peak of the process, whoever allo
 malloc keeps freed blocks below its dynamic mmap threshold (up to 32 MB) in the heap, where they
 inflate the resident set by whatever the step freed last; the pools therefore run with
 MALLOC_MMAP_THRESHOLD_=65536 (tensors are mapped and unmapped, so resident memory follows live
-tensors). ``--malloc default`` measures with glibc's defaults instead. See memory_step.py for a
-step's phases and memory_summary.py for the arithmetic.
+tensors). ``--malloc default`` measures with glibc's defaults instead. memory_rows.py holds the
+arithmetic, the rows and the plots.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
 import sys
+import tempfile
 import time
+from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional
 
+import torch
+
 from ..report.plotting import require_matplotlib
-from .harness import command_line, load_json, machine_facts, save_json
-from .memory_step import MemorySpec, measure_peak, time_steps
+from .harness import command_line, load_json, machine_facts, save_json, write_page
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 # the per-strategy comparison: the main job on a Llama-architecture config (configs/models/llama_small.json's
@@ -43,6 +48,112 @@ PRESET = {"models": "llama,lm", "P": "1,2,4", "budget_gib": 2.0,
           "on_tokens": {1: [2048, 8192, 16384], 2: [2048, 8192], 4: [2048, 4096]},
           "off_tokens": {1: [1024, 2048], 2: [1024, 2048], 4: [1024, 2048]},
           "timing_tokens": 1024, "timing_rounds": 3, "timing_steps": 2}
+
+
+# -- the rank side: the main job itself (``run_training``: its data, model, DeepSpeed engine and step),
+# with or without the features, and each phase's peak of its last step (the trainer's StepMemory).
+# Static is the resident set just before the step; the first step creates what every later step holds
+# (gradient buffers, Adam's moments), so the measured step is the last of ``steps + 1``. Models: "llama",
+# Hugging Face LlamaForCausalLM from a LlamaConfig given to the main job as ``--model`` (random init,
+# sdpa, ds_seqpar.hf at P > 1), or "lm", the project's LM with the same sizes.
+
+
+@dataclass(frozen=True)
+class MemorySpec:
+    """One measurement (picklable: it travels to the ranks)."""
+
+    model: str                      # llama | lm
+    world: int                      # sequence-parallel size P (dp = 1)
+    tokens_per_rank: int
+    features: bool                  # tiled loss + tiled MLP + checkpointing (+ host offload)
+    vocab: int = 32000
+    hidden: int = 256
+    layers: int = 8
+    heads: int = 8
+    kv_heads: int = 2
+    intermediate: int = 688         # Llama's ratio: 8/3 x hidden, rounded
+    tiled_loss_tokens: int = 256
+    tiled_mlp_tokens: int = 1024
+    strategy: str = "zigzag"
+    ulysses_size: int = 1           # > 1: the 2D hybrid
+    purpose: str = "scaling"        # scaling: the per-token fits; strategies: the per-strategy comparison
+    steps: int = 1                  # measured steps after the first (timing runs: steps per round)
+    seed: int = 0
+
+    def as_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+def ds_config(spec: MemorySpec) -> dict:
+    sp = {"strategy": spec.strategy, "size": spec.world}
+    if spec.ulysses_size > 1:
+        sp["ulysses_size"] = spec.ulysses_size
+    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+          "steps_per_print": 1 << 30,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+          "zero_optimization": {"stage": 2, "overlap_comm": False, "contiguous_gradients": True,
+                                "reduce_bucket_size": 50_000_000},
+          "sequence_parallel": sp}
+    if spec.features:
+        sp.update(tiled_loss_tokens=spec.tiled_loss_tokens, tiled_mlp_tokens=spec.tiled_mlp_tokens)
+        ds["activation_checkpointing"] = {"cpu_checkpointing": True}
+    return ds
+
+
+def _join_deepspeed() -> None:
+    """deepspeed.init_distributed, then drop the name of this rank's /dev/shm all-reduce buffer
+    (launch/env.py release_deepspeed_shm): every fresh process would leak one otherwise."""
+    import deepspeed
+    from .. import comm
+    from ..launch.env import release_deepspeed_shm
+    deepspeed.init_distributed(dist_backend="gloo")
+    comm.barrier()
+    release_deepspeed_shm(os.environ)
+
+
+def train_options(spec: MemorySpec, workdir: str) -> Dict[str, Any]:
+    """The main job's options (``python -m ds_seqpar.train``'s, as a dict) for this measurement."""
+    opts = dict(deepspeed_config=ds_config(spec), sp_size=spec.world, seq_len=spec.tokens_per_rank * spec.world,
+                steps=spec.steps + 1, seed=spec.seed, run_dir=os.path.join(workdir, "runs"), run_name="memory",
+                no_wandb=True, quiet=True)
+    if spec.ulysses_size > 1:
+        opts["ulysses_size"] = spec.ulysses_size
+    if spec.model == "lm":
+        return dict(opts, dim=spec.hidden, n_layers=spec.layers, n_heads=spec.heads, n_kv_heads=spec.kv_heads,
+                    mlp_hidden=spec.intermediate, untied=True, vocab_size=spec.vocab)
+    path = os.path.join(workdir, "llama.json")
+    with open(path, "w") as f:
+        json.dump(llama_config(spec), f)
+    return dict(opts, model=path)
+
+
+def llama_config(spec: MemorySpec) -> Dict[str, Any]:
+    return {"model_type": "llama", "vocab_size": spec.vocab, "hidden_size": spec.hidden,
+            "intermediate_size": spec.intermediate, "num_hidden_layers": spec.layers,
+            "num_attention_heads": spec.heads, "num_key_value_heads": spec.kv_heads,
+            "max_position_embeddings": 1 << 20, "tie_word_embeddings": False, "use_cache": False,
+            "attn_implementation": "sdpa"}
+
+
+def measure_peak(spec: MemorySpec) -> Dict[str, Any]:
+    """On every rank of a fresh P-rank pool: the main job for ``steps + 1`` steps; the last step's
+    static, peak and phase peaks (the trainer's StepMemory records)."""
+    from ..train import run_training
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    _join_deepspeed()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = run_training(train_options(spec, tmp))
+    if not out["memory"] or out["memory"][-1]["static_bytes"] is None:
+        raise RuntimeError("ds-seqpar bench memory needs per-phase peaks (Linux /proc/self/clear_refs or CUDA)")
+    records = out["memory"][1:]                     # the first step creates the buffers every step holds
+    last = records[-1]
+    return {"resident_bytes": last["static_bytes"], "phase_peak_bytes": last["phases"],
+            "peak_bytes": last["peak_bytes"], "peak_phase": last["peak_phase"], "rank": out["rank"],
+            "step_s": [r["step_s"] for r in records], "losses": out["losses"][1:]}
+
+
+PHASES = ("data", "forward", "loss_backward", "layers_backward", "end_of_backward", "optimizer")
 
 
 class MemoryBenchError(ValueError):
@@ -150,18 +261,20 @@ def measure_one(spec: MemorySpec, malloc: str) -> Dict[str, Any]:
 
 
 def measure_timing(model: str, world: int, args) -> Dict[str, Any]:
+    """Step seconds without and with the features: rounds alternate the two runs of the main job on one
+    pool (load from other processes hits both alike); per round the median of a run's steps after its
+    first, the slowest rank's (a step ends when its slowest rank ends)."""
     base = dict(model=model, world=world, tokens_per_rank=args.timing_tokens, hidden=args.hidden,
                 layers=args.layers, steps=PRESET["timing_steps"])
-    pool = _pool(world, "default")
+    pool, out = _pool(world, "default"), {"tokens_per_rank": args.timing_tokens, "off_s": [], "on_s": []}
     try:
-        ranks = pool.run(time_steps, MemorySpec(features=False, **base), MemorySpec(features=True, **base),
-                         args.timing_rounds, timeout=7200.0)
+        for _ in range(args.timing_rounds):
+            for key, features in (("off_s", False), ("on_s", True)):
+                ranks = pool.run(measure_peak, MemorySpec(features=features, **base), timeout=7200.0)
+                out[key].append(max(statistics.median(r["step_s"]) for r in ranks))
     finally:
         pool.close()
-    # a step ends when its slowest rank ends: per round the largest rank's time
-    return {"tokens_per_rank": args.timing_tokens, "load_1min": os.getloadavg()[0],
-            "off_s": [max(r["off_s"][i] for r in ranks) for i in range(args.timing_rounds)],
-            "on_s": [max(r["on_s"][i] for r in ranks) for i in range(args.timing_rounds)]}
+    return dict(out, load_1min=os.getloadavg()[0])
 
 
 def _spec_id(m: Dict[str, Any]) -> tuple:
@@ -205,24 +318,17 @@ def run(args, argv: List[str]) -> Dict[str, Any]:
 
 
 def finish(res: Dict[str, Any], out: str) -> Dict[str, Any]:
-    """Summaries and machine facts; JSON, plots, and the page with its rows (memory_rows.py)."""
-    from ..report.render import result, write
-    from . import predict as S
-    from .memory_plots import write_plots
-    from .memory_rows import facts, rows
+    """Summaries (memory_rows.py) and machine facts; the JSON, the plots and the page with its rows."""
+    from . import memory_rows as R
     floor = res["meta"]["layers"] * res["meta"]["hidden"] * 4
     scaling = [m for m in res["measurements"] if m.get("purpose", "scaling") == "scaling"]
-    res.pop("checks", None)                 # results saved before the rows carried their checks this way
-    res["variants"] = S.summarize(scaling, floor, res["meta"]["budget_bytes"])
-    res["strategy_rows"] = S.strategy_rows([m for m in res["measurements"] if m.get("purpose") == "strategies"])
-    res["timing_rows"] = S.timing_rows(res["timing"], res["meta"])
+    res["variants"] = R.summarize(scaling, floor, res["meta"]["budget_bytes"])
+    res["strategy_rows"] = R.strategy_rows([m for m in res["measurements"] if m.get("purpose") == "strategies"])
+    res["timing_rows"] = R.timing_rows(res["timing"], res["meta"])
     res.setdefault("machine", machine_facts())
-    save_json(os.path.join(out, f"{res['meta']['name']}.json"), res, default=str)
-    write_plots(res, out)
-    found = rows(res)
-    md = write(out, res["meta"]["name"], found, dict(facts(res), meta=res["meta"]))    # meta: for plan --calibrate
-    print("\n".join(f"{r.case} {r.variant}: {r.metric[:50]}  {r.value:8.3f}  {result(r)}" for r in found if r.target))
-    print(f"ds-seqpar bench memory: wrote {md}")
+    R.write_plots(res, out)
+    write_page(out, res, R.rows(res), dict(R.facts(res), meta=res["meta"]),    # meta: for plan --calibrate
+               "ds-seqpar bench memory", default=str)
     return res
 
 
@@ -241,6 +347,3 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     run(args, argv)
     return 0
-
-
-__all__ = ["main", "run", "plan", "measure_one", "PRESET"]

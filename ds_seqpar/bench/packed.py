@@ -1,33 +1,23 @@
-"""``ds-seqpar bench packed``: packed documents (cu_seqlens) against one document of the same
-length, for every strategy, side by side in one run (not a test).
+"""``ds-seqpar bench packed``: packed documents (cu_seqlens) against one document of the same length,
+for every strategy, side by side in one run (not a test).
 
-    ds-seqpar bench packed [--P 2] [--seq 8192] [--docs 8] [--heads 8] [--head-dim 64]
-                             [--repeats 5] [--warmup 1] [--out reports] [--name packed_cpu]
-
-Per strategy three variants of the same N tokens: one document (cu_seqlens=None, the ordinary
-call), ``--docs`` equal documents, and documents of mixed lengths (``--mixed``). Every round runs
-every (strategy, variant) once after a barrier, in a fixed order, so load from other processes hits
-all alike; "single" is the one-process kernel (rank 0, one thread; documents: one kernel call per
-document) while the other ranks wait. A case's time is the slowest rank's wall time, medians over
-rounds. Reported: time(equal documents) / time(one document) beside the ideal 1/docs (causal work
-is the sum of squared document lengths) and the goal 0.20; per-rank CPU time and the per-rank work
-of the mixed documents (pairs computed, from the policy) with their imbalance max/mean; bytes per
-rank against the document closed forms; and, on one process, one rank's block computed as
-per-document sub-blocks against one masked block (the CPU flash kernel's attn_mask) per document
-length. The page is report/render.py's, from ``rows``; predictions come through bench/predict.py.
+Per strategy three variants of the same N tokens: one document (the ordinary call), ``--docs`` equal
+documents and documents of mixed lengths (``--mixed``), in the harness's interleaved rounds; "single"
+is the one-process kernel (rank 0; documents: one kernel call per document). After the rounds, rank 0
+alone times one rank's block as per-document sub-blocks against one masked block. The page (facts
+below) says what each table means; predictions come through bench/predict.py.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 from typing import Dict, List, Optional, Tuple
 
 from ..report.rows import Row
 from ..report.targets import TARGETS
-from .harness import (LINEAR, SOFTMAX, attention_inputs, case_times, command_line, fwd_bwd, interleaved_rounds,
-                      load_json, machine_line, measure_on_pool, median_ratio, page_options, ratio_range,
-                      strategy_config, suite_main, timed, write_page)
+from .harness import (LINEAR, SOFTMAX, alone, attention_inputs, case_times, command_line, fwd_bwd, load_json,
+                      machine_line, measure_on_pool, rank_rounds, strategy_config, suite_main, suite_parser, versus,
+                      write_page)
 from .predict import imbalance_sweep, packed_closed_form, work_per_rank
 
 PROG = "ds-seqpar bench packed"
@@ -86,15 +76,8 @@ def _case_fns(args, rank):
 
 
 def bench_rank(args) -> Dict[str, list]:
-    """What every rank runs: warmup + repeats interleaved rounds; then (rank 0) masked vs sub-blocks."""
-    from .. import comm
-    rank = comm.global_rank()
-    rounds = interleaved_rounds(_case_fns(args, rank), args.warmup, args.repeats)
-    out = {"rounds": rounds, "load_1min": os.getloadavg()[0]}
-    if rank == 0:
-        out["masked"] = masked_vs_subblocks(args)
-    comm.barrier()
-    return out
+    """Every rank: the interleaved rounds; then rank 0 alone: masked block vs sub-blocks."""
+    return rank_rounds(args, _case_fns, ("masked", masked_vs_subblocks))
 
 
 def masked_vs_subblocks(args) -> List[dict]:
@@ -122,29 +105,20 @@ def masked_vs_subblocks(args) -> List[dict]:
                                                                             True, scale=scale)
                 aten._scaled_dot_product_flash_attention_for_cpu_backward(dout[:, :, s], q[:, :, s], k[:, :, s],
                                                                         v[:, :, s], out, lse, 0.0, True, scale=scale)
-        times = {"masked": [], "subblocks": []}
-        for rnd in range(args.repeats + 1):
-            for name, fn in (("masked", masked), ("subblocks", subblocks)):
-                t = timed(fn)["wall"]
-                if rnd:
-                    times[name].append(t)
-        rows.append({"doc_len": length, "docs": n // length, "masked": statistics.median(times["masked"]),
-                     "subblocks": statistics.median(times["subblocks"])})
+        t = alone({"masked": masked, "subblocks": subblocks}, args.repeats, key="wall", warmup=1)
+        rows.append({"doc_len": length, "docs": n // length, "masked": statistics.median(t["masked"]),
+                     "subblocks": statistics.median(t["subblocks"])})
     return rows
 
 
 def build_parser() -> argparse.ArgumentParser:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    ap.add_argument("--P", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=8192)
+    ap = suite_parser(PROG, __doc__, "packed_cpu", P=2, seq=8192, heads=8, head_dim=64)
     ap.add_argument("--docs", type=int, default=8, help="equal documents of the packed variant")
     ap.add_argument("--mixed", type=ints, default=list(MIXED), help="lengths of the mixed variant (sum = --seq)")
     ap.add_argument("--strategies", default=None, help="comma list (default: every strategy that runs at --P)")
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--sweep-trials", type=int, default=200, help="random packings in the balance sweep (0: skip)")
-    return page_options(ap, "packed_cpu")
+    return ap
 
 
 def resolve(args) -> argparse.Namespace:
@@ -170,10 +144,7 @@ def summarize(per_rank, args) -> Dict[str, dict]:
     out = {}
     for name in ("single", "single_linear") + tuple(args.strategies):
         rows = {v: case_times(per_rank, f"{name}/{v}") for v in ("one", "equal", "mixed")}
-        # per round (the two variants ran back to back, under the same load), then the median
-        rows["ratio"] = median_ratio(rows["equal"]["walls"], rows["one"]["walls"])
-        rows["ratio_range"] = ratio_range(rows["equal"]["walls"], rows["one"]["walls"])
-        rows["cpu_ratio"] = median_ratio(rows["equal"]["cpu_rounds"], rows["one"]["cpu_rounds"])
+        rows.update(versus(rows["equal"], rows["one"]))
         if not name.startswith("single"):
             mixed = variant_bounds("mixed", args.seq, args.docs, tuple(args.mixed))
             work = work_per_rank(name, args, mixed)
@@ -269,6 +240,3 @@ def _load(path: str) -> dict:
 def write(summary, masked, meta, out: str) -> int:
     return write_page(out, {"rows": summary, "masked": masked, "meta": meta}, rows(summary, masked, meta),
                       facts(meta), PROG)
-
-
-__all__ = ["main", "bench_rank", "variant_bounds", "summarize", "rows", "render", "write"]

@@ -1,9 +1,9 @@
 """The seam between bench and the cost model: every prediction a suite writes beside its measurement
-(bounds, closed-form bytes, work per rank, the memory phase model) comes through this module.
+(bounds, closed-form bytes, work per rank) comes through this module; the memory suite's phase model
+is plan/cost's too, read by memory_rows.py.
 
 Bounds, imbalances and pairs per rank are plan/cost's (the one cost model, also the planner's);
-bytes are strategies/closed_form.py's (the oracle the cost model's bytes are held to); the memory phase
-model's summaries are memory_summary.py's, over plan/cost's fit.
+bytes are strategies/closed_form.py's (the oracle the cost model's bytes are held to).
 """
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from typing import Dict, List, Optional
 from ..masks import Mask
 from ..plan.cost import expected_imbalance, imbalance, pairs_per_rank, position_pairs, speedup_bound  # noqa: F401
 from .harness import LINEAR, strategy_config
-from .memory_summary import implied_ratio, predict_peak, strategy_rows, summarize, timing_rows  # noqa: F401
 
 
 def attention_closed_form(cfg: dict, meta: dict, seq: int) -> List[int]:
@@ -120,7 +119,3 @@ def hybrid_closed_form(fam: str, case: str, args, family_config, sp_cases) -> Li
             total += sum(linear_state_bytes(frags, r, 1, *state, sp_cases[case]["lasp_comm"], kind).values())
         out.append(total)
     return out
-
-
-__all__ = ["implied_ratio", "predict_peak", "strategy_rows", "summarize", "timing_rows", "speedup_bound", "expected_imbalance", "attention_closed_form", "work_per_rank", "packed_closed_form", "imbalance_sweep", "window_work", "policy_work",
-           "window_closed_form", "hybrid_closed_form"]

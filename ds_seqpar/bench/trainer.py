@@ -1,22 +1,8 @@
-"""``ds-seqpar bench trainer``: the Hugging Face Trainer with sequence parallelism, measured on 4 local
-CPU ranks (gloo, one thread each; not a test).
-
-    ds-seqpar bench trainer [--repeats 3] [--warmup 1] [--steps 6] [--skip-steps 1] [--overhead-rounds 4]
-                              [--overhead-steps 6] [--overhead-seq 512] [--model PATH] [--out reports]
-                              [--name hf_trainer_cpu]
-
-side by side  examples/hf_trainer.py's tiny model and data set (variable lengths, -100 prompt masks,
-              right padding), ZeRO-2, gradient accumulation 3, ``--steps`` optimizer steps, every case
-              in CASES: plain data parallelism, every strategy under SequenceParallelTrainer, and
-              DeepSpeed's own Ulysses (ALST) through accelerate's ``ParallelismConfig(sp_backend=
-              "deepspeed")`` in transformers' Trainer. Per case: each step's logged loss and grad_norm
-              against plain's (relative deviation), the final parameters against plain's, and the step
-              time. Rounds (``--warmup`` untimed, then ``--repeats``) run every case once in a fixed
-              order, so load from other processes hits all alike; step-time ratios to plain are taken
-              per round, then the median (min-max).
-overhead      SequenceParallelTrainer against this project's own loop (``train.run_training``) on the
-              same model (``--model``), rows of the embedded corpus, DeepSpeed config and strategy
-              (zigzag P=2 x dp 2, ZeRO-2); rounds alternate own loop / Trainer; goal Trainer / own <= 1.05.
+"""``ds-seqpar bench trainer``: the Hugging Face Trainer with sequence parallelism on 4 local CPU ranks
+(gloo, one thread each; not a test). Side by side: plain data parallelism, every strategy under
+SequenceParallelTrainer and DeepSpeed's own Ulysses (ALST) through accelerate's ParallelismConfig,
+each step's loss and grad_norm and the final parameters against plain's, and the step time; then the
+Trainer's overhead over this project's own loop (trainer_rows.py's page says what each table means).
 
 A run's step time is the median wall time between the ends of consecutive optimizer steps on rank 0
 (a callback's ``on_step_end``; the own loop: its metrics records' ``time``), the first ``--skip-steps``
@@ -28,15 +14,14 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import statistics
-import sys
 import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
-from .harness import (command_line, machine_facts, median_ratio, page_options, ratio_range,
-                      spread, strategy_config, suite_main, write_page)
-from .trainer_alst import gather_with_group_ranks, gloo_errors
+from .harness import (command_line, loads, machine_facts, median_ratio, ratio_range, spread, strategy_config,
+                      suite_main, suite_parser, write_page)
 
 PROG = "ds-seqpar bench trainer"
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
@@ -103,10 +88,8 @@ def _reset(attention: Dict[str, Any]) -> None:
 
 
 def fixed_width(pad_right, width: int, positions: bool = False):
-    """The example's right padding (pad id 0, label -100, mask 0) widened to ``width`` tokens; with
-    ``positions`` also position_ids
-    (ALST's loader adapter requires them). One width for every batch: ALST's adapter all-gathers each
-    rank's batch at its own length, which gloo refuses for unequal lengths (case VARLEN records it)."""
+    """The example's right padding widened to ``width`` tokens (+ position_ids, which ALST's loader adapter
+    requires): ALST's adapter all-gathers each rank's batch at its own length, which gloo refuses."""
     import torch
 
     def collate(rows):
@@ -164,6 +147,68 @@ def run_case(name: str, steps: int, out_root: str) -> Optional[Dict[str, Any]]:
         _reset(attention)
         if patched is not None:
             torch.distributed.nn.functional.all_gather = patched
+
+
+# -- DeepSpeed's ALST on gloo ranks: the two gloo limits its path meets (quoted on the page) and the
+# stand-in that lets it run anyway (the gradient its NCCL path computes); torch.distributed is called
+# directly here because it is that path's own calls that are reproduced
+
+
+def gather_with_group_ranks():
+    """On gloo, torch's differentiable all_gather (ALST's loss) goes backward through a scatter from the
+    group-local index taken as a global rank (gloo_errors); until run_case ends it is replaced by the
+    gradient its NCCL path computes (all-reduce of the stacked gradients, own slice). Returns the original."""
+    import torch
+    import torch.distributed as dist
+    functional = torch.distributed.nn.functional
+    original = functional.all_gather
+
+    class Gather(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, group, x):
+            ctx.group = group
+            out = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(out, x.contiguous(), group=group)
+            return tuple(out)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            summed = torch.stack(grads).contiguous()
+            dist.all_reduce(summed, group=ctx.group)
+            return None, summed[dist.get_rank(ctx.group)]
+
+    functional.all_gather = lambda tensor, group=dist.group.WORLD: Gather.apply(group, tensor)
+    return original
+
+
+def gloo_errors() -> Dict[str, Optional[str]]:
+    """On every rank of 4, in groups of 2: the two gloo limits DeepSpeed's path meets, by the calls it makes
+    (its loader adapter's all-gather of unequal widths, its loss's differentiable all_gather backward).
+    Each: None, or the error this rank raised."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.nn  # noqa: F401  (the differentiable collectives)
+    from .. import comm
+    from ..sequence_parallel import SequenceParallel
+    sp = SequenceParallel({"strategy": "ulysses", "size": 2})
+    out: Dict[str, Optional[str]] = {}
+
+    def attempt(key, fn):
+        try:
+            fn()
+            out[key] = None
+        except Exception as err:                   # what the page quotes (less object addresses)
+            out[key] = re.sub(r" at 0x[0-9a-f]+", "", f"{type(err).__name__}: {err}")
+
+    widths = [32 + 2 * r for r in range(sp.size)]
+    attempt("variable widths", lambda: dist.all_gather([torch.zeros(2, w, dtype=torch.long) for w in widths],
+                                                       torch.zeros(2, widths[sp.rank], dtype=torch.long),
+                                                       group=sp.group))
+    x = torch.ones(1, requires_grad=True)
+    attempt("loss backward", lambda: torch.stack(torch.distributed.nn.functional.all_gather(x, group=sp.group))
+            .sum().backward())
+    comm.barrier()
+    return out
 
 
 # -- overhead: the Trainer against the project's own loop -------------------------------------------
@@ -287,11 +332,8 @@ def overhead(pool, opts, root: str) -> Dict[str, Any]:
             "trainer_s": spread([x["trainer_s"] for x in rounds])}
 
 
-# -- command line ----------------------------------------------------------------------------------------
-
-
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    ap = suite_parser(PROG, __doc__, "hf_trainer_cpu", repeats=3)   # timed side-by-side rounds after --warmup
     ap.add_argument("--steps", type=int, default=6, help="optimizer steps per side-by-side run")
     ap.add_argument("--skip-steps", type=int, default=1, help="step intervals dropped at the start of every run")
     ap.add_argument("--overhead-rounds", type=int, default=4, help="counted overhead rounds (0: skip the part)")
@@ -299,8 +341,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--overhead-seq", type=int, default=512, help="tokens per row in the overhead part")
     ap.add_argument("--model", default=os.path.join(ROOT, "configs", "models", "llama_small.json"),
                     help="the overhead part's model (a config JSON or model directory)")
-    ap = page_options(ap, "hf_trainer_cpu")       # --repeats: timed side-by-side rounds after --warmup untimed ones
-    ap.set_defaults(repeats=3)
     return ap
 
 
@@ -315,8 +355,7 @@ def resolve(args) -> argparse.Namespace:
 
 
 def measure(args, command: str, pool=None) -> Dict[str, Any]:
-    """Both parts on one pool of 4 ranks (``pool``: an already started one), then the machine facts and
-    versions."""
+    """Both parts on one pool of 4 ranks (``pool``: an already started one), the machine facts, versions."""
     import accelerate
     import transformers
     from ..launch.rankpool import RankPool
@@ -336,9 +375,8 @@ def measure(args, command: str, pool=None) -> Dict[str, Any]:
             pool.close()
     model = os.path.relpath(args.model, ROOT) if os.path.abspath(args.model).startswith(ROOT + os.sep) else args.model
     meta = dict(vars(args), model=model, command=command, world=WORLD, accumulation=ACCUMULATION, width=WIDTH,
-                elapsed=time.monotonic() - start, load_before=" ".join(f"{x:.2f}" for x in load_before),
-                load_mid=" ".join(f"{x:.2f}" for x in load_mid), load_during=max(load_mid[0], os.getloadavg()[0]),
-                transformers=transformers.__version__,
+                elapsed=time.monotonic() - start, load_before=loads(load_before), load_mid=loads(load_mid),
+                load_during=max(load_mid[0], os.getloadavg()[0]), transformers=transformers.__version__,
                 accelerate=accelerate.__version__, **machine_facts(),
                 cases={k: {"runner": v[0], "sequence_parallel": v[1], "micro": v[2]} for k, v in CASES.items()})
     return {"meta": meta, "gloo": gloo, "cases": cases, "overhead": over}
@@ -356,10 +394,3 @@ def _measure(args, argv: List[str]) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     return suite_main(argv, build_parser(), write, _measure)
-
-
-__all__ = ["CASES", "main", "write", "run_case", "own_loop", "trainer_loop", "gloo_errors", "compare", "step_time"]
-
-
-if __name__ == "__main__":
-    sys.exit(main())

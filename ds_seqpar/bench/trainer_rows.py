@@ -98,7 +98,7 @@ def facts(res: Dict[str, Any]) -> Dict[str, Any]:
                    f"logged the same values: {'yes' if all(r.get('repeatable', True) for r in cases.values()) else 'NO'}).",
             STEPS: "Value: plain's loss." + why,
             GLOO: "; ".join(f"{k}: {v}" for k, v in GLOO_WHAT.items()) + ". So every case pads to one width, and the "
-                  "ALST case replaces that one backward by what the NCCL path computes (trainer_alst.py).",
+                  "ALST case replaces that one backward by what the NCCL path computes (bench/trainer.py).",
             OVERHEAD: f"The same model (`{m['model']}`, random init, fp32), rows of {m['overhead_seq']} tokens, micro "
                       f"batch 1, zigzag P=2 x 2 replicas at ZeRO-2; {m['overhead_steps']} steps per run; rounds "
                       f"alternate own loop (`train.run_training`) / Trainer; the first {m['warmup']} round(s) not "

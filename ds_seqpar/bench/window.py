@@ -1,40 +1,21 @@
-"""``ds-seqpar bench window``: sliding windows, softcap and sinks against plain causal attention,
-for every softmax strategy, side by side in one run (not a test).
+"""``ds-seqpar bench window``: sliding windows, softcap and sinks against plain causal attention, for
+every softmax strategy, side by side in one run (not a test).
 
-    ds-seqpar bench window [--P 2] [--seq 8192] [--windows 1024,2048] [--softcap 50] [--heads 8]
-                             [--head-dim 64] [--repeats 5] [--warmup 1] [--kernel-rounds 3]
-                             [--out reports] [--name window_cpu]
-
-Per strategy the same N causal tokens as: plain ``sp.attention``, each ``--windows`` size, softcap
-and sinks (one logit per head, a leaf with a gradient, as gpt-oss's parameter). The rounds are
-the harness's (harness.interleaved_rounds: every (strategy, variant) once per round after a barrier, in
-a fixed order, so load from other processes hits all alike); a case's time is its slowest rank's
-wall time and every ratio is taken per round, then the median. Reported, per strategy:
-
-  window    time(window) / time(plain) beside the work ratio the mask implies: visible (q, k) pairs
-            of the busiest rank with the window / without it (query i sees min(i + 1, w) keys; a
-            rank's queries are layout.indices; Ulysses: every rank 1/P of the heads of all of them),
-            and their quotient, goal <= 1.3 for ring and zigzag (report/targets.py)
-  bytes     bytes each rank sent per fwd+bwd against closed_form_by_kind(..., window=...) (every
-            variant; softcap and sinks against the plain form): must be 1.000
-  softcap   time(softcap) / time(plain) (CPU: the exact written-out path, kernels/torch_kernel.py)
-  sinks     time(sinks) / time(plain), goal overhead <= 3% (report/targets.py)
-  kernel    after the rounds, rank 0 alone: the kernel calls of the busiest rank's sub-blocks, plain
-            and windowed, without merges or communication (kernel_pieces): the cost per visible
-            pair of the band pieces against plain attention's big blocks (--kernel-rounds 0: skip)
+Per strategy the same N causal tokens as plain ``sp.attention``, each ``--windows`` size, softcap and
+sinks (one logit per head, a leaf with a gradient), in the harness's interleaved rounds; every ratio is
+taken per round against plain, then the median. After the rounds rank 0 alone times the kernel calls of
+the busiest rank's sub-blocks (``--kernel-rounds 0``: skip). The page (facts below) says what each table
+means and which goal it is held to; predictions come through bench/predict.py.
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from typing import Dict, List, Optional, Tuple
 
 from ..report.rows import Row
 from ..report.targets import TARGETS
-from .harness import (attention_inputs, bytes_ratio, case_times, command_line, fwd_bwd, interleaved_rounds,
-                      machine_line, measure_on_pool, median_ratio, page_options, ratio_range,
-                      strategy_config, suite_main, timed, write_page)
+from .harness import (alone, attention_inputs, bytes_ratio, case_times, command_line, fwd_bwd, machine_line,
+                      measure_on_pool, rank_rounds, strategy_config, suite_main, suite_parser, versus, write_page)
 from .predict import window_closed_form, window_work
 
 STRATEGIES = ("ring", "zigzag", "striped", "ulysses")
@@ -48,7 +29,7 @@ def variants(args) -> List[Tuple[str, dict]]:
         [(f"softcap={args.softcap:g}", {"softcap": args.softcap})]
 
 
-def _case_fns(args):
+def _case_fns(args, rank: int):
     """{(strategy, variant): (run fwd+bwd, stats)} in a fixed order, on every rank."""
     import torch
     from ..sequence_parallel import SequenceParallel
@@ -66,15 +47,9 @@ def _case_fns(args):
 
 
 def bench_rank(args) -> Dict[str, list]:
-    """What every rank runs: warmup + repeats interleaved rounds of every (strategy, variant); then
-    rank 0 alone times the kernel calls of the busiest rank's sub-blocks (kernel_pieces)."""
-    from .. import comm
-    rounds = interleaved_rounds(_case_fns(args), args.warmup, args.repeats)
-    out = {"rounds": rounds, "load_1min": os.getloadavg()[0]}
-    if comm.global_rank() == 0 and args.kernel_rounds:
-        out["pieces"] = kernel_pieces(args)
-    comm.barrier()
-    return out
+    """Every rank: the interleaved rounds of every (strategy, variant); then rank 0 alone times the kernel
+    calls of the busiest rank's sub-blocks (kernel_pieces)."""
+    return rank_rounds(args, _case_fns, ("pieces", kernel_pieces) if args.kernel_rounds else None)
 
 
 def _policies(name: str, args, window: Optional[int]):
@@ -130,7 +105,7 @@ def kernel_pieces(args) -> List[dict]:
                     out, lse = kernel.forward_block(q[:, b.q], k[:, b.k], v[:, b.k], b.causal, b.anti, scale)
                     kernel.backward_block(dout[:, b.q], q[:, b.q], k[:, b.k], v[:, b.k], out, lse, b.causal, b.anti,
                                           scale)
-            cpu = statistics.median([timed(run)["cpu"] for _ in range(args.kernel_rounds + 1)][1:])
+            cpu = statistics.median(alone({"run": run}, args.kernel_rounds, warmup=1)["run"])
             pairs = sum(visible_pairs(b) for _, b in subs)
             rows.append({"strategy": name, "window": window, "rank": me, "subblocks": len(subs), "pairs": pairs,
                          "cpu": cpu, "ns_per_pair": cpu / pairs * 1e9})
@@ -151,9 +126,7 @@ def summarize(per_rank, args) -> Dict[str, dict]:
             r["bytes_ratio"] = bytes_ratio(r["bytes"], r["form"])
             if key == "plain":
                 continue
-            r["ratio"] = median_ratio(r["walls"], plain["walls"])
-            r["ratio_range"] = ratio_range(r["walls"], plain["walls"])
-            r["cpu_ratio"] = median_ratio(r["cpu_rounds"], plain["cpu_rounds"])
+            r.update(versus(r, plain))
             if window is not None:
                 r["work"] = window_work(name, args.P, args.seq, window)
                 r["work_ratio"] = max(r["work"]) / max(plain["work"])
@@ -237,17 +210,13 @@ def facts(meta) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    ap.add_argument("--P", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=8192)
+    ap = suite_parser(PROG, __doc__, "window_cpu", P=2, seq=8192, heads=8, head_dim=64)
     ap.add_argument("--windows", type=ints, default=[1024, 2048], help="sliding window sizes, comma separated")
     ap.add_argument("--softcap", type=float, default=50.0)
     ap.add_argument("--strategies", default=",".join(STRATEGIES), help="comma list of ring, zigzag, striped, ulysses")
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--kernel-rounds", type=int, default=3, help="rounds of the kernel-calls-alone timing on "
                     "rank 0 after the measurement (0: skip)")
-    return page_options(ap, "window_cpu")
+    return ap
 
 
 def resolve(args) -> argparse.Namespace:
@@ -277,10 +246,3 @@ def measure(args, argv: List[str]) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     return suite_main(argv, build_parser(), lambda saved, out: write(saved["rows"], saved["meta"], out,
                                                                      saved.get("pieces")), measure)
-
-
-__all__ = ["main", "bench_rank", "summarize", "rows", "write", "variants"]
-
-
-if __name__ == "__main__":
-    sys.exit(main())

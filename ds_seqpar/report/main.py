@@ -16,9 +16,9 @@ import json
 import os
 import statistics
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
-from .plotting import MIB, require_matplotlib
+from .plotting import MIB, colors, line_figure, pyplot, require_matplotlib, save
 from .render import render
 from .rows import Row, load_rows
 
@@ -89,6 +89,38 @@ def facts(runs, plots, out_name: str, skip: int, argv: List[str]) -> Dict[str, A
             "images": plots}
 
 
+def write_plots(runs, rows, labels, folder: str, skip: int) -> List[Tuple[str, str]]:
+    """[(title, path)]: loss curves, tokens/s per step, and the resource panel, one colour per run."""
+    os.makedirs(folder, exist_ok=True)
+    per_step = lambda key, skip=0: [(label, s["step"], s[key], None)  # noqa: E731
+                                    for run, label in zip(runs, labels) for s in run["steps"][skip:] or run["steps"]]
+    steps = dict(xlabel="optimizer step", log_x=False)
+    return [("loss curves", line_figure(per_step("loss"), [], os.path.join(folder, "loss.png"), "training loss (mean "
+                                        "over replicas)", "Loss curves (same data, seed and global batch: the curves "
+                                        "coincide)", styles=True, **steps)),
+            ("tokens per second", line_figure(per_step("tokens_per_s", skip), [],
+                                              os.path.join(folder, "tokens_per_s.png"), "tokens / s (whole job)",
+                                              f"Throughput per step (first {skip} step(s) of each run left out)",
+                                              **steps)),
+            ("memory and communication", resources(rows, labels, os.path.join(folder, "resources.png")))]
+
+
+def resources(rows: List[Dict[str, Any]], labels, path: str) -> str:
+    """Peak memory, attention bytes and seconds per step: one panel each, one bar per run."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.8))
+    for ax, (key, title, fmt_) in zip(axes, [("peak_mem_mb", "peak memory per rank (MB)", "{:.0f}"),
+                                             ("comm_mib", "attention comm per step (MiB, busiest rank)", "{:.1f}"),
+                                             ("comm_s", "attention comm wait per step (s, slowest rank)", "{:.3f}")]):
+        values = [r[key] for r in rows]
+        ax.bar(range(len(rows)), values, color=colors(len(rows)))
+        for i, v in enumerate(values):
+            ax.text(i, v, fmt_.format(v), ha="center", va="bottom", fontsize=9)
+        ax.set_xticks(range(len(rows)), labels, rotation=25, ha="right", fontsize=9)
+        ax.set_title(title, fontsize=11)
+    return save(fig, path)
+
+
 def render_rows(paths: List[str], out: str) -> int:
     """``--rows``: the page of saved rows files (any suite's <name>.rows.json), one after the other."""
     found, facts_ = [], {}
@@ -121,7 +153,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ReportError as err:
         print(f"ds-seqpar report: error: {err}", file=sys.stderr)
         return 2
-    from .plots import write_plots
     labels = _labels(runs)
     rows = [summarize(r, args.skip_steps) for r in runs]
     out_dir, name = os.path.dirname(args.out) or ".", os.path.splitext(os.path.basename(args.out))[0]

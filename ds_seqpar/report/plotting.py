@@ -1,5 +1,5 @@
 """What every PNG of ``ds-seqpar bench`` and ``ds-seqpar report`` shares: matplotlib loaded headless
-(or a clear error naming the extra to install), one palette, one way to save, plain log axes.
+(or a clear error naming the extra to install), one palette, one way to save, one line figure and one bar figure.
 
 matplotlib is imported only when a plot is drawn, so the commands' --help and the measuring code
 never need it; the commands call ``require_matplotlib`` before measuring, so a missing library does
@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
 
 MIB = 2 ** 20
 DPI = 110
+STYLES = ("-", "--", ":", "-.")
 
 
 def require_matplotlib(what: str = "the plots", error: Type[Exception] = ImportError) -> None:
@@ -45,12 +46,6 @@ def save(fig, path: str) -> str:
     return path
 
 
-def log2_x(ax, xs: Sequence[int]) -> None:
-    """A log2 x axis ticked at exactly these values, written as plain numbers (sequence lengths)."""
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(list(xs), [str(x) for x in xs])
-
-
 def plain_log_y(ax) -> None:
     """A log y axis labelled 1, 2, 5, 10, 20, ... as plain numbers rather than powers of ten."""
     from matplotlib.ticker import FuncFormatter, LogLocator
@@ -61,10 +56,13 @@ def plain_log_y(ax) -> None:
 
 
 def line_figure(points: Sequence[Tuple[str, float, float, Optional[Tuple[float, float]]]],
-                marks: Sequence[Tuple[str, float]], path: str, ylabel: str, title: str, log_y: bool = False) -> str:
-    """One line per label through its (x, y) points over sequence lengths, min-max error bars where a
-    spread is given; ``marks``: labelled horizontal lines (ideal, bounds). A closed form (a label ending
-    "closed form") is dashed in its case's colour."""
+                marks: Sequence[Tuple[str, float]], path: str, ylabel: str, title: str, log_y: bool = False,
+                xlabel: str = "sequence length N (tokens)", log_x: bool = True, styles: bool = False) -> str:
+    """One line per label through its (x, y) points, min-max error bars where a spread is given;
+    ``marks``: labelled horizontal lines (ideal, bounds, budgets). A prediction (a label ending "closed
+    form" or "model") is dashed, without markers, in the colour of the label before its ":"; the x axis
+    is ticked at the measured x values (log2 unless ``log_x`` is off); ``styles``: every line its own
+    dash pattern, so lines that coincide stay visible (equal loss curves)."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(10, 5))
     series: Dict[str, List[tuple]] = {}
@@ -72,19 +70,22 @@ def line_figure(points: Sequence[Tuple[str, float, float, Optional[Tuple[float, 
         series.setdefault(label, []).append((x, y, spread))
     cases = list(dict.fromkeys(label.split(":")[0] for label in series))
     color = dict(zip(cases, colors(len(cases))))
-    for label, pts in series.items():
-        pts.sort()
+    for i, (label, pts) in enumerate(series.items()):
+        pts.sort(key=lambda p: p[0])
         xs, ys = [p[0] for p in pts], [p[1] for p in pts]
         err = [[y - (s or (y, y))[0] for _, y, s in pts], [(s or (y, y))[1] - y for _, y, s in pts]]
-        form = label.endswith("closed form")
+        form = label.endswith(("closed form", "model"))
         ax.errorbar(xs, ys, yerr=None if form else err, marker="" if form else "o", capsize=3, label=label,
-                    ls="--" if form else "-", color=color[label.split(":")[0]])
+                    ls="--" if form else STYLES[i % len(STYLES)] if styles else "-", color=color[label.split(":")[0]])
     for i, (label, y) in enumerate(marks):
         ax.axhline(y, color="black" if i == 0 else "grey", ls="--" if i == 0 else ":", lw=1, label=label)
-    log2_x(ax, sorted({p[1] for p in points}))
+    if log_x:
+        xs = sorted({p[1] for p in points if not p[0].endswith(("closed form", "model"))})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
     if log_y:
         plain_log_y(ax)
-    ax.set_xlabel("sequence length N (tokens)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
@@ -108,7 +109,3 @@ def bar_figure(per_rank: Dict[str, Sequence[float]], path: str, ylabel: str, tit
     ax.set_title(f"{title}; label: imbalance max/mean")
     ax.legend(fontsize=9)
     return save(fig, path)
-
-
-__all__ = ["MIB", "require_matplotlib", "pyplot", "colors", "save", "log2_x", "plain_log_y", "line_figure",
-           "bar_figure"]

@@ -33,7 +33,7 @@ def mmap_pool():
 def _step_memory(strategy, sp_size):
     """The main job's last step: each phase's peak above static, on this rank."""
     import tempfile
-    from ds_seqpar.bench.memory_step import MemorySpec, train_options
+    from ds_seqpar.bench.memory import MemorySpec, train_options
     from ds_seqpar.train import run_training
     spec = MemorySpec(world=sp_size, strategy=strategy, **MODEL)
     with tempfile.TemporaryDirectory() as tmp:

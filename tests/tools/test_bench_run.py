@@ -31,7 +31,7 @@ def test_tiny_bench_writes_json_markdown_and_plots(pool, solo, tmp_path, capsys,
     from ds_seqpar.bench import train_step
     from ds_seqpar.report.render import result
     from ds_seqpar.report.rows import load_rows
-    from ds_seqpar.bench.main import build_parser, resolve, run
+    from ds_seqpar.bench.attention import build_parser, resolve, run
     monkeypatch.setitem(train_step.TRAIN_PRESETS, "quick", TINY_MODEL)
     argv = TINY + ["--out", str(tmp_path)]
     res = run(resolve(build_parser().parse_args(argv)), argv, pools=(pool, solo))

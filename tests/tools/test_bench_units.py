@@ -40,7 +40,7 @@ def test_closed_form_bytes_edge_cases():
 def test_bench_rejects_bad_options_before_starting_ranks(argv, message):
     import torch
 
-    from ds_seqpar.bench.main import BenchError, build_parser, resolve
+    from ds_seqpar.bench.attention import BenchError, build_parser, resolve
     if torch.cuda.is_available() and argv[0] in ("--dtype", "--backend", "--device"):
         pytest.skip("these options are valid on a CUDA machine")
     # resolve() is where every check runs; it starts nothing, so a check that fails to fire cannot
@@ -72,7 +72,7 @@ def test_cli_lists_bench_and_report(capsys):
 ])
 def test_presets(preset, cases, breakdown):
     # ring and lasp are the former python -m ds_seqpar.bench_ring / bench_lasp: one family at N=8192
-    from ds_seqpar.bench.main import build_parser, resolve
+    from ds_seqpar.bench.attention import build_parser, resolve
     args = resolve(build_parser().parse_args(["--preset", preset]))
     assert args.cases == cases and args.lasp_breakdown == breakdown and args.name == f"cpu_{preset}", vars(args)
     if preset != "quick":
@@ -101,7 +101,7 @@ def test_bounds_and_the_longest_sequence_search():
 def test_the_committed_full_report_renders_from_its_json():
     # the page is a function of the saved results: a change to the layout must re-render the
     # committed report (ds-seqpar bench --render reports/cpu_full.json)
-    from ds_seqpar.bench.attention import facts, rows
+    from ds_seqpar.bench.attention_rows import facts, rows
     from ds_seqpar.report.render import render
     with open(os.path.join(REPORTS, "cpu_full.json")) as f:
         res = json.load(f)
@@ -110,7 +110,7 @@ def test_the_committed_full_report_renders_from_its_json():
 
 
 def test_bench_training_case_takes_a_hugging_face_model(tmp_path):
-    from ds_seqpar.bench.main import BenchError, _train_model, build_parser, resolve
+    from ds_seqpar.bench.attention import BenchError, _train_model, build_parser, resolve
     path = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "configs", "models", "qwen2_small.json")
     args = resolve(build_parser().parse_args(["--model", path, "--train-strategies", "zigzag,ulysses",
                                               "--train-seq-len", "256"]))
@@ -137,7 +137,7 @@ def test_bench_runs_a_suite_by_name_and_the_old_flags_as_aliases(capsys):
 
 def _page(name: str) -> str:
     """A committed report's page, rendered again from its saved results by its suite's rows."""
-    from ds_seqpar.bench import attention, hybrid, packed, trainer_rows, window
+    from ds_seqpar.bench import attention_rows as attention, hybrid, packed, trainer_rows, window
     from ds_seqpar.report.render import render
     with open(os.path.join(REPORTS, f"{name}.json")) as f:
         saved = json.load(f)

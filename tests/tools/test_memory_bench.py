@@ -6,10 +6,10 @@ import os
 
 import pytest
 
-from ds_seqpar.bench import memory_summary as S
+from ds_seqpar.bench import memory_rows as S
 from ds_seqpar.bench.memory import build_parser, plan
 from ds_seqpar.bench import memory_rows as R
-from ds_seqpar.bench.memory_step import PHASES, MemorySpec, measure_peak
+from ds_seqpar.bench.memory import PHASES, MemorySpec, measure_peak
 from ds_seqpar.report.render import result
 
 REPORTS = os.path.join(os.path.dirname(__file__), "..", "..", "reports")

@@ -48,7 +48,7 @@ ALLOWED = {
 }
 DIST_ALLOWED = ("comm", "launch", "train")  # may call torch.distributed
 # a third party's calls (DeepSpeed's ALST under --trainer), reproduced as it makes them
-DIST_ALLOWED_MODULES = ("ds_seqpar.bench.trainer", "ds_seqpar.bench.trainer_alst")
+DIST_ALLOWED_MODULES = ("ds_seqpar.bench.trainer",)
 DIST = "torch.distributed"
 
 

@@ -57,7 +57,7 @@ def test_comm_buffers_per_token_are_transient_bytes(strategy, size, u):
 @pytest.mark.parametrize("features", [False, True])
 @pytest.mark.parametrize("world,n", [(1, 2048), (2, 8192), (4, 4096)])
 def test_step_flops_match_the_memory_benchmark_count(features, world, n):
-    from ds_seqpar.bench.memory_summary import step_macs_per_token
+    from ds_seqpar.bench.memory_rows import step_macs_per_token
     meta = {"hidden": 256, "layers": 8, "heads": 8, "kv_heads": 2, "intermediate": 688, "vocab": 32000}
     ours = sum(flops.step_per_token(SMALL, world * n, features).values())
     assert ours == pytest.approx(2 * step_macs_per_token(meta, world, n, features), rel=1e-12)
@@ -74,7 +74,7 @@ def test_window_and_causal_work_ratios():
 # -- memory: the measured step ----------------------------------------------------------------------
 
 def _measured_variants():
-    from ds_seqpar.bench.memory_summary import summarize
+    from ds_seqpar.bench.memory_rows import summarize
     path = MEMORY_REPORT
     with open(path) as f:
         report = json.load(f)
@@ -139,7 +139,7 @@ def test_static_memory_follows_zero2_sharding():
 
 
 def test_max_tokens_is_the_benchmark_inverse():
-    from ds_seqpar.bench.memory_summary import max_tokens, predict_peak
+    from ds_seqpar.bench.memory_rows import max_tokens, predict_peak
     lines = memory.phase_lines(SMALL, "zigzag", 2, 1, 2, 2, "bf16", Features(on=True), checkpoints_on_device=False)
     budget = 8e9
     n = memory.max_tokens(lines, budget)

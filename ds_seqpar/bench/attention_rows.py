@@ -1,0 +1,262 @@
+"""The attention suite's results: from what the ranks measured (cases.run_rank,
+train_step.measure_training) to the summary saved as JSON (per length and case the ratios, each beside
+its bound and closed form from bench/predict.py), then the rows, the page's facts and the plots.
+
+Only ratios from the same run count: a speedup is the median over rounds of the per-round ratio
+baseline wall time / case wall time (a case's wall time in a round is its slowest rank's), with the
+min-max of those ratios as the spread. Targets are checked at the longest measured length, as
+docs/design.md states them (N=8192); a missed target says why in the row's "why": compute itself (the
+CPU ratio is short too) or waiting and scheduling, and whether the machine was loaded.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+from typing import Any, Dict, List
+
+from ..report.plotting import MIB
+from ..report.rows import Row
+from ..report.targets import TARGETS
+from .cases import BASELINE, CASES
+from .harness import bytes_ratio, spread
+from .predict import attention_closed_form, expected_imbalance, speedup_bound
+
+SPEEDUP = "Attention fwd+bwd speedup over one process"
+BYTES = "Bytes per rank against the closed form"
+MEMORY = "Activation memory per rank / single process (bytes saved for backward)"
+MAX_SEQ = "Longest sequence in a fixed per-rank budget, P ranks vs 1"
+PEER = "Ours vs DeepSpeed's Ulysses (DistributedAttention, same local kernel): ours / theirs time"
+LASP = "LASP-1 (ring) vs LASP-2 (all-gather)"
+TRAIN = "Whole training step, ZeRO-2: P ranks (sp=P, dp=1) vs one"
+
+
+def _why(r: Dict[str, Any], bound_target: float) -> str:
+    """A measured reason for a missed speedup: compute (CPU ratio, imbalance, inflation) vs waiting."""
+    if r["cpu_ratio"] < bound_target:
+        return (f"compute itself: CPU ratio {r['cpu_ratio']:.2f} (imbalance {r['imbalance']:.2f}, total work "
+                f"{r['inflation']:.2f}x single)")
+    return (f"compute is on target (CPU ratio {r['cpu_ratio']:.2f}); the rest is waiting and scheduling (comm wait "
+            f"up to {max(r.get('wait_s') or [0.0]):.3f} s per rank, wall {r['time_s']['median']:.3f} s)")
+
+
+def _loaded(load: float, cpus: int) -> str:
+    return f"; timed under load (1-minute load {load:.1f} on {cpus} cores)" if load > cpus else ""
+
+
+def _attention(res, seq: int, last: bool) -> List[Row]:
+    p, rows, out = res["meta"]["world"], res["attention"][str(seq)], []
+    load, cpus = res.get("load_by_length", {}).get(str(seq), 0.0), res.get("machine", {}).get("cpus") or 1
+    for case, r in rows.items():
+        key = f"speedup.{case}" if last and case != r["baseline"] and f"speedup.{case}" in TARGETS else None
+        why = _why(r, TARGETS[key].threshold(r["bound"])) + _loaded(load, cpus) if key else ""
+        out.append(Row("attention", case, f"N={seq}", SPEEDUP, "x", r["speedup"]["median"],
+                       (r["speedup"]["min"], r["speedup"]["max"]), bound=r["bound"], target=key, detail={
+                           "wall s": r["time_s"]["median"], "CPU s per rank": r["cpu_s"], "CPU ratio": r["cpu_ratio"],
+                           "imbalance (expected)": f"{r['imbalance']:.2f} ({r['expected_imbalance']:.2f})",
+                           "work vs single": r["inflation"], "comm wait s per rank": r.get("wait_s"), "why": why}))
+    for case, r in rows.items():
+        if r.get("bytes_form") is None:
+            continue
+        measured, why = r.get("bytes"), ""
+        if measured and r["bytes_ratio"] is None:
+            measured, why = [float("nan")] * p, "bytes varied between rounds"
+        out.append(Row("attention", case, f"N={seq}", BYTES, "B", measured, predicted=r["bytes_form"],
+                       target="bytes" if measured else None,
+                       detail={"why": why} if measured else {"measured": "not measured (DeepSpeed's own collectives)"}))
+    for case, r in rows.items():
+        base = rows[r["baseline"]]["saved_bytes"][0]
+        held = last and case != r["baseline"] and CASES[case].runner != "local"
+        out.append(Row("attention", case, f"N={seq}", MEMORY, "x", r["mem_ratio"], bound=1 / p,
+                       target="activation_memory" if held else None, detail={
+                           "MiB per rank": [b / MIB for b in r["saved_bytes"]], "baseline MiB": base / MIB,
+                           "why": f"{r['mem_extra_bytes']:.0f} bytes per rank beyond 1/P of one process's: state "
+                                  f"that does not shrink with N (LASP: one d x d state per head)"}))
+    if "ds_ulysses" in rows and "ulysses" in rows:
+        ours, theirs = rows["ulysses"], rows["ds_ulysses"]
+        s = theirs["ours_over_theirs"]
+        out.append(Row("attention", "ulysses / ds_ulysses", f"N={seq}", PEER, "x", s["median"], (s["min"], s["max"]),
+                       target="vs_deepspeed" if last else None, detail={
+                           "ours s": ours["time_s"]["median"], "DeepSpeed s": theirs["time_s"]["median"],
+                           "why": f"compute is the same (CPU per rank ours {max(ours['cpu_s']):.3f} s, theirs "
+                                  f"{max(theirs['cpu_s']):.3f} s), so the gap is in the all-to-alls (ours waited up to "
+                                  f"{max(ours.get('wait_s') or [0.0]):.3f} s per rank)" + _loaded(load, cpus)}))
+    if "lasp1" in rows and "lasp2" in rows:
+        t = {c: rows[c]["time_s"]["median"] for c in ("lasp1", "lasp2", "halves") if c in rows}
+        pairs = [("LASP-1 / LASP-2 time", "lasp1", "lasp2")] + \
+            ([("LASP-2 / halves time", "lasp2", "halves"), ("LASP-1 / halves time", "lasp1", "halves")]
+             if "halves" in t else [])
+        out += [Row("attention", label, f"N={seq}", LASP, "x", t[a] / t[b]) for label, a, b in pairs]
+    return out
+
+
+def rows(res: Dict[str, Any]) -> List[Row]:
+    """Every number of an attention run: per length the speedups, bytes, memory, peers and LASP; then
+    the longest sequences, the LASP pieces and the training step."""
+    m, out = res["meta"], []
+    for seq in m["seq_lens"]:
+        out += _attention(res, seq, seq == max(m["seq_lens"]))
+    for case, r in res.get("max_seq", {}).items():
+        single = CASES[case].runner == "single"
+        out.append(Row("attention", case, f"budget: one process at N={m['mem_budget_n']}", MAX_SEQ, "x", r["ratio"],
+                       bound=None if single else float(m["world"]), target=None if single else "max_seq",
+                       detail={"budget MiB": r["budget_bytes"] / MIB, "longest N": r["max_seq"],
+                               "why": f"search step {r['step']} tokens; fixed per-rank state"}))
+    pieces = res.get("lasp_breakdown")
+    if pieces:
+        base = next(iter(pieces["cpu_s"].values()))
+        out += [Row("attention", name, f"N/P={pieces['local_len']}", f"LASP kernel work per rank position (N/P = "
+                    f"{pieces['local_len']}, no transfers)", "s", t, detail={"extra": f"{t / base - 1:+.1%}"})
+                for name, t in pieces["cpu_s"].items()]
+    cpus = res.get("machine", {}).get("cpus") or 1
+    for s, t in res.get("train", {}).items():
+        c = t["compute_speedup"]["median"]
+        why = (f"the busiest rank's fwd+bwd CPU time shrinks only {c:.2f}x" if c < TARGETS["train_step"].threshold(
+            t["bound"]) else f"fwd+bwd CPU time shrinks {c:.2f}x; the rest of the step (ZeRO-2 gradient reduction, "
+            f"optimizer, loss all-reduce, waiting for the slower rank) does not shrink with P")
+        out.append(Row("attention", s, f"seq {res['train_model']['seq_len']}", TRAIN, "x", t["speedup"]["median"],
+                       (t["speedup"]["min"], t["speedup"]["max"]), bound=t["bound"], target="train_step", detail={
+                           "1 rank s/step": t["one_s"]["median"], "P ranks s/step": t["p_s"]["median"],
+                           "compute speedup": c, "tokens/s 1 -> P": t["tokens_per_s"],
+                           "losses, max rel diff": f"{t['loss_rel_diff']:.1e}",
+                           "why": why + _loaded(t.get("max_load_1min", 0.0), cpus)}))
+    return out
+
+
+def facts(res: Dict[str, Any]) -> Dict[str, Any]:
+    m, mach, t = res["meta"], res["machine"], res.get("train_model") or {}
+    loaded = (" **The machine was loaded** (1-minute load above its cores at some point): treat wall-clock speedups "
+              "as lower bounds; the CPU ratio is the less load-sensitive number." if mach["loaded"] else "")
+    model = (f"Hugging Face model `{os.path.basename(t['model'])}`" if t.get("model") else
+             f"the small LM (dim {t.get('dim')}, {t.get('n_layers')} layers, {t.get('n_heads')} heads)")
+    return {
+        "title": f"Sequence-parallel benchmark `{m['name']}`",
+        "setup": f"P={m['world']} ranks x 1 thread ({m['device']}, {m['comm_backend']}), {m['dtype']}, "
+                 f"{'causal' if m['causal'] else 'non-causal'}, batch {m['batch']}, {m['heads']} heads ({m['kv_heads']} "
+                 f"k/v), head_dim {m['head_dim']}, kernel `{m['backend']}`, forward + backward; lengths "
+                 f"{', '.join(map(str, m['seq_lens']))}; {m['warmup']} warm-up + {m['repeats']} interleaved rounds per "
+                 f"length; medians over rounds with (min-max).{loaded}",
+        "command": m["command"], "notes": m.get("notes", ""),
+        "machine": f"{mach['cpu_model']}, {mach['cpus']} cores; load average before {mach['load_before']}, after "
+                   f"{mach['load_after']}, highest 1-minute value seen during the run {mach['load_peak']:.2f}; torch "
+                   f"{mach['torch']}, deepspeed {mach['deepspeed']}, python {mach['python']}; whole run "
+                   f"{res['elapsed_s']:.0f} s.",
+        "metrics": {
+            SPEEDUP: "Per round, baseline wall time / case wall time (a case's: its slowest rank's; baseline: the "
+                     "single-process kernel, `single` for softmax, `single_linear` for LASP). CPU ratio = baseline CPU "
+                     "/ busiest rank's CPU: the speedup without communication. imbalance = max/mean CPU over ranks. "
+                     "work vs single = sum of per-rank CPU / baseline CPU. halves: every rank the single-process "
+                     "kernel on its own N/P tokens, no exchange: the bound no exact scheme beats here.",
+            BYTES: "What CommStats recorded per rank for one fwd+bwd, against `strategies/closed_form.py`.",
+            TRAIN: f"{model}, micro-batch {t.get('micro_batch')}, {t.get('steps')} steps per run (the first is warm-up), "
+                   f"through train.run_training; rounds alternate the 1-rank and the P-rank run. "
+                   + ("" if res.get("train") else res.get("train_skipped", "not measured"))},
+        "images": [(caption, f"{m['name']}/{png}.png") for png, caption in PLOTS.items()]}
+
+
+PLOTS = {"speedup": "speedup vs sequence length", "bytes": "bytes per rank", "memory": "memory per rank",
+         "imbalance": "CPU seconds per rank"}
+
+
+def write_plots(rows_: List[Row], meta: Dict[str, Any], folder: str) -> List[str]:
+    """speedup (with bounds), bytes (on the closed form), memory per rank over N; CPU per rank at the
+    longest length. One colour per case across the figures."""
+    from ..report.plotting import bar_figure, line_figure
+    n = lambda r: int(r.variant[2:])  # noqa: E731
+    last, p = max(meta["seq_lens"]), meta["world"]
+    parallel = [c for c in meta["cases"] if CASES[c].runner != "single"]
+    pick = lambda metric: [r for r in rows_ if r.metric == metric and r.case in parallel]  # noqa: E731
+    os.makedirs(folder, exist_ok=True)
+    speed = pick(SPEEDUP)
+    lines = [(r.case, n(r), r.value, r.spread) for r in speed]
+    marks = [(f"ideal P={p}", float(p))] + sorted({(f"{r.case} bound {r.bound:.2f}", r.bound) for r in speed
+                                                   if r.bound != p})
+    return [line_figure(lines, marks, os.path.join(folder, "speedup.png"), "speedup over one process (fwd+bwd)",
+                        f"Speedup vs sequence length, P={p}; bars: min-max over rounds"),
+            line_figure([(r.case, n(r), max(r.values()) / MIB, None) for r in pick(BYTES) if r.value]
+                        + [(f"{r.case}: closed form", n(r), max(r.predicted) / MIB, None) for r in pick(BYTES)], [],
+                        os.path.join(folder, "bytes.png"), "MiB sent by the busiest rank", "Bytes per rank: measured "
+                        "and the closed form", log_y=True),
+            line_figure([(r.case, n(r), max(r.detail["MiB per rank"]), None) for r in rows_ if r.metric == MEMORY],
+                        [], os.path.join(folder, "memory.png"), "MiB saved for backward, fullest rank",
+                        "Activation memory per rank", log_y=True),
+            bar_figure({r.case: r.detail["CPU s per rank"] for r in speed if r.variant == f"N={last}"},
+                       os.path.join(folder, "imbalance.png"), "CPU seconds per rank (fwd+bwd)",
+                       f"Per-rank compute at N={last}")]
+
+
+def _walls(per_rank: List[Dict[str, Any]], seq: int, case: str) -> List[float]:
+    """Per round, the slowest rank's wall time (rank 0 alone for single cases)."""
+    ranks = [r["lengths"][seq]["rounds"][case] for r in per_rank if r["lengths"][seq]["rounds"][case]]
+    return [max(r[i]["wall"] for r in ranks) for i in range(len(ranks[0]))]
+
+
+def _per_rank(per_rank, seq, case, key) -> List[float]:
+    return [statistics.median(x[key] for x in r["lengths"][seq]["rounds"][case])
+            for r in per_rank if r["lengths"][seq]["rounds"][case]]
+
+
+def case_row(per_rank: List[Dict[str, Any]], seq: int, case: str, meta: Dict[str, Any]) -> Dict[str, Any]:
+    """Every number of one case at one length."""
+    p, causal = meta["world"], meta["causal"]
+    base = BASELINE[CASES[case].attention]
+    walls, base_walls = _walls(per_rank, seq, case), _walls(per_rank, seq, base)
+    cpu, base_cpu = _per_rank(per_rank, seq, case, "cpu"), _per_rank(per_rank, seq, base, "cpu")[0]
+    saved = [r["lengths"][seq]["saved_bytes"][case] for r in per_rank]
+    saved = [s for s in saved if s is not None]
+    base_saved = per_rank[0]["lengths"][seq]["saved_bytes"][base]
+    row = {"case": case, "seq": seq, "baseline": base, "time_s": spread(walls),
+           "speedup": spread([b / w for b, w in zip(base_walls, walls)]),
+           "cpu_s": cpu, "cpu_ratio": base_cpu / max(cpu), "imbalance": max(cpu) / statistics.mean(cpu),
+           "inflation": sum(cpu) / base_cpu, "saved_bytes": saved, "mem_ratio": max(saved) / base_saved,
+           "mem_extra_bytes": max(saved) - base_saved / p,
+           "bound": speedup_bound(case, p, causal) if case != base else 1.0,
+           "expected_imbalance": expected_imbalance(case, p, causal) if case != base else 1.0}
+    if CASES[case].runner in ("sp", "deepspeed"):        # the cases that communicate
+        row["wait_s"] = _per_rank(per_rank, seq, case, "wait") if CASES[case].runner == "sp" else None
+        row.update(_bytes_fields(per_rank, seq, case, meta))
+    return row
+
+
+def _bytes_fields(per_rank, seq, case, meta) -> Dict[str, Any]:
+    """Measured bytes per rank (one value per rank over all rounds, else it is a FAIL) against the
+    closed form; DeepSpeed's collectives bypass CommStats, so only the form is given there."""
+    c = CASES[case]
+    form = attention_closed_form(dict(c.config), meta, seq)
+    if c.runner != "sp":
+        return {"bytes": None, "bytes_form": form, "bytes_ratio": None}
+    sent = [sorted({x["bytes"] for x in r["lengths"][seq]["rounds"][case]}) for r in per_rank]
+    ratio = bytes_ratio([max(s) for s in sent], form)
+    constant = all(len(s) == 1 for s in sent)
+    return {"bytes": [s[-1] for s in sent], "bytes_form": form, "bytes_ratio": ratio if constant else None}
+
+
+def attention_rows(per_rank: List[Dict[str, Any]], meta: Dict[str, Any]) -> Dict[str, Dict[str, Dict[str, Any]]]:
+    """{str(N): {case: row}}: string keys, as the JSON file has them."""
+    out = {}
+    for seq in meta["seq_lens"]:
+        rows = out[str(seq)] = {case: case_row(per_rank, seq, case, meta) for case in meta["cases"]}
+        if "ds_ulysses" in rows and "ulysses" in rows:
+            # paired per round, like the speedups: ours / DeepSpeed's wall time
+            ours, theirs = _walls(per_rank, seq, "ulysses"), _walls(per_rank, seq, "ds_ulysses")
+            rows["ds_ulysses"]["ours_over_theirs"] = spread([o / t for o, t in zip(ours, theirs)])
+    return out
+
+
+def max_seq_rows(per_rank: List[Dict[str, Any]], meta: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """Longest sequence within the budget per case, and its ratio to the baseline's."""
+    found = dict(per_rank[0].get("max_seq", {}))
+    rows = {}
+    for case, res in found.items():
+        base = found.get(BASELINE[CASES[case].attention])
+        if base and base["max_seq"]:
+            rows[case] = dict(res, ratio=res["max_seq"] / base["max_seq"])
+    return rows
+
+
+def train_rows(measured: Dict[str, Dict[str, Any]], p: int) -> Dict[str, Dict[str, Any]]:
+    return {s: {"one_s": spread(m["one_s"]), "p_s": spread(m["p_s"]), "speedup": spread(m["ratios"]),
+                "compute_speedup": spread(m["compute_ratios"]),
+                "tokens_per_s": [statistics.median(m["one_tokens_per_s"]), statistics.median(m["p_tokens_per_s"])],
+                "loss_rel_diff": m["loss_rel_diff"], "max_load_1min": max(m["load_1min"]),
+                "bound": float(p)}
+            for s, m in measured.items()}
