@@ -7,6 +7,7 @@ _GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_di
 _KDA = dict(linear_num_heads=4, linear_head_dim=16, num_key_value_heads=4)
 _SSD = dict(mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=64,
             mamba_expand=2, mamba_d_conv=4)
+_MAMBA1 = dict(num_hidden_layers=2, state_size=8, time_step_rank=8, expand=2, conv_kernel=4)
 HYBRIDS = {
     # model type: (layer_types, config overrides)
     "qwen3_next": (["linear_attention", "full_attention"], _GDN),
@@ -28,7 +29,26 @@ HYBRIDS = {
     "lfm2": (["conv", "full_attention"], {}),
     "lfm2_moe": (["conv", "full_attention"], {}),
     "lfm3": (["conv", "full_attention"], {}),
+    # Mamba-1 selective scans (a diagonal decay per channel and state entry, data-dependent): alone, next to
+    # softmax attention (Jamba), and Zamba's per-head scans in every layer with a shared attention block
+    "mamba": (None, _MAMBA1),
+    "falcon_mamba": (None, _MAMBA1),
+    "jamba": (None, dict(num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                         expert_layer_offset=1, mamba_d_state=8, mamba_dt_rank=8)),
+    "zamba": (None, dict(num_hidden_layers=2, n_mamba_heads=2, attention_hidden_size=128, attention_head_dim=32,
+                         mamba_d_state=8, mamba_dt_rank=8, num_key_value_heads=4,
+                         layers_block_type=["linear_attention", "hybrid"])),
+    # Bamba with one B/C group for all heads (Granite-4.0-H, Mamba2 checkpoints): Ulysses repeats it
+    "bamba, n_groups=1": (None, dict(_SSD, num_hidden_layers=2, attn_layer_indices=[1], mamba_n_groups=1)),
 }
+
+
+# transformers' Mamba-1 scan is a per-token Python loop (forward and backward): shorter rows
+SEQ_OF = {"mamba": 48, "falcon_mamba": 48, "jamba": 48, "zamba": 48}
+
+
+def seq_of(model_type):
+    return SEQ_OF.get(model_type, SEQ)
 
 
 SIZES = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -44,7 +64,7 @@ def hybrid_config(model_type, **overrides):
     lists of the default config are cut (or extended with their last entry) to that many layers."""
     from transformers import CONFIG_MAPPING
     types, extra = HYBRIDS[model_type]
-    cls = CONFIG_MAPPING[model_type]
+    cls = CONFIG_MAPPING[model_type.split(",")[0]]          # "bamba, n_groups=1": a variant of bamba
     default = cls()
     values = default.to_dict()
     kw = {k: v for k, v in SIZES.items() if k in values}
@@ -66,24 +86,27 @@ def build(cfg, dtype, state=None):
     import transformers as T
     torch.manual_seed(0)
     # eager experts: grouped_mm has no float64 kernel, and the reference runs in float64
-    model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", experts_implementation="eager")
+    try:
+        model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", experts_implementation="eager")
+    except ValueError:          # no softmax attention to dispatch (Mamba, Falcon-Mamba)
+        model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     if state is not None:
         model.load_state_dict(state)
     return model.to(dtype).train()
 
 
-def batch(vocab, rows=2):
+def batch(vocab, rows=2, seq=SEQ):
     g = torch.Generator().manual_seed(3)
-    ids = torch.randint(3, vocab, (rows, SEQ), generator=g)
+    ids = torch.randint(3, vocab, (rows, seq), generator=g)
     labels = ids.clone()
-    labels[torch.rand(rows, SEQ, generator=g) < 0.2] = -100
+    labels[torch.rand(rows, seq, generator=g) < 0.2] = -100
     return ids, labels
 
 
 def unsharded(cfg, state, ids, labels, dtype):
     from .hf_models import textbook_loss
     model = build(cfg, dtype, state)
-    logits = model(input_ids=ids, position_ids=torch.arange(SEQ)[None].expand_as(ids)).logits
+    logits = model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None].expand_as(ids)).logits
     loss = textbook_loss(logits, labels)
     loss.backward()
     return logits.detach(), loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()
@@ -105,7 +128,7 @@ def _worst_ratio(sp, model, res, ref, plain, what):
         return _worst(got, r, p, k=10.0, floor=1e-5)
     grads = _summed_grads(model, sp.group)
     assert set(grads) == set(ref[2]), (what, set(grads) ^ set(ref[2]))
-    ratios = {"logits": ratio(sp.unshard(res.logits.detach(), dim=1, seq_len=SEQ), ref[0], plain[0]),
+    ratios = {"logits": ratio(sp.unshard(res.logits.detach(), dim=1, seq_len=ref[0].shape[1]), ref[0], plain[0]),
               "loss": ratio(res.loss.detach(), ref[1], plain[1])}
     ratios.update({f"grad {n}": ratio(g, ref[2][n], plain[2][n]) for n, g in grads.items()})
     worst = max(ratios, key=ratios.get)
@@ -126,7 +149,7 @@ def check_hybrid(model_type, settings, checkpointing=False):
     from ds_seqpar.hf import apply_sequence_parallel
     cfg = hybrid_config(model_type)
     state = build(cfg, torch.float32).state_dict()
-    ids, labels = batch(cfg.vocab_size)
+    ids, labels = batch(cfg.vocab_size, seq=seq_of(model_type))
     ref = unsharded(cfg, state, ids, labels, torch.float64)
     plain = unsharded(cfg, state, ids, labels, torch.float32)
     out = []
