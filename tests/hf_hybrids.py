@@ -44,7 +44,7 @@ HYBRIDS = {
 
 
 # transformers' Mamba-1 scan is a per-token Python loop (forward and backward): shorter rows
-SEQ_OF = {"mamba": 48, "falcon_mamba": 48, "jamba": 48, "zamba": 48}
+SEQ_OF = {"mamba": 32, "falcon_mamba": 32, "jamba": 32, "zamba": 32}
 
 
 def seq_of(model_type):
@@ -113,14 +113,26 @@ def unsharded(cfg, state, ids, labels, dtype):
                                             if p.grad is not None}
 
 
-def _worst_ratio(sp, model, res, ref, plain, what):
+def _row_ratio(got, ref, plain, k=10.0, floor=1e-5):
+    """(largest error / bound, its row) with the bound of each row of a weight's gradient from that row
+    alone: one projection's rows can be 1e-4 of another's (Mamba2's B/C rows beside x and z), and a
+    bound from the whole tensor would not see them go wrong."""
+    err, scale = ((t.double() - ref.double()).abs().flatten(1).amax(1) for t in (got, plain))
+    size = ref.double().abs().flatten(1).amax(1)
+    bound = k * scale + floor * size
+    ratio = torch.where(bound > 0, err / bound.clamp_min(1e-300), (err > 0) * float("inf"))
+    return ratio.max().item(), int(ratio.argmax())
+
+
+def _worst_ratio(sp, model, res, ref, plain, what, rows=False):
     """(largest error / derived bound, its name) over the unsharded logits, the loss and every
     parameter gradient summed over the sequence group; <= 1 is exact. transformers' linear ops compute
     in fp32 even for fp64 inputs, so the fp64 reference carries fp32 rounding in those layers and the
     fp32-vs-fp64 error of the unsharded model measures only part of it: the bound is 10x that error
     plus 1e-5 x the largest reference entry (about 80 fp32 ulps: sums of a few hundred fp32 terms in
     another order). A wrong state, halo or fold is off by orders of magnitude more
-    (test_a_bypassed_seam_and_a_wrong_halo_are_caught)."""
+    (test_a_bypassed_seam_and_a_wrong_halo_are_caught). ``rows``: each row of a weight's gradient
+    against its own bound too (_row_ratio)."""
     from .dist.test_hf import _summed_grads
     from .hf_zoo import _worst
 
@@ -131,16 +143,20 @@ def _worst_ratio(sp, model, res, ref, plain, what):
     ratios = {"logits": ratio(sp.unshard(res.logits.detach(), dim=1, seq_len=ref[0].shape[1]), ref[0], plain[0]),
               "loss": ratio(res.loss.detach(), ref[1], plain[1])}
     ratios.update({f"grad {n}": ratio(g, ref[2][n], plain[2][n]) for n, g in grads.items()})
+    for n, g in grads.items() if rows else ():
+        if g.dim() >= 2:
+            r, row = _row_ratio(g, ref[2][n], plain[2][n])
+            ratios[f"grad {n} row {row}"] = r
     worst = max(ratios, key=ratios.get)
     return ratios[worst], worst
 
 
-def check_hybrids(cases, checkpointing=False):
+def check_hybrids(cases, checkpointing=False, rows=False):
     """check_hybrid for each (model type, settings) of ``cases``: {model type: results}."""
-    return {mt: check_hybrid(mt, settings, checkpointing) for mt, settings in cases}
+    return {mt: check_hybrid(mt, settings, checkpointing, rows) for mt, settings in cases}
 
 
-def check_hybrid(model_type, settings, checkpointing=False):
+def check_hybrid(model_type, settings, checkpointing=False, rows=False):
     """[(settings, worst error / bound, what)] for one model type over sequence-parallel settings
     (dicts for SequenceParallel); bound = k x the fp32-vs-fp64 error of the unsharded model
     (transformers' linear ops compute in fp32 whatever the input dtype)."""
@@ -165,9 +181,8 @@ def check_hybrid(model_type, settings, checkpointing=False):
         except ConfigError as err:                 # refused: the same message on every rank, before any collective
             out.append((setting, None, str(err)))
             continue
-        out.append((setting,) + _worst_ratio(sp, model, res, ref, plain, (model_type, setting)))
+        out.append((setting,) + _worst_ratio(sp, model, res, ref, plain, (model_type, setting), rows))
     return out
-
 
 
 def _per_document(cfg, state, ids, bounds, dtype):

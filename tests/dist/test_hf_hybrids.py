@@ -29,6 +29,21 @@ CASES = [
     ("lfm2_moe", [dict(P2, strategy="ring"), dict(P4, strategy="zigzag")]),
     ("lfm3", [dict(P2, strategy="ulysses"), dict(P4, strategy="ring")]),
 ]
+# Mamba-1 selective scans (a diagonal transition): each state exchange and the channels split by ulysses;
+# Mamba2 with one B/C group for every head (Bamba, Granite-4.0-H, Mamba2 checkpoints): ulysses repeats it per
+# rank. None may be refused.
+SCANS = [
+    ("mamba", [dict(P2, strategy="ring"), dict(P2, strategy="zigzag", lasp_comm="ring"),
+               dict(P2, strategy="ring", linear_strategy="ulysses")]),
+    ("falcon_mamba", [dict(P2, strategy="zigzag"), dict(P2, strategy="ring", lasp_comm="ring"),
+                      dict(P2, strategy="ulysses", linear_strategy="ulysses")]),
+    ("jamba", [dict(P2, strategy="zigzag"), dict(P2, strategy="ulysses", lasp_comm="ring"),
+               dict(P2, strategy="ring", linear_strategy="ulysses")]),
+    ("zamba", [dict(P2, strategy="ulysses"), dict(P2, strategy="zigzag", lasp_comm="ring"),
+               dict(P2, strategy="ring", linear_strategy="ulysses")]),
+    ("bamba, n_groups=1", [dict(P2, strategy="ring", linear_strategy="ulysses"),
+                           dict(P4, strategy="ulysses", linear_strategy="ulysses")]),
+]
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +61,16 @@ def test_hybrid_family_is_exact(results, model_type):
             assert ratio <= 1.0, f"{model_type} {setting}: {what} is {ratio:.3g}x the bound"
     assert results[0][model_type] == results[1][model_type] or all(
         a[1] is not None for a in results[0][model_type])
+
+
+def test_mamba1_scans_and_shared_groups_are_exact(pool):
+    results = pool.run(check_hybrids, SCANS, False, True, timeout=900)
+    for mt, settings in SCANS:
+        for rank in (0, 2) if all(s["size"] == 2 for s in settings) else (0,):
+            assert len(results[rank][mt]) == len(settings)
+            for setting, ratio, what in results[rank][mt]:
+                assert ratio is not None and ratio <= 1.0, (mt, setting, ratio, what)
+        assert results[1][mt] == results[0][mt], mt          # the two ranks of one group
 
 
 def test_ranks_agree_and_refusals_name_the_key(results):
