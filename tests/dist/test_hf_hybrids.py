@@ -171,25 +171,33 @@ def test_gradient_checkpointing_recomputes_the_exchanges_exactly(pool):
 def _bytes(setting, model_type="qwen3_5_text"):
     """Bytes per kind of one forward + backward of a tiny hybrid (one linear layer) and the closed forms
     for its linear layer and conv: gated DeltaNet (a K x K transition), Mamba2 SSD (a data-dependent
-    decay per head) and lightning attention (a constant decay per head, no conv)."""
+    decay per head), lightning attention (a constant decay per head, no conv) and Mamba-1 (a diagonal
+    transition as large as the state; one Mamba layer)."""
     import torch
     from ds_seqpar import SequenceParallel
     from ds_seqpar.hf import apply_sequence_parallel
     from ds_seqpar.strategies.closed_form import conv_halo_bytes, linear_state_bytes, linear_ulysses_bytes
     from ds_seqpar.strategies.state_passing import fragments
-    from ..hf_hybrids import SEQ, batch, build, hybrid_config
-    cfg = hybrid_config(model_type)
+    from ds_seqpar.strategies.ulysses import kv_replication
+    from ..hf_hybrids import batch, build, hybrid_config, seq_of
+    cfg = hybrid_config(model_type, **({"num_hidden_layers": 1} if model_type == "mamba" else {}))
     sp = SequenceParallel(setting)
     model = apply_sequence_parallel(build(cfg, torch.float32), sp)
-    ids, labels = batch(cfg.vocab_size)
+    seq = seq_of(model_type)
+    ids, labels = batch(cfg.vocab_size, seq=seq)
     b = sp.shard_batch({"input_ids": ids, "labels": labels})
     sp.stats.reset()
     model(**b).loss.backward()
-    frags, rows, tokens = fragments(sp.layout, SEQ), ids.shape[0], ids.shape[0] * SEQ // sp.size
-    if model_type == "bamba":               # x and the output; dt; B and C
+    frags, rows, tokens = fragments(sp.layout, seq), ids.shape[0], ids.shape[0] * seq // sp.size
+    if model_type.startswith("bamba"):      # x and the output; dt; B and C (groups repeated to split over ranks)
         h, pd, n, g = cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state, cfg.mamba_n_groups
-        state, kind, elems = (h, pd, n), "scalar", [tokens * h * pd] * 2 + [tokens * h] + [tokens * g * n] * 2
+        sent = g * kv_replication(h, g, sp.size)
+        state, kind, elems = (h, pd, n), "scalar", [tokens * h * pd] * 2 + [tokens * h] + [tokens * sent * n] * 2
         halo = (cfg.mamba_expand * cfg.hidden_size + 2 * g * n, cfg.mamba_d_conv - 1)
+    elif model_type == "mamba":             # x, dt, z and the output per channel; B and C (one group) to every rank
+        c, n = cfg.intermediate_size, cfg.state_size
+        state, kind, elems = (c, n, 1), "diagonal", [tokens * c] * 4 + [tokens * sp.size * n] * 2
+        halo = (c, cfg.conv_kernel - 1)
     elif model_type == "minimax":           # q, k, v and the output
         h, d = cfg.num_attention_heads, cfg.head_dim
         state, kind, elems, halo = (h, d, d), "fixed", [tokens * h * d] * 4, None
@@ -212,6 +220,9 @@ def _bytes(setting, model_type="qwen3_5_text"):
     ("qwen3_5_text", dict(strategy="ring", size=2)), ("qwen3_5_text", dict(strategy="zigzag", size=4, lasp_comm="ring")),
     ("qwen3_5_text", dict(strategy="ulysses", size=2, linear_strategy="ulysses")),
     ("bamba", dict(strategy="zigzag", size=2)), ("bamba", dict(strategy="ring", size=4, lasp_comm="ring")),
+    ("bamba, n_groups=1", dict(strategy="ulysses", size=4, linear_strategy="ulysses")),
+    ("mamba", dict(strategy="zigzag", size=2)), ("mamba", dict(strategy="ring", size=2, lasp_comm="ring")),
+    ("mamba", dict(strategy="ring", size=2, linear_strategy="ulysses")),
     ("minimax", dict(strategy="zigzag", size=4)), ("minimax", dict(strategy="ring", size=2, linear_strategy="ulysses"))])
 def test_linear_layer_bytes_equal_the_closed_forms(pool, model_type, setting):
     for got, want in pool.run(_bytes, setting, model_type):
