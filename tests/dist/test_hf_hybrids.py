@@ -73,6 +73,38 @@ def test_mamba1_scans_and_shared_groups_are_exact(pool):
         assert results[1][mt] == results[0][mt], mt          # the two ranks of one group
 
 
+def _scan_refusals():
+    """Mamba-1 settings that cannot be exact: striped runs, and 90 channels that ulysses cannot split over 4 ranks."""
+    import torch
+    from ds_seqpar import SequenceParallel
+    from ds_seqpar.config import ConfigError
+    from ds_seqpar.hf import apply_sequence_parallel
+    from ..hf_hybrids import batch, build, hybrid_config, seq_of
+    out = {}
+    for name, setting, over in (("striped", dict(strategy="striped", size=2), {}),
+                                ("channels", dict(strategy="ring", size=4, linear_strategy="ulysses"),
+                                 dict(intermediate_size=90))):
+        cfg = hybrid_config("mamba", **over)
+        sp = SequenceParallel(setting)
+        ids, labels = batch(cfg.vocab_size, seq=seq_of("mamba"))
+        try:
+            model = apply_sequence_parallel(build(cfg, torch.float32), sp)
+            model(**sp.shard_batch({"input_ids": ids, "labels": labels}))
+            out[name] = "ran"
+        except ConfigError as err:
+            out[name] = str(err)
+    return out
+
+
+def test_mamba1_refusals_name_the_scan_on_every_rank(pool):
+    results = pool.run(_scan_refusals)
+    assert all(r == results[0] for r in results)
+    got = results[0]
+    assert "striped" in got["striped"] and "Mamba-1 selective scan" in got["striped"], got["striped"]
+    assert "90 channels" in got["channels"] and "sequence_parallel.size=4" in got["channels"] \
+        and "linear_strategy 'lasp'" in got["channels"], got["channels"]
+
+
 def test_ranks_agree_and_refusals_name_the_key(results):
     """Every rank of a group gets the same verdicts; heads that ulysses cannot split are named."""
     for mt, _ in CASES:

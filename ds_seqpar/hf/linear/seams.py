@@ -1,7 +1,7 @@
 """The one seam: transformers calls these layers' ops (``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``,
-``chunk_kimi_delta_attention``, ``mamba2_chunk_scan``, ``mamba_selective_scan``) as globals of the modeling file, resolved at call
-time, with no argument that could say which layer or which sequence-parallel setup is calling. So the
-global is replaced by a seam that calls the original unless an applied layer is running, and the
+``chunk_kimi_delta_attention``, ``mamba2_chunk_scan``, ``mamba_selective_scan``) as globals of the modeling
+file, resolved at call time, with no argument that could say which layer or which sequence-parallel setup is
+calling. So the global is replaced by a seam that calls the original unless an applied layer is running, and the
 layer's forward pre-hook says which one is, in a context variable (per thread and task, set for the
 layer's forward only, reset by its post-hook): other models in the process, and the layer after
 remove_sequence_parallel, run transformers' code untouched.
