@@ -7,5 +7,5 @@ from .linear.mixers import LinearMixers
 from .linear.seams import install_seams
 from .linear.ssd import ssd_map
 
-__all__ = ["LAYER_OPS", "LINEAR_LAYER_TYPES", "HYBRID_MODEL_TYPES", "MAMBA1_MODEL_TYPES", "LinearMixers", "install_seams", "linear_modules",
-           "delta_rule_map", "ssd_map", "with_state_in"]
+__all__ = ["LAYER_OPS", "LINEAR_LAYER_TYPES", "HYBRID_MODEL_TYPES", "MAMBA1_MODEL_TYPES", "LinearMixers",
+           "install_seams", "linear_modules", "delta_rule_map", "ssd_map", "with_state_in"]
