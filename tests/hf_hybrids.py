@@ -7,6 +7,7 @@ _GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_di
 _KDA = dict(linear_num_heads=4, linear_head_dim=16, num_key_value_heads=4)
 _SSD = dict(mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=64,
             mamba_expand=2, mamba_d_conv=4)
+_MAMBA1 = dict(num_hidden_layers=2, state_size=8, time_step_rank=8, expand=2, conv_kernel=4)
 HYBRIDS = {
     # model type: (layer_types, config overrides)
     "qwen3_next": (["linear_attention", "full_attention"], _GDN),
@@ -28,7 +29,26 @@ HYBRIDS = {
     "lfm2": (["conv", "full_attention"], {}),
     "lfm2_moe": (["conv", "full_attention"], {}),
     "lfm3": (["conv", "full_attention"], {}),
+    # Mamba-1 selective scans (a diagonal decay per channel and state entry, data-dependent): alone, next to
+    # softmax attention (Jamba), and Zamba's per-head scans in every layer with a shared attention block
+    "mamba": (None, _MAMBA1),
+    "falcon_mamba": (None, _MAMBA1),
+    "jamba": (None, dict(num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                         expert_layer_offset=1, mamba_d_state=8, mamba_dt_rank=8)),
+    "zamba": (None, dict(num_hidden_layers=2, n_mamba_heads=2, attention_hidden_size=128, attention_head_dim=32,
+                         mamba_d_state=8, mamba_dt_rank=8, num_key_value_heads=4,
+                         layers_block_type=["linear_attention", "hybrid"])),
+    # Bamba with one B/C group for all heads (Granite-4.0-H, Mamba2 checkpoints): Ulysses repeats it
+    "bamba, n_groups=1": (None, dict(_SSD, num_hidden_layers=2, attn_layer_indices=[1], mamba_n_groups=1)),
 }
+
+
+# transformers' Mamba-1 scan is a per-token Python loop (forward and backward): shorter rows
+SEQ_OF = {"mamba": 32, "falcon_mamba": 32, "jamba": 32, "zamba": 32}
+
+
+def seq_of(model_type):
+    return SEQ_OF.get(model_type, SEQ)
 
 
 SIZES = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -44,7 +64,7 @@ def hybrid_config(model_type, **overrides):
     lists of the default config are cut (or extended with their last entry) to that many layers."""
     from transformers import CONFIG_MAPPING
     types, extra = HYBRIDS[model_type]
-    cls = CONFIG_MAPPING[model_type]
+    cls = CONFIG_MAPPING[model_type.split(",")[0]]          # "bamba, n_groups=1": a variant of bamba
     default = cls()
     values = default.to_dict()
     kw = {k: v for k, v in SIZES.items() if k in values}
@@ -66,38 +86,53 @@ def build(cfg, dtype, state=None):
     import transformers as T
     torch.manual_seed(0)
     # eager experts: grouped_mm has no float64 kernel, and the reference runs in float64
-    model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", experts_implementation="eager")
+    try:
+        model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", experts_implementation="eager")
+    except ValueError:          # no softmax attention to dispatch (Mamba, Falcon-Mamba)
+        model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     if state is not None:
         model.load_state_dict(state)
     return model.to(dtype).train()
 
 
-def batch(vocab, rows=2):
+def batch(vocab, rows=2, seq=SEQ):
     g = torch.Generator().manual_seed(3)
-    ids = torch.randint(3, vocab, (rows, SEQ), generator=g)
+    ids = torch.randint(3, vocab, (rows, seq), generator=g)
     labels = ids.clone()
-    labels[torch.rand(rows, SEQ, generator=g) < 0.2] = -100
+    labels[torch.rand(rows, seq, generator=g) < 0.2] = -100
     return ids, labels
 
 
 def unsharded(cfg, state, ids, labels, dtype):
     from .hf_models import textbook_loss
     model = build(cfg, dtype, state)
-    logits = model(input_ids=ids, position_ids=torch.arange(SEQ)[None].expand_as(ids)).logits
+    logits = model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None].expand_as(ids)).logits
     loss = textbook_loss(logits, labels)
     loss.backward()
     return logits.detach(), loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()
                                             if p.grad is not None}
 
 
-def _worst_ratio(sp, model, res, ref, plain, what):
+def _row_ratio(got, ref, plain, k=10.0, floor=1e-5):
+    """(largest error / bound, its row) with the bound of each row of a weight's gradient from that row
+    alone: one projection's rows can be 1e-4 of another's (Mamba2's B/C rows beside x and z), and a
+    bound from the whole tensor would not see them go wrong."""
+    err, scale = ((t.double() - ref.double()).abs().flatten(1).amax(1) for t in (got, plain))
+    size = ref.double().abs().flatten(1).amax(1)
+    bound = k * scale + floor * size
+    ratio = torch.where(bound > 0, err / bound.clamp_min(1e-300), (err > 0) * float("inf"))
+    return ratio.max().item(), int(ratio.argmax())
+
+
+def _worst_ratio(sp, model, res, ref, plain, what, rows=False):
     """(largest error / derived bound, its name) over the unsharded logits, the loss and every
     parameter gradient summed over the sequence group; <= 1 is exact. transformers' linear ops compute
     in fp32 even for fp64 inputs, so the fp64 reference carries fp32 rounding in those layers and the
     fp32-vs-fp64 error of the unsharded model measures only part of it: the bound is 10x that error
     plus 1e-5 x the largest reference entry (about 80 fp32 ulps: sums of a few hundred fp32 terms in
     another order). A wrong state, halo or fold is off by orders of magnitude more
-    (test_a_bypassed_seam_and_a_wrong_halo_are_caught)."""
+    (test_a_bypassed_seam_and_a_wrong_halo_are_caught). ``rows``: each row of a weight's gradient
+    against its own bound too (_row_ratio)."""
     from .dist.test_hf import _summed_grads
     from .hf_zoo import _worst
 
@@ -105,19 +140,23 @@ def _worst_ratio(sp, model, res, ref, plain, what):
         return _worst(got, r, p, k=10.0, floor=1e-5)
     grads = _summed_grads(model, sp.group)
     assert set(grads) == set(ref[2]), (what, set(grads) ^ set(ref[2]))
-    ratios = {"logits": ratio(sp.unshard(res.logits.detach(), dim=1, seq_len=SEQ), ref[0], plain[0]),
+    ratios = {"logits": ratio(sp.unshard(res.logits.detach(), dim=1, seq_len=ref[0].shape[1]), ref[0], plain[0]),
               "loss": ratio(res.loss.detach(), ref[1], plain[1])}
     ratios.update({f"grad {n}": ratio(g, ref[2][n], plain[2][n]) for n, g in grads.items()})
+    for n, g in grads.items() if rows else ():
+        if g.dim() >= 2:
+            r, row = _row_ratio(g, ref[2][n], plain[2][n])
+            ratios[f"grad {n} row {row}"] = r
     worst = max(ratios, key=ratios.get)
     return ratios[worst], worst
 
 
-def check_hybrids(cases, checkpointing=False):
+def check_hybrids(cases, checkpointing=False, rows=False):
     """check_hybrid for each (model type, settings) of ``cases``: {model type: results}."""
-    return {mt: check_hybrid(mt, settings, checkpointing) for mt, settings in cases}
+    return {mt: check_hybrid(mt, settings, checkpointing, rows) for mt, settings in cases}
 
 
-def check_hybrid(model_type, settings, checkpointing=False):
+def check_hybrid(model_type, settings, checkpointing=False, rows=False):
     """[(settings, worst error / bound, what)] for one model type over sequence-parallel settings
     (dicts for SequenceParallel); bound = k x the fp32-vs-fp64 error of the unsharded model
     (transformers' linear ops compute in fp32 whatever the input dtype)."""
@@ -126,7 +165,7 @@ def check_hybrid(model_type, settings, checkpointing=False):
     from ds_seqpar.hf import apply_sequence_parallel
     cfg = hybrid_config(model_type)
     state = build(cfg, torch.float32).state_dict()
-    ids, labels = batch(cfg.vocab_size)
+    ids, labels = batch(cfg.vocab_size, seq=seq_of(model_type))
     ref = unsharded(cfg, state, ids, labels, torch.float64)
     plain = unsharded(cfg, state, ids, labels, torch.float32)
     out = []
@@ -142,9 +181,8 @@ def check_hybrid(model_type, settings, checkpointing=False):
         except ConfigError as err:                 # refused: the same message on every rank, before any collective
             out.append((setting, None, str(err)))
             continue
-        out.append((setting,) + _worst_ratio(sp, model, res, ref, plain, (model_type, setting)))
+        out.append((setting,) + _worst_ratio(sp, model, res, ref, plain, (model_type, setting), rows))
     return out
-
 
 
 def _per_document(cfg, state, ids, bounds, dtype):

@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from .. import strategies
 from ..errors import UnsupportedModelError
-from .linear.families import LAYER_OPS, LINEAR_LAYER_TYPES
+from .linear.families import LAYER_OPS, LINEAR_LAYER_TYPES, family
 
 # model types whose attention does not go through AttentionInterface (transformers only warns when
 # set_attn_implementation cannot switch them); apply.py also verifies the switch and the calls
@@ -167,14 +167,15 @@ def check_hybrid(model: nn.Module, sp_config, linear_layers) -> None:
     can pass state along (contiguous, zigzag; not striped), and ``strategy: lasp`` is refused."""
     if not linear_layers:
         return
-    where = f"{type(model).__name__} ({type(linear_layers[0][1]).__name__} layers)"
+    kind = type(linear_layers[0][1]).__name__
+    where = f"{type(model).__name__} ({kind} layers)"
     if sp_config.strategy == "lasp":
         _refuse("sequence_parallel.strategy='lasp' on a transformers model", where,
                 "set strategy to the softmax layers' strategy (ulysses, ring or zigzag) and "
                 "linear_strategy='lasp' (the default) for the linear layers")
     if sp_config.strategy == "striped":
-        _refuse("sequence_parallel.strategy='striped' with linear-attention / convolution layers (one-token "
-                "runs: every token's state and conv inputs would come from another rank)", where,
+        _refuse(f"sequence_parallel.strategy='striped' with {family(kind)} layers (one-token runs: every "
+                "token's state and conv inputs would come from another rank)", where,
                 "use strategy ulysses, ring or zigzag")
 
 

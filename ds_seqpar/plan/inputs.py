@@ -34,7 +34,7 @@ def load_model(path: str) -> ModelShape:
     """The HF config through the project's loader, checked as the main job checks it; or the
     project's own LM (own_lm_shape)."""
     from ..hf.checks import check_config, text_config
-    from ..hf.linear_layers import HYBRID_MODEL_TYPES
+    from ..hf.linear_layers import HYBRID_MODEL_TYPES, MAMBA1_MODEL_TYPES
     from ..hf.model_io import load_config
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
         raise PlanError(f"--model {path!r} is a directory without config.json; pass a Hugging Face model directory "
@@ -48,8 +48,12 @@ def load_model(path: str) -> ModelShape:
         if isinstance(raw, dict) and raw.get("model_type") == OWN_LM:
             return own_lm_shape(raw, os.path.basename(path))
     config = load_config(path)
-    hybrid = getattr(text_config(config), "model_type", None) in HYBRID_MODEL_TYPES
-    check_config(config, training=True, linear_ok=hybrid)
+    model_type = getattr(text_config(config), "model_type", None)
+    check_config(config, training=True, linear_ok=model_type in HYBRID_MODEL_TYPES)
+    if model_type in MAMBA1_MODEL_TYPES:
+        raise PlanError(f"--model {path!r}: model_type={model_type!r} has Mamba-1 selective scans, which train "
+                        f"sequence-parallel (docs/hybrids.md) but have no cost model in ds-seqpar plan yet; plan a "
+                        f"Mamba2 or softmax model of the same sizes")
     return from_hf_config(config, os.path.basename(path.rstrip("/")), HYBRID_MODEL_TYPES)
 
 

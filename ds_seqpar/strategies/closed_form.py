@@ -134,9 +134,11 @@ def linear_state_bytes(frags, rank: int, rows: int, heads: int, dk: int, dv: int
     """One linear layer, forward + backward, under linear_strategy lasp; ``frags`` = the layout's
     runs (state_passing.fragments). Maps are fp32: B [rows, heads, dk, dv] and A by ``transition``:
     "matrix" [.., dk, dk] (the delta rule), "scalar" [.., 1, 1] (Mamba2 SSD: a data-dependent decay per
-    head), "fixed" (lightning attention: lambda^n, derived on every rank, never sent). Kinds that send
+    head), "diagonal" [.., dk, 1] (Mamba-1: one decay per channel and state entry; heads = channels,
+    dv = 1), "fixed" (lightning attention: lambda^n, derived on every rank, never sent). Kinds that send
     nothing are left out."""
-    map_elems = {"matrix": rows * heads * dk * dk, "scalar": rows * heads, "fixed": 0}[transition]
+    map_elems = {"matrix": rows * heads * dk * dk, "scalar": rows * heads, "diagonal": rows * heads * dk,
+                 "fixed": 0}[transition]
     out = state_exchange_bytes(StatePlan(frags), rank, rows * heads * dk * dv * 4, map_elems * 4, lasp_comm)
     return {kind: n for kind, n in out.items() if n}
 

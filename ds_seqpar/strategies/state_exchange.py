@@ -7,6 +7,8 @@ Every fragment (lasp_chain.py) runs as an affine map of the state that enters it
     fixed    lambda^n per head [H, 1, 1] for n tokens (LASP's own LM, MiniMax's lightning attention):
              every rank derives every fragment's A from its length, so no A travels
     scalar   a data-dependent decay per (row, head) [rows, H, 1, 1] (Mamba2 SSD)
+    diagonal a data-dependent decay per (row, channel, state entry) [rows, C, N, 1] on a [rows, C, N, 1]
+             state (Mamba-1's selective scan: as large as the state)
     matrix   [rows, H, K, K] (the delta rule: gated DeltaNet, KDA)
 
 Transition gives apply (A . S), transpose (A^T . D) and grad (dA from dS_out and S_in).
@@ -42,30 +44,33 @@ STATE, DSTATE = "lasp_state", "lasp_dstate"
 
 
 class Transition:
-    """A of one fragment: None (the identity: no decay), [.., 1, 1] (a scalar per head) or [.., K, K]."""
+    """A of one fragment: None (the identity: no decay), elementwise ([.., 1, 1] a scalar per head,
+    [.., K, 1] a diagonal: one decay per state row) or a matrix [.., K, K]."""
 
     def __init__(self, a: Optional[Tensor]):
         self.a = a
 
     @property
-    def _scalar(self) -> bool:
+    def _elementwise(self) -> bool:
         return self.a.shape[-1] == 1
 
     def apply(self, s: Tensor) -> Tensor:
         if self.a is None:
             return s
-        return self.a * s if self._scalar else self.a @ s
+        return self.a * s if self._elementwise else self.a @ s
 
     def transpose(self, d: Tensor) -> Tensor:
         if self.a is None:
             return d
-        return self.a * d if self._scalar else self.a.transpose(-1, -2) @ d
+        return self.a * d if self._elementwise else self.a.transpose(-1, -2) @ d
 
     def grad(self, d_out: Tensor, s_in: Tensor) -> Tensor:
-        """dA from dS_out and S_in: D S_in^T, or <D, S_in> per (row, head) for a scalar."""
-        if self._scalar:
-            return (d_out * s_in).sum((-1, -2), keepdim=True)
-        return d_out @ s_in.transpose(-1, -2)
+        """dA from dS_out and S_in: D S_in^T, or D * S_in summed over the dims A broadcasts along."""
+        if not self._elementwise:
+            return d_out @ s_in.transpose(-1, -2)
+        prod = d_out * s_in
+        dims = tuple(i for i in (-2, -1) if self.a.shape[i] == 1 and prod.shape[i] != 1)
+        return prod.sum(dims, keepdim=True) if dims else prod
 
 
 class FixedDecay:
@@ -81,7 +86,7 @@ class FixedDecay:
 
 
 class TravellingMaps:
-    """A data-dependent transition (scalar or matrix): this rank's A per local fragment, [nf, ...]."""
+    """A data-dependent transition (scalar, diagonal or matrix): this rank's A per local fragment, [nf, ...]."""
 
     travels = True
 

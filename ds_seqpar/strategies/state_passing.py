@@ -74,11 +74,11 @@ class LinearExchange:
     def halos(self, x_bcl: Tensor, width: int, frags, resets) -> List[Tensor]:
         return halos(x_bcl, width, frags, self.rank, self.group, self.stats, resets)
 
-    def whole_heads(self, tensors):
-        """linear_strategy ulysses: each [b, n, heads, ..] tensor all-to-all'd to the whole sequence
-        (global order) of this rank's block of heads (the heads divide by P: the layer checked);
-        returns (tensors, that block as a slice)."""
-        heads, n = tensors[0].shape[2], tensors[0].shape[1] * self.size
+    def whole_heads(self, tensors, heads: int):
+        """linear_strategy ulysses: each [b, n, heads or groups, ..] tensor all-to-all'd to the whole
+        sequence (global order) of this rank's block (the heads and each tensor's groups divide by P:
+        the layer checked and repeated); returns (tensors, this rank's heads as a slice)."""
+        n = tensors[0].shape[1] * self.size
         inverse = self.layout.inverse(n, tensors[0].device)
         mine = slice(self.rank * (heads // self.size), (self.rank + 1) * (heads // self.size))
         whole = [comm.all_to_all(t.contiguous(), 2, 1, self.group, self.stats, "linear_all_to_all")

@@ -29,6 +29,21 @@ CASES = [
     ("lfm2_moe", [dict(P2, strategy="ring"), dict(P4, strategy="zigzag")]),
     ("lfm3", [dict(P2, strategy="ulysses"), dict(P4, strategy="ring")]),
 ]
+# Mamba-1 selective scans (a diagonal transition): each state exchange and the channels split by ulysses;
+# Mamba2 with one B/C group for every head (Bamba, Granite-4.0-H, Mamba2 checkpoints): ulysses repeats it per
+# rank. None may be refused.
+SCANS = [
+    ("mamba", [dict(P2, strategy="ring"), dict(P2, strategy="zigzag", lasp_comm="ring"),
+               dict(P2, strategy="ring", linear_strategy="ulysses")]),
+    ("falcon_mamba", [dict(P2, strategy="zigzag"), dict(P2, strategy="ring", lasp_comm="ring"),
+                      dict(P2, strategy="ulysses", linear_strategy="ulysses")]),
+    ("jamba", [dict(P2, strategy="zigzag"), dict(P2, strategy="ulysses", lasp_comm="ring"),
+               dict(P2, strategy="ring", linear_strategy="ulysses")]),
+    ("zamba", [dict(P2, strategy="ulysses"), dict(P2, strategy="zigzag", lasp_comm="ring"),
+               dict(P2, strategy="ring", linear_strategy="ulysses")]),
+    ("bamba, n_groups=1", [dict(P2, strategy="ring", linear_strategy="ulysses"),
+                           dict(P4, strategy="ulysses", linear_strategy="ulysses")]),
+]
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +61,48 @@ def test_hybrid_family_is_exact(results, model_type):
             assert ratio <= 1.0, f"{model_type} {setting}: {what} is {ratio:.3g}x the bound"
     assert results[0][model_type] == results[1][model_type] or all(
         a[1] is not None for a in results[0][model_type])
+
+
+def test_mamba1_scans_and_shared_groups_are_exact(pool):
+    results = pool.run(check_hybrids, SCANS, False, True, timeout=900)
+    for mt, settings in SCANS:
+        for rank in (0, 2) if all(s["size"] == 2 for s in settings) else (0,):
+            assert len(results[rank][mt]) == len(settings)
+            for setting, ratio, what in results[rank][mt]:
+                assert ratio is not None and ratio <= 1.0, (mt, setting, ratio, what)
+        assert results[1][mt] == results[0][mt], mt          # the two ranks of one group
+
+
+def _scan_refusals():
+    """Mamba-1 settings that cannot be exact: striped runs, and 90 channels that ulysses cannot split over 4 ranks."""
+    import torch
+    from ds_seqpar import SequenceParallel
+    from ds_seqpar.config import ConfigError
+    from ds_seqpar.hf import apply_sequence_parallel
+    from ..hf_hybrids import batch, build, hybrid_config, seq_of
+    out = {}
+    for name, setting, over in (("striped", dict(strategy="striped", size=2), {}),
+                                ("channels", dict(strategy="ring", size=4, linear_strategy="ulysses"),
+                                 dict(intermediate_size=90))):
+        cfg = hybrid_config("mamba", **over)
+        sp = SequenceParallel(setting)
+        ids, labels = batch(cfg.vocab_size, seq=seq_of("mamba"))
+        try:
+            model = apply_sequence_parallel(build(cfg, torch.float32), sp)
+            model(**sp.shard_batch({"input_ids": ids, "labels": labels}))
+            out[name] = "ran"
+        except ConfigError as err:
+            out[name] = str(err)
+    return out
+
+
+def test_mamba1_refusals_name_the_scan_on_every_rank(pool):
+    results = pool.run(_scan_refusals)
+    assert all(r == results[0] for r in results)
+    got = results[0]
+    assert "striped" in got["striped"] and "Mamba-1 selective scan" in got["striped"], got["striped"]
+    assert "90 channels" in got["channels"] and "sequence_parallel.size=4" in got["channels"] \
+        and "linear_strategy 'lasp'" in got["channels"], got["channels"]
 
 
 def test_ranks_agree_and_refusals_name_the_key(results):
@@ -146,25 +203,33 @@ def test_gradient_checkpointing_recomputes_the_exchanges_exactly(pool):
 def _bytes(setting, model_type="qwen3_5_text"):
     """Bytes per kind of one forward + backward of a tiny hybrid (one linear layer) and the closed forms
     for its linear layer and conv: gated DeltaNet (a K x K transition), Mamba2 SSD (a data-dependent
-    decay per head) and lightning attention (a constant decay per head, no conv)."""
+    decay per head), lightning attention (a constant decay per head, no conv) and Mamba-1 (a diagonal
+    transition as large as the state; one Mamba layer)."""
     import torch
     from ds_seqpar import SequenceParallel
     from ds_seqpar.hf import apply_sequence_parallel
     from ds_seqpar.strategies.closed_form import conv_halo_bytes, linear_state_bytes, linear_ulysses_bytes
     from ds_seqpar.strategies.state_passing import fragments
-    from ..hf_hybrids import SEQ, batch, build, hybrid_config
-    cfg = hybrid_config(model_type)
+    from ds_seqpar.strategies.ulysses import kv_replication
+    from ..hf_hybrids import batch, build, hybrid_config, seq_of
+    cfg = hybrid_config(model_type, **({"num_hidden_layers": 1} if model_type == "mamba" else {}))
     sp = SequenceParallel(setting)
     model = apply_sequence_parallel(build(cfg, torch.float32), sp)
-    ids, labels = batch(cfg.vocab_size)
+    seq = seq_of(model_type)
+    ids, labels = batch(cfg.vocab_size, seq=seq)
     b = sp.shard_batch({"input_ids": ids, "labels": labels})
     sp.stats.reset()
     model(**b).loss.backward()
-    frags, rows, tokens = fragments(sp.layout, SEQ), ids.shape[0], ids.shape[0] * SEQ // sp.size
-    if model_type == "bamba":               # x and the output; dt; B and C
+    frags, rows, tokens = fragments(sp.layout, seq), ids.shape[0], ids.shape[0] * seq // sp.size
+    if model_type.startswith("bamba"):      # x and the output; dt; B and C (groups repeated to split over ranks)
         h, pd, n, g = cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state, cfg.mamba_n_groups
-        state, kind, elems = (h, pd, n), "scalar", [tokens * h * pd] * 2 + [tokens * h] + [tokens * g * n] * 2
+        sent = g * kv_replication(h, g, sp.size)
+        state, kind, elems = (h, pd, n), "scalar", [tokens * h * pd] * 2 + [tokens * h] + [tokens * sent * n] * 2
         halo = (cfg.mamba_expand * cfg.hidden_size + 2 * g * n, cfg.mamba_d_conv - 1)
+    elif model_type == "mamba":             # x, dt, z and the output per channel; B and C (one group) to every rank
+        c, n = cfg.intermediate_size, cfg.state_size
+        state, kind, elems = (c, n, 1), "diagonal", [tokens * c] * 4 + [tokens * sp.size * n] * 2
+        halo = (c, cfg.conv_kernel - 1)
     elif model_type == "minimax":           # q, k, v and the output
         h, d = cfg.num_attention_heads, cfg.head_dim
         state, kind, elems, halo = (h, d, d), "fixed", [tokens * h * d] * 4, None
@@ -187,6 +252,9 @@ def _bytes(setting, model_type="qwen3_5_text"):
     ("qwen3_5_text", dict(strategy="ring", size=2)), ("qwen3_5_text", dict(strategy="zigzag", size=4, lasp_comm="ring")),
     ("qwen3_5_text", dict(strategy="ulysses", size=2, linear_strategy="ulysses")),
     ("bamba", dict(strategy="zigzag", size=2)), ("bamba", dict(strategy="ring", size=4, lasp_comm="ring")),
+    ("bamba, n_groups=1", dict(strategy="ulysses", size=4, linear_strategy="ulysses")),
+    ("mamba", dict(strategy="zigzag", size=2)), ("mamba", dict(strategy="ring", size=2, lasp_comm="ring")),
+    ("mamba", dict(strategy="ring", size=2, linear_strategy="ulysses")),
     ("minimax", dict(strategy="zigzag", size=4)), ("minimax", dict(strategy="ring", size=2, linear_strategy="ulysses"))])
 def test_linear_layer_bytes_equal_the_closed_forms(pool, model_type, setting):
     for got, want in pool.run(_bytes, setting, model_type):

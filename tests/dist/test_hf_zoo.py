@@ -11,7 +11,8 @@ MUST_BE_EXACT = {"llama", "mistral", "mixtral", "gemma2", "gemma3_text", "cohere
 
 # hybrids whose linear-attention / SSM / conv layers this wave made sequence-parallel
 HYBRIDS_EXACT = {"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear", "bailing_hybrid",
-                 "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1", "zamba2", "mamba2", "minimax", "lfm3"}
+                 "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1", "zamba2", "mamba2", "minimax", "lfm3",
+                 "mamba", "falcon_mamba", "jamba", "zamba"}
 
 def test_every_causal_lm_is_exact_or_refused_by_name(pool):
     results = pool.run(sweep, causal_lm_types())

@@ -51,7 +51,7 @@ def test_one_closed_form_for_the_own_lm_and_the_hybrids():
     assert state_exchange_bytes(plan, 1, 100, 7, "ring") == {"lasp_state": 100, "lasp_dstate": 100}
 
 
-@pytest.mark.parametrize("shape", [(2, 3, 4, 4), (2, 3, 1, 1)])
+@pytest.mark.parametrize("shape", [(2, 3, 4, 4), (2, 3, 1, 1), (2, 3, 4, 1)])
 def test_transition_transpose_and_grad_are_autograds(shape):
     g = torch.Generator().manual_seed(0)
     a = torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)

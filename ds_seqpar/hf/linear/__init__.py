@@ -8,5 +8,6 @@
     conv.py        short causal convolutions: the halo of the K-1 inputs before each run
     delta_rule.py  gated DeltaNet and Kimi delta attention (one op signature): the widened call
     ssd.py         Mamba2's chunked scan: the plain call and a width-1 probe of the decays
+    selective_scan.py  Mamba-1's scan (no initial state): the call from zero plus the entering state's share
     lightning.py   MiniMax's lightning attention: no op to hook, the forward is replaced
 """

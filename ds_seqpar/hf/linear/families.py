@@ -8,13 +8,16 @@ import torch.nn as nn
 
 CONV = "causal_conv1d_fn"
 SSD = "mamba2_chunk_scan"
-FUSED = "mamba2_split_conv1d_scan_combined"     # mamba_ssm's whole-layer kernel: no state input, switched off
-OPTIONAL = frozenset({FUSED})                   # called in training only
+SCAN = "mamba_selective_scan"                   # Mamba-1's scan (no initial state: composed, selective_scan.py)
+# mamba_ssm's whole-layer kernels (Mamba2's, Mamba-1's): no state input, switched off; called in training only
+FUSED = frozenset({"mamba2_split_conv1d_scan_combined", "mamba_inner_fn"})
+OPTIONAL = FUSED
 _GDN = (CONV, "torch_chunk_gated_delta_rule")
 _KDA = (CONV, "chunk_kimi_delta_attention")
-_MAMBA2 = (FUSED, CONV, SSD)
+_MAMBA2 = ("mamba2_split_conv1d_scan_combined", CONV, SSD)
+_MAMBA1 = ("mamba_inner_fn", CONV, SCAN)
 LIGHTNING = "lightning"                         # MiniMax: an inline loop, no op to hook: the forward is replaced
-# layer class -> the module-level ops its training forward calls, each exactly once
+# layer class -> the module-level ops its training forward calls, each exactly once (but see calls_per_forward)
 LAYER_OPS: Dict[str, Tuple[str, ...]] = {
     "Qwen3NextGatedDeltaNet": _GDN, "Qwen3_5GatedDeltaNet": _GDN, "Qwen3_5MoeGatedDeltaNet": _GDN,
     "OlmoHybridGatedDeltaNet": _GDN,
@@ -23,22 +26,48 @@ LAYER_OPS: Dict[str, Tuple[str, ...]] = {
     "Mamba2Mixer": _MAMBA2, "BambaMixer": _MAMBA2, "GraniteMoeHybridMambaLayer": _MAMBA2,
     "NemotronHMamba2Mixer": _MAMBA2, "FalconH1Mixer": _MAMBA2, "Zamba2MambaMixer": _MAMBA2,
     "MiniMaxLightningAttention": (LIGHTNING,),
+    "MambaMixer": _MAMBA1, "FalconMambaMixer": _MAMBA1, "JambaMambaMixer": (CONV, SCAN),
+    "ZambaMambaMixer": (CONV, SCAN),
 }
+# layer class -> (op, the module attribute that says how often its forward calls it): Zamba scans each of its
+# Mamba heads with its own call
+REPEATED_OPS: Dict[str, Tuple[str, str]] = {"ZambaMambaMixer": (SCAN, "n_mamba_heads")}
 # model types whose every linear layer type is one of the adapted classes above (tests/dist/test_hf_zoo.py
 # sweeps them): config-only checks (the main job's, before any process starts) let their linear
 # layer types through; apply_sequence_parallel still verifies the modules (checks.check_modules)
 HYBRID_MODEL_TYPES = frozenset({
     "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear",
     "bailing_hybrid", "lfm2", "lfm2_moe", "lfm3", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1", "zamba2",
-    "mamba2", "minimax"})
+    "mamba2", "minimax", "mamba", "falcon_mamba", "jamba", "zamba"})
+# the HYBRID_MODEL_TYPES whose linear layers are Mamba-1 scans (ds-seqpar plan has no cost model for them yet)
+MAMBA1_MODEL_TYPES = frozenset({"mamba", "falcon_mamba", "jamba", "zamba"})
 # layer types that hold an adapted mixer (checks.check_modules verifies each does); "hybrid":
 # Falcon-H1's attention and Mamba2 side by side
 LINEAR_LAYER_TYPES = ("linear_attention", "conv", "mamba", "hybrid")
+
+
+# the op that names a layer's family in messages: the layer's last op (its token mixer after the conv)
+FAMILY_OF_OP = {CONV: "short causal convolution", _GDN[1]: "gated DeltaNet", _KDA[1]: "Kimi delta attention",
+                SSD: "Mamba2 SSD scan", SCAN: "Mamba-1 selective scan", LIGHTNING: "lightning attention"}
+
+
+def family(class_name: str) -> str:
+    """The token mixer of an adapted layer class, in words (for messages)."""
+    return FAMILY_OF_OP[LAYER_OPS[class_name][-1]]
+
+
+def calls_per_forward(module: nn.Module) -> Dict[str, int]:
+    """{op: how many times one training forward of ``module`` calls it} (the fused kernels: at most once)."""
+    want = {op: 1 for op in LAYER_OPS[type(module).__name__]}
+    op, attr = REPEATED_OPS.get(type(module).__name__, (None, None))
+    if op is not None:
+        want[op] = int(getattr(module, attr))
+    return want
 
 
 def linear_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if type(m).__name__ in LAYER_OPS]
 
 
-__all__ = ["LAYER_OPS", "HYBRID_MODEL_TYPES", "LINEAR_LAYER_TYPES", "CONV", "SSD", "FUSED", "OPTIONAL", "LIGHTNING",
-           "linear_modules"]
+__all__ = ["LAYER_OPS", "HYBRID_MODEL_TYPES", "MAMBA1_MODEL_TYPES", "LINEAR_LAYER_TYPES", "CONV", "SSD", "SCAN",
+           "FUSED", "OPTIONAL", "LIGHTNING", "calls_per_forward", "family", "linear_modules"]

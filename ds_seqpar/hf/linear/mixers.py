@@ -1,7 +1,7 @@
 """LinearMixers: the sequence-parallel ops of one applied (sp, model) pair. Everything about ranks
 comes from ``sp.linear_exchange`` (strategies/state_passing.py), which SequenceParallel resolved once
-from linear_strategy and lasp_comm; the families (conv, delta_rule, ssd, lightning) only cut their
-problem into the runs it names and hand their maps to it."""
+from linear_strategy and lasp_comm; the families (conv, delta_rule, ssd, selective_scan, lightning) only cut
+their problem into the runs it names and hand their maps to it."""
 from __future__ import annotations
 
 import functools
@@ -9,11 +9,13 @@ import functools
 import torch
 
 from ...errors import UnsupportedModelError
+from ...strategies.ulysses import kv_replication
 from .conv import conv
 from .delta_rule import delta_rule
 from .families import LAYER_OPS, LIGHTNING
 from .lightning import InstanceForward, lightning_forward
 from .seams import layer_hooks
+from .selective_scan import selective_scan
 from .ssd import ssd
 
 
@@ -49,17 +51,26 @@ class LinearMixers:
     def ssd(self, original, call: dict, where: str):
         return ssd(self, original, call, where)
 
-    def heads_parallel(self, local, tensors, where: str):
+    def selective_scan(self, original, call: dict, where: str):
+        return selective_scan(self, original, call, where)
+
+    def heads_parallel(self, local, tensors, where: str, unit: str = "heads"):
         """linear_strategy ulysses for a mixer whose tensors all have the heads on dim 2: whole
-        sequences of this rank's head block, ``local(*tensors, heads slice)``, and back."""
-        size = self.exchange.size
-        for t in tensors:
-            if t.shape[2] % size:
-                raise UnsupportedModelError(f"ds_seqpar.hf: {where} has {t.shape[2]} heads (or groups) in one of its "
-                                            f"inputs, not divisible by sequence_parallel.size={size}: "
-                                            f"linear_strategy 'ulysses' splits them over ranks; use linear_strategy "
-                                            f"'lasp'")
-        whole, mine = self.exchange.whole_heads(tensors)
+        sequences of this rank's head block, ``local(*tensors, heads slice)``, and back. A tensor with
+        fewer heads (groups: k heads under GQA, Mamba2's B/C groups) serves consecutive heads, as the
+        ops' repeat_interleave has it; its groups are repeated just enough to split over the ranks,
+        as Ulysses does for k/v heads, and autograd sums the copies' gradients back."""
+        size, heads = self.exchange.size, max(t.shape[2] for t in tensors)
+        odd = [t.shape[2] for t in tensors if heads % t.shape[2]]
+        if heads % size or odd:
+            raise UnsupportedModelError(f"ds_seqpar.hf: {where} has {heads} {unit}"
+                                        + (f" and inputs with {odd[0]} groups that do not divide them" if odd else
+                                           f", not divisible by sequence_parallel.size={size}")
+                                        + f": linear_strategy 'ulysses' splits the {unit} over ranks; use "
+                                        f"linear_strategy 'lasp'")
+        tensors = [t.repeat_interleave(kv_replication(heads, t.shape[2], size), dim=2) if t.shape[2] < heads else t
+                   for t in tensors]
+        whole, mine = self.exchange.whole_heads(tensors, heads)
         if self.documents is None:
             out = local(*whole, mine)
         else:                          # packed: each document from the zero state, whole on this rank

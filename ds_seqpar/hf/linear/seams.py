@@ -1,7 +1,7 @@
 """The one seam: transformers calls these layers' ops (``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``,
-``chunk_kimi_delta_attention``, ``mamba2_chunk_scan``) as globals of the modeling file, resolved at call
-time, with no argument that could say which layer or which sequence-parallel setup is calling. So the
-global is replaced by a seam that calls the original unless an applied layer is running, and the
+``chunk_kimi_delta_attention``, ``mamba2_chunk_scan``, ``mamba_selective_scan``) as globals of the modeling
+file, resolved at call time, with no argument that could say which layer or which sequence-parallel setup is
+calling. So the global is replaced by a seam that calls the original unless an applied layer is running, and the
 layer's forward pre-hook says which one is, in a context variable (per thread and task, set for the
 layer's forward only, reset by its post-hook): other models in the process, and the layer after
 remove_sequence_parallel, run transformers' code untouched.
@@ -16,7 +16,7 @@ import inspect
 import sys
 
 from ...errors import UnsupportedModelError
-from .families import CONV, FUSED, LAYER_OPS, LIGHTNING, OPTIONAL, SSD
+from .families import CONV, FUSED, LAYER_OPS, LIGHTNING, OPTIONAL, SCAN, SSD, calls_per_forward
 
 _PACKING_KWARGS = frozenset({"cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"})
 # (mixers, module, {op: calls}) of the applied layer whose forward is running, or None
@@ -30,7 +30,7 @@ def _seam(name: str, original):
             return original(*args, **kwargs)
         mixers, module, _ = running
         count(name)
-        if name == FUSED:
+        if name in FUSED:
             return None          # the layer then takes its op path (conv + scan), which has the seams
         bound = inspect.signature(original).bind(*args, **kwargs)
         bound.apply_defaults()
@@ -42,6 +42,8 @@ def _seam(name: str, original):
             return mixers.conv(original, call)
         if name == SSD:
             return mixers.ssd(original, call, mixers.where(module))
+        if name == SCAN:
+            return mixers.selective_scan(original, call, mixers.where(module))
         return mixers.delta_rule(original, call, mixers.where(module))
 
     seam._ds_seqpar_original = original
@@ -72,7 +74,8 @@ def install_seams(layers) -> None:
 
 def layer_hooks(mixers, module) -> list:
     """The pre-hook that marks ``module`` running (and keeps the packing kwargs from its ops) and the
-    post-hook that unmarks it and refuses a layer that did not call each of its ops once."""
+    post-hook that unmarks it and refuses a layer that did not call each of its ops as often as its
+    forward does (families.calls_per_forward)."""
     tokens = []
 
     def pre(module, args, kwargs):
@@ -88,7 +91,7 @@ def layer_hooks(mixers, module) -> list:
         _RUNNING.reset(tokens.pop())
         if output is None:
             return None
-        want = {op: 1 for op in LAYER_OPS[type(module).__name__]}
+        want = calls_per_forward(module)
         calls = dict(calls, **{op: 1 for op in OPTIONAL & set(want) if op not in calls})
         if calls != want:
             raise UnsupportedModelError(f"ds_seqpar.hf: {mixers.where(module)} called {calls or 'no op'} instead of "
