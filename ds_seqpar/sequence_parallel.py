@@ -211,6 +211,8 @@ class SequenceParallel:
         """Causal linear attention over the whole sequence (strategy 'lasp'); with ``cu_seqlens``
         (as in attention) the state restarts at every document start."""
         check_qkv(q, k, v)
+        if decay is not None and decay.requires_grad:   # known while tracing; inside the op it may not be
+            raise ValueError("linear attention: decay is a fixed input and gets no gradient; pass decay.detach()")
         wire = self._comm_dtype(q.dtype)       # one opaque node for torch.compile (ops/linear.py)
         if wire == q.dtype:
             return ops.linear_attention(self._handle, q, k, v, decay, cu_seqlens)
