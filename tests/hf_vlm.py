@@ -1,0 +1,153 @@
+"""Vision-language models under sequence parallelism: tiny random-init models of each family, a row of
+text with images (and a video) whose placeholders straddle the shard boundaries of every layout at P=2,
+trained one step under every softmax strategy: exact against the unsharded model (logits, loss, every
+parameter gradient summed over the sequence group, the vision tower's included; float64-derived bounds
+as in tests/hf_zoo.py) or refused by name. tests/dist/test_hf_vlm.py runs it.
+
+Row layout (SEQ = 64 tokens; P=2 boundaries: contiguous 32, zigzag 16 / 32 / 48, striped every token):
+image A's placeholders at 14..17, image B's at 28..35, the video's at 44..51.
+"""
+import torch
+
+from .hf_zoo import STRATEGIES, _worst
+
+SEQ = 64
+IMAGE_A, IMAGE_B, VIDEO = 14, 28, 44           # first placeholder of each
+TOKENS = dict(image_token_id=120, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123)
+TEXT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=128, max_position_embeddings=512, attention_dropout=0.0, use_cache=False,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+PATCH = dict(patch_size=2, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+IMAGE_GRIDS = ((1, 4, 4), (1, 4, 8))           # 4 and 8 placeholders (merge 2 x 2)
+VIDEO_GRID = (2, 4, 4)                         # 8 placeholders
+
+
+def _qwen2_vl():
+    from transformers import Qwen2VLConfig
+    return Qwen2VLConfig(text_config=dict(TEXT), vision_config=dict(PATCH, depth=1, embed_dim=32, hidden_size=64,
+                                                                        num_heads=2, mlp_ratio=2), **TOKENS)
+
+
+def _qwen2_5_vl():
+    from transformers import Qwen2_5_VLConfig
+    # a window of 8 pixels = 2 x 2 merged patches, so the tower's windowed and full blocks both run
+    return Qwen2_5_VLConfig(text_config=dict(TEXT), vision_config=dict(
+        PATCH, depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, window_size=8,
+        fullatt_block_indexes=[1], tokens_per_second=2), **TOKENS)
+
+
+CONFIGS = {"qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl}
+
+
+def _grid_inputs(cfg, g, video=True):
+    """Qwen-VL style: patches flattened to rows of C * tp * p * p, grids (t, h, w) in patches."""
+    v = cfg.vision_config
+    width = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+    images = torch.tensor(IMAGE_GRIDS)
+    out = {"pixel_values": torch.randn(int(images.prod(-1).sum()), width, generator=g), "image_grid_thw": images}
+    if video:
+        grid = torch.tensor([VIDEO_GRID])
+        out.update(pixel_values_videos=torch.randn(int(grid.prod(-1).sum()), width, generator=g), video_grid_thw=grid)
+        if hasattr(cfg.vision_config, "tokens_per_second"):
+            out["second_per_grid_ts"] = torch.tensor([1.0])
+    return out
+
+
+def row(cfg, seed=1):
+    """(input_ids [1, SEQ], labels, mm_token_type_ids, vision inputs): placeholders of each image and
+    the video framed by start / end tokens, random text around them, 20% of the labels ignored."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 110, (1, SEQ), generator=g)
+    types = torch.zeros(1, SEQ, dtype=torch.long)
+    merge = cfg.vision_config.spatial_merge_size ** 2
+    spans = [(IMAGE_A, IMAGE_GRIDS[0], cfg.image_token_id, 1), (IMAGE_B, IMAGE_GRIDS[1], cfg.image_token_id, 1),
+             (VIDEO, VIDEO_GRID, cfg.video_token_id, 2)]
+    for start, grid, token, kind in spans:
+        n = grid[0] * grid[1] * grid[2] // merge
+        ids[0, start - 1], ids[0, start + n] = cfg.vision_start_token_id, cfg.vision_end_token_id
+        ids[0, start:start + n], types[0, start:start + n] = token, kind
+    labels = ids.clone()
+    labels[torch.rand(1, SEQ, generator=g) < 0.2] = -100
+    return ids, labels, types, _grid_inputs(cfg, g)
+
+
+def build(cfg, dtype, state=None):
+    import transformers as T
+    torch.manual_seed(0)
+    model = T.AutoModelForImageTextToText.from_config(cfg, attn_implementation="sdpa")
+    if state is not None:
+        model.load_state_dict(state)
+    return model.to(dtype).train()
+
+
+def _cast(vision, dtype):
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in vision.items()}
+
+
+def positions(model, ids, types, vision):
+    """The whole row's 3-D RoPE positions from the model's own get_rope_index."""
+    keys = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+    return model.model.get_rope_index(ids, mm_token_type_ids=types, **{k: vision[k] for k in keys if k in vision})[0]
+
+
+def unsharded(cfg, state, inputs, dtype):
+    from .hf_models import textbook_loss
+    ids, labels, types, vision = inputs
+    model = build(cfg, dtype, state)
+    pos = positions(model, ids, types, vision)
+    logits = model(input_ids=ids, position_ids=pos, mm_token_type_ids=types, **_cast(vision, dtype)).logits
+    loss = textbook_loss(logits, labels)
+    loss.backward()
+    return logits.detach(), loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                                            if p.grad is not None}
+
+
+def sharded_step(model, sp, inputs):
+    """The documented call: sp.shard_batch on the [batch, seq] tensors, the whole row's 3-D positions and
+    the vision inputs (passed whole), then model(**batch); (local logits, loss) after backward."""
+    ids, labels, types, vision = inputs
+    batch = sp.shard_batch(dict(vision, input_ids=ids, labels=labels, mm_token_type_ids=types,
+                                position_ids=positions(model, ids, types, vision)))
+    res = model(**batch)
+    res.loss.backward()
+    return res.logits.detach(), res.loss.detach()
+
+
+def check_vlm(name, sps):
+    """{strategy: ("exact", worst ratio) | ("mismatch", what) | ("refused" | "error", message)}."""
+    from ds_seqpar.config import ConfigError
+    from ds_seqpar.hf import apply_sequence_parallel
+    from .dist.test_hf import _summed_grads
+    cfg = CONFIGS[name]()
+    state = build(cfg, torch.float32).state_dict()
+    inputs = row(cfg)
+    ref, plain = (unsharded(cfg, state, inputs, dt) for dt in (torch.float64, torch.float32))
+    out = {}
+    for strategy, sp in sps.items():
+        model = apply_sequence_parallel(build(cfg, torch.float32, state), sp)
+        try:
+            logits, loss = sharded_step(model, sp, inputs)
+        except ConfigError as err:
+            out[strategy] = ("refused", str(err).splitlines()[0])
+            continue
+        grads = _summed_grads(model, sp.group)
+        ratios = {"logits": _worst(sp.unshard(logits, dim=1, seq_len=SEQ), ref[0], plain[0]),
+                  "loss": _worst(loss, ref[1], plain[1])}
+        ratios.update({f"grad {n}": _worst(g, ref[2][n], plain[2][n]) for n, g in grads.items() if n in ref[2]})
+        missing = set(ref[2]) ^ set(grads)
+        worst = max(ratios, key=ratios.get)
+        if missing or ratios[worst] > 1.0:
+            out[strategy] = ("mismatch", f"{worst}: {ratios[worst]:.2g}x the bound" if not missing
+                             else f"gradients missing or extra: {sorted(missing)[:3]}")
+        else:
+            out[strategy] = ("exact", ratios[worst])
+    return out
+
+
+def sweep(names):
+    """On every rank of the pool: each data-parallel group takes every other name."""
+    from ds_seqpar import SequenceParallel
+    sps = {s: SequenceParallel({"strategy": s, "size": 2}) for s in STRATEGIES}
+    first = next(iter(sps.values()))
+    return [(n, check_vlm(n, sps)) for i, n in enumerate(names) if i % first.dp_size == first.dp_rank]
