@@ -5,22 +5,26 @@ parameter gradient summed over the sequence group, the vision tower's included; 
 as in tests/hf_zoo.py) or refused by name. tests/dist/test_hf_vlm.py runs it.
 
 Row layout (SEQ = 64 tokens; P=2 boundaries: contiguous 32, zigzag 16 / 32 / 48, striped every token):
-image A's placeholders at 14..17, image B's at 28..35, the video's at 44..51.
+every image's (and video's) placeholders centred on one of 16, 32, 48 (row()).
 """
+import inspect
+
 import torch
 
 from .hf_zoo import STRATEGIES, _worst
 
 SEQ = 64
-IMAGE_A, IMAGE_B, VIDEO = 14, 28, 44           # first placeholder of each
 TOKENS = dict(image_token_id=120, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123)
-TEXT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=128, max_position_embeddings=512, attention_dropout=0.0, use_cache=False,
-            bos_token_id=1, eos_token_id=2, pad_token_id=0,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+LLAMA = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=128, max_position_embeddings=512, attention_dropout=0.0, use_cache=False,
+             bos_token_id=1, eos_token_id=2, pad_token_id=0, head_dim=16)
+TEXT = dict(LLAMA, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
 PATCH = dict(patch_size=2, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
-IMAGE_GRIDS = ((1, 4, 4), (1, 4, 8))           # 4 and 8 placeholders (merge 2 x 2)
+IMAGE_GRIDS = ((1, 4, 4), (1, 4, 8))           # Qwen-VL: 4 and 8 placeholders (merge 2 x 2)
 VIDEO_GRID = (2, 4, 4)                         # 8 placeholders
+# an 8 x 8 image in 2 x 2 patches, one layer: the towers of the LLaVA / Idefics families
+TOWER = dict(image_size=8, patch_size=2, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+             num_attention_heads=2, attention_dropout=0.0)
 
 
 def _qwen2_vl():
@@ -37,39 +41,93 @@ def _qwen2_5_vl():
         fullatt_block_indexes=[1], tokens_per_second=2), **TOKENS)
 
 
-CONFIGS = {"qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl}
+def _llava():
+    from transformers import LlavaConfig
+    return LlavaConfig(vision_config=dict(TOWER, model_type="clip_vision_model"), text_config=dict(LLAMA, model_type="llama"),
+                       image_token_id=120, vision_feature_layer=-1)
 
 
-def _grid_inputs(cfg, g, video=True):
-    """Qwen-VL style: patches flattened to rows of C * tp * p * p, grids (t, h, w) in patches."""
+def _llava_next():
+    from transformers import LlavaNextConfig
+    return LlavaNextConfig(vision_config=dict(TOWER, model_type="clip_vision_model"),
+                           text_config=dict(LLAMA, model_type="llama"), image_token_id=120, vision_feature_layer=-1,
+                           image_grid_pinpoints=[[8, 8], [8, 16]])
+
+
+def _mistral3():
+    from transformers import Mistral3Config
+    return Mistral3Config(vision_config=dict(TOWER, model_type="pixtral", head_dim=16),
+                          text_config=dict(LLAMA, model_type="mistral", sliding_window=None), image_token_id=120,
+                          spatial_merge_size=2, vision_feature_layer=-1)
+
+
+def _idefics3(kind="idefics3"):
+    from transformers import CONFIG_MAPPING
+    return CONFIG_MAPPING[kind](vision_config=dict(TOWER), text_config=dict(LLAMA, model_type="llama"),
+                                image_token_id=120, scale_factor=2)
+
+
+CONFIGS = {"qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl, "llava": _llava, "llava_next": _llava_next,
+           "mistral3": _mistral3, "idefics3": _idefics3, "smolvlm": lambda: _idefics3("smolvlm")}
+
+
+def _grid_inputs(cfg, g):
+    """Qwen-VL style: patches flattened to rows of C * tp * p * p, grids (t, h, w) in patches; two
+    images and a video."""
     v = cfg.vision_config
     width = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
-    images = torch.tensor(IMAGE_GRIDS)
-    out = {"pixel_values": torch.randn(int(images.prod(-1).sum()), width, generator=g), "image_grid_thw": images}
-    if video:
-        grid = torch.tensor([VIDEO_GRID])
-        out.update(pixel_values_videos=torch.randn(int(grid.prod(-1).sum()), width, generator=g), video_grid_thw=grid)
-        if hasattr(cfg.vision_config, "tokens_per_second"):
-            out["second_per_grid_ts"] = torch.tensor([1.0])
-    return out
+    images, video = torch.tensor(IMAGE_GRIDS), torch.tensor([VIDEO_GRID])
+    out = {"pixel_values": torch.randn(int(images.prod(-1).sum()), width, generator=g), "image_grid_thw": images,
+           "pixel_values_videos": torch.randn(int(video.prod(-1).sum()), width, generator=g), "video_grid_thw": video}
+    if hasattr(cfg.vision_config, "tokens_per_second"):
+        out["second_per_grid_ts"] = torch.tensor([1.0])
+    merge = v.spatial_merge_size ** 2
+    spans = [(t * h * w // merge, cfg.image_token_id, 1) for t, h, w in IMAGE_GRIDS]
+    return out, spans + [(VIDEO_GRID[0] * VIDEO_GRID[1] * VIDEO_GRID[2] // merge, cfg.video_token_id, 2)]
 
 
-def row(cfg, seed=1):
-    """(input_ids [1, SEQ], labels, mm_token_type_ids, vision inputs): placeholders of each image and
-    the video framed by start / end tokens, random text around them, 20% of the labels ignored."""
+def _image_inputs(cfg, g, model):
+    """Two 8 x 8 images (LLaVA-NeXT: one, 36 features with its high-resolution tile) in the layout the
+    family's processor gives; their placeholder counts are the rows of the model's own image features."""
+    mt = cfg.model_type
+    count = 1 if mt == "llava_next" else 2
+    pixels = torch.randn(count, 3, 8, 8, generator=g)
+    if mt == "llava_next":
+        out = {"pixel_values": torch.stack([pixels, pixels.flip(-1)], 1), "image_sizes": torch.tensor([[8, 8]])}
+    elif mt == "mistral3":
+        out = {"pixel_values": pixels, "image_sizes": torch.tensor([[8, 8]] * count)}
+    elif mt in ("idefics3", "smolvlm"):
+        out = {"pixel_values": pixels[None]}
+    else:
+        out = {"pixel_values": pixels}
+    accepted = inspect.signature(model.model.get_image_features).parameters
+    with torch.no_grad():
+        feats = model.model.get_image_features(**{k: v for k, v in out.items() if k in accepted}, return_dict=True)
+    pooled = feats.pooler_output if getattr(feats, "pooler_output", None) is not None else feats.last_hidden_state
+    per_image = [t.numel() // cfg.get_text_config().hidden_size for t in
+                 (pooled if isinstance(pooled, (list, tuple)) else pooled.reshape(count, -1, pooled.shape[-1]))]
+    return out, [(n, cfg.image_token_id, 1) for n in per_image]
+
+
+def row(cfg, model, seed=1):
+    """(input_ids [1, SEQ], labels, mm_token_type_ids, vision inputs): the placeholders of each image (and
+    video) centred on a shard boundary (16, 32, 48: contiguous and zigzag at P=2; striped cuts every
+    span), random text around them, 20% of the labels ignored."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 110, (1, SEQ), generator=g)
+    vision, spans = _grid_inputs(cfg, g) if hasattr(cfg.vision_config, "temporal_patch_size") else \
+        _image_inputs(cfg, g, model)
+    ids = torch.randint(3, 110, (1, SEQ), generator=g)
     types = torch.zeros(1, SEQ, dtype=torch.long)
-    merge = cfg.vision_config.spatial_merge_size ** 2
-    spans = [(IMAGE_A, IMAGE_GRIDS[0], cfg.image_token_id, 1), (IMAGE_B, IMAGE_GRIDS[1], cfg.image_token_id, 1),
-             (VIDEO, VIDEO_GRID, cfg.video_token_id, 2)]
-    for start, grid, token, kind in spans:
-        n = grid[0] * grid[1] * grid[2] // merge
-        ids[0, start - 1], ids[0, start + n] = cfg.vision_start_token_id, cfg.vision_end_token_id
+    centres = {1: (32,), 2: (16, 48), 3: (16, 32, 48)}[len(spans)]
+    end = 0
+    for centre, (n, token, kind) in zip(centres, spans):
+        start = centre - n // 2
+        assert start > end and start + n < SEQ, (spans, "the spans overlap: shorten the images")
         ids[0, start:start + n], types[0, start:start + n] = token, kind
+        end = start + n
     labels = ids.clone()
     labels[torch.rand(1, SEQ, generator=g) < 0.2] = -100
-    return ids, labels, types, _grid_inputs(cfg, g)
+    return ids, labels, types, vision
 
 
 def build(cfg, dtype, state=None):
@@ -86,7 +144,9 @@ def _cast(vision, dtype):
 
 
 def positions(model, ids, types, vision):
-    """The whole row's 3-D RoPE positions from the model's own get_rope_index."""
+    """The whole row's 3-D RoPE positions from the model's own get_rope_index; 1-D for the others."""
+    if not hasattr(model.model, "get_rope_index"):
+        return torch.arange(ids.shape[1])[None]
     keys = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
     return model.model.get_rope_index(ids, mm_token_type_ids=types, **{k: vision[k] for k in keys if k in vision})[0]
 
@@ -96,7 +156,8 @@ def unsharded(cfg, state, inputs, dtype):
     ids, labels, types, vision = inputs
     model = build(cfg, dtype, state)
     pos = positions(model, ids, types, vision)
-    logits = model(input_ids=ids, position_ids=pos, mm_token_type_ids=types, **_cast(vision, dtype)).logits
+    extra = {"mm_token_type_ids": types} if "mm_token_type_ids" in inspect.signature(model.forward).parameters else {}
+    logits = model(input_ids=ids, position_ids=pos, **extra, **_cast(vision, dtype)).logits
     loss = textbook_loss(logits, labels)
     loss.backward()
     return logits.detach(), loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()
@@ -107,8 +168,10 @@ def sharded_step(model, sp, inputs):
     """The documented call: sp.shard_batch on the [batch, seq] tensors, the whole row's 3-D positions and
     the vision inputs (passed whole), then model(**batch); (local logits, loss) after backward."""
     ids, labels, types, vision = inputs
-    batch = sp.shard_batch(dict(vision, input_ids=ids, labels=labels, mm_token_type_ids=types,
-                                position_ids=positions(model, ids, types, vision)))
+    batch = dict(vision, input_ids=ids, labels=labels, position_ids=positions(model, ids, types, vision))
+    if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
+        batch["mm_token_type_ids"] = types
+    batch = sp.shard_batch(batch)
     res = model(**batch)
     res.loss.backward()
     return res.logits.detach(), res.loss.detach()
@@ -120,8 +183,8 @@ def check_vlm(name, sps):
     from ds_seqpar.hf import apply_sequence_parallel
     from .dist.test_hf import _summed_grads
     cfg = CONFIGS[name]()
-    state = build(cfg, torch.float32).state_dict()
-    inputs = row(cfg)
+    model = build(cfg, torch.float32)
+    state, inputs = model.state_dict(), row(cfg, model)
     ref, plain = (unsharded(cfg, state, inputs, dt) for dt in (torch.float64, torch.float32))
     out = {}
     for strategy, sp in sps.items():

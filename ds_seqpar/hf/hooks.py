@@ -102,7 +102,7 @@ def check_call(model, state, call: dict) -> None:
                                     "batch['position_ids'] from sp.shard_batch (the model would number this "
                                     "rank's tokens from 0)")
     if state.vision is not None:
-        state.vision.check_positions(call)
+        state.vision.check_call(call)
     if pos.dim() == 3 and not (state.vision is not None and state.vision.mrope):
         raise UnsupportedModelError(f"ds_seqpar.hf: multimodal 3-D position ids {tuple(pos.shape)} (mrope) cannot "
                                     f"be exact under sequence parallelism; pass [batch, seq] position_ids")

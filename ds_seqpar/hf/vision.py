@@ -77,9 +77,10 @@ class VisionLanguage:
                      is self.decoder.config), None)
 
     # -- the model call ------------------------------------------------------------------------------
-    def check_positions(self, call: dict) -> None:
-        """3-D RoPE models: with vision inputs the positions must be the whole row's 3-D positions,
+    def check_call(self, call: dict) -> None:
+        """Grids against their pixels; 3-D RoPE models: with vision inputs the positions must be the whole row's 3-D positions,
         sharded (the text positions sp.shard_batch adds would drop the image grid)."""
+        check_grids(call, None, self.config)          # local: the vision inputs are whole on every rank
         pos, ids = call.get("position_ids"), call.get("input_ids")
         if not self.mrope or pos is None or ids is None:
             return
@@ -132,8 +133,9 @@ def has_vision_inputs(call: dict) -> bool:
 
 
 def check_grids(call: dict, ids, config) -> None:
-    """A grid must count the pixel rows it describes, and the placeholders of the whole row the features
-    it gives (grid models: Qwen-VL); refused by input name before the tower runs."""
+    """A grid must count the pixel rows it describes, and (``ids``: the whole row) the placeholders the
+    features it gives (grid models: Qwen-VL); refused by input name before the tower runs. Other models'
+    placeholder counts are checked by transformers' merge on the whole row, on every rank alike."""
     vision = getattr(config, "vision_config", None)
     merge = getattr(vision, "spatial_merge_size", 1) or 1
     for pixels_key, grid_key, token_key in GRIDS:
