@@ -41,6 +41,16 @@ def _qwen2_5_vl():
         fullatt_block_indexes=[1], tokens_per_second=2), **TOKENS)
 
 
+def _qwen3_vl():
+    from transformers import Qwen3VLConfig
+    # deepstack: the tower's first block also feeds the decoder's first layer
+    return Qwen3VLConfig(text_config=dict(TEXT, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                 "mrope_section": [4, 2, 2], "mrope_interleaved": True}),
+                         vision_config=dict(PATCH, depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
+                                            out_hidden_size=64, num_position_embeddings=16,
+                                            deepstack_visual_indexes=[0]), **TOKENS)
+
+
 def _llava():
     from transformers import LlavaConfig
     return LlavaConfig(vision_config=dict(TOWER, model_type="clip_vision_model"), text_config=dict(LLAMA, model_type="llama"),
@@ -67,7 +77,7 @@ def _idefics3(kind="idefics3"):
                                 image_token_id=120, scale_factor=2)
 
 
-CONFIGS = {"qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl, "llava": _llava, "llava_next": _llava_next,
+CONFIGS = {"qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl, "qwen3_vl": _qwen3_vl, "llava": _llava, "llava_next": _llava_next,
            "mistral3": _mistral3, "idefics3": _idefics3, "smolvlm": lambda: _idefics3("smolvlm")}
 
 
@@ -83,7 +93,10 @@ def _grid_inputs(cfg, g):
         out["second_per_grid_ts"] = torch.tensor([1.0])
     merge = v.spatial_merge_size ** 2
     spans = [(t * h * w // merge, cfg.image_token_id, 1) for t, h, w in IMAGE_GRIDS]
-    return out, spans + [(VIDEO_GRID[0] * VIDEO_GRID[1] * VIDEO_GRID[2] // merge, cfg.video_token_id, 2)]
+    t, h, w = VIDEO_GRID
+    if cfg.model_type == "qwen3_vl":         # one span per frame, timestamps (text) between them
+        return out, spans + [(h * w // merge, cfg.video_token_id, 2)] * t
+    return out, spans + [(t * h * w // merge, cfg.video_token_id, 2)]
 
 
 def _image_inputs(cfg, g, model):
@@ -118,7 +131,7 @@ def row(cfg, model, seed=1):
         _image_inputs(cfg, g, model)
     ids = torch.randint(3, 110, (1, SEQ), generator=g)
     types = torch.zeros(1, SEQ, dtype=torch.long)
-    centres = {1: (32,), 2: (16, 48), 3: (16, 32, 48)}[len(spans)]
+    centres = {1: (32,), 2: (16, 48), 3: (16, 32, 48), 4: (16, 32, 44, 54)}[len(spans)]
     end = 0
     for centre, (n, token, kind) in zip(centres, spans):
         start = centre - n // 2

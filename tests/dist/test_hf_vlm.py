@@ -6,7 +6,7 @@ import torch
 from ..hf_vlm import CONFIGS, STRATEGIES, build, positions, row, sweep
 
 # smolvlm is idefics3's code under another name (the sweep script covers it)
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "mistral3", "idefics3")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "mistral3", "idefics3")
 
 
 def test_vision_language_models_are_exact_under_every_strategy(pool):
