@@ -227,3 +227,43 @@ def sweep(names):
     sps = {s: SequenceParallel({"strategy": s, "size": 2}) for s in STRATEGIES}
     first = next(iter(sps.values()))
     return [(n, check_vlm(n, sps)) for i, n in enumerate(names) if i % first.dp_size == first.dp_rank]
+
+
+def vlm_samples(cfg, model, n):
+    """n rows of SEQ tokens, each with its own random images and video (row() with seeds 1..n)."""
+    out = []
+    for seed in range(1, n + 1):
+        ids, labels, types, vision = row(cfg, model, seed)
+        out.append(dict(vision, input_ids=ids[0], labels=labels[0], mm_token_type_ids=types[0]))
+    return out
+
+
+def collate(rows):
+    """Token tensors stacked; Qwen-VL's patch rows and grids concatenated over the samples."""
+    return {k: torch.stack([r[k] for r in rows]) if k in ("input_ids", "labels", "mm_token_type_ids")
+            else torch.cat([r[k] for r in rows]) for k in rows[0]}
+
+
+def train_vlm(cfg_ds, micro, steps=2):
+    """SequenceParallelTrainer on a tiny Qwen2.5-VL with random images: rank 0 returns (per-step log,
+    final parameters); the Trainer adds the whole rows' 3-D positions before sharding."""
+    import tempfile
+    from ds_seqpar.hf import SequenceParallelTrainer
+    from .dist.test_hf_trainer import _example, reset_worker_state
+    example = _example()
+    cfg = CONFIGS["qwen2_5_vl"]()
+    model = build(cfg, torch.float32)
+    # Qwen-VL opts out of the Trainer's token count (num_items_in_batch): each micro-batch's loss is then its
+    # own mean, which depends on the micro-batch size (1 in the plain run, 2 sequence-parallel) in plain data
+    # parallelism too; with the count, both runs take the token mean of the step, as for causal LMs
+    model.accepts_loss_kwargs = True
+    with tempfile.TemporaryDirectory() as out:
+        try:
+            args = example.arguments(cfg_ds, out, steps, 1, micro, remove_unused_columns=False)
+            trainer = SequenceParallelTrainer(model=model, args=args, train_dataset=vlm_samples(cfg, model, 8),
+                                              data_collator=collate)
+            trainer.train()
+            params = example.final_parameters(trainer)
+            return (example.logged_steps(trainer), params) if trainer.is_world_process_zero() else None
+        finally:
+            reset_worker_state()

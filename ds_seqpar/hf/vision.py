@@ -128,6 +128,16 @@ class VisionLanguage:
         return kwargs
 
 
+def rope_positions(model, batch: dict):
+    """The whole batch's 3-D RoPE positions [3, B, N] from the model's own get_rope_index, or None (no
+    3-D RoPE, no vision input, or position_ids given): what a Trainer adds before sp.shard_batch."""
+    owner = next((m for m in model.modules() if hasattr(m, "get_rope_index")), None)
+    if owner is None or batch.get("position_ids") is not None or not has_vision_inputs(batch):
+        return None
+    keys = ("mm_token_type_ids", "image_grid_thw", "video_grid_thw", "second_per_grid_ts", "attention_mask")
+    return owner.get_rope_index(batch["input_ids"], **{k: batch[k] for k in keys if batch.get(k) is not None})[0]
+
+
 def has_vision_inputs(call: dict) -> bool:
     return any(is_vision_input(k) and v is not None for k, v in call.items())
 
@@ -155,4 +165,4 @@ def check_grids(call: dict, ids, config) -> None:
                                  f"per feature")
 
 
-__all__ = ["VisionLanguage", "WHOLE_ROW", "has_vision_inputs", "check_grids"]
+__all__ = ["VisionLanguage", "WHOLE_ROW", "has_vision_inputs", "check_grids", "rope_positions"]

@@ -3,7 +3,8 @@ every softmax strategy at P=2 (logits, loss, every gradient incl. the vision tow
 placeholders straddling the shard boundaries; bad vision inputs stop every rank with the input named."""
 import torch
 
-from ..hf_vlm import CONFIGS, STRATEGIES, build, positions, row, sweep
+from ..hf_vlm import CONFIGS, STRATEGIES, build, positions, row, sweep, train_vlm
+from .test_hf_trainer import assert_same_training, ds_config
 
 # smolvlm is idefics3's code under another name (the sweep script covers it)
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "mistral3", "idefics3")
@@ -65,3 +66,11 @@ def test_bad_vision_inputs_stop_every_rank_with_the_input_named(pool):
     assert "position_ids (1, 32) are 1-D text positions" in errors["text positions"], errors
     assert "position_ids (3, 1, 64) do not fit this rank's input_ids (1, 32)" in errors["unsharded positions"], errors
     assert len({round(r[1], 6) for r in results}) == 1      # a good call after them: the ranks still agree
+
+
+def test_trainer_trains_a_qwen2_5_vl_on_random_images_as_plain_data_parallelism(pool):
+    """Plain: size 1, 4 replicas, micro batch 1; zigzag size 2: 2 replicas, micro batch 2 (the same
+    samples per step, tests/dist/test_hf_trainer.py); ZeRO-2."""
+    plain = pool.run(train_vlm, ds_config(2, strategy="zigzag", size=1), 1)[0]
+    got = pool.run(train_vlm, ds_config(2, strategy="zigzag", size=2), 2)[0]
+    assert_same_training("Qwen2.5-VL zigzag", got, plain)
