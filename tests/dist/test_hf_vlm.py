@@ -54,7 +54,22 @@ def _bad_inputs():
         except ValueError as err:
             out[name] = str(err)
     good = call(pos=sp.shard(pos, dim=-1))
-    return out, float(good.loss.detach())
+    return out, float(good.loss.detach()), _gemma3_image_blocks(sp)
+
+
+def _gemma3_image_blocks(sp):
+    """Gemma 3 with token_type_ids marking image tokens on one rank's shard only: every rank refuses."""
+    from ds_seqpar.hf import apply_sequence_parallel
+    from ..hf_zoo import tiny_config
+    model = apply_sequence_parallel(build(tiny_config("gemma3"), torch.float32), sp)
+    ids = torch.randint(3, 100, (1, 64))
+    types = torch.zeros_like(ids)
+    types[0, 40:44] = 1                      # zigzag at P=2: rank 1 holds 16..47, rank 0 none of them
+    try:
+        model(**sp.shard_batch({"input_ids": ids, "labels": ids, "token_type_ids": types}))
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def test_bad_vision_inputs_stop_every_rank_with_the_input_named(pool):
@@ -66,6 +81,7 @@ def test_bad_vision_inputs_stop_every_rank_with_the_input_named(pool):
     assert "position_ids (1, 32) are 1-D text positions" in errors["text positions"], errors
     assert "position_ids (3, 1, 64) do not fit this rank's input_ids (1, 32)" in errors["unsharded positions"], errors
     assert len({round(r[1], 6) for r in results}) == 1      # a good call after them: the ranks still agree
+    assert all("token_type_ids marking image tokens in gemma3 cannot be exact" in r[2] for r in results), results
 
 
 def test_trainer_trains_a_qwen2_5_vl_on_random_images_as_plain_data_parallelism(pool):
