@@ -14,7 +14,7 @@ as "embed input_ids, scatter the tower's features at the placeholder tokens, cal
   2. the model embeds the whole row and scatters every feature into it with its own code and its own
      count checks (placeholders straddling shard boundaries are nothing special: the row is whole);
   3. a pre-hook on the decoder (the submodule whose config is the text config) takes this rank's
-     tokens of ``inputs_embeds`` with ``sp.shard`` (the layout's own token set: zigzag and striped
+     tokens of ``inputs_embeds`` and every other per-token tensor of the row with ``sp.shard`` (the layout's own token set: zigzag and striped
      are not contiguous), and of Qwen3-VL's deepstack features (``visual_pos_masks`` picks their rows).
 Gradients: ``sp.shard``'s backward leaves zeros at the other ranks' slots, so each rank's tower and
 embedding gradients are its slots' share and their sum over the sequence group is the unsharded
@@ -115,8 +115,11 @@ class VisionLanguage:
         emb = kwargs.get("inputs_embeds")
         if emb is None or self.row_len is None or emb.shape[1] != self.row_len:
             return kwargs
-        kwargs = dict(kwargs, inputs_embeds=sp.shard(emb, dim=1))
-        mask = kwargs.get("visual_pos_masks")
+        kwargs = dict(kwargs)
+        mask = kwargs.pop("visual_pos_masks", None)
+        for key, v in kwargs.items():      # every per-token tensor of the row (embeddings, Gemma's per-layer inputs)
+            if torch.is_tensor(v) and v.dim() >= 2 and tuple(v.shape[:2]) == tuple(emb.shape[:2]):
+                kwargs[key] = sp.shard(v, dim=1)
         if torch.is_tensor(mask) and mask.shape[1] == self.row_len:
             # deepstack (Qwen3-VL): feature row i belongs to the i-th visual token of the whole row
             row_of = (mask.reshape(-1).cumsum(0) - 1).view_as(mask)
@@ -125,6 +128,8 @@ class VisionLanguage:
             deep = kwargs.get("deepstack_visual_embeds")
             if deep is not None:
                 kwargs["deepstack_visual_embeds"] = [d[local_rows[local_mask]] for d in deep]
+        elif mask is not None:
+            kwargs["visual_pos_masks"] = mask
         return kwargs
 
 
