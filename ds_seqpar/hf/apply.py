@@ -9,6 +9,8 @@ Order of apply (everything that can fail does so before the model is touched, on
      attention ignores the registry; a forward hook later checks every attention layer called it
   4. route the model's loss to sp.loss (loss.py) and install the forward hooks (hooks.py)
   5. hybrids: the linear layers' ops get their seams and each layer a pair of hooks (hf/linear/)
+Multimodal models (vision.py): steps 1-4 concern the decoder alone (the submodule built from the text
+config); the towers keep their attention and run whole on every rank.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from .linear.families import linear_modules
 from .linear.mixers import LinearMixers
 from .linear.seams import install_seams
 from .loss import make_loss_function
+from .vision import VisionLanguage
 
 STATE_ATTR = "_ds_seqpar_hf"       # on the model: the SequenceParallelState while applied
 _KEYS = itertools.count()
@@ -37,8 +40,9 @@ class SequenceParallelState:
     unregister), and the function holds this state: so the layers are held by weak reference, and
     a finished model (with its optimizer's flat buffers behind its parameters) can be freed."""
 
-    def __init__(self, sp, key: str, layers, previous_attn, previous_loss, linear_layers=()):
+    def __init__(self, sp, key: str, layers, previous_attn, previous_loss, linear_layers=(), vision=None):
         self.sp = sp
+        self.vision = vision              # a multimodal model's decoder and its whole-row inputs, or None
         # hybrids' other layers, over the linear exchange sp resolved
         self.linear = LinearMixers(sp.linear_exchange, linear_layers) if linear_layers else None
         self.key = key
@@ -82,19 +86,22 @@ def apply_sequence_parallel(model: nn.Module, sp) -> nn.Module:
                                     f"applied; call remove_sequence_parallel(model) first")
     if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
         raise UnsupportedModelError(f"ds_seqpar.hf: {type(model).__name__} is not a transformers PreTrainedModel")
-    # 1. refusals (pure, identical on every rank)
-    linear = linear_modules(model)
-    check_config(model.config, linear_ok=bool(linear))
-    layers = check_modules(model)
+    # 1. refusals (pure, identical on every rank); a multimodal model's decoder alone
+    vision = VisionLanguage.of(model)
+    decoder = vision.decoder if vision is not None else model
+    linear = linear_modules(decoder)
+    check_config(model.config, linear_ok=bool(linear), vision_ok=vision is not None)
+    layers = check_modules(decoder)
     check_hybrid(model, sp.config, linear)
     check_heads(model.config, sp.config)
     # 2. a key of our own; no "flash" (transformers would load a flash kernel) and no "/" (a hub kernel)
     key = f"ds_seqpar_sp{next(_KEYS)}"
-    state = SequenceParallelState(sp, key, layers, model.config._attn_implementation, model.loss_function, linear)
+    state = SequenceParallelState(sp, key, layers, _implementations(model, vision), model.loss_function, linear,
+                                  vision)
     AttentionInterface.register(key, make_attention_function(state))
-    # 3. switch and verify
-    model.set_attn_implementation(key)
-    _verify_switch(model, key, state)
+    # 3. switch (the decoder only: the towers keep theirs) and verify
+    model.set_attn_implementation(key if vision is None else {"": key, vision.text_sub_config(): key})
+    _verify_switch(model, decoder, key, state)
     # 4. loss and hooks
     model.loss_function = make_loss_function(state)
     state.handles = hooks.install(model, state)
@@ -120,9 +127,21 @@ def remove_sequence_parallel(model: nn.Module) -> nn.Module:
     return model
 
 
-def _verify_switch(model, key: str, state: SequenceParallelState) -> None:
-    """Every (sub)model config must now name the key; otherwise undo and refuse."""
-    stale = [type(m).__name__ for m in model.modules()
+def _implementations(model, vision):
+    """What set_attn_implementation restores: one key, or the top's and the decoder's (multimodal)."""
+    if vision is None:
+        return model.config._attn_implementation
+    sub = vision.text_sub_config()
+    if sub is None:
+        raise UnsupportedModelError(f"ds_seqpar.hf: {type(model).__name__}'s decoder config is not one of its "
+                                    f"sub-configs {list(getattr(model.config, 'sub_configs', {}))}, so its attention "
+                                    f"cannot be switched alone; apply to the text model alone")
+    return {"": model.config._attn_implementation, sub: vision.decoder.config._attn_implementation}
+
+
+def _verify_switch(model, decoder, key: str, state: SequenceParallelState) -> None:
+    """Every (sub)model config of the decoder must now name the key; otherwise undo and refuse."""
+    stale = [type(m).__name__ for m in [model, *decoder.modules()]
              if hasattr(m, "config") and hasattr(m, "set_attn_implementation")
              and getattr(m.config, "_attn_implementation", key) != key]
     if stale:

@@ -73,16 +73,18 @@ def sliding_window_of(config) -> Optional[int]:
     return int(window)
 
 
-def check_config(config, training: Optional[bool] = None, linear_ok: bool = False) -> None:
+def check_config(config, training: Optional[bool] = None, linear_ok: bool = False, vision_ok: bool = False) -> None:
     """Refuse config-level features. ``training``: the mode, when known (dropout). ``linear_ok``:
-    the model has adapted linear layers (check_modules then checks every linear-type layer has one)."""
+    the model has adapted linear layers (check_modules then checks every linear-type layer has one).
+    ``vision_ok``: a multimodal model whose decoder alone turns sequence-parallel (vision.py)."""
     tc = text_config(config)
     name = f"{type(tc).__name__} (model_type={getattr(tc, 'model_type', '?')!r})"
     model_type = getattr(tc, "model_type", "")
     if model_type in LEGACY_MODEL_TYPES or getattr(config, "model_type", "") in LEGACY_MODEL_TYPES:
         _refuse("an attention that ignores transformers' AttentionInterface", name,
                 "use a model whose attention goes through the registry (Llama, Qwen2, Mistral, Gemma, GPT-2, ...)")
-    _check_multimodal(config, tc, name)
+    if not vision_ok:
+        _check_multimodal(config, tc, name)
     if getattr(config, "is_encoder_decoder", False) or getattr(tc, "add_cross_attention", False):
         _refuse("cross attention (is_encoder_decoder / add_cross_attention)", name, "use a decoder-only model")
     _check_layer_types(tc, name, linear_ok)
@@ -104,8 +106,8 @@ def _check_multimodal(config, tc, name: str) -> None:
                 "use a text-only model with 1-D positions")
     others = [k for k in getattr(config, "sub_configs", {}) if k != "text_config" and getattr(config, k, None)]
     if others:
-        _refuse(f"a multimodal model (sub-configs {others}: their encoders would switch to sequence-parallel "
-                f"attention too)", name, "apply to the text model alone")
+        _refuse(f"a multimodal model (sub-configs {others}) without a language model built from its text config",
+                name, "apply to the text model alone")
 
 
 def _check_layer_types(tc, name: str, linear_ok: bool = False) -> None:

@@ -4,7 +4,8 @@ after the forward that the registered attention really ran.
 Before the forward (refusals that depend on the call, not only on the config):
   * position_ids are required: without them the model numbers this rank's tokens from 0, and RoPE
     would see local instead of global positions;
-  * 3-D (multimodal mrope) position ids, past_key_values (cached attention) are refused;
+  * 3-D (multimodal mrope) position ids outside 3-D RoPE models, past_key_values (cached attention) are
+    refused; multimodal models check their positions and gather their whole-row inputs (vision.py);
   * an attention_mask with zeros: transformers builds no mask for a custom key. Only some ranks may
     hold the zeros, so a flag goes through one small all-reduce (max) over the sequence group; if it
     is up, every rank gathers the mask (global order) and decides the same: right padding (every row
@@ -39,13 +40,18 @@ def install(model, state) -> list:
 
     def pre(module, args, kwargs):
         call = dict(zip(names, args), **kwargs)
-        kwargs = dict(kwargs)
+        if state.vision is not None:     # by name: the whole-row inputs replace the shards below
+            args = ()
+        kwargs = dict(call) if state.vision is not None else dict(kwargs)
         check_call(module, state, call)
         packed = call.get("cu_seqlens") is None and call.get("cu_seq_lens_q") is None
-        zeros, restarts = _group_flags(call.get("attention_mask"), call["position_ids"] if packed else None,
+        pos = call["position_ids"]
+        zeros, restarts = _group_flags(call.get("attention_mask"), pos if packed and pos.dim() == 2 else None,
                                        state.sp)
         if zeros:
             check_right_padding(call["attention_mask"], state)
+        if state.vision is not None:
+            kwargs.update(state.vision.whole_row(call, state.sp))
         if restarts:
             kwargs["cu_seqlens"] = documents_from_positions(call["position_ids"], state.sp)
         if state.linear is not None:         # hybrids: the state and the conv restart at every document
@@ -63,6 +69,8 @@ def install(model, state) -> list:
         return args, kwargs
 
     def post(module, args, kwargs, output):
+        if state.vision is not None:
+            state.vision.row_len = None
         missing = [state.names[id(m)] for _, m in state.layers if id(m) not in state.calls]
         if missing:
             raise UnsupportedModelError(f"ds_seqpar.hf: {len(missing)} attention layer(s) did not call the "
@@ -78,8 +86,12 @@ def install(model, state) -> list:
                                         f"without labels and use sp.loss(out.logits, batch['labels'])")
         return output
 
-    return [model.register_forward_pre_hook(pre, with_kwargs=True),
-            model.register_forward_hook(post, with_kwargs=True)]
+    handles = [model.register_forward_pre_hook(pre, with_kwargs=True),
+               model.register_forward_hook(post, with_kwargs=True)]
+    if state.vision is not None:         # the decoder takes this rank's tokens of the whole-row embeddings
+        handles.append(state.vision.decoder.register_forward_pre_hook(
+            lambda m, a, kw: (a, state.vision.decoder_inputs(kw, state.sp)), with_kwargs=True))
+    return handles
 
 
 def check_call(model, state, call: dict) -> None:
@@ -89,7 +101,9 @@ def check_call(model, state, call: dict) -> None:
         raise UnsupportedModelError("ds_seqpar.hf: position_ids are required under sequence parallelism: pass "
                                     "batch['position_ids'] from sp.shard_batch (the model would number this "
                                     "rank's tokens from 0)")
-    if pos.dim() == 3:
+    if state.vision is not None:
+        state.vision.check_call(call)
+    if pos.dim() == 3 and not (state.vision is not None and state.vision.mrope):
         raise UnsupportedModelError(f"ds_seqpar.hf: multimodal 3-D position ids {tuple(pos.shape)} (mrope) cannot "
                                     f"be exact under sequence parallelism; pass [batch, seq] position_ids")
     if call.get("past_key_values") is not None:
@@ -99,7 +113,8 @@ def check_call(model, state, call: dict) -> None:
     if mask is not None and mask.dim() != 2:
         raise UnsupportedModelError(f"ds_seqpar.hf: a {mask.dim()}-D attention_mask {tuple(mask.shape)} cannot be "
                                     f"sharded; pass no mask (causality is applied by the strategy)")
-    check_config(model.config, training=model.training, linear_ok=state.linear is not None)
+    check_config(model.config, training=model.training, linear_ok=state.linear is not None,
+                 vision_ok=state.vision is not None)
     check_dropout(state.layers, model.training)
 
 

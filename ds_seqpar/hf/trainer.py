@@ -14,7 +14,8 @@ Why it is exact (W = dp * P ranks; replica d is a sequence group of P ranks; S =
     process d of a plain dp-process run reads; worker seeds follow the replica). A cheap check on
     every batch (one all-reduce of a fingerprint) stops the run if a group ever disagrees.
   * batches: ``get_batch_samples`` passes every batch through ``sp.shard_batch`` (labels shifted over
-    the whole sequence, then sharded; global position_ids; packed documents -> cu_seqlens) and adds
+    the whole sequence, then sharded; global position_ids, or a 3-D RoPE model's own whole-row positions
+    when the batch has vision inputs; packed documents -> cu_seqlens) and adds
     ``shift_labels`` (= the shifted labels), so the Trainer counts the targets of the shards:
     disjoint, their count over the world is the plain count N of the accumulation window.
   * loss: with that count (``num_items_in_batch``, the Trainer's default for causal LMs) the routed
@@ -45,6 +46,7 @@ from . import trl_support
 from .apply import apply_sequence_parallel
 from .ds_config import trainer_deepspeed_config
 from .metrics import StepMeter, meter_callback
+from .vision import rope_positions
 from .wandb_run import one_wandb_run, run_config_callback
 
 
@@ -162,6 +164,9 @@ class SequenceParallelMixin:
                               "(DataCollatorForLanguageModeling(mlm=False), DataCollatorWithFlattening, TRL's)")
         check_group_batch(batch, self.sp)
         tokens = trl_support.tokens_of(batch) if getattr(self, "_sp_trl", False) else None  # before the mask goes
+        positions = rope_positions(self.model, batch)       # 3-D RoPE: the whole row's, before sharding
+        if positions is not None:
+            batch["position_ids"] = positions
         drop_right_padding(batch)
         out = self.sp.shard_batch(batch)
         out["shift_labels"] = out["labels"]                # what the Trainer counts: the shards' targets

@@ -8,6 +8,10 @@ across the sequence group once here so that attention calls with it need no furt
 position_ids stay within-document (for RoPE), and the last token of each document gets
 ignore_index, so no label crosses a document boundary.
 
+Vision-language models: the vision inputs (``pixel_values``, ``image_grid_thw``, ...: is_vision_input)
+pass whole whatever their shape; 3-D RoPE positions ``position_ids`` [3, B, N] (the whole row's, from
+the model's ``get_rope_index``) are sharded along their last dim like the tokens.
+
 Legend: B = micro batch, N = global sequence length, L = local tokens (N / sp size).
 """
 from __future__ import annotations
@@ -21,6 +25,13 @@ from .documents import (as_boundaries, boundaries_from_positions, check_boundari
 from .padding import pad_to
 
 IGNORE_INDEX = -100          # labels the loss leaves out (Hugging Face's and torch's convention)
+# vision inputs passed whole to every rank (the towers run on whole images), never cut along dim 1
+WHOLE_INPUTS = ("image_sizes", "second_per_grid_ts", "video_second_per_grid", "image_attention_mask")
+
+
+def is_vision_input(key: str) -> bool:
+    """Inputs shard_batch passes whole, whatever their shape (an image count may equal the batch)."""
+    return key.startswith("pixel_") or key.endswith("_grid_thw") or key in WHOLE_INPUTS
 
 
 def shift_labels(labels_bn: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
@@ -54,7 +65,11 @@ def shard_batch(batch: Mapping[str, torch.Tensor], sp=None, ignore_index: int = 
     given_pos = out.pop("position_ids", None)      # e.g. packed documents restarting at 0
     if given_pos is not None and given_pos.dim() == 1:
         given_pos = given_pos[None]                # [N] -> [1, N]
-    bounds = packed_documents(out.pop("cu_seqlens", None), given_pos, b, n, sp)
+    rope3d = given_pos is not None and given_pos.dim() == 3
+    if rope3d and tuple(given_pos.shape[1:]) != (b, n):
+        raise ValueError(f"position_ids {tuple(given_pos.shape)} (3-D RoPE) must be [3, batch, seq] of the whole "
+                         f"row: input_ids are {tuple(ids_bn.shape)}")
+    bounds = packed_documents(out.pop("cu_seqlens", None), None if rope3d else given_pos, b, n, sp)
     if bounds is not None:
         out["labels"][:, [t - 1 for t in bounds[1:-1]]] = ignore_index    # a document's last token
         if given_pos is None:
@@ -70,11 +85,13 @@ def shard_batch(batch: Mapping[str, torch.Tensor], sp=None, ignore_index: int = 
     padded = sp.padded_len(n)
     local = {}
     for key, v in out.items():
-        if _is_token_tensor(v, b, n):
+        if _is_token_tensor(v, b, n) and not is_vision_input(key):
             fill = ignore_index if key == "labels" else 0
             v = sp.shard(pad_to(v, 1, padded, fill), dim=1)
         local[key] = v
-    if given_pos is not None:
+    if rope3d:
+        local["position_ids"] = sp.shard(pad_to(given_pos, 2, padded), dim=2)        # [3, B, L]
+    elif given_pos is not None:
         local["position_ids"] = sp.shard(pad_to(given_pos.expand(b, n), 1, padded), dim=1)
     else:
         local["position_ids"] = sp.position_ids(n, device=ids_bn.device).expand(b, -1)   # [B, L]
@@ -120,4 +137,4 @@ def _is_token_tensor(v, b: int, n: int) -> bool:
     return isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[0] == b and v.shape[1] == n
 
 
-__all__ = ["IGNORE_INDEX", "shard_batch", "shift_labels", "packed_documents"]
+__all__ = ["IGNORE_INDEX", "is_vision_input", "shard_batch", "shift_labels", "packed_documents"]

@@ -1,0 +1,173 @@
+"""Vision(/audio)-language models: the language model runs sequence-parallel, the towers as before.
+
+The call convention (docs/hf.md): the vision inputs (``pixel_values``, ``image_grid_thw``,
+``pixel_values_videos``, ``video_grid_thw``, ...) are passed whole to every rank; every [batch, seq]
+tensor comes from ``sp.shard_batch`` (``input_ids``, ``labels``, ``mm_token_type_ids``, ...); a 3-D
+RoPE model (Qwen-VL's mrope: the model has ``get_rope_index``) takes the whole row's positions from
+that method, sharded along the last dim (``sp.shard_batch`` does it when given them).
+
+How the features reach this rank's slots, for any model whose placeholder merge transformers writes
+as "embed input_ids, scatter the tower's features at the placeholder tokens, call the decoder":
+  1. the model pre-hook gathers the whole row of the token tensors the merge reads (WHOLE_ROW: input
+     ids and token types, one all-gather each, integers) and hands those to the model in place of the
+     shards, after the whole-row checks below (the same data on every rank, so the same verdict);
+  2. the model embeds the whole row and scatters every feature into it with its own code and its own
+     count checks (placeholders straddling shard boundaries are nothing special: the row is whole);
+  3. a pre-hook on the decoder (the submodule whose config is the text config) takes this rank's
+     tokens of ``inputs_embeds`` and every other per-token tensor of the row with ``sp.shard`` (the layout's own token set: zigzag and striped
+     are not contiguous), and of Qwen3-VL's deepstack features (``visual_pos_masks`` picks their rows).
+Gradients: ``sp.shard``'s backward leaves zeros at the other ranks' slots, so each rank's tower and
+embedding gradients are its slots' share and their sum over the sequence group is the unsharded
+gradient, the same contract as every replicated parameter under ``sp.loss``.
+Cost: one [batch, N, hidden] embedding per rank before the decoder (N = the whole padded row).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..errors import UnsupportedModelError
+from ..sharding.batch import is_vision_input
+
+# [batch, seq] inputs the placeholder merge reads: handed to the model whole (labels and position_ids
+# stay sharded: the loss and RoPE work on this rank's tokens)
+WHOLE_ROW = ("input_ids", "mm_token_type_ids", "token_type_ids")
+# (pixels, grid) pairs whose grid rows (t, h, w) count the pixel rows (patches)
+GRIDS = (("pixel_values", "image_grid_thw", "image_token_id"),
+         ("pixel_values_videos", "video_grid_thw", "video_token_id"))
+# model types that attend bidirectionally among one image's tokens (token_type_ids == 1): a block mask
+# inside the causal one, which transformers builds only for its own attention keys
+BIDIRECTIONAL_IMAGE_BLOCKS = frozenset({"gemma3", "paligemma", "gemma3n", "gemma4", "shieldgemma2"})
+
+
+def _decoder_of(model):
+    """(name, module) of the language model inside a multimodal model: the submodule built from the
+    text config; None for a plain causal LM."""
+    config = model.config
+    tc = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if tc is config:
+        return None
+    for name, m in model.named_modules():
+        if m is not model and getattr(m, "config", None) is tc and hasattr(m, "get_input_embeddings"):
+            return name, m
+    raise UnsupportedModelError(f"ds_seqpar.hf: {type(model).__name__} is multimodal but has no submodule built "
+                                f"from its text config ({type(tc).__name__}) to run sequence-parallel; apply to "
+                                f"the text model alone")
+
+
+class VisionLanguage:
+    """One applied multimodal model: its decoder, whether it uses 3-D RoPE, the row length of this call."""
+
+    def __init__(self, model, decoder_name: str, decoder):
+        self.model_type = getattr(model.config, "model_type", "")
+        self.config = model.config
+        self.decoder_name, self.decoder = decoder_name, decoder
+        self.mrope = any(hasattr(m, "get_rope_index") for m in model.modules())
+        self.row_len: Optional[int] = None      # the whole (padded) row length of the current call
+
+    @classmethod
+    def of(cls, model) -> Optional["VisionLanguage"]:
+        found = _decoder_of(model)
+        return None if found is None else cls(model, *found)
+
+    def text_sub_config(self) -> Optional[str]:
+        """The key under which the top config holds the decoder's config."""
+        return next((k for k in getattr(self.config, "sub_configs", {}) if getattr(self.config, k, None)
+                     is self.decoder.config), None)
+
+    # -- the model call ------------------------------------------------------------------------------
+    def check_call(self, call: dict) -> None:
+        """Grids against their pixels; 3-D RoPE models: with vision inputs the positions must be the whole row's 3-D positions,
+        sharded (the text positions sp.shard_batch adds would drop the image grid)."""
+        check_grids(call, None, self.config)          # local: the vision inputs are whole on every rank
+        pos, ids = call.get("position_ids"), call.get("input_ids")
+        if not self.mrope or pos is None or ids is None:
+            return
+        want = f"[3, {ids.shape[0]}, {ids.shape[1]}]"
+        fix = ("pass sp.shard_batch({..., 'position_ids': model.model.get_rope_index(input_ids, ...)[0]}) or "
+               "sp.shard(positions, dim=-1) of the whole row's 3-D positions")
+        if pos.dim() == 3:
+            if pos.shape[0] != 3 or tuple(pos.shape[1:]) != tuple(ids.shape):
+                raise ValueError(f"ds_seqpar.hf: position_ids {tuple(pos.shape)} do not fit this rank's input_ids "
+                                 f"{tuple(ids.shape)}: a 3-D RoPE model ({self.model_type}) takes {want}; {fix}")
+        elif has_vision_inputs(call):
+            raise ValueError(f"ds_seqpar.hf: position_ids {tuple(pos.shape)} are 1-D text positions but the call "
+                             f"has vision inputs: {self.model_type} uses 3-D RoPE (temporal, height, width), "
+                             f"whose image positions differ; {fix} ({want} on this rank)")
+
+    def whole_row(self, call: dict, sp) -> dict:
+        """The WHOLE_ROW inputs in global order (every rank the same), after the whole-row checks."""
+        rows = {k: sp.unshard(call[k], dim=1) for k in WHOLE_ROW if torch.is_tensor(call.get(k))}
+        self.row_len = rows["input_ids"].shape[1] if "input_ids" in rows else None
+        check_grids(call, rows.get("input_ids"), self.config)
+        tt = rows.get("token_type_ids")
+        if self.model_type in BIDIRECTIONAL_IMAGE_BLOCKS and tt is not None and bool((tt == 1).any()):
+            raise UnsupportedModelError(
+                f"ds_seqpar.hf: token_type_ids marking image tokens in {self.model_type} cannot be exact under "
+                f"sequence parallelism: the model attends bidirectionally among one image's tokens (blocks inside "
+                f"the causal mask) and sequence-parallel attention expresses causal, window and document masks "
+                f"only; train on text rows (token_type_ids all 0) or without sequence parallelism")
+        return rows
+
+    def decoder_inputs(self, kwargs: dict, sp) -> dict:
+        """This rank's tokens of the decoder's whole-row inputs (its pre-hook)."""
+        emb = kwargs.get("inputs_embeds")
+        if emb is None or self.row_len is None or emb.shape[1] != self.row_len:
+            return kwargs
+        kwargs = dict(kwargs)
+        mask = kwargs.pop("visual_pos_masks", None)
+        for key, v in kwargs.items():      # every per-token tensor of the row (embeddings, Gemma's per-layer inputs)
+            if torch.is_tensor(v) and v.dim() >= 2 and tuple(v.shape[:2]) == tuple(emb.shape[:2]):
+                kwargs[key] = sp.shard(v, dim=1)
+        if torch.is_tensor(mask) and mask.shape[1] == self.row_len:
+            # deepstack (Qwen3-VL): feature row i belongs to the i-th visual token of the whole row
+            row_of = (mask.reshape(-1).cumsum(0) - 1).view_as(mask)
+            local_mask, local_rows = sp.shard(mask, dim=1), sp.shard(row_of, dim=1)
+            kwargs["visual_pos_masks"] = local_mask
+            deep = kwargs.get("deepstack_visual_embeds")
+            if deep is not None:
+                kwargs["deepstack_visual_embeds"] = [d[local_rows[local_mask]] for d in deep]
+        elif mask is not None:
+            kwargs["visual_pos_masks"] = mask
+        return kwargs
+
+
+def rope_positions(model, batch: dict):
+    """The whole batch's 3-D RoPE positions [3, B, N] from the model's own get_rope_index, or None (no
+    3-D RoPE, no vision input, or position_ids given): what a Trainer adds before sp.shard_batch."""
+    owner = next((m for m in model.modules() if hasattr(m, "get_rope_index")), None)
+    if owner is None or batch.get("position_ids") is not None or not has_vision_inputs(batch):
+        return None
+    keys = ("mm_token_type_ids", "image_grid_thw", "video_grid_thw", "second_per_grid_ts", "attention_mask")
+    return owner.get_rope_index(batch["input_ids"], **{k: batch[k] for k in keys if batch.get(k) is not None})[0]
+
+
+def has_vision_inputs(call: dict) -> bool:
+    return any(is_vision_input(k) and v is not None for k, v in call.items())
+
+
+def check_grids(call: dict, ids, config) -> None:
+    """A grid must count the pixel rows it describes, and (``ids``: the whole row) the placeholders the
+    features it gives (grid models: Qwen-VL); refused by input name before the tower runs. Other models'
+    placeholder counts are checked by transformers' merge on the whole row, on every rank alike."""
+    vision = getattr(config, "vision_config", None)
+    merge = getattr(vision, "spatial_merge_size", 1) or 1
+    for pixels_key, grid_key, token_key in GRIDS:
+        pixels, grid = call.get(pixels_key), call.get(grid_key)
+        if not (torch.is_tensor(pixels) and torch.is_tensor(grid)):
+            continue
+        if grid.dim() != 2 or grid.shape[-1] != 3 or int(grid.prod(-1).sum()) != pixels.shape[0]:
+            raise ValueError(f"ds_seqpar.hf: {grid_key} {grid.tolist()} does not match {pixels_key} "
+                             f"{tuple(pixels.shape)}: the grid rows (t, h, w) must multiply to the number of "
+                             f"patch rows ({pixels.shape[0]})")
+        token = getattr(config, token_key, None)
+        if ids is not None and token is not None:
+            placeholders, features = int((ids == token).sum()), int(grid.prod(-1).sum()) // merge ** 2
+            if placeholders != features:
+                raise ValueError(f"ds_seqpar.hf: input_ids hold {placeholders} {token_key} placeholders (whole "
+                                 f"row) but {grid_key} {grid.tolist()} gives {features} features: one placeholder "
+                                 f"per feature")
+
+
+__all__ = ["VisionLanguage", "WHOLE_ROW", "has_vision_inputs", "check_grids", "rope_positions"]

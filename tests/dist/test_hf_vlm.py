@@ -1,0 +1,92 @@
+"""Vision-language models (tests/hf_vlm.py) on the shared pool: each family trains one step exactly under
+every softmax strategy at P=2 (logits, loss, every gradient incl. the vision tower's), with image and video
+placeholders straddling the shard boundaries; bad vision inputs stop every rank with the input named."""
+import torch
+
+from ..hf_vlm import CONFIGS, STRATEGIES, build, positions, row, sweep, train_vlm
+from .test_hf_trainer import assert_same_training, ds_config
+
+# smolvlm is idefics3's code under another name (the sweep script covers it)
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "mistral3", "idefics3")
+
+
+def test_vision_language_models_are_exact_under_every_strategy(pool):
+    results = pool.run(sweep, FAMILIES)
+    for a, b in ((0, 1), (2, 3)):                        # the two ranks of each sequence group
+        assert [(n, {s: o[0] for s, o in r.items()}) for n, r in results[a]] == \
+            [(n, {s: o[0] for s, o in r.items()}) for n, r in results[b]], "ranks of one group disagree"
+    outcome = dict(results[0] + results[2])
+    assert sorted(outcome) == sorted(FAMILIES)
+    for name, r in outcome.items():
+        assert sorted(r) == sorted(STRATEGIES)
+        assert all(kind == "exact" for kind, _ in r.values()), (name, r)
+
+
+def _bad_inputs():
+    """Every rank: the message each bad call raised (or None), then a good call's loss."""
+    from ds_seqpar import SequenceParallel
+    from ds_seqpar.hf import apply_sequence_parallel
+    sp = SequenceParallel({"strategy": "zigzag", "size": 2})
+    cfg = CONFIGS["qwen2_vl"]()
+    model = apply_sequence_parallel(build(cfg, torch.float32), sp)
+    ids, labels, types, vision = row(cfg, model)
+    pos = positions(model, ids, types, vision)
+
+    def call(ids=ids, pos=pos, **changed):
+        batch = sp.shard_batch(dict(vision, input_ids=ids, labels=labels, mm_token_type_ids=types))
+        return model(**dict(batch, position_ids=pos, **changed))
+
+    fewer = ids.clone()
+    fewer[fewer == cfg.image_token_id] = 5
+    cases = {
+        "grid": dict(image_grid_thw=torch.tensor([[1, 4, 4], [1, 4, 4]])),          # 32 patch rows given
+        "placeholders": dict(ids=fewer),
+        "text positions": dict(pos=sp.position_ids(ids.shape[1])[None]),
+        "unsharded positions": dict(pos=pos),
+    }
+    out = {}
+    for name, kw in cases.items():
+        if name != "unsharded positions":
+            kw.setdefault("pos", sp.shard(pos, dim=-1))
+        try:
+            call(**kw)
+            out[name] = None
+        except ValueError as err:
+            out[name] = str(err)
+    good = call(pos=sp.shard(pos, dim=-1))
+    return out, float(good.loss.detach()), _gemma3_image_blocks(sp)
+
+
+def _gemma3_image_blocks(sp):
+    """Gemma 3 with token_type_ids marking image tokens on one rank's shard only: every rank refuses."""
+    from ds_seqpar.hf import apply_sequence_parallel
+    from ..hf_zoo import tiny_config
+    model = apply_sequence_parallel(build(tiny_config("gemma3"), torch.float32), sp)
+    ids = torch.randint(3, 100, (1, 64))
+    types = torch.zeros_like(ids)
+    types[0, 40:44] = 1                      # zigzag at P=2: rank 1 holds 16..47, rank 0 none of them
+    try:
+        model(**sp.shard_batch({"input_ids": ids, "labels": ids, "token_type_ids": types}))
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_bad_vision_inputs_stop_every_rank_with_the_input_named(pool):
+    results = pool.run(_bad_inputs)
+    assert all(r[0] == results[0][0] for r in results), "ranks raised different errors"
+    errors = results[0][0]
+    assert "image_grid_thw [[1, 4, 4], [1, 4, 4]] does not match pixel_values" in errors["grid"], errors
+    assert "input_ids hold 0 image_token_id placeholders" in errors["placeholders"], errors
+    assert "position_ids (1, 32) are 1-D text positions" in errors["text positions"], errors
+    assert "position_ids (3, 1, 64) do not fit this rank's input_ids (1, 32)" in errors["unsharded positions"], errors
+    assert len({round(r[1], 6) for r in results}) == 1      # a good call after them: the ranks still agree
+    assert all("token_type_ids marking image tokens in gemma3 cannot be exact" in r[2] for r in results), results
+
+
+def test_trainer_trains_a_qwen2_5_vl_on_random_images_as_plain_data_parallelism(pool):
+    """Plain: size 1, 4 replicas, micro batch 1; zigzag size 2: 2 replicas, micro batch 2 (the same
+    samples per step, tests/dist/test_hf_trainer.py); ZeRO-2."""
+    plain = pool.run(train_vlm, ds_config(2, strategy="zigzag", size=1), 1)[0]
+    got = pool.run(train_vlm, ds_config(2, strategy="zigzag", size=2), 2)[0]
+    assert_same_training("Qwen2.5-VL zigzag", got, plain)

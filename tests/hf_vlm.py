@@ -1,0 +1,281 @@
+"""Vision-language models under sequence parallelism: tiny random-init models of each family, a row of
+text with images (and a video) whose placeholders straddle the shard boundaries of every layout at P=2,
+trained one step under every softmax strategy: exact against the unsharded model (logits, loss, every
+parameter gradient summed over the sequence group, the vision tower's included; float64-derived bounds
+as in tests/hf_zoo.py) or refused by name. tests/dist/test_hf_vlm.py runs it.
+
+Row layout (SEQ = 64 tokens; P=2 boundaries: contiguous 32, zigzag 16 / 32 / 48, striped every token):
+every image's (and video's) placeholders centred on one of 16, 32, 48 (row()).
+"""
+import inspect
+
+import torch
+
+from .hf_zoo import STRATEGIES, _worst
+
+SEQ = 64
+TOKENS = dict(image_token_id=120, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123)
+LLAMA = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=128, max_position_embeddings=512, attention_dropout=0.0, use_cache=False,
+             bos_token_id=1, eos_token_id=2, pad_token_id=0, head_dim=16)
+TEXT = dict(LLAMA, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+PATCH = dict(patch_size=2, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+IMAGE_GRIDS = ((1, 4, 4), (1, 4, 8))           # Qwen-VL: 4 and 8 placeholders (merge 2 x 2)
+VIDEO_GRID = (2, 4, 4)                         # 8 placeholders
+# an 8 x 8 image in 2 x 2 patches, one layer: the towers of the LLaVA / Idefics families
+TOWER = dict(image_size=8, patch_size=2, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+             num_attention_heads=2, attention_dropout=0.0)
+
+
+def _qwen2_vl():
+    from transformers import Qwen2VLConfig
+    return Qwen2VLConfig(text_config=dict(TEXT), vision_config=dict(PATCH, depth=1, embed_dim=32, hidden_size=64,
+                                                                        num_heads=2, mlp_ratio=2), **TOKENS)
+
+
+def _qwen2_5_vl():
+    from transformers import Qwen2_5_VLConfig
+    # a window of 8 pixels = 2 x 2 merged patches, so the tower's windowed and full blocks both run
+    return Qwen2_5_VLConfig(text_config=dict(TEXT), vision_config=dict(
+        PATCH, depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, window_size=8,
+        fullatt_block_indexes=[1], tokens_per_second=2), **TOKENS)
+
+
+def _qwen3_vl():
+    from transformers import Qwen3VLConfig
+    # deepstack: the tower's first block also feeds the decoder's first layer
+    return Qwen3VLConfig(text_config=dict(TEXT, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                 "mrope_section": [4, 2, 2], "mrope_interleaved": True}),
+                         vision_config=dict(PATCH, depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
+                                            out_hidden_size=64, num_position_embeddings=16,
+                                            deepstack_visual_indexes=[0]), **TOKENS)
+
+
+def _llava():
+    from transformers import LlavaConfig
+    return LlavaConfig(vision_config=dict(TOWER, model_type="clip_vision_model"), text_config=dict(LLAMA, model_type="llama"),
+                       image_token_id=120, vision_feature_layer=-1)
+
+
+def _llava_next():
+    from transformers import LlavaNextConfig
+    return LlavaNextConfig(vision_config=dict(TOWER, model_type="clip_vision_model"),
+                           text_config=dict(LLAMA, model_type="llama"), image_token_id=120, vision_feature_layer=-1,
+                           image_grid_pinpoints=[[8, 8], [8, 16]])
+
+
+def _mistral3():
+    from transformers import Mistral3Config
+    return Mistral3Config(vision_config=dict(TOWER, model_type="pixtral", head_dim=16),
+                          text_config=dict(LLAMA, model_type="mistral", sliding_window=None), image_token_id=120,
+                          spatial_merge_size=2, vision_feature_layer=-1)
+
+
+def _idefics3(kind="idefics3"):
+    from transformers import CONFIG_MAPPING
+    return CONFIG_MAPPING[kind](vision_config=dict(TOWER), text_config=dict(LLAMA, model_type="llama"),
+                                image_token_id=120, scale_factor=2)
+
+
+CONFIGS = {"qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl, "qwen3_vl": _qwen3_vl, "llava": _llava, "llava_next": _llava_next,
+           "mistral3": _mistral3, "idefics3": _idefics3, "smolvlm": lambda: _idefics3("smolvlm")}
+
+
+def _grid_inputs(cfg, g):
+    """Qwen-VL style: patches flattened to rows of C * tp * p * p, grids (t, h, w) in patches; two
+    images and a video."""
+    v = cfg.vision_config
+    width = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+    images, video = torch.tensor(IMAGE_GRIDS), torch.tensor([VIDEO_GRID])
+    out = {"pixel_values": torch.randn(int(images.prod(-1).sum()), width, generator=g), "image_grid_thw": images,
+           "pixel_values_videos": torch.randn(int(video.prod(-1).sum()), width, generator=g), "video_grid_thw": video}
+    if hasattr(cfg.vision_config, "tokens_per_second"):
+        out["second_per_grid_ts"] = torch.tensor([1.0])
+    merge = v.spatial_merge_size ** 2
+    spans = [(t * h * w // merge, cfg.image_token_id, 1) for t, h, w in IMAGE_GRIDS]
+    t, h, w = VIDEO_GRID
+    if cfg.model_type == "qwen3_vl":         # one span per frame, timestamps (text) between them
+        return out, spans + [(h * w // merge, cfg.video_token_id, 2)] * t
+    return out, spans + [(t * h * w // merge, cfg.video_token_id, 2)]
+
+
+def _image_inputs(cfg, g, model):
+    """Two 8 x 8 images (LLaVA-NeXT: one, 36 features with its high-resolution tile) in the layout the
+    family's processor gives; their placeholder counts are the rows of the model's own image features."""
+    mt = cfg.model_type
+    count = 1 if mt == "llava_next" else 2
+    pixels = torch.randn(count, 3, 8, 8, generator=g)
+    if mt == "llava_next":
+        out = {"pixel_values": torch.stack([pixels, pixels.flip(-1)], 1), "image_sizes": torch.tensor([[8, 8]])}
+    elif mt == "mistral3":
+        out = {"pixel_values": pixels, "image_sizes": torch.tensor([[8, 8]] * count)}
+    elif mt in ("idefics3", "smolvlm"):
+        out = {"pixel_values": pixels[None]}
+    else:
+        out = {"pixel_values": pixels}
+    accepted = inspect.signature(model.model.get_image_features).parameters
+    with torch.no_grad():
+        feats = model.model.get_image_features(**{k: v for k, v in out.items() if k in accepted}, return_dict=True)
+    pooled = feats.pooler_output if getattr(feats, "pooler_output", None) is not None else feats.last_hidden_state
+    per_image = [t.numel() // cfg.get_text_config().hidden_size for t in
+                 (pooled if isinstance(pooled, (list, tuple)) else pooled.reshape(count, -1, pooled.shape[-1]))]
+    return out, [(n, cfg.image_token_id, 1) for n in per_image]
+
+
+def row(cfg, model, seed=1):
+    """(input_ids [1, SEQ], labels, mm_token_type_ids, vision inputs): the placeholders of each image (and
+    video) centred on a shard boundary (16, 32, 48: contiguous and zigzag at P=2; striped cuts every
+    span), random text around them, 20% of the labels ignored."""
+    g = torch.Generator().manual_seed(seed)
+    vision, spans = _grid_inputs(cfg, g) if hasattr(cfg.vision_config, "temporal_patch_size") else \
+        _image_inputs(cfg, g, model)
+    ids = torch.randint(3, 110, (1, SEQ), generator=g)
+    types = torch.zeros(1, SEQ, dtype=torch.long)
+    centres = {1: (32,), 2: (16, 48), 3: (16, 32, 48), 4: (16, 32, 44, 54)}[len(spans)]
+    end = 0
+    for centre, (n, token, kind) in zip(centres, spans):
+        start = centre - n // 2
+        assert start > end and start + n < SEQ, (spans, "the spans overlap: shorten the images")
+        ids[0, start:start + n], types[0, start:start + n] = token, kind
+        end = start + n
+    labels = ids.clone()
+    labels[torch.rand(1, SEQ, generator=g) < 0.2] = -100
+    return ids, labels, types, vision
+
+
+def build(cfg, dtype, state=None):
+    import transformers as T
+    torch.manual_seed(0)
+    try:          # eager experts: grouped_mm has no float64 kernel (tests/hf_zoo.py)
+        model = T.AutoModelForImageTextToText.from_config(cfg, attn_implementation="sdpa", experts_implementation="eager")
+    except (ValueError, ImportError, TypeError):
+        model = T.AutoModelForImageTextToText.from_config(cfg, attn_implementation="eager")
+    if state is not None:
+        model.load_state_dict(state)
+    return model.to(dtype).train()
+
+
+def _cast(vision, dtype):
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in vision.items()}
+
+
+def positions(model, ids, types, vision):
+    """The whole row's 3-D RoPE positions from the model's own get_rope_index; 1-D for the others."""
+    if not hasattr(getattr(model, "model", None), "get_rope_index"):
+        return torch.arange(ids.shape[1])[None]
+    keys = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+    return model.model.get_rope_index(ids, mm_token_type_ids=types, **{k: vision[k] for k in keys if k in vision})[0]
+
+
+def unsharded(cfg, state, inputs, dtype):
+    from .hf_models import textbook_loss
+    ids, labels, types, vision = inputs
+    model = build(cfg, dtype, state)
+    pos = positions(model, ids, types, vision)
+    extra = {"mm_token_type_ids": types} if "mm_token_type_ids" in inspect.signature(model.forward).parameters else {}
+    logits = model(input_ids=ids, position_ids=pos, **extra, **_cast(vision, dtype)).logits
+    loss = textbook_loss(logits, labels)
+    loss.backward()
+    return logits.detach(), loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                                            if p.grad is not None}
+
+
+def sharded_step(model, sp, inputs):
+    """The documented call: sp.shard_batch on the [batch, seq] tensors, the whole row's 3-D positions and
+    the vision inputs (passed whole), then model(**batch); (local logits, loss) after backward."""
+    ids, labels, types, vision = inputs
+    batch = dict(vision, input_ids=ids, labels=labels, position_ids=positions(model, ids, types, vision))
+    if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
+        batch["mm_token_type_ids"] = types
+    batch = sp.shard_batch(batch)
+    res = model(**batch)
+    res.loss.backward()
+    return res.logits.detach(), res.loss.detach()
+
+
+def check_vlm(name, sps):
+    """{strategy: outcome} of one hand-built family (CONFIGS) on the image row."""
+    cfg = CONFIGS[name]()
+    return check(cfg, lambda model: row(cfg, model), sps)
+
+
+def check(cfg, make_inputs, sps):
+    """{strategy: ("exact", worst ratio) | ("mismatch", what) | ("refused" | "error", message)}."""
+    from ds_seqpar.config import ConfigError
+    from ds_seqpar.hf import apply_sequence_parallel
+    from .dist.test_hf import _summed_grads
+    model = build(cfg, torch.float32)
+    state, inputs = model.state_dict(), make_inputs(model)
+    ref, plain = (unsharded(cfg, state, inputs, dt) for dt in (torch.float64, torch.float32))
+    out = {}
+    for strategy, sp in sps.items():
+        model = build(cfg, torch.float32, state)
+        try:
+            apply_sequence_parallel(model, sp)
+            logits, loss = sharded_step(model, sp, inputs)
+        except ConfigError as err:
+            out[strategy] = ("refused", str(err).splitlines()[0])
+            continue
+        except Exception as err:                            # noqa: BLE001 - reported, not hidden
+            out[strategy] = ("error", f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
+            continue
+        grads = _summed_grads(model, sp.group)
+        ratios = {"logits": _worst(sp.unshard(logits, dim=1, seq_len=SEQ), ref[0], plain[0]),
+                  "loss": _worst(loss, ref[1], plain[1])}
+        ratios.update({f"grad {n}": _worst(g, ref[2][n], plain[2][n]) for n, g in grads.items() if n in ref[2]})
+        missing = set(ref[2]) ^ set(grads)
+        worst = max(ratios, key=ratios.get)
+        if missing or ratios[worst] > 1.0:
+            out[strategy] = ("mismatch", f"{worst}: {ratios[worst]:.2g}x the bound" if not missing
+                             else f"gradients missing or extra: {sorted(missing)[:3]}")
+        else:
+            out[strategy] = ("exact", ratios[worst])
+    return out
+
+
+def sweep(names):
+    """On every rank of the pool: each data-parallel group takes every other name."""
+    from ds_seqpar import SequenceParallel
+    sps = {s: SequenceParallel({"strategy": s, "size": 2}) for s in STRATEGIES}
+    first = next(iter(sps.values()))
+    return [(n, check_vlm(n, sps)) for i, n in enumerate(names) if i % first.dp_size == first.dp_rank]
+
+
+def vlm_samples(cfg, model, n):
+    """n rows of SEQ tokens, each with its own random images and video (row() with seeds 1..n)."""
+    out = []
+    for seed in range(1, n + 1):
+        ids, labels, types, vision = row(cfg, model, seed)
+        out.append(dict(vision, input_ids=ids[0], labels=labels[0], mm_token_type_ids=types[0]))
+    return out
+
+
+def collate(rows):
+    """Token tensors stacked; Qwen-VL's patch rows and grids concatenated over the samples."""
+    return {k: torch.stack([r[k] for r in rows]) if k in ("input_ids", "labels", "mm_token_type_ids")
+            else torch.cat([r[k] for r in rows]) for k in rows[0]}
+
+
+def train_vlm(cfg_ds, micro, steps=2):
+    """SequenceParallelTrainer on a tiny Qwen2.5-VL with random images: rank 0 returns (per-step log,
+    final parameters); the Trainer adds the whole rows' 3-D positions before sharding."""
+    import tempfile
+    from ds_seqpar.hf import SequenceParallelTrainer
+    from .dist.test_hf_trainer import _example, reset_worker_state
+    example = _example()
+    cfg = CONFIGS["qwen2_5_vl"]()
+    model = build(cfg, torch.float32)
+    # Qwen-VL opts out of the Trainer's token count (num_items_in_batch): each micro-batch's loss is then its
+    # own mean, which depends on the micro-batch size (1 in the plain run, 2 sequence-parallel) in plain data
+    # parallelism too; with the count, both runs take the token mean of the step, as for causal LMs
+    model.accepts_loss_kwargs = True
+    with tempfile.TemporaryDirectory() as out:
+        try:
+            args = example.arguments(cfg_ds, out, steps, 1, micro, remove_unused_columns=False)
+            trainer = SequenceParallelTrainer(model=model, args=args, train_dataset=vlm_samples(cfg, model, 8),
+                                              data_collator=collate)
+            trainer.train()
+            params = example.final_parameters(trainer)
+            return (example.logged_steps(trainer), params) if trainer.is_world_process_zero() else None
+        finally:
+            reset_worker_state()
