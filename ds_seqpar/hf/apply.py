@@ -9,6 +9,7 @@ Order of apply (everything that can fail does so before the model is touched, on
      attention ignores the registry; a forward hook later checks every attention layer called it
   4. route the model's loss to sp.loss (loss.py) and install the forward hooks (hooks.py)
   5. hybrids: the linear layers' ops get their seams and each layer a pair of hooks (hf/linear/)
+  6. DeepSeek sparse attention: each indexed layer a pre-hook giving it the global keys and mask (indexed.py)
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import torch.nn as nn
 from . import hooks
 from .attention import chunked_documents, is_chunked, make_attention_function
 from .checks import UnsupportedModelError, check_config, check_heads, check_hybrid, check_modules
+from .indexed import IndexedState, indexed_layers
+from .indexed import install as install_indexed
 from .linear.families import linear_modules
 from .linear.mixers import LinearMixers
 from .linear.seams import install_seams
@@ -37,8 +40,9 @@ class SequenceParallelState:
     unregister), and the function holds this state: so the layers are held by weak reference, and
     a finished model (with its optimizer's flat buffers behind its parameters) can be freed."""
 
-    def __init__(self, sp, key: str, layers, previous_attn, previous_loss, linear_layers=()):
+    def __init__(self, sp, key: str, layers, previous_attn, previous_loss, linear_layers=(), indexed_layers=()):
         self.sp = sp
+        self.indexed = IndexedState(indexed_layers) if indexed_layers else None     # DeepSeek sparse attention
         # hybrids' other layers, over the linear exchange sp resolved
         self.linear = LinearMixers(sp.linear_exchange, linear_layers) if linear_layers else None
         self.key = key
@@ -86,11 +90,13 @@ def apply_sequence_parallel(model: nn.Module, sp) -> nn.Module:
     linear = linear_modules(model)
     check_config(model.config, linear_ok=bool(linear))
     layers = check_modules(model)
+    indexed = indexed_layers(model, layers)
     check_hybrid(model, sp.config, linear)
     check_heads(model.config, sp.config)
     # 2. a key of our own; no "flash" (transformers would load a flash kernel) and no "/" (a hub kernel)
     key = f"ds_seqpar_sp{next(_KEYS)}"
-    state = SequenceParallelState(sp, key, layers, model.config._attn_implementation, model.loss_function, linear)
+    state = SequenceParallelState(sp, key, layers, model.config._attn_implementation, model.loss_function, linear,
+                                  indexed)
     AttentionInterface.register(key, make_attention_function(state))
     # 3. switch and verify
     model.set_attn_implementation(key)
@@ -101,6 +107,7 @@ def apply_sequence_parallel(model: nn.Module, sp) -> nn.Module:
     if linear:
         install_seams(linear)
         state.handles += state.linear.hooks(linear)
+    state.handles += install_indexed(indexed, state)
     setattr(model, STATE_ATTR, state)
     return model
 
