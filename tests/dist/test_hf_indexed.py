@@ -1,8 +1,8 @@
-"""DeepSeek sparse attention (hf/indexed.py) at P=2 under every softmax strategy: logits, loss and every
-parameter gradient equal the unsharded model's (the indexer's weights get none in either: transformers
-runs the indexer under no_grad), every query's top-k set is the unsharded model's, and the bytes are
-closed_form.indexed_attention_bytes; an indexer top-k longer than the sequence is refused on every rank
-before any collective."""
+"""DeepSeek sparse attention (hf/indexed.py) at P=2 under every softmax strategy (and packed documents
+under striped): logits, loss and every parameter gradient equal the unsharded model's (the indexer's
+weights get none in either: transformers runs the indexer under no_grad), every query's top-k set is
+the unsharded model's, and the bytes are closed_form.indexed_attention_bytes; an indexer top-k longer
+than the sequence is refused on every rank before any collective."""
 import torch
 
 from ds_seqpar import SequenceParallel
@@ -64,12 +64,42 @@ def check_indexed(cases):
         _compare(what, sp.unshard(out.logits.detach(), dim=1, seq_len=SEQ), out.loss.detach(),
                  _summed_grads(model, sp.group), ref, plain)
         checked.append(what)
+    checked.append(_check_packed(state))
     return checked
+
+
+def _check_packed(state):
+    """Two packed documents (position_ids restarting at 0) under striped: the indexer and the attention
+    keep to each document, as the unsharded model's packed-sequence mask does."""
+    from ds_seqpar.hf import apply_sequence_parallel
+    from ..hf_models import textbook_loss
+    ids = _batch(96)[0][:1]
+    pos = torch.cat([torch.arange(20), torch.arange(SEQ - 20)])[None]
+    labels = ids.clone()
+    labels[0, 20] = -100                      # the first document's last token has no target in the second
+    ref = []
+    for dtype in (torch.float64, torch.float32):
+        model = tiny_model("deepseek_v32", dtype, state)
+        logits = model(input_ids=ids, position_ids=pos).logits
+        loss = textbook_loss(logits, labels)
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        ref.append((logits.detach(), loss.detach(), grads))
+    sp = SequenceParallel({"strategy": "striped", "size": 2})
+    what = f"deepseek_v32 packed striped sp_rank={sp.rank}"
+    model = apply_sequence_parallel(tiny_model("deepseek_v32", state_dict=state), sp)
+    batch = sp.shard_batch({"input_ids": ids, "labels": labels, "position_ids": pos})
+    assert "cu_seqlens" in batch, what
+    out = model(**batch)
+    out.loss.backward()
+    _compare(what, sp.unshard(out.logits.detach(), dim=1, seq_len=SEQ), out.loss.detach(),
+             _summed_grads(model, sp.group), ref[0], ref[1])
+    return what
 
 
 def test_indexed_attention_is_exact_under_every_strategy(pool):
     results = pool.run(check_indexed, CASES)
-    assert all(len(r) == len(CASES) for r in results), results
+    assert all(len(r) == len(CASES) + 1 for r in results), results
 
 
 def topk_refusal():
