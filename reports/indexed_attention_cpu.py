@@ -4,11 +4,12 @@ latents 64 + 16, indexer 4 heads x 32, top-k 1024), a training step (forward + b
 the whole sequence on one rank (transformers' SDPA path) and under strategy zigzag on two ranks, timed in
 alternating rounds after one warm-up round (per round the slower rank). Also the bytes each rank sent
 against closed_form.indexed_attention_bytes. Prints JSON. Run from the repository root:
-    PYTHONPATH=$PWD python reports/indexed_attention_cpu.py 3 > reports/indexed_attention_cpu.txt"""
+    PYTHONPATH=$PWD python reports/indexed_attention_cpu.py 3 > reports/indexed_attention_cpu.txt
+(a second argument overrides N, for a quick trial)"""
 import json
 import sys
 
-N = 8192
+N = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
 SIZES = dict(hidden_size=256, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
              num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
              v_head_dim=32, index_n_heads=4, index_head_dim=32, index_topk=1024, first_k_dense_replace=1,
@@ -29,7 +30,7 @@ def work(rounds):
     torch.manual_seed(0)
     plain = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").train()
     sp = SequenceParallel({"strategy": "zigzag", "size": 2})
-    sharded = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").train()
+    sharded = T.AutoModelForCausalLM.from_config(T.DeepseekV32Config(**SIZES), attn_implementation="sdpa").train()
     sharded.load_state_dict(plain.state_dict())
     apply_sequence_parallel(sharded, sp)
     g = torch.Generator().manual_seed(1)

@@ -39,6 +39,7 @@ from typing import List, Optional, Tuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from .. import comm
 from ..masks import Mask
@@ -160,23 +161,23 @@ def install(layers, state) -> list:
 def sparse_attention(query, key, value, seen, indices, scale: float, sinks=None) -> torch.Tensor:
     """Each query's softmax over the keys it both sees and selected. query [b, h, n, d]; key [b, hk, N, d];
     value [b, hk, N, dv]; seen bool [b, 1, n, N]; indices [b, n, k] global key positions; sinks [h] or
-    None. Returns [b, n, h, dv] (transformers' attention output layout). Scores and softmax in fp32
-    (fp64 for fp64 inputs); the query's own key is always among them (its score is finite), so no row
-    is empty."""
+    None. Returns [b, n, h, dv] (transformers' attention output layout). Without sinks PyTorch's fused
+    SDPA with the boolean mask; with sinks written out, scores and softmax in fp32 (fp64 for fp64
+    inputs). The query's own key is always among the allowed ones, so no row is empty."""
     b, h, n, _ = query.shape
     if key.shape[1] != h:                                     # grouped k/v heads
         key, value = (t.repeat_interleave(h // key.shape[1], dim=1) for t in (key, value))
     chosen = torch.zeros(b, n, key.shape[2], dtype=torch.bool, device=query.device)
     chosen.scatter_(-1, indices.long(), True)
     allowed = seen & chosen[:, None]                          # [b, 1, n, N]
+    if sinks is None:       # the fused kernel, as transformers' SDPA path masks the whole sequence
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scale)
+        return out.transpose(1, 2)
     acc = torch.float64 if query.dtype == torch.float64 else torch.float32
     scores = torch.matmul(query.to(acc), key.to(acc).transpose(-1, -2)) * scale
     scores = scores.masked_fill(~allowed, float("-inf"))
-    if sinks is not None:
-        scores = torch.cat([scores, sinks.to(acc).view(1, h, 1, 1).expand(b, h, n, 1)], dim=-1)
-    probs = torch.softmax(scores, dim=-1)
-    if sinks is not None:
-        probs = probs[..., :-1]
+    scores = torch.cat([scores, sinks.to(acc).view(1, h, 1, 1).expand(b, h, n, 1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1)[..., :-1]          # the sink's share dropped
     out = torch.matmul(probs.to(value.dtype), value)         # [b, h, n, dv]
     return out.transpose(1, 2)
 
