@@ -2,7 +2,8 @@
 the unsharded model, fp32, one thread per rank: a one-layer DeepseekV32 model (hidden 256, 4 heads, MLA
 latents 64 + 16, indexer 4 heads x 32, top-k 1024), a training step (forward + backward of the loss) on
 the whole sequence on one rank (transformers' SDPA path) and under strategy zigzag on two ranks, timed in
-alternating rounds after one warm-up round (per round the slower rank). Also the bytes each rank sent
+alternating rounds after one warm-up round (per round the slower rank; wall seconds and the main thread's
+CPU seconds, the latter less exposed to other load on the machine). Also the bytes each rank sent
 against closed_form.indexed_attention_bytes. Prints JSON. Run from the repository root:
     PYTHONPATH=$PWD python reports/indexed_attention_cpu.py 3 > reports/indexed_attention_cpu.txt
 (a second argument overrides N, for a quick trial)"""
@@ -68,17 +69,27 @@ def main():
     sys.path.insert(0, ".")
     from ds_seqpar.launch.rankpool import RankPool
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+    with open("/proc/loadavg") as f:
+        load_before = f.read().split()[:3]
     pool = RankPool(2, timeout_s=3600.0).start()
     try:
         res = pool.run(work, rounds)
     finally:
         pool.close()
+    def median(xs):
+        return sorted(xs)[len(xs) // 2]
+
     one = [w for w, _ in res[0]["unsharded"]]
     two = [max(a[0], b[0]) for a, b in zip(res[0]["p2"], res[1]["p2"])]
+    one_cpu = [c for _, c in res[0]["unsharded"]]
+    two_cpu = [max(a[1], b[1]) for a, b in zip(res[0]["p2"], res[1]["p2"])]
     report = {"N": N, "sizes": SIZES, "unsharded_s": one, "p2_s": two,
-              "speedup_median": sorted(one)[len(one) // 2] / sorted(two)[len(two) // 2],
+              "speedup_median": median(one) / median(two),
+              # the main thread's CPU seconds: the compute each rank did, less exposed to the machine's load
+              "unsharded_cpu_s": one_cpu, "p2_cpu_s": two_cpu, "cpu_speedup_median": median(one_cpu) / median(two_cpu),
               "bytes_rank0": res[0]["bytes"], "bytes_rank1": res[1]["bytes"],
               "bytes_equal_closed_form": all(r["bytes"]["measured"] == r["bytes"]["closed_form"] for r in res)}
+    report["loadavg_before"] = load_before
     with open("/proc/loadavg") as f:
         report["loadavg_after"] = f.read().split()[:3]
     print(json.dumps(report, indent=1))
