@@ -21,6 +21,12 @@ def tiny_config(family: str, **overrides):
                                          qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=8,
                                          first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2,
                                          moe_intermediate_size=32, n_group=1, topk_group=1, **overrides))
+    if family == "deepseek_v32":   # DeepSeek sparse attention: MLA + an indexer keeping 8 of 32 keys
+        return T.DeepseekV32Config(**dict(dict(COMMON, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16,
+                                               qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=8,
+                                               index_n_heads=4, index_head_dim=16, index_topk=8,
+                                               first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2,
+                                               moe_intermediate_size=32, n_group=1, topk_group=1), **overrides))
     raise KeyError(family)
 
 

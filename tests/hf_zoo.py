@@ -26,7 +26,11 @@ TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atten
             num_experts_per_token=2, num_dense_layers=1, moe_topk=2, zero_expert_num=2, num_expert_group=1,
             # Mamba2 mixers (heads x head dim = expand x hidden); an 8-token chunk: two per rank at P=2
             mamba_n_heads=4, mamba_d_head=32, mamba_d_ssm=128, mamba_n_groups=2, mamba_d_state=16,
-            mamba_chunk_size=8, mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=16, n_groups=2)
+            mamba_chunk_size=8, mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=16, n_groups=2,
+            # DeepSeek sparse attention: a small indexer whose top-k is shorter than the sequence and a shard
+            index_n_heads=4, index_head_dim=16, index_topk=8,
+            # Llama 4's attention temperature grows every floor_scale positions (default 8192): within the sequence
+            floor_scale=4)
 TOP_K = ("num_experts_per_tok", "num_experts_per_token", "moe_topk")    # never above the default (some allow only 1)
 MLA = dict(q_lora_rank=16)      # MLA configs (qk_rope_head_dim): head_dim is the rope part, not set
 FILL = dict(n_shared_experts=1)  # sizes a default leaves None that the model multiplies with

@@ -9,6 +9,7 @@ Order of apply (everything that can fail does so before the model is touched, on
      attention ignores the registry; a forward hook later checks every attention layer called it
   4. route the model's loss to sp.loss (loss.py) and install the forward hooks (hooks.py)
   5. hybrids: the linear layers' ops get their seams and each layer a pair of hooks (hf/linear/)
+   6. DeepSeek sparse attention: each indexed layer a pre-hook giving it the global keys and mask (indexed.py)
 Multimodal models (vision.py): steps 1-4 concern the decoder alone (the submodule built from the text
 config); the towers keep their attention and run whole on every rank.
 """
@@ -23,6 +24,8 @@ import torch.nn as nn
 from . import hooks
 from .attention import chunked_documents, is_chunked, make_attention_function
 from .checks import UnsupportedModelError, check_config, check_heads, check_hybrid, check_modules
+from .indexed import IndexedState, indexed_layers
+from .indexed import install as install_indexed
 from .linear.families import linear_modules
 from .linear.mixers import LinearMixers
 from .linear.seams import install_seams
@@ -40,9 +43,11 @@ class SequenceParallelState:
     unregister), and the function holds this state: so the layers are held by weak reference, and
     a finished model (with its optimizer's flat buffers behind its parameters) can be freed."""
 
-    def __init__(self, sp, key: str, layers, previous_attn, previous_loss, linear_layers=(), vision=None):
+    def __init__(self, sp, key: str, layers, previous_attn, previous_loss, linear_layers=(), vision=None,
+                 indexed_layers=()):
         self.sp = sp
         self.vision = vision              # a multimodal model's decoder and its whole-row inputs, or None
+        self.indexed = IndexedState(indexed_layers) if indexed_layers else None     # DeepSeek sparse attention
         # hybrids' other layers, over the linear exchange sp resolved
         self.linear = LinearMixers(sp.linear_exchange, linear_layers) if linear_layers else None
         self.key = key
@@ -92,12 +97,13 @@ def apply_sequence_parallel(model: nn.Module, sp) -> nn.Module:
     linear = linear_modules(decoder)
     check_config(model.config, linear_ok=bool(linear), vision_ok=vision is not None)
     layers = check_modules(decoder)
+    indexed = indexed_layers(decoder, layers)
     check_hybrid(model, sp.config, linear)
     check_heads(model.config, sp.config)
     # 2. a key of our own; no "flash" (transformers would load a flash kernel) and no "/" (a hub kernel)
     key = f"ds_seqpar_sp{next(_KEYS)}"
     state = SequenceParallelState(sp, key, layers, _implementations(model, vision), model.loss_function, linear,
-                                  vision)
+                                  vision, indexed)
     AttentionInterface.register(key, make_attention_function(state))
     # 3. switch (the decoder only: the towers keep theirs) and verify
     model.set_attn_implementation(key if vision is None else {"": key, vision.text_sub_config(): key})
@@ -108,6 +114,7 @@ def apply_sequence_parallel(model: nn.Module, sp) -> nn.Module:
     if linear:
         install_seams(linear)
         state.handles += state.linear.hooks(linear)
+    state.handles += install_indexed(indexed, state)
     setattr(model, STATE_ATTR, state)
     return model
 

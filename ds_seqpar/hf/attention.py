@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ..masks import chunk_bounds, effective_window
 from .checks import UnsupportedModelError
+from .indexed import sparse_attention
 
 
 def make_attention_function(state) -> Callable:
@@ -37,8 +38,12 @@ def make_attention_function(state) -> Callable:
         if sp is None:
             raise RuntimeError(f"ds_seqpar.hf: {where} called sequence-parallel attention after "
                                f"remove_sequence_parallel; this model's attention key is stale")
+        if state.indexed is not None and id(module) in state.indexed.ids:
+            state.calls.add(id(module))
+            return indexed_attention(where, query, key, value, attention_mask, dropout, scaling, kwargs, sp.size), None
         causal, seq_len, cu_seqlens = _call_options(module, kwargs)
         check_call(where, query, key, attention_mask, dropout, kwargs, sp.size, causal, seq_len)
+        query = global_temperature(module, query, sp)
         n_global = query.shape[2] * sp.size
         window, softcap, sinks = score_options(kwargs, n_global)
         cu_seqlens = state.chunks(module, cu_seqlens, seq_len or n_global)
@@ -52,6 +57,46 @@ def make_attention_function(state) -> Callable:
         return out_bshd[..., :dv], None
 
     return ds_seqpar_attention
+
+
+def indexed_attention(where: str, query, key, value, seen, dropout: float, scaling, kwargs, sp_size: int):
+    """A DeepSeek sparse attention layer (indexed.py): this rank's queries against the whole sequence's
+    keys, which its pre-hook gathered, over the global top-k its indexer selected."""
+    indices = kwargs.get("indices")
+    n, n_global = query.shape[2], query.shape[2] * sp_size
+    if dropout and dropout > 0:
+        raise UnsupportedModelError(f"ds_seqpar.hf: attention dropout {dropout} in training in {where} cannot be "
+                                    f"exact under sequence parallelism; set attention_dropout=0.0 in the config")
+    if kwargs.get("output_attentions"):
+        raise UnsupportedModelError(f"ds_seqpar.hf: output_attentions=True in {where} cannot be exact under sequence "
+                                    f"parallelism; call without output_attentions")
+    if indices is None or key.shape[2] != n_global or seen is None or tuple(seen.shape[-2:]) != (n, n_global):
+        raise UnsupportedModelError(f"ds_seqpar.hf: {where} is an indexed attention layer but did not receive the "
+                                    f"global keys, mask and top-k indices its pre-hook provides (keys {key.shape[2]}, "
+                                    f"expected {n_global}; indices given: {indices is not None}); this layer's design "
+                                    f"is not the DeepSeek sparse attention ds_seqpar adapts")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return sparse_attention(query, key, value, seen, indices, scale, kwargs.get("s_aux"))
+
+
+def global_temperature(module, query, sp):
+    """Llama 4's attention temperature tuning on NoPE layers scales each query by
+    t(i) = 1 + attn_scale * log(1 + floor((i + 1) / floor_scale)) at its position i, which the layer takes
+    from arange(local token count). Rescaled here by t(global) / t(local) (the ratio in float64, the
+    positions as sp.position_ids gives them, as the whole-row arange the unsharded model uses); other
+    layers unchanged. [b, h, s, d] in and out."""
+    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+        return query
+    n = query.shape[2]
+    local = torch.arange(n, device=query.device)
+    glob = sp.position_ids(n * sp.size, device=query.device)
+
+    def tuned(pos):          # the layer's formula, in its float32
+        return torch.log1p(torch.floor((pos.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+
+    ratio = tuned(glob).double() / tuned(local).double()
+    wide = torch.float64 if query.dtype == torch.float64 else torch.float32
+    return (query.to(wide) * ratio.to(wide).view(1, 1, n, 1)).to(query.dtype)
 
 
 def score_options(kwargs, n_global: int):
@@ -135,4 +180,4 @@ def match_head_dims(q_bshd, k_bshd, v_bshd):
     return q_bshd, k_bshd, v_bshd, dv
 
 
-__all__ = ["make_attention_function", "check_call", "match_head_dims"]
+__all__ = ["make_attention_function", "check_call", "match_head_dims", "global_temperature", "indexed_attention"]

@@ -3,7 +3,8 @@
 transformers builds no attention mask for a custom attention key, so every feature that lives only
 in the mask would be silently dropped. The ones transformers also passes to its attention functions
 are made exact (attention.py): sliding windows (``sliding_window``, per layer), softcapping
-(``softcap``), sinks (``s_aux``), and Llama 4's chunked layers (chunks as documents). Padding and
+(``softcap``), sinks (``s_aux``), Llama 4's chunked layers (chunks as documents) and its attention
+temperature tuning (from global positions), and DeepSeek sparse attention (indexed.py). Padding and
 token mixing outside attention is refused here, with the feature, the layer or config key, and what
 would work, unless hf/linear/ has an adapter for the layer class (gated DeltaNet, Kimi delta
 attention, short convolutions), every layer of a linear type holds one, and the strategy's layout
@@ -32,7 +33,7 @@ LEGACY_MODEL_TYPES = frozenset({
     "big_bird", "bloom", "clvp", "codegen", "cpmant", "falcon", "gpt_neo", "gpt_neox_japanese", "gptj",
     "megatron-bert", "megatron_bert", "mpt", "mvp", "prophetnet", "rembert", "roformer", "rwkv", "trocr", "xglm",
 })
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention")
 TOKENWISE_LAYER_TYPES = ("mlp", "moe")        # Nemotron-H's layers without a token mixer
 # modules that mix tokens outside attention: the state / convolution would run on one shard only
 TOKEN_MIXER_CLASS = re.compile(r"Mamba|GatedDeltaNet|ShortConv|SSM|Rwkv|RWKV|LinearAttention|Retention|Hyena|"
@@ -88,11 +89,6 @@ def check_config(config, training: Optional[bool] = None, linear_ok: bool = Fals
     if getattr(config, "is_encoder_decoder", False) or getattr(tc, "add_cross_attention", False):
         _refuse("cross attention (is_encoder_decoder / add_cross_attention)", name, "use a decoder-only model")
     _check_layer_types(tc, name, linear_ok)
-    if getattr(tc, "attn_temperature_tuning", False) and not all(getattr(tc, "no_rope_layers", None) or [1]):
-        # Llama 4 scales NoPE layers' queries by a function of arange(local length): local positions
-        _refuse("attention temperature tuning on NoPE layers (attn_temperature_tuning: the model computes it "
-                "from the local token count, not global positions)", f"{name} config.attn_temperature_tuning",
-                "set config.attn_temperature_tuning=False")
     dropout = getattr(tc, "attention_dropout", 0.0) or 0.0
     if training and dropout > 0:
         _refuse(f"attention dropout {dropout} in training", f"{name} config.attention_dropout",
@@ -110,6 +106,10 @@ def _check_multimodal(config, tc, name: str) -> None:
                 name, "apply to the text model alone")
 
 
+# layer types that are refused for what they are, not as unknown token mixers
+COMPRESSED_LAYER_TYPES = ("heavily_compressed_attention", "compressed_sparse_attention")
+
+
 def _check_layer_types(tc, name: str, linear_ok: bool = False) -> None:
     allowed = ATTENTION_LAYER_TYPES + TOKENWISE_LAYER_TYPES + (LINEAR_LAYER_TYPES if linear_ok else ())
     for key in ("layer_types", "layers_block_type"):
@@ -117,10 +117,21 @@ def _check_layer_types(tc, name: str, linear_ok: bool = False) -> None:
         for i, kind in enumerate(types):
             if key == "layers_block_type" and kind == "attention":
                 continue
+            if kind in COMPRESSED_LAYER_TYPES:
+                # DeepSeek-V4: the compressor pools windows of compress_rate tokens counted from the layer's
+                # first local token, places their RoPE and causality from that local count, and hands the
+                # compressed entries' causal bias to attention only inside a tensor mask, which transformers
+                # does not build for a custom attention key (the entries would be visible to every query)
+                _refuse(f"compressed attention ({key}[{i}]={kind!r}: KV entries pooled over windows of "
+                        f"compress_rate tokens counted from each rank's first token, with a causal bias the "
+                        f"layer passes only inside an attention mask tensor)", f"{name} layer {i}",
+                        "use a model whose attention reads its keys token by token (full, sliding, chunked or "
+                        "DeepSeek-V3.2 indexed attention)")
             if kind not in allowed:
-                _refuse(f"token mixing outside attention ({key}[{i}]={kind!r}: a linear-attention, SSM or "
-                        f"convolution layer)", f"{name} layer {i}", "use a model whose layers mix tokens only "
-                        "in softmax attention")
+                what = ("a linear-attention, SSM or convolution layer" if kind in LINEAR_LAYER_TYPES
+                        else "a layer type ds_seqpar does not know")
+                _refuse(f"token mixing outside attention ({key}[{i}]={kind!r}: {what})", f"{name} layer {i}",
+                        "use a model whose layers mix tokens only in softmax attention")
 
 
 def attention_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
@@ -185,15 +196,23 @@ def check_heads(config, sp_config) -> None:
     """The strategy must be able to split these heads (Ulysses: heads over ranks). ``sp_config``:
     the SequenceParallelConfig, so this runs before any process group exists."""
     tc = text_config(config)
-    heads = getattr(tc, "num_attention_heads", None)
-    kv_heads = getattr(tc, "num_key_value_heads", None) or heads
-    if heads is None:
-        return
-    try:
-        strategies.check_heads(sp_config, int(heads), int(kv_heads))
-    except ValueError as err:
-        raise UnsupportedModelError(f"ds_seqpar.hf: {type(tc).__name__} num_attention_heads={heads}, "
-                                    f"num_key_value_heads={kv_heads}: {err}") from None
+    for heads, kv_heads in _head_counts(tc):
+        if heads is None:
+            continue
+        kv_heads = kv_heads or heads
+        try:
+            strategies.check_heads(sp_config, int(heads), int(kv_heads))
+        except ValueError as err:
+            raise UnsupportedModelError(f"ds_seqpar.hf: {type(tc).__name__} num_attention_heads={heads}, "
+                                        f"num_key_value_heads={kv_heads}: {err}") from None
+
+
+def _head_counts(tc):
+    """{(q heads, k/v heads)} of the layers: per layer where the config sets them per layer (dots3's
+    per_layer_config, whose global attributes refuse to be read), else the config's own."""
+    per_layer = getattr(tc, "per_layer_config", None)
+    configs = [per_layer[i] for i in range(tc.num_hidden_layers)] if per_layer is not None else [tc]
+    return {(getattr(c, "num_attention_heads", None), getattr(c, "num_key_value_heads", None)) for c in configs}
 
 
 def check_dropout(layers, training: bool) -> None:

@@ -17,6 +17,7 @@ Before the forward (refusals that depend on the call, not only on the config):
     rank's position_ids are not the global positions sp.shard_batch gives. If any rank raises it,
     every rank gathers the position_ids (batch 1) and passes the documents they restart at as
     cu_seqlens, exactly as the model would mask them; with batch > 1 every rank refuses;
+  * an indexer top-k (DeepSeek sparse attention) longer than the whole sequence;
   * use_cache is forced off (a cache would make the model skip packed-sequence handling and keep
     keys it never needs in training).
 After the forward: every attention layer must have called the function (models whose attention
@@ -32,6 +33,7 @@ import torch
 from .. import comm
 from ..sharding.documents import boundaries_from_positions
 from .checks import UnsupportedModelError, check_config, check_dropout
+from .indexed import check_topk
 
 
 def install(model, state) -> list:
@@ -116,6 +118,8 @@ def check_call(model, state, call: dict) -> None:
     check_config(model.config, training=model.training, linear_ok=state.linear is not None,
                  vision_ok=state.vision is not None)
     check_dropout(state.layers, model.training)
+    if state.indexed is not None:
+        check_topk(model.config, pos.shape[-1] * state.sp.size)
 
 
 def _group_flags(mask, position_ids, sp):

@@ -13,7 +13,7 @@ Each form is the one in the strategy's docstring (strategies/*.py); the notation
     f        Ulysses k/v head replication P / gcd(H_kv, P) (1 when P divides H_kv)
 
 Forms are split by the CommStats kind each exchange records under ("all_to_all", "ring",
-"ring_grad", "lasp_state", "lasp_dstate"), so a test also sees which exchange is off; the own LM's
+"ring_grad", "lasp_state", "lasp_dstate"; "dsa_latent", "dsa_index_keys" for DeepSeek sparse attention), so a test also sees which exchange is off; the own LM's
 LASP and the hybrids' linear layers share one state exchange and so one form (state_exchange_bytes).
 
 Packed documents and sliding windows: Ulysses and the hybrid's all-to-alls are unchanged; the ring
@@ -155,6 +155,21 @@ def conv_halo_bytes(frags, rows: int, channels: int, width: int, elem: int) -> D
     the most runs any rank holds) all-gathered, their gradients reduce-scattered back."""
     p, f = len(frags), max(len(fr) for fr in frags)
     return {"conv_halo": 2 * (p - 1) * f * rows * channels * width * elem}
+
+
+def indexed_attention_bytes(p: int, batch: int, seq: int, latent_dim: int, index_dim: int, elem: int
+                            ) -> Dict[str, int]:
+    """One DeepSeek sparse attention layer, forward + backward (hf/indexed.py), whatever the softmax
+    strategy: the n = N / P local latents (``latent_dim`` = kv_lora_rank + qk_rope_head_dim per token)
+    all-gathered forward (P-1 pieces) and their gradients reduce-scattered backward ((P-1)/P of P
+    pieces), kind "dsa_latent"; the indexer keys (``index_dim`` per token; 0 on a layer that reuses an
+    earlier layer's selection) all-gathered forward only (the indexer runs without gradient), kind
+    "dsa_index_keys". Independent of heads and top-k; linear in N."""
+    if p == 1:
+        return {}
+    piece = batch * (seq // p) * elem
+    out = {"dsa_latent": 2 * (p - 1) * piece * latent_dim, "dsa_index_keys": (p - 1) * piece * index_dim}
+    return {kind: n for kind, n in out.items() if n}
 
 
 # -- packed documents (cu_seqlens) -------------------------------------------------------------
@@ -309,4 +324,5 @@ def transient_bytes(strategy: str, p: int, shapes: Shapes, ulysses_size: int = 1
 
 
 __all__ = ["Shapes", "closed_form_bytes", "transient_bytes", "closed_form_by_kind", "kv_replication", "E_ACC",
-           "ring_key_ranges", "ring_masked_bytes", "masked_ring_by_kind", "lasp_bytes", "state_exchange_bytes"]
+           "ring_key_ranges", "ring_masked_bytes", "masked_ring_by_kind", "lasp_bytes", "state_exchange_bytes",
+           "indexed_attention_bytes"]

@@ -4,10 +4,15 @@ both ranks of each sequence group; never a silent mismatch. docs/models.md is th
 from ..hf_zoo import STRATEGIES, causal_lm_types, merged, rounding_bounded_ratios, sweep
 
 # architectures whose masks this wave made exact; they must stay exact under every strategy (Llama 4's own
-# row keeps its NoPE layers, whose attention temperature tuning is refused by name; the variant row without it
-# keeps the chunked and NoPE layers exact)
-MUST_BE_EXACT = {"llama", "mistral", "mixtral", "gemma2", "gemma3_text", "cohere2", "qwen2",
+# row: chunked layers and NoPE layers with attention temperature tuning from global positions; the variant
+# row without the tuning as well)
+MUST_BE_EXACT = {"llama", "mistral", "mixtral", "gemma2", "gemma3_text", "cohere2", "qwen2", "llama4_text",
                  "llama4_text, attn_temperature_tuning=False", "gpt_oss", "starcoder2", "olmo3", "exaone4", "ministral"}
+
+# DeepSeek sparse attention (hf/indexed.py): exact under every strategy; DeepSeek-V4's compressed attention
+# refused for what it is
+INDEXED_EXACT = {"deepseek_v32", "glm_moe_dsa", "hy_v4", "dots3_note_text", "axk2"}
+REFUSED_AS = {"deepseek_v4": "compressed attention"}
 
 # hybrids whose linear-attention / SSM / conv layers this wave made sequence-parallel
 HYBRIDS_EXACT = {"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear", "bailing_hybrid",
@@ -28,8 +33,10 @@ def test_every_causal_lm_is_exact_or_refused_by_name(pool):
     for mt in HYBRIDS_EXACT & set(outcome):                  # docs/hybrids.md: state passing needs runs of tokens
         assert all(outcome[mt][s][0] == "exact" for s in STRATEGIES if s != "striped"), (mt, outcome[mt])
         assert outcome[mt]["striped"][0] == "refused" and "striped" in outcome[mt]["striped"][1], (mt, outcome[mt])
-    for mt in MUST_BE_EXACT & set(outcome):
+    for mt in (MUST_BE_EXACT | INDEXED_EXACT) & set(outcome):
         assert all(outcome[mt][s][0] == "exact" for s in STRATEGIES), (mt, outcome[mt])
+    for mt in set(REFUSED_AS) & set(outcome):
+        assert all(o[0] == "refused" and REFUSED_AS[mt] in o[1] for o in outcome[mt].values()), (mt, outcome[mt])
     for mt, r, _ in rows:
         for s, (kind, detail) in r.items():
             if kind == "refused":

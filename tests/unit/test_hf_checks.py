@@ -23,7 +23,7 @@ def _config(name, **kw):
 
 
 REFUSED = [
-    ("Llama4TextConfig", {}, {}, "attention temperature tuning on NoPE layers"),
+    ("DeepseekV4Config", {}, {}, "compressed attention (layer_types[0]='heavily_compressed_attention'"),
     ("Qwen3NextConfig", {}, {}, "token mixing outside attention (layer_types[0]='linear_attention'"),
     ("JambaConfig", {}, {}, "token mixing outside attention (layer_types[0]='linear_attention'"),
     ("MambaConfig", {}, {}, "token mixing outside attention"),
@@ -53,6 +53,8 @@ ACCEPTED = [
     ("MistralConfig", {"sliding_window": 16}, {}),                          # windows: sp.attention(window=)
     ("Gemma2Config", {}, {"training": True}),                               # softcap: sp.attention(softcap=)
     ("Llama4TextConfig", {"attn_temperature_tuning": False}, {}),          # chunked layers: chunks as documents
+    ("Llama4TextConfig", {}, {"training": True}),                           # temperature tuning: global positions
+    ("DeepseekV32Config", {}, {"training": True}),                          # indexed attention: hf/indexed.py
     ("LlamaConfig", {"attention_dropout": 0.1}, {"training": False}),        # dropout is off in eval
     ("DeepseekV3Config", {}, {"training": True}),                            # MLA: padded, exact
     ("Gemma3TextConfig", {}, {}),
