@@ -327,7 +327,7 @@ def render_saved(path: str) -> str:
 
 # suite -> the module whose main(argv) measures it; "attention" is this module's own
 SUITES = {"attention": None, "packed": "packed", "window": "window", "hybrid": "hybrid", "trainer": "trainer",
-          "memory": "memory"}
+          "memory": "memory", "dynamic": "dynamic"}
 OLD_FLAGS = {"--packed": "packed", "--window": "window", "--hybrid": "hybrid", "--trainer": "trainer"}
 
 
