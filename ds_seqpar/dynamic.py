@@ -3,7 +3,9 @@ strategies, ``"sequence_parallel": {"size": "dynamic", "max_tokens_per_rank": T}
 
 Groups exist once: one SequenceParallel per size of the family (schedule.group_sizes: powers of
 two dividing the world, and the world), built in ascending order at construction on every rank,
-each with its aligned sequence groups (ranks [k*s, (k+1)*s)). A step only selects among them.
+each with its aligned sequence groups (ranks [k*s, (k+1)*s)) and no data-parallel groups; groups
+with the same ranks are one handle (comm.new_group), so the family is schedule.family_groups. A
+step only selects among them.
 
 The loss of a step is the mean over all target tokens of the global batch. A micro-batch's loss is
 its ranks' token-loss sum over that count; its backward is scaled by the world size once DeepSpeed
@@ -45,8 +47,11 @@ class DynamicSequenceParallel:
             raise ConfigError(f"sequence_parallel.strategy='ulysses' with size='dynamic': no group size of "
                               f"{list(group_sizes(comm.world_size()))} but 1 divides the {self.heads} heads, so "
                               f"no document could be split; use zigzag, ring or striped (any size)")
-        # collective: every rank builds every size's groups, in the same (ascending) order
-        self._setup(config, {s: SequenceParallel(static_config(config, s), device) for s in sizes})
+        # collective: every rank builds every size's groups, in the same (ascending) order; no
+        # data-parallel groups (gradients are reduced over every rank), so the family is the world,
+        # the one-rank groups and each size's sequence groups (schedule.family_groups)
+        self._setup(config, {s: SequenceParallel(static_config(config, s), device, data_groups=False)
+                             for s in sizes})
 
     @classmethod
     def fixed(cls, sp: SequenceParallel, max_tokens_per_rank: int) -> "DynamicSequenceParallel":

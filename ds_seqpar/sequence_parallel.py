@@ -39,7 +39,7 @@ from .zero import check_ds_config, loss_grad_scale
 
 class SequenceParallel:
     def __init__(self, config: Union[SequenceParallelConfig, Mapping[str, Any]],
-                 device: Optional[Union[str, torch.device]] = None):
+                 device: Optional[Union[str, torch.device]] = None, data_groups: bool = True):
         if not isinstance(config, SequenceParallelConfig):
             config = SequenceParallelConfig.parse(config)
         _require_distributed()
@@ -49,7 +49,7 @@ class SequenceParallel:
         config.check_world(world)
         self.dims = ParallelDims(world, config.size, config.effective_ulysses_size)
         # 2. groups (collective: every rank builds every group, in the same order)
-        self.groups = ProcessGroups(self.dims, comm.global_rank(), config.timeout_s)
+        self.groups = ProcessGroups(self.dims, comm.global_rank(), config.timeout_s, data_groups)
         self.mpu = SequenceParallelMPU(self.groups)
         # 3. kernel
         self.device = torch.device(device) if device is not None else _default_device()

@@ -118,16 +118,21 @@ def _member_group(all_ranks: List[List[int]], rank: int, backend_groups: list):
 class ProcessGroups:
     """The sequence, data, sequence x data, ulysses and ring groups of this rank.
 
-    Built collectively: every rank of the world must construct one, in the same order.
+    Built collectively: every rank of the world must construct one, in the same order. comm.new_group
+    keeps one handle per rank list, so groups with the same ranks (the ring groups of a plain ring,
+    the one-rank groups) are created once.
     """
 
-    def __init__(self, dims: ParallelDims, rank: int, timeout_s: float):
+    def __init__(self, dims: ParallelDims, rank: int, timeout_s: float, data_groups: bool = True):
         self.dims = dims
         self.coords = dims.coords(rank)
         world = [list(range(dims.world_size))]
         self.seq_data_group, self.seq_data_ranks = self._build(world, rank, timeout_s)
         self.sp_group, self.sp_ranks = self._build(dims.sp_group_ranks(), rank, timeout_s)
-        self.dp_group, self.dp_ranks = self._build(dims.dp_group_ranks(), rank, timeout_s)
+        # a dynamic family (ds_seqpar.dynamic) reduces over every rank and never over replicas of
+        # one size: it builds no data-parallel groups (None)
+        self.dp_group, self.dp_ranks = self._build(dims.dp_group_ranks(), rank, timeout_s) if data_groups \
+            else (None, None)
         self.ulysses_group, self.ulysses_ranks = self._build(dims.ulysses_group_ranks(), rank, timeout_s)
         self.ring_group, self.ring_ranks = self._build(dims.ring_group_ranks(), rank, timeout_s)
         # DeepSpeed all-reduces grad norms over the model-parallel group: here that is one rank.

@@ -3,7 +3,7 @@
 suite is one line in SUITES.
 
     ds-seqpar bench [attention] --preset full         # bench/attention.py (the default suite)
-    ds-seqpar bench packed | window | hybrid | trainer | memory [--help]
+    ds-seqpar bench packed | window | hybrid | trainer | memory | dynamic [--help]
 
 The old spellings (``--packed``, ``--window``, ``--hybrid``, ``--trainer`` anywhere on the line) still
 work and print one deprecation line.
@@ -15,7 +15,7 @@ import sys
 from typing import List, Optional
 
 SUITES = {"attention": "attention", "packed": "packed", "window": "window", "hybrid": "hybrid",
-          "trainer": "trainer", "memory": "memory"}
+          "trainer": "trainer", "memory": "memory", "dynamic": "dynamic"}
 OLD_FLAGS = {"--packed": "packed", "--window": "window", "--hybrid": "hybrid", "--trainer": "trainer"}
 
 

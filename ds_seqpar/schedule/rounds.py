@@ -14,9 +14,11 @@ Rules, in order:
    size, ``sizes=(P,)``, this is static sequence parallelism over packed rows). The micro-batches
    are placed largest size and cost first, each in the first round with a free aligned block, on
    the block whose ranks carry the least cost so far.
-4. Documents that fit on one rank (when 1 is a size) are dealt, costliest first, to the rank with the least cost so
-   far (longest-processing-time greedy), then packed whole, first fit, into that rank's
-   micro-batches of at most T tokens, which go into its free rounds and then into new rounds.
+4. Documents that fit on one rank (when 1 is a size) are placed one by one, costliest first, where
+   they leave their busiest rank the least loaded: into a one-rank micro-batch with room (at most
+   T tokens), a free (round, rank) cell, or the room a multi-rank micro-batch leaves under its
+   group's capacity (the document is then split over that group). A new round only when none has
+   room: every round is a forward and backward on every rank.
 5. Every rank runs one micro-batch per round, an empty one (no token, zero loss, on its group of
    the smallest size) where it has nothing: under ZeRO-3 every rank must run the same number of forward and backward passes.
 
@@ -113,6 +115,18 @@ def group_sizes(world_size: int, heads: Optional[int] = None) -> Tuple[int, ...]
     return tuple(sorted(s for s in sizes if heads is None or heads % s == 0))
 
 
+def family_groups(world_size: int, sizes: Sequence[int]) -> List[Tuple[int, ...]]:
+    """The process groups the dynamic runtime builds once, as rank lists, each once: the world (the
+    gradient reduction), the one-rank groups (DeepSpeed's model-parallel group, size 1) and every
+    aligned group of each size between 1 and the world. A rank is a member of the world, its own
+    rank and one group per such size: the communicators it ever uses."""
+    out = [tuple(range(world_size))] + [(r,) for r in range(world_size)]
+    for s in sorted(set(sizes)):
+        if 1 < s < world_size:
+            out += [tuple(range(f, f + s)) for f in range(0, world_size, s)]
+    return out
+
+
 def schedule(lengths: Sequence[int], world_size: int, max_tokens_per_rank: int, sizes: Sequence[int],
              strategy: str = "zigzag", shape: ModelShape = ModelShape(),
              loss_tokens: Optional[int] = None) -> Schedule:
@@ -136,15 +150,8 @@ def schedule(lengths: Sequence[int], world_size: int, max_tokens_per_rank: int, 
         for r in mb.group.ranks:
             table[rnd][r] = mb
             load[r] += mb.cost
-    for rank, bins in enumerate(_deal_short(lengths, need, cost, load, t)):
-        free = (k for k in range(len(table)) if rank not in table[k])
-        for docs in bins:
-            k = next(free, None)
-            if k is None:
-                table.append({})
-                k = len(table) - 1
-            table[k][rank] = MicroBatch(Group(1, rank), tuple(docs), tuple(lengths[d] for d in docs), total,
-                                        sum(cost[d] for d in docs))
+    for d in sorted((i for i, s in enumerate(need) if s == 1), key=lambda i: (-cost[i], i)):
+        _place_short(table, d, lengths, strategy, shape, load, world_size, t, total)
     rounds = tuple(_fill_empty(row, world_size, sizes[0], total) for row in table)
     return Schedule(rounds, world_size, t, total, tuple(load))
 
@@ -171,16 +178,38 @@ def _free_block(table, size: int, world_size: int, load) -> Tuple[int, int]:
     return len(table) - 1, min(range(0, world_size, size), key=lambda f: (sum(load[f:f + size]), f))
 
 
-def _deal_short(lengths, need, cost, load, t: int) -> List[List[List[int]]]:
-    """Per rank, its one-rank documents (none unless 1 is a size) packed into micro-batches of at most ``t`` tokens; ``load``
-    grows by what each rank gets."""
-    per_rank: List[List[int]] = [[] for _ in load]
-    for i in sorted((i for i, s in enumerate(need) if s == 1), key=lambda i: (-cost[i], i)):
-        r = min(range(len(load)), key=lambda r: (load[r], r))
-        per_rank[r].append(i)
-        load[r] += cost[i]
-    out = []
-    return [_pack(docs, lengths, t) for docs in per_rank]
+def _place_short(table, d: int, lengths, strategy: str, shape: ModelShape, load, world_size: int, t: int,
+                 total: int) -> None:
+    """Document ``d`` (it fits on one rank) where it leaves its busiest rank the least loaded: into a
+    one-rank micro-batch with room, a free (round, rank) cell, or the room a multi-rank micro-batch
+    leaves under its group's capacity (split over the group, each rank paying the price on that
+    group). A new round only when nothing has room: every round is a forward and backward on every
+    rank (an empty one where a rank has nothing), so rounds are not free."""
+    n, best = lengths[d], None
+    for k, row in enumerate(table):
+        for r in range(world_size):
+            mb = row.get(r)
+            if mb is None:
+                option = (load[r] + price(n, 1, strategy, shape), 1, k, r)
+            elif mb.tokens + n > mb.group.size * t or (mb.group.size > 1 and r != mb.group.first):
+                continue
+            else:
+                added = price(n, mb.group.size, strategy, shape)
+                option = (max(load[x] for x in mb.group.ranks) + added, 0 if mb.group.size == 1 else 2, k, r)
+            best = option if best is None or option < best else best
+    if best is None:
+        table.append({})
+        r = min(range(world_size), key=lambda x: (load[x], x))
+        best = (0.0, 1, len(table) - 1, r)
+    _, _, k, r = best
+    mb = table[k].get(r)
+    docs = tuple(sorted((mb.documents if mb else ()) + (d,)))
+    group = mb.group if mb else Group(1, r)
+    added = price(n, group.size, strategy, shape)
+    new = MicroBatch(group, docs, tuple(lengths[i] for i in docs), total, (mb.cost if mb else 0.0) + added)
+    for x in group.ranks:
+        table[k][x] = new
+        load[x] += added
 
 
 def _pack(docs: List[int], lengths, capacity: int) -> List[List[int]]:
@@ -224,4 +253,4 @@ def _need(i: int, n: int, sizes: Tuple[int, ...], t: int) -> int:
                      f"add ranks, or cut documents to {sizes[-1] * t} tokens (the main job's --lengths does)")
 
 
-__all__ = ["Group", "MicroBatch", "Schedule", "group_sizes", "schedule"]
+__all__ = ["Group", "MicroBatch", "Schedule", "family_groups", "group_sizes", "schedule"]

@@ -74,7 +74,7 @@ def check_config(opts, world_size: Optional[int]) -> Tuple[dict, SequenceParalle
     ds = build_ds_config(opts)
     sp_cfg = SequenceParallelConfig.from_ds_config(ds)
     check_options(opts)
-    if world_size is not None:
+    if world_size is not None and not sp_cfg.is_dynamic:     # dynamic groups: any world (schedule.group_sizes)
         sp_cfg.check_world(world_size)
     return ds, sp_cfg
 

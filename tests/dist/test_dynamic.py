@@ -1,7 +1,8 @@
 """The dynamic data-sequence hybrid on 4 ranks through a real DeepSpeed engine: one step over a
 global batch of documents that uses groups of 1, 2 and 4 ranks gives the loss (token-level mean
 of the batch) and every parameter gradient of a single process over the same documents, for
-zigzag, ulysses and lasp without ZeRO and under ZeRO-3, ring and striped without ZeRO. SGD with
+zigzag, ulysses and lasp without ZeRO and under ZeRO-3, ring and striped without ZeRO; the groups
+built are the family (schedule.family_groups), nothing more. SGD with
 lr = 1 and no clipping, so the parameters' change is exactly minus the gradient."""
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 
 T, VOCAB = 16, 64
 # at 4 ranks and T = 16: 50 tokens need 4 ranks, 17-30 need 2, the rest fit on one
-LENGTHS = [50, 20, 30, 10, 5, 12, 3, 9, 17, 2]
+LENGTHS = [50, 30, 17, 10, 13, 2, 2, 14]      # packed on groups of 1, 2 and 4, an empty micro-batch
 REL = 1e-5
 
 
@@ -41,9 +42,16 @@ def _reference(strategy):
 def _dynamic_step(strategy, stages):
     import deepspeed
     from ds_seqpar.dynamic import DynamicSequenceParallel, train_step
+    from ds_seqpar import comm
+    from ds_seqpar.schedule import family_groups
     deepspeed.init_distributed(dist_backend="gloo")
-    dsp = DynamicSequenceParallel({"strategy": strategy, "size": "dynamic", "max_tokens_per_rank": T}, heads=4)
-    out = {}
+    asked, new_group = [], comm.new_group
+    comm.new_group = lambda ranks, timeout_s: asked.append(tuple(ranks)) or new_group(ranks, timeout_s)
+    try:
+        dsp = DynamicSequenceParallel({"strategy": strategy, "size": "dynamic", "max_tokens_per_rank": T}, heads=4)
+    finally:
+        comm.new_group = new_group
+    out = {"groups": (sorted(set(asked)), sorted(family_groups(4, dsp.sizes)))}
     for stage in stages:
         model = _model(dsp, strategy)
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -70,6 +78,8 @@ def test_dynamic_step_equals_plain_data_parallelism_on_the_same_documents(pool, 
     results = pool.run(_dynamic_step, strategy, stages)
     assert any(r[stages[-1]]["empty"] for r in results), "some rank should run an empty micro-batch"
     for rank, per_stage in enumerate(results):
+        built, family = per_stage.pop("groups")
+        assert built == family, f"{strategy} rank {rank}: built groups {built}, the family is {family}"
         for stage, r in per_stage.items():
             what = f"{strategy} ZeRO-{stage} rank {rank}"
             assert r["sizes"] == [1, 2, 4], f"{what}: the batch should use groups of 1, 2 and 4, used {r['sizes']}"

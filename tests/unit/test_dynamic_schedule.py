@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from ds_seqpar.schedule import Group, ModelShape, group_sizes, price, schedule
+from ds_seqpar.schedule import Group, ModelShape, family_groups, group_sizes, price, schedule
 
 LENGTHS = os.path.join(os.path.dirname(__file__), "..", "data", "lengths")
 
@@ -64,10 +64,20 @@ def test_real_lengths_are_placed_within_capacity_and_balanced(name, world, t):
 
 
 def test_every_rank_runs_the_same_rounds_with_empty_micro_batches_where_it_has_nothing():
-    s = schedule([5000, 10], 4, 2048, (1, 2, 4))      # one 4-rank document, then one short one
+    # one 4-rank document that fills its group, then one short one (no room left beside the long one)
+    s = schedule([8192, 10], 4, 2048, (1, 2, 4))
     assert len(s.rounds) == 2 and all(len(s.for_rank(r)) == 2 for r in range(4))
     empty = [mb for r in range(4) for mb in s.for_rank(r) if mb.empty]
-    assert len(empty) == 3 and all(mb.tokens == 0 and mb.loss_tokens == 5008 for mb in empty)
+    assert len(empty) == 3 and all(mb.tokens == 0 and mb.loss_tokens == 8200 for mb in empty)
+
+
+def test_short_documents_take_the_room_a_long_one_leaves_before_a_new_round():
+    s = schedule([5000, 10], 4, 2048, (1, 2, 4))
+    (mb, *_), = s.rounds
+    assert mb.group.size == 4 and mb.lengths == (5000, 10) and mb.cu_seqlens == (0, 5000, 5010)
+    docs = real_batch("wikipedia_5k.txt", 8 * 2048, 2048)
+    # the fewest rounds the tokens allow, plus at most one for what does not pack
+    assert len(schedule(docs, 4, 512, (1, 2, 4), "zigzag").rounds) <= -(-sum(docs) // 2048) + 1
 
 
 def test_ulysses_groups_divide_the_heads():
@@ -75,6 +85,15 @@ def test_ulysses_groups_divide_the_heads():
     with pytest.raises(ValueError, match="document 0 has 3000 tokens, more than the largest group holds: "
                                          "2 ranks x sequence_parallel.max_tokens_per_rank=1000 = 2000"):
         schedule([3000], 8, 1000, group_sizes(8, heads=6), "ulysses")
+
+
+@pytest.mark.parametrize("world, groups, mine", [(8, 15, 4), (64, 127, 7), (1024, 2047, 11)])
+def test_the_group_family_is_built_once_and_small(world, groups, mine):
+    """The world, the one-rank groups, each size's aligned groups: (world - 2) + world + 1 handles,
+    of which a rank is a member of log2(world) + 2 (docs/dynamic.md's table)."""
+    family = family_groups(world, group_sizes(world))
+    assert len(family) == len(set(family)) == groups
+    assert sum(1 for g in family if 5 in g) == mine
 
 
 def test_price_grows_with_length_and_shrinks_with_the_group():

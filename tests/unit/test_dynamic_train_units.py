@@ -59,3 +59,13 @@ def test_options_that_do_not_go_with_lengths_are_refused():
     with pytest.raises(TrainConfigError, match="--lengths with --model is not supported yet"):
         check_options(_opts(lengths="x.txt"), static, object())
     assert check_options(_opts(), static, None) is None
+
+
+def test_the_command_line_check_lets_dynamic_through_before_starting_ranks():
+    """The launcher-side check (--nprocs or a launcher's world) takes any world with size dynamic:
+    the groups come from schedule.group_sizes, not from size | world."""
+    from ds_seqpar.train.preflight import check_config
+    _, cfg = check_config(_opts(sp_size="dynamic", max_tokens_per_rank=64, lengths="x.txt"), 4)
+    assert cfg.is_dynamic
+    _, cfg = check_config(_opts(sp_size=2), 4)
+    assert cfg.size == 2

@@ -1,0 +1,208 @@
+"""``ds-seqpar bench dynamic``: dynamic data-sequence groups against every static size, on real
+document lengths, interleaved in one run (not a test).
+
+    ds-seqpar bench dynamic [--lengths FILE,FILE] [--P 4] [--max_tokens_per_rank 512]
+                            [--tokens_per_step 16384] [--strategy zigzag] [--zero 2] [--repeats 5]
+
+Every case trains the own LM (the main job's default model, ZeRO ``--zero``) one optimizer step
+per round on the same documents: the round's global batch drawn from FILE (data.documents_for_step,
+seeded by the round) and cut at the largest group's capacity C = P x T. Cases:
+
+* ``static:<s>`` for every size s dividing P: rows of C tokens on groups of s ranks (C / s tokens
+  per rank: sizes below P hold more than T tokens per rank),
+* ``dynamic`` at T (each document on the smallest group holding it at T tokens per rank), and
+  ``dynamic:T=<C/s>`` for the static sizes s strictly between 1 and P: dynamic with the tokens per
+  rank static:<s> holds (at T = C every document fits on one rank and dynamic's schedule is
+  static:1's: the same scheduler, one size).
+
+Each round runs every case once after a barrier, in a fixed order, so load from other processes hits
+all alike. Per case and round: each rank's CPU time of the whole step (process time: the rank's
+communication threads included; schedule, rounds, optimizer step), the wall time, loss, bytes sent
+and rounds. With more ranks than cores the wall clock measures the machine's sharing, so the primary
+figure is the critical path: the busiest rank's CPU seconds (``critical_cpu_s``, median over
+rounds); ``tokens_per_s`` is tokens over the wall time; the balance bound is the mean over ranks (what
+the busiest rank would spend if the step's work were spread evenly). The cases' losses must agree
+(the same token-level mean): a speed-up of a different computation would mean nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+from typing import Any, Dict, List, Optional
+
+from ..report.rows import Row
+from .harness import command_line, machine_line, measure_on_pool, suite_main, suite_parser, write_page
+
+PROG = "ds-seqpar bench dynamic"
+LOSS_REL = 1e-4
+MODEL = dict(vocab_size=256, dim=128, n_layers=4, n_heads=4)     # the main job's default LM
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = suite_parser(PROG, __doc__, "dynamic_cpu", P=4)
+    ap.add_argument("--lengths", default="tests/data/lengths/wikipedia_5k.txt,tests/data/lengths/wlbllm_5k.txt",
+                    help="comma list of length files (one integer per line, .gz too)")
+    ap.add_argument("--max_tokens_per_rank", type=int, default=512)
+    ap.add_argument("--tokens_per_step", type=int, default=16384)
+    ap.add_argument("--strategy", default="zigzag")
+    ap.add_argument("--zero", type=int, default=2, choices=(0, 1, 2, 3))
+    return ap
+
+
+def cases(P: int, t: int) -> Dict[str, Dict[str, Any]]:
+    """case -> (size or "dynamic", tokens per rank): static sizes hold rows of C = P x T tokens."""
+    from ..schedule import group_sizes
+    cap = P * t
+    out = {f"static:{s}": {"size": s, "per_rank": cap // s} for s in group_sizes(P)}
+    out["dynamic"] = {"size": "dynamic", "per_rank": t}
+    for s in group_sizes(P)[1:-1]:
+        out[f"dynamic:T={cap // s}"] = {"size": "dynamic", "per_rank": cap // s}
+    return out
+
+
+def _runner(strategy: str, case: Dict[str, Any], P: int, heads: int):
+    from ..dynamic import DynamicSequenceParallel
+    from ..sequence_parallel import SequenceParallel
+    if case["size"] == "dynamic":
+        return DynamicSequenceParallel({"strategy": strategy, "size": "dynamic",
+                                        "max_tokens_per_rank": case["per_rank"]}, heads=heads)
+    return DynamicSequenceParallel.fixed(SequenceParallel({"strategy": strategy, "size": case["size"]}),
+                                         case["per_rank"])
+
+
+def _engine(runner, zero: int):
+    import deepspeed
+    import torch
+    from ..models import CausalLM, ModelConfig
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(**MODEL), runner)
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": zero},
+              "steps_per_print": 1 << 30}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                      mpu=runner.mpu)
+    return engine, model.cfg
+
+
+def bench_rank(args) -> Dict[str, Any]:
+    """On every rank: per length file, per round, per case one optimizer step; this rank's numbers."""
+    import time
+    import deepspeed
+    from .. import comm
+    from ..dynamic import train_step
+    from ..schedule import ModelShape
+    from ..train import data
+    deepspeed.init_distributed(dist_backend="gloo")
+    table = cases(args.P, args.max_tokens_per_rank)
+    cap, tokens = args.P * args.max_tokens_per_rank, data.stdlib_corpus(1 << 20)
+    out: Dict[str, Any] = {}
+    for path in args.lengths.split(","):
+        lengths = data.read_lengths(path)
+        runners = {c: _runner(args.strategy, spec, args.P, MODEL["n_heads"]) for c, spec in table.items()}
+        engines = {c: _engine(r, args.zero) for c, r in runners.items()}
+        shape = ModelShape.of_lm(next(iter(engines.values()))[1])
+        per = {c: [] for c in table}
+        for rnd in range(args.warmup + args.repeats):
+            docs, cut = data.documents_for_step(tokens, lengths, rnd, args.tokens_per_step, cap)
+            for c, runner in runners.items():
+                comm.barrier()
+                runner.reset_stats()
+                wall, cpu = time.perf_counter(), time.process_time()
+                plan = runner.schedule([int(d.numel()) for d in docs], shape=shape)
+                res = train_step(runner, engines[c][0], docs, plan=plan)
+                cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+                if rnd >= args.warmup:
+                    sent = sum(b for k, b in runner.stats.bytes.items() if k != "loss")
+                    per[c].append({"cpu": cpu, "wall": wall, "loss": res["loss"], "rounds": res["rounds"],
+                                   "bytes": sent, "tokens": sum(int(d.numel()) for d in docs), "cut": cut,
+                                   "priced_imbalance": plan.imbalance, "sizes": plan.group_sizes})
+        out[os.path.basename(path)] = per
+    return {"rank": comm.global_rank(), "per": out, "load_1min": os.getloadavg()[0]}
+
+
+def summarize(per_rank: List[Dict[str, Any]]) -> Dict[str, Dict[str, Dict[str, Any]]]:
+    """file -> case -> medians over rounds of the busiest rank's CPU, the mean rank's, wall, ..."""
+    out: Dict[str, Dict[str, Dict[str, Any]]] = {}
+    for name in per_rank[0]["per"]:
+        out[name] = {}
+        for case, rounds in per_rank[0]["per"][name].items():
+            at = [[r["per"][name][case][i] for r in per_rank] for i in range(len(rounds))]   # [round][rank]
+            crit = [max(x["cpu"] for x in rnd) for rnd in at]
+            mean = [statistics.fmean(x["cpu"] for x in rnd) for rnd in at]
+            wall = [max(x["wall"] for x in rnd) for rnd in at]
+            out[name][case] = {
+                "critical_cpu_s": crit, "mean_cpu_s": mean, "wall_s": wall,
+                "tokens_per_s": [rnd[0]["tokens"] / w for rnd, w in zip(at, wall)],
+                "imbalance": [c / m for c, m in zip(crit, mean)],
+                "bytes": [max(x["bytes"] for x in rnd) for rnd in at], "rounds": [rnd[0]["rounds"] for rnd in at],
+                "losses": [rnd[0]["loss"] for rnd in at], "sizes": sorted({s for rnd in at for s in rnd[0]["sizes"]}),
+                "priced_imbalance": [rnd[0]["priced_imbalance"] for rnd in at], "cut": [rnd[0]["cut"] for rnd in at]}
+    return out
+
+
+def check_losses(summary) -> float:
+    """Largest relative loss difference between cases on the same documents; raises past LOSS_REL."""
+    worst = 0.0
+    for name, by_case in summary.items():
+        ref = by_case["static:1"]["losses"]
+        for case, r in by_case.items():
+            rel = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref))
+            worst = max(worst, rel)
+            if rel > LOSS_REL:
+                raise AssertionError(f"{name}: {case}'s losses {r['losses']} differ from static:1's {ref}")
+    return worst
+
+
+def rows(summary, meta) -> List[Row]:
+    med = statistics.median
+    out = []
+    for name, by_case in summary.items():
+        variant = f"{name} P={meta['P']} T={meta['max_tokens_per_rank']}"
+        per_rank = cases(meta["P"], meta["max_tokens_per_rank"])
+        static = {c: med(r["critical_cpu_s"]) for c, r in by_case.items() if c.startswith("static:")}
+        best = min(static, key=static.get)
+        for case, r in by_case.items():
+            crit = r["critical_cpu_s"]
+            detail = {"tokens per rank": per_rank[case]["per_rank"], "rounds": med(r["rounds"]),
+                      "imbalance": round(med(r["imbalance"]), 3), "priced imbalance": round(med(r["priced_imbalance"]), 3),
+                      "bytes": med(r["bytes"]), "group sizes": r["sizes"], "vs best static": round(static[best] / med(crit), 3)}
+            out.append(Row("dynamic", case, variant, "critical_cpu_s", "s", med(crit), (min(crit), max(crit)),
+                           bound=med(r["mean_cpu_s"]), detail=detail))
+            tps = r["tokens_per_s"]
+            out.append(Row("dynamic", case, variant, "tokens_per_s", "", med(tps), (min(tps), max(tps))))
+    return out
+
+
+def facts(meta) -> Dict[str, Any]:
+    return {"title": f"Dynamic data-sequence groups vs static sizes at P={meta['P']}, T={meta['max_tokens_per_rank']}",
+            "setup": f"{meta['P']} ranks x 1 thread (gloo), the own LM {MODEL}, {meta['strategy']}, ZeRO-{meta['zero']}, "
+                     f"AdamW, clipping 1.0, fp32; {meta['tokens_per_step']} tokens per step drawn from each file, cut at "
+                     f"{meta['P'] * meta['max_tokens_per_rank']} tokens; {meta['repeats']} interleaved rounds after "
+                     f"{meta['warmup']} warm-up round(s), median (min-max) over rounds; largest loss difference between "
+                     f"cases {meta['loss_rel']:.1e}.",
+            "command": meta["command"], "machine": machine_line(meta), "notes": meta.get("notes", ""),
+            "metrics": {"critical_cpu_s": "The busiest rank's CPU seconds of a whole step (process time); bound: the "
+                                          "mean over ranks (perfect balance). Detail: tokens each rank holds at once, "
+                                          "rounds, measured and priced imbalance (max/mean), bytes the busiest rank "
+                                          "sent, busiest static size's time over this case's.",
+                        "tokens_per_s": "Step tokens over the slowest rank's wall time (ranks share the cores: read "
+                                        "critical_cpu_s first)."}}
+
+
+def measure(args, argv) -> int:
+    per_rank, meta = measure_on_pool(bench_rank, args, command_line(PROG, argv), versions=True)
+    summary = summarize(per_rank)
+    meta["loss_rel"] = check_losses(summary)
+    return write_page(args.out, {"rows": summary, "meta": meta}, rows(summary, meta), facts(meta), PROG)
+
+
+def rerender(saved, folder: str) -> int:
+    return write_page(folder, saved, rows(saved["rows"], saved["meta"]), facts(saved["meta"]), PROG)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    return suite_main(argv, parser(), rerender, measure)
+
+
+__all__ = ["main", "bench_rank", "cases", "summarize", "rows"]

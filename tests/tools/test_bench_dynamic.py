@@ -1,0 +1,24 @@
+"""ds-seqpar bench dynamic without ranks: its cases and the committed report, which is its rows
+rendered again from the saved results (ds-seqpar bench dynamic --render reports/dynamic_cpu.json)."""
+import json
+import os
+
+from ds_seqpar.bench.dynamic import cases, facts, rows
+from ds_seqpar.report.render import render
+
+REPORTS = os.path.join(os.path.dirname(__file__), "..", "..", "reports")
+
+
+def test_every_static_size_and_dynamic_at_the_tokens_per_rank_each_holds():
+    got = {name: (c["size"], c["per_rank"]) for name, c in cases(4, 512).items()}
+    assert got == {"static:1": (1, 2048), "static:2": (2, 1024), "static:4": (4, 512), "dynamic": ("dynamic", 512),
+                   "dynamic:T=1024": ("dynamic", 1024)}
+
+
+def test_the_committed_page_is_its_rows_rendered():
+    with open(os.path.join(REPORTS, "dynamic_cpu.json")) as f:
+        saved = json.load(f)
+    with open(os.path.join(REPORTS, "dynamic_cpu.md")) as f:
+        assert render(rows(saved["rows"], saved["meta"]), facts(saved["meta"])) == f.read()
+    names = {(r.case, r.metric) for r in rows(saved["rows"], saved["meta"])}
+    assert {("dynamic", "critical_cpu_s"), ("static:4", "tokens_per_s")} <= names
