@@ -44,10 +44,23 @@ def load_run(path: str) -> Dict[str, Any]:
 
 
 def _labels(runs: List[Dict[str, Any]]) -> List[str]:
-    """Short names a legend can hold: strategy, sp x dp, length; #k only where they collide."""
-    base = [f"{r['config'].get('strategy')} sp{r['config'].get('sp_size')}xdp{r['config'].get('dp_size')} "
+    """Short names a legend can hold: model (when the runs differ in it), strategy, sp x dp, length;
+    then the run's name where those collide (two seeds or dates of one setup)."""
+    models = {r["config"].get("model_name") for r in runs}
+    base = [(f"{r['config'].get('model_name')} " if len(models) > 1 else "") +
+            f"{r['config'].get('strategy')} sp{r['config'].get('sp_size')}xdp{r['config'].get('dp_size')} "
             f"n{r['config'].get('seq_len')}" for r in runs]
-    return [b if base.count(b) == 1 else f"{b} #{base[:i + 1].count(b)}" for i, b in enumerate(base)]
+    return [b if base.count(b) == 1 else f"{b} ({r['config'].get('name', os.path.basename(r['path'].rstrip('/')))})"
+            for b, r in zip(base, runs)]
+
+
+def loaded(run: Dict[str, Any]) -> Optional[float]:
+    """The highest 1-minute load per core while the run stepped, when it exceeded 1 (other work shared
+    the cores, so its times are not comparable); None for a quiet run or one that did not record it."""
+    cpus = run["config"].get("machine", {}).get("cpus") or os.cpu_count() or 1
+    loads = [s["load_1min"] for s in run["steps"] if "load_1min" in s]
+    worst = max(loads, default=0.0) / cpus
+    return worst if worst > 1.0 else None
 
 
 def summarize(run: Dict[str, Any], skip: int) -> Dict[str, Any]:
@@ -85,8 +98,17 @@ def facts(runs, plots, out_name: str, skip: int, argv: List[str]) -> Dict[str, A
             "setup": f"{len(runs)} runs; steady-state columns are medians over steps after the first {skip} of each "
                      f"run (peak memory: the maximum). Memory is peak allocated on CUDA, the process's peak resident "
                      f"set on CPU.",
-            "notes": f"**Not like for like:** the runs differ in {', '.join(diff)}; compare with care." if diff else "",
+            "notes": " ".join(filter(None, [
+                f"**Not like for like:** the runs differ in {', '.join(diff)}; compare with care." if diff else "",
+                _load_warning(runs)])),
             "images": plots}
+
+
+def _load_warning(runs) -> str:
+    busy = [(os.path.basename(r["path"].rstrip("/")), loaded(r)) for r in runs]
+    busy = [f"{name} ({x:.1f} per core)" for name, x in busy if x is not None]
+    return (f"**Loaded machine:** {', '.join(busy)} stepped while the 1-minute load exceeded the cores; their "
+            f"times and tokens/s are not comparable with a quiet run's." if busy else "")
 
 
 def write_plots(runs, rows, labels, folder: str, skip: int) -> List[Tuple[str, str]]:
@@ -161,6 +183,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     with open(args.out, "w") as f:
         f.write(render(rows_of(runs, rows, labels), facts(runs, plots, name, args.skip_steps, argv)))
     print(f"ds-seqpar report: wrote {args.out} and {len(plots)} plots in {os.path.join(out_dir, name)}/")
+    if _load_warning(runs):
+        print(f"ds-seqpar report: warning: {_load_warning(runs)}", file=sys.stderr)
     return 0
 
 

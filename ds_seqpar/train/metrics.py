@@ -4,6 +4,7 @@ across the sequence x data ranks (the slowest or largest rank is what limits a s
 writes the record to metrics.jsonl and wandb."""
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Dict
 
@@ -47,6 +48,8 @@ class StepMetrics:
     def write(self, record: Dict[str, Any], samples: int) -> None:
         if not self.is_writer:
             return
+        # the writer's host load: a step timed while other work shared the cores is marked as such
+        record = dict(record, load_1min=os.getloadavg()[0])
         self.log.log(record)
         if self.wandb_on:
             runlog.wandb_log(record, step=samples)

@@ -39,6 +39,13 @@ def run_group(model: str, strategy: str, sp_size: int, seq_len: int) -> str:
     return f"{model}-{strategy}-sp{sp_size}-n{seq_len}"
 
 
+def machine() -> dict:
+    """The writer's host as the run started: name, cores, 1-minute load (a loaded machine's timings
+    are not comparable; `ds-seqpar report` warns about them)."""
+    import socket
+    return {"host": socket.gethostname(), "cpus": os.cpu_count(), "load_1min_start": os.getloadavg()[0]}
+
+
 def unique_dir(root: str, name: str) -> str:
     path, i = os.path.join(root, name), 1
     while os.path.exists(path):
@@ -57,7 +64,7 @@ class RunLog:
     def write_config(self, config: dict) -> None:
         if self.run_dir:
             # every rank's host and address, as gathered at start (several hosts: where each rank ran)
-            config = dict(config, hosts=hosts.known())
+            config = dict(config, hosts=hosts.known(), machine=machine())
             with open(os.path.join(self.run_dir, "run.json"), "w") as f:
                 json.dump(config, f, indent=2, sort_keys=True, default=str)
 
