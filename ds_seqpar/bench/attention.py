@@ -11,7 +11,7 @@ Ulysses, measured side by side in one run, with the ratios docs/design.md sets t
 Without a launcher the command starts P local CPU ranks itself (RankPool, one thread each, gloo).
 The ranks run cases.py; train_step.py times the training step; attention_rows.py turns both into
 the summary, the rows and the plots (what each metric means is written on the page). Writes
-<out>/<name>.json, .md, .rows.json and <out>/<name>/*.png; with --wandb one wandb run per case.
+<out>/<name>.md, .rows.json and <out>/<name>/*.png; with --wandb one wandb run per case.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from ..kernels.base import check_head_groups
 from ..report.plotting import require_matplotlib
 from ..strategies import STRATEGIES
 from .cases import BASELINE, CASES, DTYPES, BenchSpec
-from .harness import command_line, load_json, loads, log_rows, machine_facts, write_page
+from .harness import command_line, loads, log_rows, machine_facts, render_saved, write_page
 
 ALIASES = {"lasp": ["lasp2", "lasp1"], "deepspeed": ["ds_ulysses"]}
 # every registered strategy (lasp: both exchanges) and DeepSpeed's Ulysses
@@ -89,13 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "(on in --preset lasp)")
     ap.add_argument("--model", metavar="PATH", help="the training-step case trains this local Hugging Face model "
                     "(a model directory or a config JSON, as `ds_seqpar.train --model`) instead of the small LM")
-    ap.add_argument("--out", default="reports", help="directory for <name>.md, <name>.json, <name>/*.png")
+    ap.add_argument("--out", default="reports", help="directory for <name>.md, <name>.rows.json, <name>/*.png")
     ap.add_argument("--name", help="default: <device>_<preset>")
     ap.add_argument("--wandb", action="store_true", help="one wandb run per case (offline without credentials)")
     ap.add_argument("--wandb-project", default="ds_seqpar")
     ap.add_argument("--notes", default="", help="free text added to the report")
-    ap.add_argument("--render", metavar="JSON", help="measure nothing: rewrite the page and plots of a saved "
-                    "results file (e.g. after a change to the report's layout)")
+    ap.add_argument("--render", metavar="ROWS", help="measure nothing: rewrite the page and plots of a saved "
+                    "<name>.rows.json (e.g. after a change to the report's layout)")
     ap.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)      # the deepspeed launcher's
     return ap
 
@@ -280,20 +280,22 @@ def _measure_under_launcher(args, spec: BenchSpec):
 
 
 def write(res: Dict[str, Any], out: str) -> list:
-    """<out>/<name>.json, .md, .rows.json and the plots of a results dict (attention_rows.py); its rows."""
+    """<out>/<name>.md, .rows.json and the plots of a results dict (attention_rows.py); its rows."""
     from .attention_rows import facts, rows, write_plots
     found = rows(res)
     write_plots(found, res["meta"], os.path.join(out, res["meta"]["name"]))
     meta = dict(res["meta"], train_model=res.get("train_model"))      # the run's parameters plan --calibrate reads
-    write_page(out, res, found, dict(facts(res), meta=meta), "ds-seqpar bench", default=str)
+    write_page(out, res["meta"]["name"], found, dict(facts(res), meta=meta), "ds-seqpar bench")
     return found
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--render" in argv:
+        from .attention_rows import write_plots
         path = build_parser().parse_args(argv).render
-        write(load_json(path), os.path.dirname(path) or ".")
+        rows, facts = render_saved(path, "ds-seqpar bench")
+        write_plots(rows, facts["meta"], os.path.join(os.path.dirname(path) or ".", facts["meta"]["name"]))
         return 0
     try:
         args = resolve(build_parser().parse_args(argv))

@@ -338,8 +338,8 @@ def resolve(args) -> argparse.Namespace:
 
 
 def write(summary, meta, out: str, ops=None, train=None) -> int:
-    return write_page(out, {"rows": summary, "ops": ops, "train": train, "meta": meta},
-                      rows(summary, meta, ops, train), dict(facts(meta, list(summary)), meta=meta), PROG)
+    return write_page(out, meta["name"], rows(summary, meta, ops, train), dict(facts(meta, list(summary)), meta=meta),
+                      PROG)
 
 
 def measure(args, argv: List[str]) -> int:
@@ -355,5 +355,4 @@ def measure(args, argv: List[str]) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    return suite_main(argv, build_parser(), lambda saved, out: write(saved["rows"], saved["meta"], out,
-                                                                     saved.get("ops"), saved.get("train")), measure)
+    return suite_main(argv, build_parser(), measure)

@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ..report.rows import Row
 from ..report.targets import TARGETS
-from .harness import (LINEAR, SOFTMAX, alone, attention_inputs, case_times, command_line, fwd_bwd, load_json,
+from .harness import (LINEAR, SOFTMAX, alone, attention_inputs, case_times, command_line, fwd_bwd,
                       machine_line, measure_on_pool, rank_rounds, strategy_config, suite_main, suite_parser, versus,
                       write_page)
 from .predict import imbalance_sweep, packed_closed_form, work_per_rank
@@ -137,7 +137,7 @@ def measure(args, argv: List[str]) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    return suite_main(argv, build_parser(), lambda saved, out: write(**_restored(saved), out=out), measure)
+    return suite_main(argv, build_parser(), measure)
 
 
 def summarize(per_rank, args) -> Dict[str, dict]:
@@ -221,22 +221,5 @@ def facts(meta) -> dict:
                     "strategies do) against one call over the whole block with an additive mask (attn_mask)."}}
 
 
-def render(summary, masked, meta) -> str:
-    from ..report.render import render as render_rows
-    return render_rows(rows(summary, masked, meta), facts(meta))
-
-
-def _restored(saved: dict) -> dict:
-    """write's arguments from the saved JSON (the sweep's P keys back to ints, its pairs to tuples)."""
-    saved["meta"]["sweep"] = {name: {int(p): tuple(v) for p, v in per.items()}
-                              for name, per in (saved["meta"].get("sweep") or {}).items()} or None
-    return {"summary": saved["rows"], "masked": saved["masked"], "meta": saved["meta"]}
-
-
-def _load(path: str) -> dict:
-    return _restored(load_json(path))
-
-
 def write(summary, masked, meta, out: str) -> int:
-    return write_page(out, {"rows": summary, "masked": masked, "meta": meta}, rows(summary, masked, meta),
-                      facts(meta), PROG)
+    return write_page(out, meta["name"], rows(summary, masked, meta), facts(meta), PROG)

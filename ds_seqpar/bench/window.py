@@ -234,8 +234,8 @@ def resolve(args) -> argparse.Namespace:
 
 
 def write(summary, meta, out: str, pieces: Optional[List[dict]] = None) -> int:
-    return write_page(out, {"rows": summary, "pieces": pieces, "meta": meta}, rows(summary, meta, pieces),
-                      dict(facts(meta), meta=meta), PROG)        # meta: the run's parameters plan --calibrate reads
+    return write_page(out, meta["name"], rows(summary, meta, pieces), dict(facts(meta), meta=meta),
+                      PROG)        # meta: the run's parameters plan --calibrate reads
 
 
 def measure(args, argv: List[str]) -> int:
@@ -244,5 +244,4 @@ def measure(args, argv: List[str]) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    return suite_main(argv, build_parser(), lambda saved, out: write(saved["rows"], saved["meta"], out,
-                                                                     saved.get("pieces")), measure)
+    return suite_main(argv, build_parser(), measure)

@@ -31,7 +31,7 @@ def test_hybrid_bench_runs_bytes_match_closed_forms_and_page_is_written(pool, tm
     page = (tmp_path / "hybrid_cpu.md").read_text()
     assert "Command: `x y`" in page and "| gdn | lasp_ring |" in page and "| conv | lasp_allgather |" in page, page
     assert "1.000 / 1.000" in page and "`torch_chunk_gated_delta_rule`" in page, page
-    assert json.loads((tmp_path / "hybrid_cpu.json").read_text())["meta"]["seq"] == 256
+    assert json.loads((tmp_path / "hybrid_cpu.rows.json").read_text())["facts"]["meta"]["seq"] == 256
 
 
 def test_the_llama_of_the_training_comparison_has_the_hybrids_sizes():

@@ -3,8 +3,9 @@ sequence group): every case and variant runs, bytes equal the document closed fo
 the ratio beside the ideal."""
 import argparse
 
-from ds_seqpar.bench.packed import bench_rank, build_parser, render, resolve, summarize
+from ds_seqpar.bench.packed import bench_rank, build_parser, facts, resolve, rows as page_rows, summarize
 from ds_seqpar.bench.predict import imbalance_sweep
+from ds_seqpar.report.render import render
 
 
 def test_packed_bench_runs_and_bytes_match_closed_forms(pool):
@@ -25,7 +26,7 @@ def test_packed_bench_runs_and_bytes_match_closed_forms(pool):
     assert sweep["striped"][4][1] < 1.05 <= sweep["contiguous"][4][1], sweep     # token granularity balances
     meta = dict(vars(args), cpus=2, elapsed=1.0, load_before="0", load_after="0", load_during=0.0, command="x",
                 sweep=sweep, sweep_trials=4)
-    page = render(rows, per_rank[0]["masked"], meta)
+    page = render(page_rows(rows, per_rank[0]["masked"], meta), facts(meta))
     assert "| ring |" in page and "ideal 0.125" in page and "masked / sub-blocks" in page, page
     assert "Best balanced ring layout for packed data (smallest worst case): **striped**" in page, page
     assert isinstance(args, argparse.Namespace)

@@ -1,11 +1,9 @@
 """A tiny ``ds-seqpar bench`` run end to end on the session's 4-rank pool (the bench's world is its P,
-so P=4 here): every field of the results JSON, exact byte ratios against the closed form, the
+so P=4 here): every field of the results, exact byte ratios against the closed form, the
 longest-sequence search, the training-step comparison, the LASP halves bound and per-piece table,
-the markdown rows, the plots, and re-rendering from the JSON. Sizes are the smallest that still
+the markdown rows, the plots, and re-rendering from the rows. Sizes are the smallest that still
 exercise all of it; what costs time is starting ranks, so the run reuses the session pool and
 starts only the 1-rank pool the training comparison needs."""
-import json
-
 import pytest
 
 P = 4
@@ -34,13 +32,11 @@ def test_tiny_bench_writes_json_markdown_and_plots(pool, solo, tmp_path, capsys,
     from ds_seqpar.bench.attention import build_parser, resolve, run
     monkeypatch.setitem(train_step.TRAIN_PRESETS, "quick", TINY_MODEL)
     argv = TINY + ["--out", str(tmp_path)]
-    res = run(resolve(build_parser().parse_args(argv)), argv, pools=(pool, solo))
-    with open(tmp_path / "tiny.json") as f:
-        saved = json.load(f)
+    saved = run(resolve(build_parser().parse_args(argv)), argv, pools=(pool, solo))
     assert saved["meta"]["cases"] == ["single", "zigzag", "single_linear", "lasp2", "lasp1", "halves"], saved["meta"]
     for key in ("meta", "machine", "attention", "max_seq", "train", "elapsed_s", "load_by_length",
                 "lasp_breakdown", "raw"):
-        assert key in saved, f"results JSON lacks {key!r}"
+        assert key in saved, f"results lack {key!r}"
     for n in ("64", "128"):
         for case, row in saved["attention"][n].items():
             assert row["time_s"]["min"] > 0 and row["speedup"]["median"] > 0, (n, case, row)
@@ -55,7 +51,7 @@ def test_tiny_bench_writes_json_markdown_and_plots(pool, solo, tmp_path, capsys,
     assert train["speedup"]["median"] > 0 and train["loss_rel_diff"] < 1e-4, train
     pieces = saved["lasp_breakdown"]
     assert pieces["local_len"] == 128 // P and len(pieces["cpu_s"]) == 4 and min(pieces["cpu_s"].values()) > 0, pieces
-    rows, _ = load_rows(str(tmp_path / "tiny.rows.json"))
+    rows, facts = load_rows(str(tmp_path / "tiny.rows.json"))
     checks = {(r.case, r.metric): result(r) for r in rows if r.target}
     assert set(checks.values()) <= {"PASS", "SHORT", "FAIL"} and "FAIL" not in checks.values(), checks
     assert not [c for c in checks if c[0] == "halves"], "halves is a bound, not checked"
@@ -69,13 +65,14 @@ def test_tiny_bench_writes_json_markdown_and_plots(pool, solo, tmp_path, capsys,
         path = tmp_path / "tiny" / f"{png}.png"
         assert path.exists() and path.stat().st_size > 10_000, f"{path} missing or empty"
         assert f"(tiny/{png}.png)" in md
-    assert res["meta"] == saved["meta"]
+    assert facts["meta"]["seq_lens"] == [64, 128] and facts["meta"]["train_model"] == saved["train_model"]
     assert "PASS" in capsys.readouterr().out
-    # a saved results file re-renders without measuring anything
+    # saved rows re-render (page and plots) without measuring anything
     from ds_seqpar.bench.main import main
     (tmp_path / "tiny.md").unlink()
-    assert main(["--render", str(tmp_path / "tiny.json")]) == 0
-    assert (tmp_path / "tiny.md").read_text() == md
+    (tmp_path / "tiny" / "speedup.png").unlink()
+    assert main(["--render", str(tmp_path / "tiny.rows.json")]) == 0
+    assert (tmp_path / "tiny.md").read_text() == md and (tmp_path / "tiny" / "speedup.png").exists()
 
 
 def _ours_vs_deepspeed():

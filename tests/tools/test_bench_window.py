@@ -36,4 +36,4 @@ def test_window_bench_runs_bytes_match_closed_forms_and_page_is_written(pool, tm
     assert "Command: `x y`" in page and "| ring | 16 |" in page and "| zigzag | window=100 |" in page, page
     assert "| ulysses | sinks |" in page and "1.000 / 1.000" in page and "sinks overhead" in page, page
     assert "## Kernel calls alone" in page and "| ring | 16, rank 1 |" in page, page
-    assert json.loads((tmp_path / "window_cpu.json").read_text())["meta"]["windows"] == [16, 100]
+    assert json.loads((tmp_path / "window_cpu.rows.json").read_text())["facts"]["meta"]["windows"] == [16, 100]
