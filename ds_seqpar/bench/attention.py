@@ -10,7 +10,7 @@ Ulysses, measured side by side in one run, with the ratios docs/design.md sets t
 
 Without a launcher the command starts P local CPU ranks itself (RankPool, one thread each, gloo).
 The ranks run cases.py; train_step.py times the training step; attention_rows.py turns both into
-the summary, the rows and the plots (what each metric means is written on the page). Writes
+the rows and the plots (what each metric means is written on the page). Writes
 <out>/<name>.md, .rows.json and <out>/<name>/*.png; with --wandb one wandb run per case.
 """
 from __future__ import annotations
@@ -191,9 +191,9 @@ def _command(argv: List[str]) -> str:
 
 
 def run(args: argparse.Namespace, argv: List[str], pools=None) -> Optional[Dict[str, Any]]:
-    """Measure, summarise, write; returns the results dict on the writing rank (None elsewhere).
+    """Measure, write the rows; returns the results dict (the run's facts and what the ranks measured, "raw")
+    on the writing rank (None elsewhere).
     ``pools``: an already started (P-rank, 1-rank) RankPool pair to use instead of starting them."""
-    from . import attention_rows as S
     load_before, start = os.getloadavg(), time.monotonic()
     spec = BenchSpec(world=args.P, cases=tuple(args.cases), batch=args.batch, heads=args.heads,
                      kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype, causal=args.causal,
@@ -208,10 +208,8 @@ def run(args: argparse.Namespace, argv: List[str], pools=None) -> Optional[Dict[
     load_by_length = {str(n): per_rank[0]["lengths"][n]["load_1min"] for n in args.seq_lens}
     during = list(load_by_length.values()) + [x for t in train.values() for x in t["load_1min"]]
     res = {"meta": meta, "machine": machine(load_before, during), "elapsed_s": time.monotonic() - start,
-           "attention": S.attention_rows(per_rank, meta), "max_seq": S.max_seq_rows(per_rank, meta),
-           "train": S.train_rows(train, args.P) if train else {}, "train_skipped": skipped,
-           "train_model": _train_model(args), "load_by_length": load_by_length,
-           "lasp_breakdown": per_rank[0].get("lasp_breakdown"), "raw": {"ranks": per_rank, "train": train}}
+           "train_skipped": skipped, "train_model": _train_model(args), "load_by_length": load_by_length,
+           "raw": {"ranks": per_rank, "train": train}}
     found = write(res, args.out)
     if args.wandb:
         log_rows(found, meta, os.path.join(args.out, args.name), args.wandb_project)
@@ -280,7 +278,7 @@ def _measure_under_launcher(args, spec: BenchSpec):
 
 
 def write(res: Dict[str, Any], out: str) -> list:
-    """<out>/<name>.md, .rows.json and the plots of a results dict (attention_rows.py); its rows."""
+    """<out>/<name>.md, .rows.json and the plots of a run's results (attention_rows.py); its rows."""
     from .attention_rows import facts, rows, write_plots
     found = rows(res)
     write_plots(found, res["meta"], os.path.join(out, res["meta"]["name"]))

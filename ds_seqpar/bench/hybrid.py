@@ -22,6 +22,7 @@ import tempfile
 from typing import Dict, List, Optional
 
 from ..report.rows import Row
+from .attention_rows import step_row
 from .harness import (alone, case_times, command_line, machine_line, measure_on_pool, rank_rounds,
                       suite_main, suite_parser, versus, write_page)
 from .predict import hybrid_closed_form
@@ -264,13 +265,8 @@ def rows(per_rank, args, meta, ops: Optional[List[dict]], train: Optional[Dict[s
         out.append(Row("hybrid", o["family"], f"`{o['op']}`", f"The local op alone, {o['tokens']} tokens (N/P): map "
                        f"/ plain", "x", o["ratio"], tuple(o["ratio_range"]),
                        detail={"plain CPU s": o["plain"], "map CPU s": o["map"]}))
-    for label, t in (train or {}).items():
-        s = t["speedup"]
-        out.append(Row("hybrid", label, f"P={meta['P']} vs 1", f"Whole training step at {meta['train_seq']} tokens, "
-                       f"ZeRO-2", "x", s["median"], (s["min"], s["max"]), detail={
-                           "1 rank s/step": t["one_s"]["median"], "P ranks s/step": t["p_s"]["median"],
-                           "compute speedup": t["compute_speedup"]["median"], "tokens/s 1 -> P": t["tokens_per_s"],
-                           "losses, max rel diff": t["loss_rel_diff"]}))
+    out += [step_row("hybrid", label, f"P={meta['P']} vs 1", f"Whole training step at {meta['train_seq']} tokens, "
+                     "ZeRO-2", t) for label, t in (train or {}).items()]
     return out
 
 
@@ -331,11 +327,10 @@ def write(found: List[Row], meta, out: str) -> int:
 
 def measure(args, argv: List[str]) -> int:
     import transformers
-    from .attention_rows import train_rows
     per_rank, meta = measure_on_pool(bench_rank, resolve(args), command_line(PROG, argv), versions=True)
     train = None
     if args.train_repeats:
-        train = {label: train_rows({"zigzag": m}, args.P)["zigzag"] for label, m in measure_train(args).items()}
+        train = measure_train(args)
         meta.update(load_after=" ".join(f"{x:.2f}" for x in os.getloadavg()))
     meta.update(transformers=transformers.__version__)
     return write(rows(per_rank, args, meta, per_rank[0].get("ops"), train), meta, args.out)
