@@ -18,7 +18,7 @@ from ..report.plotting import MIB
 from ..report.rows import Row
 from ..report.targets import TARGETS
 from .cases import BASELINE, CASES
-from .harness import bytes_ratio, spread
+from .harness import spread
 from .predict import attention_closed_form, expected_imbalance, speedup_bound
 
 SPEEDUP = "Attention fwd+bwd speedup over one process"
@@ -59,7 +59,7 @@ def _attention(res, seq: int, last: bool) -> List[Row]:
         if r.get("bytes_form") is None:
             continue
         measured, why = r.get("bytes"), ""
-        if measured and r["bytes_ratio"] is None:
+        if measured and not r["bytes_constant"]:
             measured, why = [float("nan")] * p, "bytes varied between rounds"
         out.append(Row("attention", case, f"N={seq}", BYTES, "B", measured, predicted=r["bytes_form"],
                        target="bytes" if measured else None,
@@ -237,8 +237,6 @@ def _bytes_fields(per_rank, seq, case, meta) -> Dict[str, Any]:
     c = CASES[case]
     form = attention_closed_form(dict(c.config), meta, seq)
     if c.runner != "sp":
-        return {"bytes": None, "bytes_form": form, "bytes_ratio": None}
+        return {"bytes": None, "bytes_form": form, "bytes_constant": True}
     sent = [sorted({x["bytes"] for x in r["lengths"][seq]["rounds"][case]}) for r in per_rank]
-    ratio = bytes_ratio([max(s) for s in sent], form)
-    constant = all(len(s) == 1 for s in sent)
-    return {"bytes": [s[-1] for s in sent], "bytes_form": form, "bytes_ratio": ratio if constant else None}
+    return {"bytes": [s[-1] for s in sent], "bytes_form": form, "bytes_constant": all(len(s) == 1 for s in sent)}

@@ -175,11 +175,6 @@ def versus(a: dict, b: dict) -> Dict[str, Any]:
             "cpu_ratio": median_ratio(a["cpu_rounds"], b["cpu_rounds"])}
 
 
-def bytes_ratio(measured: List[int], form: List[int]) -> List[float]:
-    """Per rank measured / closed form (1.0 where both are 0)."""
-    return [m / f if f else float(m == 0) for m, f in zip(measured, form)]
-
-
 # -- the run -----------------------------------------------------------------------------------------
 
 

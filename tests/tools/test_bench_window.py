@@ -3,8 +3,18 @@ sequence group): every strategy and variant runs, bytes equal the window-aware c
 1), the work the page divides by is what the masked policy computes, and the page is written."""
 import json
 
-from ds_seqpar.bench.predict import policy_work, window_work
+from ds_seqpar.bench.predict import window_work
 from ds_seqpar.bench.window import BYTES, WINDOW, bench_rank, build_parser, resolve, rows, write
+
+
+def policy_work(name: str, p: int, seq: int, window) -> list:
+    """(q, k) pairs per rank the masked plan computes (strategies/mask_plan.py), ring family."""
+    from ds_seqpar.masks import Mask
+    from ds_seqpar.sharding.layouts import make_layout
+    from ds_seqpar.strategies import get_strategy
+    from ds_seqpar.strategies.mask_plan import masked_plan
+    plan = masked_plan(Mask(True, window), make_layout(get_strategy(name).layout_name, p), seq)
+    return [sum(plan.pairs(me, src) for src in range(p)) for me in range(p)]
 
 
 def test_window_bench_runs_bytes_match_closed_forms_and_page_is_written(pool, tmp_path):
