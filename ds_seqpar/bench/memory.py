@@ -323,8 +323,6 @@ def finish(res: Dict[str, Any], out: str) -> Dict[str, Any]:
     floor = res["meta"]["layers"] * res["meta"]["hidden"] * 4
     scaling = [m for m in res["measurements"] if m.get("purpose", "scaling") == "scaling"]
     res["variants"] = R.summarize(scaling, floor, res["meta"]["budget_bytes"])
-    res["strategy_rows"] = R.strategy_rows([m for m in res["measurements"] if m.get("purpose") == "strategies"])
-    res["timing_rows"] = R.timing_rows(res["timing"], res["meta"])
     res.setdefault("machine", machine_facts())
     R.write_plots(res, out)
     save_json(os.path.join(out, f"{res['meta']['name']}.json"), res)
