@@ -55,7 +55,7 @@ class BenchError(ValueError):
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="ds-seqpar bench [attention]", description="The attention suite: every sequence-parallel strategy, the "
-        "single-process kernels and DeepSpeed's Ulysses side by side in one run; write <out>/<name>.{md,json,rows.json} "
+        "single-process kernels and DeepSpeed's Ulysses side by side in one run; write <out>/<name>.{md,rows.json} "
         "and plots. Other suites: ds-seqpar bench {packed,window,hybrid,trainer,memory} --help.",
         epilog="presets: " + "; ".join(f"{k}: P={v['P']}, N={','.join(map(str, v['seq_lens']))}, {v['heads']} heads x "
                                       f"{v['head_dim']}, cases {v['strategies']}, training {v['train_strategies']}"
