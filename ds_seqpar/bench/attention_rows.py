@@ -18,7 +18,7 @@ from ..report.plotting import MIB
 from ..report.rows import Row
 from ..report.targets import TARGETS
 from .cases import BASELINE, CASES
-from .harness import spread
+from .harness import case_times, spread
 from .predict import attention_closed_form, expected_imbalance, speedup_bound
 
 SPEEDUP = "Attention fwd+bwd speedup over one process"
@@ -75,7 +75,8 @@ def _attention(res, seq: int, last: bool) -> List[Row]:
     if "ds_ulysses" in rows and "ulysses" in rows:
         ours, theirs = rows["ulysses"], rows["ds_ulysses"]
         # paired per round, like the speedups: ours / DeepSpeed's wall time
-        s = spread([o / t for o, t in zip(_walls(per_rank, seq, "ulysses"), _walls(per_rank, seq, "ds_ulysses"))])
+        ours_walls, theirs_walls = (_times(per_rank, seq, c)["walls"] for c in ("ulysses", "ds_ulysses"))
+        s = spread([o / t for o, t in zip(ours_walls, theirs_walls)])
         out.append(Row("attention", "ulysses / ds_ulysses", f"N={seq}", PEER, "x", s["median"], (s["min"], s["max"]),
                        target="vs_deepspeed" if last else None, detail={
                            "ours s": ours["time_s"]["median"], "DeepSpeed s": theirs["time_s"]["median"],
@@ -198,35 +199,29 @@ def write_plots(rows_: List[Row], meta: Dict[str, Any], folder: str) -> List[str
                        f"Per-rank compute at N={last}")]
 
 
-def _walls(per_rank: List[Dict[str, Any]], seq: int, case: str) -> List[float]:
-    """Per round, the slowest rank's wall time (rank 0 alone for single cases)."""
-    ranks = [r["lengths"][seq]["rounds"][case] for r in per_rank if r["lengths"][seq]["rounds"][case]]
-    return [max(r[i]["wall"] for r in ranks) for i in range(len(ranks[0]))]
-
-
-def _per_rank(per_rank, seq, case, key) -> List[float]:
-    return [statistics.median(x[key] for x in r["lengths"][seq]["rounds"][case])
-            for r in per_rank if r["lengths"][seq]["rounds"][case]]
+def _times(per_rank: List[Dict[str, Any]], seq: int, case: str) -> Dict[str, Any]:
+    """harness.case_times of one case at one length (the slowest rank's wall per round, CPU per rank, ...)."""
+    return case_times([{"rounds": r["lengths"][seq]["rounds"]} for r in per_rank], case)
 
 
 def case_row(per_rank: List[Dict[str, Any]], seq: int, case: str, meta: Dict[str, Any]) -> Dict[str, Any]:
     """Every number of one case at one length."""
     p, causal = meta["world"], meta["causal"]
     base = BASELINE[CASES[case].attention]
-    walls, base_walls = _walls(per_rank, seq, case), _walls(per_rank, seq, base)
-    cpu, base_cpu = _per_rank(per_rank, seq, case, "cpu"), _per_rank(per_rank, seq, base, "cpu")[0]
+    t, b = _times(per_rank, seq, case), _times(per_rank, seq, base)
+    walls, cpu, base_cpu = t["walls"], t["cpu"], b["cpu"][0]
     saved = [r["lengths"][seq]["saved_bytes"][case] for r in per_rank]
     saved = [s for s in saved if s is not None]
     base_saved = per_rank[0]["lengths"][seq]["saved_bytes"][base]
     row = {"case": case, "seq": seq, "baseline": base, "time_s": spread(walls),
-           "speedup": spread([b / w for b, w in zip(base_walls, walls)]),
+           "speedup": spread([x / w for x, w in zip(b["walls"], walls)]),
            "cpu_s": cpu, "cpu_ratio": base_cpu / max(cpu), "imbalance": max(cpu) / statistics.mean(cpu),
            "inflation": sum(cpu) / base_cpu, "saved_bytes": saved, "mem_ratio": max(saved) / base_saved,
            "mem_extra_bytes": max(saved) - base_saved / p,
            "bound": speedup_bound(case, p, causal) if case != base else 1.0,
            "expected_imbalance": expected_imbalance(case, p, causal) if case != base else 1.0}
     if CASES[case].runner in ("sp", "deepspeed"):        # the cases that communicate
-        row["wait_s"] = _per_rank(per_rank, seq, case, "wait") if CASES[case].runner == "sp" else None
+        row["wait_s"] = t["wait"] if CASES[case].runner == "sp" else None
         row.update(_bytes_fields(per_rank, seq, case, meta))
     return row
 
