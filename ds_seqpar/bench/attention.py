@@ -10,8 +10,8 @@ Ulysses, measured side by side in one run, with the ratios docs/design.md sets t
 
 Without a launcher the command starts P local CPU ranks itself (RankPool, one thread each, gloo).
 The ranks run cases.py; train_step.py times the training step; attention_rows.py turns both into
-the summary, the rows and the plots (what each metric means is written on the page). Writes
-<out>/<name>.json, .md, .rows.json and <out>/<name>/*.png; with --wandb one wandb run per case.
+the rows and the plots (what each metric means is written on the page). Writes
+<out>/<name>.md, .rows.json and <out>/<name>/*.png; with --wandb one wandb run per case.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from ..kernels.base import check_head_groups
 from ..report.plotting import require_matplotlib
 from ..strategies import STRATEGIES
 from .cases import BASELINE, CASES, DTYPES, BenchSpec
-from .harness import command_line, load_json, loads, log_rows, machine_facts, write_page
+from .harness import command_line, loads, log_rows, machine_facts, render_saved, write_page
 
 ALIASES = {"lasp": ["lasp2", "lasp1"], "deepspeed": ["ds_ulysses"]}
 # every registered strategy (lasp: both exchanges) and DeepSpeed's Ulysses
@@ -55,7 +55,7 @@ class BenchError(ValueError):
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="ds-seqpar bench [attention]", description="The attention suite: every sequence-parallel strategy, the "
-        "single-process kernels and DeepSpeed's Ulysses side by side in one run; write <out>/<name>.{md,json,rows.json} "
+        "single-process kernels and DeepSpeed's Ulysses side by side in one run; write <out>/<name>.{md,rows.json} "
         "and plots. Other suites: ds-seqpar bench {packed,window,hybrid,trainer,memory} --help.",
         epilog="presets: " + "; ".join(f"{k}: P={v['P']}, N={','.join(map(str, v['seq_lens']))}, {v['heads']} heads x "
                                       f"{v['head_dim']}, cases {v['strategies']}, training {v['train_strategies']}"
@@ -89,13 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "(on in --preset lasp)")
     ap.add_argument("--model", metavar="PATH", help="the training-step case trains this local Hugging Face model "
                     "(a model directory or a config JSON, as `ds_seqpar.train --model`) instead of the small LM")
-    ap.add_argument("--out", default="reports", help="directory for <name>.md, <name>.json, <name>/*.png")
+    ap.add_argument("--out", default="reports", help="directory for <name>.md, <name>.rows.json, <name>/*.png")
     ap.add_argument("--name", help="default: <device>_<preset>")
     ap.add_argument("--wandb", action="store_true", help="one wandb run per case (offline without credentials)")
     ap.add_argument("--wandb-project", default="ds_seqpar")
     ap.add_argument("--notes", default="", help="free text added to the report")
-    ap.add_argument("--render", metavar="JSON", help="measure nothing: rewrite the page and plots of a saved "
-                    "results file (e.g. after a change to the report's layout)")
+    ap.add_argument("--render", metavar="ROWS", help="measure nothing: rewrite the page and plots of a saved "
+                    "<name>.rows.json (e.g. after a change to the report's layout)")
     ap.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)      # the deepspeed launcher's
     return ap
 
@@ -191,9 +191,9 @@ def _command(argv: List[str]) -> str:
 
 
 def run(args: argparse.Namespace, argv: List[str], pools=None) -> Optional[Dict[str, Any]]:
-    """Measure, summarise, write; returns the results dict on the writing rank (None elsewhere).
+    """Measure, write the rows; returns the results dict (the run's facts and what the ranks measured, "raw")
+    on the writing rank (None elsewhere).
     ``pools``: an already started (P-rank, 1-rank) RankPool pair to use instead of starting them."""
-    from . import attention_rows as S
     load_before, start = os.getloadavg(), time.monotonic()
     spec = BenchSpec(world=args.P, cases=tuple(args.cases), batch=args.batch, heads=args.heads,
                      kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype, causal=args.causal,
@@ -208,10 +208,8 @@ def run(args: argparse.Namespace, argv: List[str], pools=None) -> Optional[Dict[
     load_by_length = {str(n): per_rank[0]["lengths"][n]["load_1min"] for n in args.seq_lens}
     during = list(load_by_length.values()) + [x for t in train.values() for x in t["load_1min"]]
     res = {"meta": meta, "machine": machine(load_before, during), "elapsed_s": time.monotonic() - start,
-           "attention": S.attention_rows(per_rank, meta), "max_seq": S.max_seq_rows(per_rank, meta),
-           "train": S.train_rows(train, args.P) if train else {}, "train_skipped": skipped,
-           "train_model": _train_model(args), "load_by_length": load_by_length,
-           "lasp_breakdown": per_rank[0].get("lasp_breakdown"), "raw": {"ranks": per_rank, "train": train}}
+           "train_skipped": skipped, "train_model": _train_model(args), "load_by_length": load_by_length,
+           "raw": {"ranks": per_rank, "train": train}}
     found = write(res, args.out)
     if args.wandb:
         log_rows(found, meta, os.path.join(args.out, args.name), args.wandb_project)
@@ -280,20 +278,22 @@ def _measure_under_launcher(args, spec: BenchSpec):
 
 
 def write(res: Dict[str, Any], out: str) -> list:
-    """<out>/<name>.json, .md, .rows.json and the plots of a results dict (attention_rows.py); its rows."""
+    """<out>/<name>.md, .rows.json and the plots of a run's results (attention_rows.py); its rows."""
     from .attention_rows import facts, rows, write_plots
     found = rows(res)
     write_plots(found, res["meta"], os.path.join(out, res["meta"]["name"]))
     meta = dict(res["meta"], train_model=res.get("train_model"))      # the run's parameters plan --calibrate reads
-    write_page(out, res, found, dict(facts(res), meta=meta), "ds-seqpar bench", default=str)
+    write_page(out, res["meta"]["name"], found, dict(facts(res), meta=meta), "ds-seqpar bench")
     return found
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--render" in argv:
+        from .attention_rows import write_plots
         path = build_parser().parse_args(argv).render
-        write(load_json(path), os.path.dirname(path) or ".")
+        rows, facts = render_saved(path, "ds-seqpar bench")
+        write_plots(rows, facts["meta"], os.path.join(os.path.dirname(path) or ".", facts["meta"]["name"]))
         return 0
     try:
         args = resolve(build_parser().parse_args(argv))

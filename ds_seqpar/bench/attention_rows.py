@@ -1,6 +1,6 @@
-"""The attention suite's results: from what the ranks measured (cases.run_rank,
-train_step.measure_training) to the summary saved as JSON (per length and case the ratios, each beside
-its bound and closed form from bench/predict.py), then the rows, the page's facts and the plots.
+"""The attention suite's rows: from what the ranks measured (cases.run_rank, train_step.measure_training,
+kept in the run's ``res["raw"]``) straight to rows (per length and case the ratios, each beside its bound
+and closed form from bench/predict.py), then the page's facts and the plots.
 
 Only ratios from the same run count: a speedup is the median over rounds of the per-round ratio
 baseline wall time / case wall time (a case's wall time in a round is its slowest rank's), with the
@@ -18,7 +18,7 @@ from ..report.plotting import MIB
 from ..report.rows import Row
 from ..report.targets import TARGETS
 from .cases import BASELINE, CASES
-from .harness import bytes_ratio, spread
+from .harness import case_times, spread
 from .predict import attention_closed_form, expected_imbalance, speedup_bound
 
 SPEEDUP = "Attention fwd+bwd speedup over one process"
@@ -44,7 +44,8 @@ def _loaded(load: float, cpus: int) -> str:
 
 
 def _attention(res, seq: int, last: bool) -> List[Row]:
-    p, rows, out = res["meta"]["world"], res["attention"][str(seq)], []
+    per_rank, m, out = res["raw"]["ranks"], res["meta"], []
+    p, rows = m["world"], {case: case_row(per_rank, seq, case, m) for case in m["cases"]}
     load, cpus = res.get("load_by_length", {}).get(str(seq), 0.0), res.get("machine", {}).get("cpus") or 1
     for case, r in rows.items():
         key = f"speedup.{case}" if last and case != r["baseline"] and f"speedup.{case}" in TARGETS else None
@@ -58,7 +59,7 @@ def _attention(res, seq: int, last: bool) -> List[Row]:
         if r.get("bytes_form") is None:
             continue
         measured, why = r.get("bytes"), ""
-        if measured and r["bytes_ratio"] is None:
+        if measured and not r["bytes_constant"]:
             measured, why = [float("nan")] * p, "bytes varied between rounds"
         out.append(Row("attention", case, f"N={seq}", BYTES, "B", measured, predicted=r["bytes_form"],
                        target="bytes" if measured else None,
@@ -73,7 +74,9 @@ def _attention(res, seq: int, last: bool) -> List[Row]:
                                   f"that does not shrink with N (LASP: one d x d state per head)"}))
     if "ds_ulysses" in rows and "ulysses" in rows:
         ours, theirs = rows["ulysses"], rows["ds_ulysses"]
-        s = theirs["ours_over_theirs"]
+        # paired per round, like the speedups: ours / DeepSpeed's wall time
+        ours_walls, theirs_walls = (_times(per_rank, seq, c)["walls"] for c in ("ulysses", "ds_ulysses"))
+        s = spread([o / t for o, t in zip(ours_walls, theirs_walls)])
         out.append(Row("attention", "ulysses / ds_ulysses", f"N={seq}", PEER, "x", s["median"], (s["min"], s["max"]),
                        target="vs_deepspeed" if last else None, detail={
                            "ours s": ours["time_s"]["median"], "DeepSpeed s": theirs["time_s"]["median"],
@@ -95,31 +98,43 @@ def rows(res: Dict[str, Any]) -> List[Row]:
     m, out = res["meta"], []
     for seq in m["seq_lens"]:
         out += _attention(res, seq, seq == max(m["seq_lens"]))
-    for case, r in res.get("max_seq", {}).items():
-        single = CASES[case].runner == "single"
-        out.append(Row("attention", case, f"budget: one process at N={m['mem_budget_n']}", MAX_SEQ, "x", r["ratio"],
-                       bound=None if single else float(m["world"]), target=None if single else "max_seq",
-                       detail={"budget MiB": r["budget_bytes"] / MIB, "longest N": r["max_seq"],
-                               "why": f"search step {r['step']} tokens; fixed per-rank state"}))
-    pieces = res.get("lasp_breakdown")
+    found = dict(res["raw"]["ranks"][0].get("max_seq", {}))
+    for case, r in found.items():
+        single, base = CASES[case].runner == "single", found.get(BASELINE[CASES[case].attention])
+        if not (base and base["max_seq"]):
+            continue
+        out.append(Row("attention", case, f"budget: one process at N={m['mem_budget_n']}", MAX_SEQ, "x",
+                       r["max_seq"] / base["max_seq"], bound=None if single else float(m["world"]),
+                       target=None if single else "max_seq", detail={
+                           "budget MiB": r["budget_bytes"] / MIB, "longest N": r["max_seq"],
+                           "why": f"search step {r['step']} tokens; fixed per-rank state"}))
+    pieces = res["raw"]["ranks"][0].get("lasp_breakdown")
     if pieces:
         base = next(iter(pieces["cpu_s"].values()))
         out += [Row("attention", name, f"N/P={pieces['local_len']}", f"LASP kernel work per rank position (N/P = "
                     f"{pieces['local_len']}, no transfers)", "s", t, detail={"extra": f"{t / base - 1:+.1%}"})
                 for name, t in pieces["cpu_s"].items()]
     cpus = res.get("machine", {}).get("cpus") or 1
-    for s, t in res.get("train", {}).items():
-        c = t["compute_speedup"]["median"]
+    for s, t in res["raw"]["train"].items():
+        c = statistics.median(t["compute_ratios"])
         why = (f"the busiest rank's fwd+bwd CPU time shrinks only {c:.2f}x" if c < TARGETS["train_step"].threshold(
-            t["bound"]) else f"fwd+bwd CPU time shrinks {c:.2f}x; the rest of the step (ZeRO-2 gradient reduction, "
+            float(m["world"])) else f"fwd+bwd CPU time shrinks {c:.2f}x; the rest of the step (ZeRO-2 gradient reduction, "
             f"optimizer, loss all-reduce, waiting for the slower rank) does not shrink with P")
-        out.append(Row("attention", s, f"seq {res['train_model']['seq_len']}", TRAIN, "x", t["speedup"]["median"],
-                       (t["speedup"]["min"], t["speedup"]["max"]), bound=t["bound"], target="train_step", detail={
-                           "1 rank s/step": t["one_s"]["median"], "P ranks s/step": t["p_s"]["median"],
-                           "compute speedup": c, "tokens/s 1 -> P": t["tokens_per_s"],
-                           "losses, max rel diff": f"{t['loss_rel_diff']:.1e}",
-                           "why": why + _loaded(t.get("max_load_1min", 0.0), cpus)}))
+        out.append(step_row("attention", s, f"seq {res['train_model']['seq_len']}", TRAIN, t, bound=float(m["world"]),
+                            target="train_step", why=why + _loaded(max(t["load_1min"]), cpus)))
     return out
+
+
+def step_row(suite: str, case: str, variant: str, metric: str, t: Dict[str, Any], **kw) -> Row:
+    """One training-step comparison (train_step.measure_training's result of one strategy): P ranks over one,
+    per round; ``why`` (if given) goes into the detail."""
+    s, why = spread(t["ratios"]), kw.pop("why", "")
+    detail = {"1 rank s/step": statistics.median(t["one_s"]), "P ranks s/step": statistics.median(t["p_s"]),
+              "compute speedup": statistics.median(t["compute_ratios"]),
+              "tokens/s 1 -> P": [statistics.median(t["one_tokens_per_s"]), statistics.median(t["p_tokens_per_s"])],
+              "losses, max rel diff": f"{t['loss_rel_diff']:.1e}"}
+    return Row(suite, case, variant, metric, "x", s["median"], (s["min"], s["max"]),
+               detail=dict(detail, why=why) if why else detail, **kw)
 
 
 def facts(res: Dict[str, Any]) -> Dict[str, Any]:
@@ -149,7 +164,7 @@ def facts(res: Dict[str, Any]) -> Dict[str, Any]:
             BYTES: "What CommStats recorded per rank for one fwd+bwd, against `strategies/closed_form.py`.",
             TRAIN: f"{model}, micro-batch {t.get('micro_batch')}, {t.get('steps')} steps per run (the first is warm-up), "
                    f"through train.run_training; rounds alternate the 1-rank and the P-rank run. "
-                   + ("" if res.get("train") else res.get("train_skipped", "not measured"))},
+                   + ("" if res["raw"]["train"] else res.get("train_skipped", "not measured"))},
         "images": [(caption, f"{m['name']}/{png}.png") for png, caption in PLOTS.items()]}
 
 
@@ -184,35 +199,29 @@ def write_plots(rows_: List[Row], meta: Dict[str, Any], folder: str) -> List[str
                        f"Per-rank compute at N={last}")]
 
 
-def _walls(per_rank: List[Dict[str, Any]], seq: int, case: str) -> List[float]:
-    """Per round, the slowest rank's wall time (rank 0 alone for single cases)."""
-    ranks = [r["lengths"][seq]["rounds"][case] for r in per_rank if r["lengths"][seq]["rounds"][case]]
-    return [max(r[i]["wall"] for r in ranks) for i in range(len(ranks[0]))]
-
-
-def _per_rank(per_rank, seq, case, key) -> List[float]:
-    return [statistics.median(x[key] for x in r["lengths"][seq]["rounds"][case])
-            for r in per_rank if r["lengths"][seq]["rounds"][case]]
+def _times(per_rank: List[Dict[str, Any]], seq: int, case: str) -> Dict[str, Any]:
+    """harness.case_times of one case at one length (the slowest rank's wall per round, CPU per rank, ...)."""
+    return case_times([{"rounds": r["lengths"][seq]["rounds"]} for r in per_rank], case)
 
 
 def case_row(per_rank: List[Dict[str, Any]], seq: int, case: str, meta: Dict[str, Any]) -> Dict[str, Any]:
     """Every number of one case at one length."""
     p, causal = meta["world"], meta["causal"]
     base = BASELINE[CASES[case].attention]
-    walls, base_walls = _walls(per_rank, seq, case), _walls(per_rank, seq, base)
-    cpu, base_cpu = _per_rank(per_rank, seq, case, "cpu"), _per_rank(per_rank, seq, base, "cpu")[0]
+    t, b = _times(per_rank, seq, case), _times(per_rank, seq, base)
+    walls, cpu, base_cpu = t["walls"], t["cpu"], b["cpu"][0]
     saved = [r["lengths"][seq]["saved_bytes"][case] for r in per_rank]
     saved = [s for s in saved if s is not None]
     base_saved = per_rank[0]["lengths"][seq]["saved_bytes"][base]
     row = {"case": case, "seq": seq, "baseline": base, "time_s": spread(walls),
-           "speedup": spread([b / w for b, w in zip(base_walls, walls)]),
+           "speedup": spread([x / w for x, w in zip(b["walls"], walls)]),
            "cpu_s": cpu, "cpu_ratio": base_cpu / max(cpu), "imbalance": max(cpu) / statistics.mean(cpu),
            "inflation": sum(cpu) / base_cpu, "saved_bytes": saved, "mem_ratio": max(saved) / base_saved,
            "mem_extra_bytes": max(saved) - base_saved / p,
            "bound": speedup_bound(case, p, causal) if case != base else 1.0,
            "expected_imbalance": expected_imbalance(case, p, causal) if case != base else 1.0}
     if CASES[case].runner in ("sp", "deepspeed"):        # the cases that communicate
-        row["wait_s"] = _per_rank(per_rank, seq, case, "wait") if CASES[case].runner == "sp" else None
+        row["wait_s"] = t["wait"] if CASES[case].runner == "sp" else None
         row.update(_bytes_fields(per_rank, seq, case, meta))
     return row
 
@@ -223,40 +232,6 @@ def _bytes_fields(per_rank, seq, case, meta) -> Dict[str, Any]:
     c = CASES[case]
     form = attention_closed_form(dict(c.config), meta, seq)
     if c.runner != "sp":
-        return {"bytes": None, "bytes_form": form, "bytes_ratio": None}
+        return {"bytes": None, "bytes_form": form, "bytes_constant": True}
     sent = [sorted({x["bytes"] for x in r["lengths"][seq]["rounds"][case]}) for r in per_rank]
-    ratio = bytes_ratio([max(s) for s in sent], form)
-    constant = all(len(s) == 1 for s in sent)
-    return {"bytes": [s[-1] for s in sent], "bytes_form": form, "bytes_ratio": ratio if constant else None}
-
-
-def attention_rows(per_rank: List[Dict[str, Any]], meta: Dict[str, Any]) -> Dict[str, Dict[str, Dict[str, Any]]]:
-    """{str(N): {case: row}}: string keys, as the JSON file has them."""
-    out = {}
-    for seq in meta["seq_lens"]:
-        rows = out[str(seq)] = {case: case_row(per_rank, seq, case, meta) for case in meta["cases"]}
-        if "ds_ulysses" in rows and "ulysses" in rows:
-            # paired per round, like the speedups: ours / DeepSpeed's wall time
-            ours, theirs = _walls(per_rank, seq, "ulysses"), _walls(per_rank, seq, "ds_ulysses")
-            rows["ds_ulysses"]["ours_over_theirs"] = spread([o / t for o, t in zip(ours, theirs)])
-    return out
-
-
-def max_seq_rows(per_rank: List[Dict[str, Any]], meta: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
-    """Longest sequence within the budget per case, and its ratio to the baseline's."""
-    found = dict(per_rank[0].get("max_seq", {}))
-    rows = {}
-    for case, res in found.items():
-        base = found.get(BASELINE[CASES[case].attention])
-        if base and base["max_seq"]:
-            rows[case] = dict(res, ratio=res["max_seq"] / base["max_seq"])
-    return rows
-
-
-def train_rows(measured: Dict[str, Dict[str, Any]], p: int) -> Dict[str, Dict[str, Any]]:
-    return {s: {"one_s": spread(m["one_s"]), "p_s": spread(m["p_s"]), "speedup": spread(m["ratios"]),
-                "compute_speedup": spread(m["compute_ratios"]),
-                "tokens_per_s": [statistics.median(m["one_tokens_per_s"]), statistics.median(m["p_tokens_per_s"])],
-                "loss_rel_diff": m["loss_rel_diff"], "max_load_1min": max(m["load_1min"]),
-                "bound": float(p)}
-            for s, m in measured.items()}
+    return {"bytes": [s[-1] for s in sent], "bytes_form": form, "bytes_constant": all(len(s) == 1 for s in sent)}

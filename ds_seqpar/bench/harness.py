@@ -1,7 +1,7 @@
 """The harness every suite of ``ds-seqpar bench`` runs on (one module per suite beside it, main.py's
 SUITES; each turns its measurements into report/rows.py's rows): the case vocabulary, timing,
 interleaved rounds after a barrier, a fresh local rank pool, the machine and load facts, the options
-every suite shares, and the results file, page and wandb runs each writes.
+every suite shares, and the page, rows and wandb runs each writes.
 
 Rounds: ``warmup + repeats``, each running every case once after a barrier in a fixed order (A B C A
 B C ...), so load from other processes hits all cases alike; a case's time in a round is its slowest
@@ -10,7 +10,6 @@ rank's wall time, and a ratio between two cases is taken per round, then the med
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shlex
@@ -176,11 +175,6 @@ def versus(a: dict, b: dict) -> Dict[str, Any]:
             "cpu_ratio": median_ratio(a["cpu_rounds"], b["cpu_rounds"])}
 
 
-def bytes_ratio(measured: List[int], form: List[int]) -> List[float]:
-    """Per rank measured / closed form (1.0 where both are 0)."""
-    return [m / f if f else float(m == 0) for m, f in zip(measured, form)]
-
-
 # -- the run -----------------------------------------------------------------------------------------
 
 
@@ -215,7 +209,7 @@ def suite_parser(prog: str, doc: str, name: str, repeats: int = 5, **sizes: int)
     ap.add_argument("--out", default="reports")
     ap.add_argument("--name", default=name)
     ap.add_argument("--notes", default="", help="free text added to the page")
-    ap.add_argument("--render", metavar="JSON", help="measure nothing: rewrite the page of a saved results file")
+    ap.add_argument("--render", metavar="ROWS", help="measure nothing: rewrite the page of a saved NAME.rows.json")
     return ap
 
 
@@ -260,31 +254,24 @@ def machine_line(meta: Dict[str, Any]) -> str:
             f"run {meta['elapsed']:.0f} s.")
 
 
-def save_json(path: str, saved: Any, default=list) -> None:
-    """A suite's measured results, what --render (and plan --calibrate) read back; written whole or not
-    at all (a run stopped mid-write leaves the previous file)."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(saved, f, indent=1, default=default)
-    os.replace(path + ".tmp", path)
-
-
-def load_json(path: str) -> Any:
-    with open(path) as f:
-        return json.load(f)
-
-
-def write_page(out: str, saved: Dict[str, Any], rows, facts: Dict[str, Any], prog: str, default=list) -> int:
-    """<out>/<name>.json (``saved``, the measured results: --render reads them; plan --calibrate the rows),
-    <out>/<name>.md and <out>/<name>.rows.json (the page and its rows); prints the targets' verdicts."""
+def write_page(out: str, name: str, rows, facts: Dict[str, Any], prog: str) -> int:
+    """<out>/<name>.md and <out>/<name>.rows.json (the page and its rows: what --render and plan
+    --calibrate read back); prints the targets' verdicts."""
     from ..report.render import checked, result, write
-    save_json(os.path.join(out, f"{saved['meta']['name']}.json"), saved, default=default)
     held = [r for r in rows if r.target]
     width = max([len(f"{r.case} {r.variant}") for r in held] or [0])
     print("\n".join(f"{r.case + ' ' + r.variant:<{width}}  {r.metric[:40]:<40}  {max(checked(r)):8.3f}  {result(r)}"
                     for r in held))
-    write(out, saved["meta"]["name"], rows, facts, prog)
+    write(out, name, rows, facts, prog)
     return 0
+
+
+def render_saved(path: str, prog: str):
+    """--render: the page of a saved <name>.rows.json rewritten beside it from its rows and facts; (rows, facts)."""
+    from ..report.rows import load_rows
+    rows, facts = load_rows(path)
+    write_page(os.path.dirname(path) or ".", os.path.basename(path)[:-len(".rows.json")], rows, facts, prog)
+    return rows, facts
 
 
 def log_rows(rows, meta: Dict[str, Any], run_dir: str, project: str) -> None:
@@ -304,11 +291,12 @@ def log_rows(rows, meta: Dict[str, Any], run_dir: str, project: str) -> None:
         run.finish()
 
 
-def suite_main(argv: Optional[List[str]], parser: argparse.ArgumentParser, rerender, measure) -> int:
-    """A suite's command line: with --render JSON, ``rerender(saved, folder of JSON)`` rewrites the page
-    of a saved results file beside it; otherwise ``measure(args, argv)``."""
+def suite_main(argv: Optional[List[str]], parser: argparse.ArgumentParser, measure) -> int:
+    """A suite's command line: with --render ROWS the saved page is rewritten from its rows (harness.render_saved);
+    otherwise ``measure(args, argv)``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     if args.render:
-        return rerender(load_json(args.render), os.path.dirname(args.render) or ".")
+        render_saved(args.render, parser.prog)
+        return 0
     return measure(args, argv)

@@ -22,7 +22,8 @@ import tempfile
 from typing import Dict, List, Optional
 
 from ..report.rows import Row
-from .harness import (alone, bytes_ratio, case_times, command_line, machine_line, measure_on_pool, rank_rounds,
+from .attention_rows import step_row
+from .harness import (alone, case_times, command_line, machine_line, measure_on_pool, rank_rounds,
                       suite_main, suite_parser, versus, write_page)
 from .predict import hybrid_closed_form
 
@@ -204,22 +205,6 @@ def op_pieces(args) -> List[dict]:
     return rows
 
 
-def summarize(per_rank, args) -> Dict[str, dict]:
-    """Per family and case: times (harness.case_times), speedup over single per round, bytes vs form."""
-    out = {}
-    for fam in args.families:
-        rows = {case: case_times(per_rank, f"{fam}/{case}") for case in family_cases(fam)}
-        single = rows["single"]
-        for case, r in rows.items():
-            x = versus(single, r)
-            r.update(speedup=x["ratio"], speedup_range=x["ratio_range"], cpu_speedup=x["cpu_ratio"])
-            if case in SP_CASES:
-                r["form"] = hybrid_closed_form(fam, case, args, family_config, SP_CASES)
-                r["bytes_ratio"] = bytes_ratio(r["bytes"], r["form"])
-        out[fam] = rows
-    return out
-
-
 # -- the whole training step -------------------------------------------------------------------------
 
 
@@ -261,34 +246,33 @@ def measure_train(args) -> Dict[str, dict]:
 # -- the rows ------------------------------------------------------------------------------------------
 
 
-def rows(summary: Dict[str, dict], meta, ops: Optional[List[dict]], train: Optional[Dict[str, dict]]) -> List[Row]:
-    """Per family and case the layer's speedup and bytes; the local op alone; the whole training step."""
-    layer, out = f"One layer, fwd+bwd at N={meta['seq']}, P={meta['P']}", []
-    for fam, r in summary.items():
-        out += [Row("hybrid", fam, case, layer, "x", x["speedup"], tuple(x["speedup_range"]),
-                    target="hybrid_layer" if case.startswith("lasp") else None,
-                    detail={"wall s": x["time"], "CPU speedup": x["cpu_speedup"], "CPU s per rank": x["cpu"]})
-                for case, x in r.items()]
-    for fam, r in summary.items():
-        out += [Row("hybrid", fam, case, "Bytes per rank of one layer against the closed form", "B", x["bytes"],
-                    predicted=x["form"], target="bytes") for case, x in r.items() if "form" in x]
+def rows(per_rank, args, meta, ops: Optional[List[dict]], train: Optional[Dict[str, dict]]) -> List[Row]:
+    """Per family and case the layer's speedup over single (per round, harness.versus) and its bytes against
+    the closed form; the local op alone; the whole training step."""
+    layer, out, sent = f"One layer, fwd+bwd at N={meta['seq']}, P={meta['P']}", [], []
+    for fam in args.families:
+        times = {case: case_times(per_rank, f"{fam}/{case}") for case in family_cases(fam)}
+        for case, x in times.items():
+            s = versus(times["single"], x)
+            out.append(Row("hybrid", fam, case, layer, "x", s["ratio"], tuple(s["ratio_range"]),
+                           target="hybrid_layer" if case.startswith("lasp") else None,
+                           detail={"wall s": x["time"], "CPU speedup": s["cpu_ratio"], "CPU s per rank": x["cpu"]}))
+        sent += [Row("hybrid", fam, case, "Bytes per rank of one layer against the closed form", "B", x["bytes"],
+                     predicted=hybrid_closed_form(fam, case, args, family_config, SP_CASES), target="bytes")
+                 for case, x in times.items() if case in SP_CASES]
+    out += sent
     for o in ops or []:
         out.append(Row("hybrid", o["family"], f"`{o['op']}`", f"The local op alone, {o['tokens']} tokens (N/P): map "
                        f"/ plain", "x", o["ratio"], tuple(o["ratio_range"]),
                        detail={"plain CPU s": o["plain"], "map CPU s": o["map"]}))
-    for label, t in (train or {}).items():
-        s = t["speedup"]
-        out.append(Row("hybrid", label, f"P={meta['P']} vs 1", f"Whole training step at {meta['train_seq']} tokens, "
-                       f"ZeRO-2", "x", s["median"], (s["min"], s["max"]), detail={
-                           "1 rank s/step": t["one_s"]["median"], "P ranks s/step": t["p_s"]["median"],
-                           "compute speedup": t["compute_speedup"]["median"], "tokens/s 1 -> P": t["tokens_per_s"],
-                           "losses, max rel diff": t["loss_rel_diff"]}))
+    out += [step_row("hybrid", label, f"P={meta['P']} vs 1", f"Whole training step at {meta['train_seq']} tokens, "
+                     "ZeRO-2", t) for label, t in (train or {}).items()]
     return out
 
 
-def facts(meta, families: List[str]) -> dict:
+def facts(meta) -> dict:
     listed = "; ".join(f"`{fam}`: {FAMILIES[fam][0]} (`{FAMILIES[fam][1]}`), {family_sizes(fam, meta['hidden'])}"
-                       for fam in families)
+                       for fam in meta["families"])
     return {
         "title": "Hybrid models' linear layers on CPU ranks: one transformers layer, sharded vs unsharded",
         "setup": f"P={meta['P']} ranks x 1 thread (gloo), N={meta['seq']} tokens, batch 1, hidden {meta['hidden']}, "
@@ -337,23 +321,20 @@ def resolve(args) -> argparse.Namespace:
     return args
 
 
-def write(summary, meta, out: str, ops=None, train=None) -> int:
-    return write_page(out, {"rows": summary, "ops": ops, "train": train, "meta": meta},
-                      rows(summary, meta, ops, train), dict(facts(meta, list(summary)), meta=meta), PROG)
+def write(found: List[Row], meta, out: str) -> int:
+    return write_page(out, meta["name"], found, dict(facts(meta), meta=meta), PROG)
 
 
 def measure(args, argv: List[str]) -> int:
     import transformers
-    from .attention_rows import train_rows
     per_rank, meta = measure_on_pool(bench_rank, resolve(args), command_line(PROG, argv), versions=True)
     train = None
     if args.train_repeats:
-        train = {label: train_rows({"zigzag": m}, args.P)["zigzag"] for label, m in measure_train(args).items()}
+        train = measure_train(args)
         meta.update(load_after=" ".join(f"{x:.2f}" for x in os.getloadavg()))
     meta.update(transformers=transformers.__version__)
-    return write(summarize(per_rank, args), meta, args.out, per_rank[0].get("ops"), train)
+    return write(rows(per_rank, args, meta, per_rank[0].get("ops"), train), meta, args.out)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    return suite_main(argv, build_parser(), lambda saved, out: write(saved["rows"], saved["meta"], out,
-                                                                     saved.get("ops"), saved.get("train")), measure)
+    return suite_main(argv, build_parser(), measure)

@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..report.plotting import require_matplotlib
-from .harness import command_line, load_json, machine_facts, save_json, write_page
+from .harness import command_line, machine_facts, write_page
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 # the per-strategy comparison: the main job on a Llama-architecture config (configs/models/llama_small.json's
@@ -303,7 +303,7 @@ def run(args, argv: List[str]) -> Dict[str, Any]:
         print(f"ds-seqpar bench memory: {spec.model} P={spec.world} {spec.strategy} features={spec.features} "
               f"{spec.tokens_per_rank} tokens/rank ({spec.purpose}) ...", flush=True)
         res["measurements"].append(measure_one(spec, args.malloc))
-        save_json(path, res, default=str)
+        save_json(path, res)
     if args.timing_tokens:
         for model in args.models.split(","):
             for world in [p for p in args.P if p <= 2]:
@@ -312,7 +312,7 @@ def run(args, argv: List[str]) -> Dict[str, Any]:
                     continue
                 print(f"ds-seqpar bench memory: step time {k} ...", flush=True)
                 res["timing"][k] = measure_timing(model, world, args)
-                save_json(path, res, default=str)
+                save_json(path, res)
     res["elapsed_s"] = res.get("elapsed_s", 0.0) + time.monotonic() - start
     return finish(res, args.out)
 
@@ -323,13 +323,26 @@ def finish(res: Dict[str, Any], out: str) -> Dict[str, Any]:
     floor = res["meta"]["layers"] * res["meta"]["hidden"] * 4
     scaling = [m for m in res["measurements"] if m.get("purpose", "scaling") == "scaling"]
     res["variants"] = R.summarize(scaling, floor, res["meta"]["budget_bytes"])
-    res["strategy_rows"] = R.strategy_rows([m for m in res["measurements"] if m.get("purpose") == "strategies"])
-    res["timing_rows"] = R.timing_rows(res["timing"], res["meta"])
     res.setdefault("machine", machine_facts())
     R.write_plots(res, out)
-    write_page(out, res, R.rows(res), dict(R.facts(res), meta=res["meta"]),    # meta: for plan --calibrate
-               "ds-seqpar bench memory", default=str)
+    save_json(os.path.join(out, f"{res['meta']['name']}.json"), res)
+    write_page(out, res["meta"]["name"], R.rows(res), dict(R.facts(res), meta=res["meta"]),  # meta: for plan --calibrate
+               "ds-seqpar bench memory")
     return res
+
+
+def save_json(path: str, res: Dict[str, Any]) -> None:
+    """The measurements file (every point, what --resume continues and --render redraws the plots from);
+    written whole or not at all (a run stopped mid-write leaves the previous file)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    os.replace(path + ".tmp", path)
+
+
+def load_json(path: str) -> Dict[str, Any]:
+    with open(path) as f:
+        return json.load(f)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -66,40 +66,39 @@ def summarize(measurements: List[Dict[str, Any]], floor: int, budget: float) -> 
     return out
 
 
-def strategy_rows(measurements: List[Dict[str, Any]]) -> Dict[str, Any]:
+def strategy_rows(measurements: List[Dict[str, Any]]) -> List[Row]:
     """The per-strategy comparison: each (strategy, P, N) with its whole step's peak above static
     (largest rank), phase by phase, over P=1's at the same tokens per rank; and per P the two-point
     figure (peak at N - peak at a short length) / (N - short), which the optimizer step's fixed
     transient distorts (it holds the short run's peak, more so at P=1 where ZeRO shards nothing)."""
     if not measurements:
-        return {"rows": [], "two_point": []}
+        return []
     short = min(m["tokens_per_rank"] for m in measurements)
     long_runs = [m for m in measurements if m["tokens_per_rank"] > short]
-    one = {m["tokens_per_rank"]: m for m in long_runs if m["world"] == 1}
-    rows = []
+    one, out = {m["tokens_per_rank"]: m for m in long_runs if m["world"] == 1}, []
     for m in sorted(long_runs, key=lambda m: (m["world"], -m["tokens_per_rank"], m["strategy"])):
-        base = one.get(m["tokens_per_rank"])
-        above = m["phase_above_static_bytes"]
+        base, above = one.get(m["tokens_per_rank"]), m["phase_above_static_bytes"]
         name = m["strategy"] if m.get("ulysses_size", 1) == 1 else f"hybrid ({m['strategy']} x Ulysses {m['ulysses_size']})"
-        rows.append({"strategy": name if m["world"] > 1 else "(none: P=1)", "world": m["world"],
-                     "tokens_per_rank": m["tokens_per_rank"], "static_bytes": m["resident_bytes"],
-                     "peak_bytes": m["peak_bytes"], "above_static_bytes": m["above_static_bytes"],
-                     "phase_above_static_bytes": above, "peak_phase": max(above, key=above.get),
-                     "vs_p1": m["above_static_bytes"] / base["above_static_bytes"] if base else None})
-    two_point = []
+        target = {2: "memory.strategy_p2", 4: "memory.strategy_p4"}.get(m["world"]) if base else None
+        out.append(Row("memory", name if m["world"] > 1 else "(none: P=1)", f"P={m['world']}, {m['tokens_per_rank']} "
+                       "tokens/rank", STRATEGIES, "x", m["above_static_bytes"] / base["above_static_bytes"] if base else
+                       None, target=target, detail=dict(
+                           {"static MiB": m["resident_bytes"] / MIB, "peak MiB": m["peak_bytes"] / MIB,
+                            "above static MiB": m["above_static_bytes"] / MIB, "peak phase": max(above, key=above.get)},
+                           **{f"{p} MiB": b / MIB for p, b in above.items()})))
     for world in sorted({m["world"] for m in measurements}):
         pts = sorted((m for m in measurements if m["world"] == world and m["strategy"] == "zigzag"
-                      and m.get("ulysses_size", 1) == 1),
-                     key=lambda m: m["tokens_per_rank"])
+                      and m.get("ulysses_size", 1) == 1), key=lambda m: m["tokens_per_rank"])
         if len(pts) >= 2 and pts[0]["tokens_per_rank"] == short:
             lo, hi = pts[0], pts[-1]
             n = hi["tokens_per_rank"]
-            two_point.append({"world": world, "short_tokens": short, "tokens_per_rank": n,
-                              "short_peak_bytes": lo["peak_bytes"], "peak_bytes": hi["peak_bytes"],
-                              "short_peak_phase": max(lo["phase_peak_bytes"], key=lo["phase_peak_bytes"].get),
-                              "per_token": (hi["peak_bytes"] - lo["peak_bytes"]) / (n - short),
-                              "above_static_per_token": hi["above_static_bytes"] / n})
-    return {"rows": rows, "two_point": two_point}
+            out.append(Row("memory", f"P={world}", f"{short} -> {n} tokens/rank", TWO_POINT, "KiB",
+                           (hi["peak_bytes"] - lo["peak_bytes"]) / (n - short) / KIB, detail={
+                               "peak at short MiB": lo["peak_bytes"] / MIB,
+                               "its phase": max(lo["phase_peak_bytes"], key=lo["phase_peak_bytes"].get),
+                               "peak MiB": hi["peak_bytes"] / MIB, "above static / token KiB":
+                               hi["above_static_bytes"] / n / KIB}))
+    return out
 
 
 def step_macs_per_token(meta: Dict[str, Any], world: int, tokens_per_rank: int, features: bool) -> float:
@@ -126,20 +125,6 @@ def implied_ratio(meta: Dict[str, Any], world: int, tokens_per_rank: int) -> flo
             / step_macs_per_token(meta, world, tokens_per_rank, False))
 
 
-def timing_rows(timing: Dict[str, Dict[str, Any]], meta: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """Per (model, P): median step seconds without / with the features, their ratio per round, and
-    the ratio the recompute implies (step_macs_per_token)."""
-    rows = []
-    for k, t in sorted(timing.items()):
-        world = int(k.rsplit("/P", 1)[1])
-        ratios = [on / off for on, off in zip(t["on_s"], t["off_s"])]
-        rows.append({"case": k, "tokens_per_rank": t["tokens_per_rank"], "off_s": statistics.median(t["off_s"]),
-                     "on_s": statistics.median(t["on_s"]), "ratio": statistics.median(ratios),
-                     "ratio_min": min(ratios), "ratio_max": max(ratios), "rounds": len(ratios),
-                     "implied": implied_ratio(meta, world, t["tokens_per_rank"])})
-    return rows
-
-
 FEATURES = "Bytes per token per rank: with the features / without"
 FLOOR = "Bytes per token per rank with the features / the floor (layers x hidden x 4 B)"
 PEAK = "Step peak per rank, P=2 / P=1 at equal tokens per rank"
@@ -153,7 +138,21 @@ PHASES = "Bytes per token of each phase (KiB, fitted slope)"
 TIMING = "Step time at a short sequence: with / without the features (predicted: the recompute's implied ratio)"
 
 
-def _goals(variants: Dict[str, Dict[str, Any]]) -> List[Row]:
+def timing_rows(timing: Dict[str, Dict[str, Any]], meta: Dict[str, Any]) -> List[Row]:
+    """Per (model, P): step seconds with / without the features per round (median, min-max) against the
+    ratio the recompute implies (step_macs_per_token)."""
+    out = []
+    for k, t in sorted(timing.items()):
+        ratios = [on / off for on, off in zip(t["on_s"], t["off_s"])]
+        out.append(Row("memory", "step", f"{k}, {t['tokens_per_rank']} tokens/rank", TIMING, "x",
+                       statistics.median(ratios), (min(ratios), max(ratios)), target="memory.time_vs_implied",
+                       predicted=implied_ratio(meta, int(k.rsplit("/P", 1)[1]), t["tokens_per_rank"]), detail={
+                           "without s": statistics.median(t["off_s"]), "with s": statistics.median(t["on_s"]),
+                           "rounds": len(ratios)}))
+    return out
+
+
+def goal_rows(variants: Dict[str, Dict[str, Any]]) -> List[Row]:
     out = []
     for model in sorted({v["model"] for v in variants.values()}):
         for p in sorted({v["world"] for v in variants.values() if v["model"] == model}):
@@ -182,30 +181,10 @@ def _goals(variants: Dict[str, Dict[str, Any]]) -> List[Row]:
     return out
 
 
-def _strategies(comp: Dict[str, Any]) -> List[Row]:
-    out = []
-    for r in comp.get("rows", []):
-        target = {2: "memory.strategy_p2", 4: "memory.strategy_p4"}.get(r["world"]) if r["vs_p1"] is not None else None
-        out.append(Row("memory", r["strategy"], f"P={r['world']}, {r['tokens_per_rank']} tokens/rank", STRATEGIES, "x",
-                       r["vs_p1"], target=target, detail=dict(
-                           {"static MiB": r["static_bytes"] / MIB, "peak MiB": r["peak_bytes"] / MIB,
-                            "above static MiB": r["above_static_bytes"] / MIB, "peak phase": r["peak_phase"]},
-                           **{f"{p} MiB": b / MIB for p, b in r["phase_above_static_bytes"].items()})))
-    out += [Row("memory", f"P={t['world']}", f"{t['short_tokens']} -> {t['tokens_per_rank']} tokens/rank", TWO_POINT,
-                "KiB", t["per_token"] / KIB, detail={
-                    "peak at short MiB": t["short_peak_bytes"] / MIB, "its phase": t["short_peak_phase"],
-                    "peak MiB": t["peak_bytes"] / MIB, "above static / token KiB": t["above_static_per_token"] / KIB})
-            for t in comp.get("two_point", [])]
-    return out
-
-
 def rows(res: Dict[str, Any]) -> List[Row]:
     variants, floor = res["variants"], res["meta"]["layers"] * res["meta"]["hidden"] * 4
-    out = _goals(variants) + _strategies(res.get("strategy_rows") or {})
-    out += [Row("memory", "step", f"{r['case']}, {r['tokens_per_rank']} tokens/rank", TIMING, "x", r["ratio"],
-                (r["ratio_min"], r["ratio_max"]), predicted=r["implied"], target="memory.time_vs_implied",
-                detail={"without s": r["off_s"], "with s": r["on_s"], "rounds": r["rounds"]})
-            for r in res.get("timing_rows") or []]
+    out = goal_rows(variants) + strategy_rows([m for m in res["measurements"] if m.get("purpose") == "strategies"])
+    out += timing_rows(res.get("timing") or {}, res["meta"])
     for v in variants.values():
         label = f"P={v['world']} {'on' if v['features'] else 'off'}"
         out.append(Row("memory", v["model"], label, VARIANTS, "KiB", v["bytes_per_token"] / KIB, detail={

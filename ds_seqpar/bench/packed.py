@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ..report.rows import Row
 from ..report.targets import TARGETS
-from .harness import (LINEAR, SOFTMAX, alone, attention_inputs, case_times, command_line, fwd_bwd, load_json,
+from .harness import (LINEAR, SOFTMAX, alone, attention_inputs, case_times, command_line, fwd_bwd,
                       machine_line, measure_on_pool, rank_rounds, strategy_config, suite_main, suite_parser, versus,
                       write_page)
 from .predict import imbalance_sweep, packed_closed_form, work_per_rank
@@ -133,26 +133,11 @@ def resolve(args) -> argparse.Namespace:
 def measure(args, argv: List[str]) -> int:
     per_rank, meta = measure_on_pool(bench_rank, resolve(args), command_line(PROG, argv))
     meta["sweep"] = imbalance_sweep(args.seq, trials=args.sweep_trials) if args.sweep_trials else None
-    return write(summarize(per_rank, args), per_rank[0]["masked"], meta, args.out)
+    return write(rows(per_rank, args, meta), meta, args.out)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    return suite_main(argv, build_parser(), lambda saved, out: write(**_restored(saved), out=out), measure)
-
-
-def summarize(per_rank, args) -> Dict[str, dict]:
-    out = {}
-    for name in ("single", "single_linear") + tuple(args.strategies):
-        rows = {v: case_times(per_rank, f"{name}/{v}") for v in ("one", "equal", "mixed")}
-        rows.update(versus(rows["equal"], rows["one"]))
-        if not name.startswith("single"):
-            mixed = variant_bounds("mixed", args.seq, args.docs, tuple(args.mixed))
-            work = work_per_rank(name, args, mixed)
-            rows["work"], rows["work_imbalance"] = work, max(work) / (sum(work) / len(work))
-            rows["forms"] = {v: packed_closed_form(name, args, variant_bounds(v, args.seq, args.docs, tuple(args.mixed)))
-                             for v in ("one", "equal", "mixed")}
-        out[name] = rows
-    return out
+    return suite_main(argv, build_parser(), measure)
 
 
 def _ratio_metric(docs: int) -> str:
@@ -160,34 +145,36 @@ def _ratio_metric(docs: int) -> str:
             f"{TARGETS['packed'].text()})")
 
 
-def rows(summary: Dict[str, dict], masked: List[dict], meta) -> List[Row]:
-    """The summary (and the masked-block timings) as rows: the ratio per case, bytes per variant, the
-    mixed documents' balance, the random packings' imbalance, the masked block per document length."""
-    out, docs = [], meta["docs"]
-    ratio = _ratio_metric(docs)
-    for name, r in summary.items():
-        linear = name in LINEAR or name == "single_linear"
-        out.append(Row("packed", name, f"{docs} equal", ratio, "x", r["ratio"], tuple(r["ratio_range"]),
-                       predicted=1.0 if linear else 1 / docs, target=None if linear else "packed",
-                       detail={"one document s": r["one"]["time"], "equal documents s": r["equal"]["time"],
-                               "CPU ratio": r["cpu_ratio"]}))
-    for name, r in summary.items():
-        out += [Row("packed", name, v, "Bytes per rank against the document closed forms", "B", r[v]["bytes"],
-                    predicted=r["forms"][v], target="bytes") for v in VARIANTS if "bytes" in r[v]]
-    mixed = f"Mixed document lengths {list(meta['mixed'])}: per-rank balance"
-    for name, r in summary.items():
-        if not name.startswith("single"):
-            m = r["mixed"]
-            out.append(Row("packed", name, "mixed", mixed, "s", m["cpu"], detail={
-                "time s": m["time"], "measured imbalance": m["imbalance"], "work per rank": r["work"],
-                "work imbalance": r["work_imbalance"]}))
+def rows(per_rank, args, meta) -> List[Row]:
+    """Per case (harness.case_times; equal documents against one per round, harness.versus) the ratio, bytes
+    per variant against the document closed forms and the mixed documents' balance; the random packings'
+    imbalance; the masked block per document length (rank 0's, after the rounds)."""
+    ratio, equal, sent, balance = _ratio_metric(args.docs), [], [], []
+    mixed = f"Mixed document lengths {list(args.mixed)}: per-rank balance"
+    for name in ("single", "single_linear") + tuple(args.strategies):
+        t = {v: case_times(per_rank, f"{name}/{v}") for v in VARIANTS}
+        vs, linear = versus(t["equal"], t["one"]), name in LINEAR or name == "single_linear"
+        equal.append(Row("packed", name, f"{args.docs} equal", ratio, "x", vs["ratio"], tuple(vs["ratio_range"]),
+                         predicted=1.0 if linear else 1 / args.docs, target=None if linear else "packed",
+                         detail={"one document s": t["one"]["time"], "equal documents s": t["equal"]["time"],
+                                 "CPU ratio": vs["cpu_ratio"]}))
+        if name.startswith("single"):
+            continue
+        bounds = {v: variant_bounds(v, args.seq, args.docs, tuple(args.mixed)) for v in VARIANTS}
+        sent += [Row("packed", name, v, "Bytes per rank against the document closed forms", "B", t[v]["bytes"],
+                     predicted=packed_closed_form(name, args, bounds[v]), target="bytes") for v in VARIANTS]
+        work = work_per_rank(name, args, bounds["mixed"])
+        balance.append(Row("packed", name, "mixed", mixed, "s", t["mixed"]["cpu"], detail={
+            "time s": t["mixed"]["time"], "measured imbalance": t["mixed"]["imbalance"], "work per rank": work,
+            "work imbalance": max(work) / (sum(work) / len(work))}))
+    out = equal + sent + balance
     for layout, per_p in (meta.get("sweep") or {}).items():
         out += [Row("packed", layout, f"P={p}", "Random packings: causal work imbalance max/mean", "x", mean,
                     detail={"worst": worst}) for p, (mean, worst) in sorted(per_p.items())]
-    block = f"One rank's block (n = {meta['seq'] // meta['P']}): masked / sub-blocks"
+    block = f"One rank's block (n = {args.seq // args.P}): masked / sub-blocks"
     out += [Row("packed", f"documents of {m['doc_len']}", f"{m['docs']} documents", block, "x",
                 m["masked"] / m["subblocks"], detail={"masked block s": m["masked"], "sub-blocks s": m["subblocks"]})
-            for m in masked]
+            for m in per_rank[0]["masked"]]
     return out
 
 
@@ -221,22 +208,5 @@ def facts(meta) -> dict:
                     "strategies do) against one call over the whole block with an additive mask (attn_mask)."}}
 
 
-def render(summary, masked, meta) -> str:
-    from ..report.render import render as render_rows
-    return render_rows(rows(summary, masked, meta), facts(meta))
-
-
-def _restored(saved: dict) -> dict:
-    """write's arguments from the saved JSON (the sweep's P keys back to ints, its pairs to tuples)."""
-    saved["meta"]["sweep"] = {name: {int(p): tuple(v) for p, v in per.items()}
-                              for name, per in (saved["meta"].get("sweep") or {}).items()} or None
-    return {"summary": saved["rows"], "masked": saved["masked"], "meta": saved["meta"]}
-
-
-def _load(path: str) -> dict:
-    return _restored(load_json(path))
-
-
-def write(summary, masked, meta, out: str) -> int:
-    return write_page(out, {"rows": summary, "masked": masked, "meta": meta}, rows(summary, masked, meta),
-                      facts(meta), PROG)
+def write(found: List[Row], meta, out: str) -> int:
+    return write_page(out, meta["name"], found, facts(meta), PROG)

@@ -69,15 +69,6 @@ def window_work(name: str, p: int, seq: int, window: Optional[int]) -> List[int]
     return [int(x) for x in pairs_per_rank(name, p, p if name == "ulysses" else 1, seq, Mask(True, window))]
 
 
-def policy_work(name: str, p: int, seq: int, window: Optional[int]) -> List[int]:
-    """(q, k) pairs per rank the masked plan computes (strategies/mask_plan.py), ring family."""
-    from ..sharding.layouts import make_layout
-    from ..strategies import get_strategy
-    from ..strategies.mask_plan import masked_plan
-    plan = masked_plan(Mask(True, window), make_layout(get_strategy(name).layout_name, p), seq)
-    return [sum(plan.pairs(me, src) for src in range(p)) for me in range(p)]
-
-
 def window_closed_form(name: str, args, window: Optional[int]) -> List[int]:
     """Bytes per rank for one fwd+bwd (strategies/closed_form.py), with the window when given."""
     from ..strategies.closed_form import Shapes, closed_form_by_kind

@@ -384,7 +384,7 @@ def measure(args, command: str, pool=None) -> Dict[str, Any]:
 
 def write(res: Dict[str, Any], out: str) -> int:
     from .trainer_rows import facts, rows
-    return write_page(out, res, rows(res), facts(res), PROG)
+    return write_page(out, res["meta"]["name"], rows(res), facts(res), PROG)
 
 
 def _measure(args, argv: List[str]) -> int:
@@ -393,4 +393,4 @@ def _measure(args, argv: List[str]) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    return suite_main(argv, build_parser(), write, _measure)
+    return suite_main(argv, build_parser(), _measure)

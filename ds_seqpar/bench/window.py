@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ..report.rows import Row
 from ..report.targets import TARGETS
-from .harness import (alone, attention_inputs, bytes_ratio, case_times, command_line, fwd_bwd, machine_line,
+from .harness import (alone, attention_inputs, case_times, command_line, fwd_bwd, machine_line,
                       measure_on_pool, rank_rounds, strategy_config, suite_main, suite_parser, versus, write_page)
 from .predict import window_closed_form, window_work
 
@@ -112,29 +112,6 @@ def kernel_pieces(args) -> List[dict]:
     return rows
 
 
-def summarize(per_rank, args) -> Dict[str, dict]:
-    """Per strategy and variant: times (harness.case_times), per-round ratios to plain, bytes
-    against the closed form; windows also the work per rank and the work ratio of the busiest rank."""
-    out = {}
-    for name in args.strategies:
-        rows = {key: case_times(per_rank, f"{name}/{key}") for key, _ in variants(args)}
-        plain = rows["plain"]
-        plain["work"] = window_work(name, args.P, args.seq, None)
-        for key, kw in variants(args):
-            r, window = rows[key], kw.get("window")
-            r["form"] = window_closed_form(name, args, window)
-            r["bytes_ratio"] = bytes_ratio(r["bytes"], r["form"])
-            if key == "plain":
-                continue
-            r.update(versus(r, plain))
-            if window is not None:
-                r["work"] = window_work(name, args.P, args.seq, window)
-                r["work_ratio"] = max(r["work"]) / max(plain["work"])
-                r["per_work"], r["cpu_per_work"] = r["ratio"] / r["work_ratio"], r["cpu_ratio"] / r["work_ratio"]
-        out[name] = rows
-    return out
-
-
 # -- the rows ------------------------------------------------------------------------------------------
 
 
@@ -145,32 +122,34 @@ SOFTCAP_SINKS = (f"Softcap and sinks: time / time of plain attention (sinks over
 KERNEL = "Kernel calls alone: the busiest rank's sub-blocks with and without the window"
 
 
-def rows(summary: Dict[str, dict], meta, pieces: Optional[List[dict]] = None) -> List[Row]:
-    """The summary (and the kernel-alone timings) as rows: per strategy the window's time ratio against
-    its work ratio, bytes per variant, softcap and sinks against plain, the kernel calls per visible pair."""
-    out = []
-    for name, r in summary.items():
-        for w in meta["windows"]:
-            x = r[f"window={w}"]
-            out.append(Row("window", name, str(w), WINDOW, "x", x["ratio"], tuple(x["ratio_range"]),
-                           predicted=x["work_ratio"], target="window" if name in ("ring", "zigzag") else None,
-                           detail={"plain s": r["plain"]["time"], "window s": x["time"], "CPU ratio": x["cpu_ratio"],
-                                   "CPU / work": x["cpu_per_work"], "work per rank": x["work"],
-                                   "work per rank (plain)": r["plain"]["work"]}))
-    for name, r in summary.items():
-        out += [Row("window", name, key, BYTES, "B", x["bytes"], predicted=x["form"], target="bytes")
-                for key, x in r.items()]
-    softcap = f"softcap={meta['softcap']:g}"
-    for name, r in summary.items():
-        for key in (softcap, "sinks"):
-            x = r[key]
-            out.append(Row("window", name, key, SOFTCAP_SINKS, "x", x["ratio"], tuple(x["ratio_range"]),
-                           target="sinks" if key == "sinks" else None,
-                           detail={"plain s": r["plain"]["time"], "s": x["time"], "CPU ratio": x["cpu_ratio"]}))
+def rows(per_rank, args, pieces: Optional[List[dict]] = None) -> List[Row]:
+    """Per strategy (harness.case_times, each variant against plain per round, harness.versus): the window's
+    time ratio against its work ratio, bytes per variant against the closed form, softcap and sinks against
+    plain; then the kernel calls alone per visible pair."""
+    win, sent, capped, times = [], [], [], {}
+    for name in args.strategies:
+        t = times[name] = {key: case_times(per_rank, f"{name}/{key}") for key, _ in variants(args)}
+        plain, plain_work = t["plain"], window_work(name, args.P, args.seq, None)
+        for w in args.windows:
+            x, work = t[f"window={w}"], window_work(name, args.P, args.seq, w)
+            vs, work_ratio = versus(x, plain), max(work) / max(plain_work)
+            win.append(Row("window", name, str(w), WINDOW, "x", vs["ratio"], tuple(vs["ratio_range"]),
+                           predicted=work_ratio, target="window" if name in ("ring", "zigzag") else None,
+                           detail={"plain s": plain["time"], "window s": x["time"], "CPU ratio": vs["cpu_ratio"],
+                                   "CPU / work": vs["cpu_ratio"] / work_ratio, "work per rank": work,
+                                   "work per rank (plain)": plain_work}))
+        sent += [Row("window", name, key, BYTES, "B", t[key]["bytes"], target="bytes",
+                     predicted=window_closed_form(name, args, kw.get("window"))) for key, kw in variants(args)]
+        for key in (f"softcap={args.softcap:g}", "sinks"):
+            vs = versus(t[key], plain)
+            capped.append(Row("window", name, key, SOFTCAP_SINKS, "x", vs["ratio"], tuple(vs["ratio_range"]),
+                              target="sinks" if key == "sinks" else None,
+                              detail={"plain s": plain["time"], "s": t[key]["time"], "CPU ratio": vs["cpu_ratio"]}))
+    out = win + sent + capped
     base = {x["strategy"]: x["ns_per_pair"] for x in pieces or [] if x["window"] is None}
     for x in pieces or []:
         key = "plain" if x["window"] is None else f"window={x['window']}"
-        cpu = summary.get(x["strategy"], {}).get(key, {}).get("cpu")
+        cpu = times.get(x["strategy"], {}).get(key, {}).get("cpu")
         out.append(Row("window", x["strategy"], f"{x['window'] or '-'}, rank {x['rank']}", KERNEL, "ns per pair",
                        x["ns_per_pair"], detail={
                            "sub-blocks": x["subblocks"], "visible pairs": x["pairs"], "kernel s": x["cpu"],
@@ -233,16 +212,15 @@ def resolve(args) -> argparse.Namespace:
     return args
 
 
-def write(summary, meta, out: str, pieces: Optional[List[dict]] = None) -> int:
-    return write_page(out, {"rows": summary, "pieces": pieces, "meta": meta}, rows(summary, meta, pieces),
-                      dict(facts(meta), meta=meta), PROG)        # meta: the run's parameters plan --calibrate reads
+def write(found: List[Row], meta, out: str) -> int:
+    return write_page(out, meta["name"], found, dict(facts(meta), meta=meta),
+                      PROG)        # meta: the run's parameters plan --calibrate reads
 
 
 def measure(args, argv: List[str]) -> int:
     per_rank, meta = measure_on_pool(bench_rank, resolve(args), command_line(PROG, argv), versions=True)
-    return write(summarize(per_rank, args), meta, args.out, per_rank[0].get("pieces"))
+    return write(rows(per_rank, args, per_rank[0].get("pieces")), meta, args.out)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    return suite_main(argv, build_parser(), lambda saved, out: write(saved["rows"], saved["meta"], out,
-                                                                     saved.get("pieces")), measure)
+    return suite_main(argv, build_parser(), measure)

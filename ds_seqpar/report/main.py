@@ -63,33 +63,26 @@ def loaded(run: Dict[str, Any]) -> Optional[float]:
     return worst if worst > 1.0 else None
 
 
-def summarize(run: Dict[str, Any], skip: int) -> Dict[str, Any]:
-    cfg, steps = run["config"], run["steps"]
-    steady = steps[skip:] or steps
-    med = lambda key: statistics.median(s[key] for s in steady)  # noqa: E731
-    return {"name": cfg.get("name", os.path.basename(run["path"].rstrip("/"))), "strategy": cfg.get("strategy"),
-            "sp": cfg.get("sp_size"), "dp": cfg.get("dp_size"), "zero": cfg.get("zero_stage"),
-            "seq_len": cfg.get("seq_len"), "steps": len(steps), "first_loss": steps[0]["loss"],
-            "final_loss": steps[-1]["loss"], "tokens_per_s": med("tokens_per_s"), "step_s": med("step_s"),
-            "peak_mem_mb": max(s["peak_mem_mb"] for s in steps), "comm_mib": med("attn_comm_bytes") / MIB,
-            "comm_s": med("attn_comm_s"), "imbalance": med("compute_imbalance"), "kernel": cfg.get("kernel"),
-            "device": cfg.get("device")}
+def run_rows(runs: List[Dict[str, Any]], labels: List[str], skip: int) -> List[Row]:
+    """One row per run: its facts (strategy, layout, lengths) and steady-state numbers (medians over the
+    steps after the first ``skip``; peak memory: the maximum), no single value."""
+    steady = [run["steps"][skip:] or run["steps"] for run in runs]
+    med = lambda i, key: statistics.median(s[key] for s in steady[i])  # noqa: E731
+    best = max(med(i, "tokens_per_s") for i in range(len(runs)))
+    return [Row("train", label, run["config"].get("strategy"), "Training runs compared", detail={
+        "sp x dp": f"{run['config'].get('sp_size')} x {run['config'].get('dp_size')}",
+        "ZeRO": run["config"].get("zero_stage"), "seq": run["config"].get("seq_len"), "steps": len(run["steps"]),
+        "loss first -> last": f"{run['steps'][0]['loss']:.4f} -> {run['steps'][-1]['loss']:.4f}",
+        "tokens/s": round(med(i, "tokens_per_s")), "vs best": med(i, "tokens_per_s") / best,
+        "s/step": med(i, "step_s"), "peak MB": round(max(s["peak_mem_mb"] for s in run["steps"])),
+        "attn comm MiB/step": med(i, "attn_comm_bytes") / MIB, "attn comm s/step": med(i, "attn_comm_s"), "compute imbalance": med(i, "compute_imbalance"),
+        "run directory": f"`{run['path']}` ({run['config'].get('name', os.path.basename(run['path'].rstrip('/')))})"})
+        for i, (label, run) in enumerate(zip(labels, runs))]
 
 
 def differences(runs: List[Dict[str, Any]]) -> List[str]:
     """Settings other than the strategy and layout that differ between runs (a fair comparison has none)."""
     return [k for k in COMPARED if len({json.dumps(r["config"].get(k), sort_keys=True) for r in runs}) > 1]
-
-
-def rows_of(runs, summaries, labels) -> List[Row]:
-    """One row per run: its facts (strategy, layout, lengths) and steady-state numbers, no single value."""
-    best = max(r["tokens_per_s"] for r in summaries)
-    return [Row("train", label, r["strategy"], "Training runs compared", detail={
-        "sp x dp": f"{r['sp']} x {r['dp']}", "ZeRO": r["zero"], "seq": r["seq_len"], "steps": r["steps"],
-        "loss first -> last": f"{r['first_loss']:.4f} -> {r['final_loss']:.4f}", "tokens/s": round(r["tokens_per_s"]),
-        "vs best": r["tokens_per_s"] / best, "s/step": r["step_s"], "peak MB": round(r["peak_mem_mb"]),
-        "attn comm MiB/step": r["comm_mib"], "attn comm s/step": r["comm_s"], "compute imbalance": r["imbalance"],
-        "run directory": f"`{run['path']}` ({r['name']})"}) for label, run, r in zip(labels, runs, summaries)]
 
 
 def facts(runs, plots, out_name: str, skip: int, argv: List[str]) -> Dict[str, Any]:
@@ -127,14 +120,15 @@ def write_plots(runs, rows, labels, folder: str, skip: int) -> List[Tuple[str, s
             ("memory and communication", resources(rows, labels, os.path.join(folder, "resources.png")))]
 
 
-def resources(rows: List[Dict[str, Any]], labels, path: str) -> str:
-    """Peak memory, attention bytes and seconds per step: one panel each, one bar per run."""
+def resources(rows: List[Row], labels, path: str) -> str:
+    """Peak memory, attention bytes and seconds per step (the rows' columns): one panel each, one bar per run."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.8))
-    for ax, (key, title, fmt_) in zip(axes, [("peak_mem_mb", "peak memory per rank (MB)", "{:.0f}"),
-                                             ("comm_mib", "attention comm per step (MiB, busiest rank)", "{:.1f}"),
-                                             ("comm_s", "attention comm wait per step (s, slowest rank)", "{:.3f}")]):
-        values = [r[key] for r in rows]
+    panels = [("peak MB", "peak memory per rank (MB)", "{:.0f}"),
+              ("attn comm MiB/step", "attention comm per step (MiB, busiest rank)", "{:.1f}"),
+              ("attn comm s/step", "attention comm wait per step (s, slowest rank)", "{:.3f}")]
+    for ax, (key, title, fmt_) in zip(axes, panels):
+        values = [r.detail[key] for r in rows]
         ax.bar(range(len(rows)), values, color=colors(len(rows)))
         for i, v in enumerate(values):
             ax.text(i, v, fmt_.format(v), ha="center", va="bottom", fontsize=9)
@@ -176,12 +170,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"ds-seqpar report: error: {err}", file=sys.stderr)
         return 2
     labels = _labels(runs)
-    rows = [summarize(r, args.skip_steps) for r in runs]
+    rows = run_rows(runs, labels, args.skip_steps)
     out_dir, name = os.path.dirname(args.out) or ".", os.path.splitext(os.path.basename(args.out))[0]
     pngs = write_plots(runs, rows, labels, os.path.join(out_dir, name), args.skip_steps)
     plots = [(title, os.path.relpath(path, out_dir)) for title, path in pngs]
     with open(args.out, "w") as f:
-        f.write(render(rows_of(runs, rows, labels), facts(runs, plots, name, args.skip_steps, argv)))
+        f.write(render(rows, facts(runs, plots, name, args.skip_steps, argv)))
     print(f"ds-seqpar report: wrote {args.out} and {len(plots)} plots in {os.path.join(out_dir, name)}/")
     if _load_warning(runs):
         print(f"ds-seqpar report: warning: {_load_warning(runs)}", file=sys.stderr)

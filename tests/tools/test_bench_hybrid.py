@@ -5,7 +5,7 @@ page is written; the Llama of the training comparison has the hybrid's sizes."""
 import json
 import os
 
-from ds_seqpar.bench.hybrid import FAMILIES, bench_rank, build_parser, equal_llama, family_cases, resolve, summarize, write
+from ds_seqpar.bench.hybrid import FAMILIES, SP_CASES, bench_rank, build_parser, equal_llama, family_cases, resolve, rows, write
 
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir)
 
@@ -14,24 +14,25 @@ def test_hybrid_bench_runs_bytes_match_closed_forms_and_page_is_written(pool, tm
     args = resolve(build_parser().parse_args(["--P", "2", "--seq", "256", "--repeats", "1", "--warmup", "0",
                                               "--op-rounds", "1", "--train-repeats", "0", "--out", str(tmp_path)]))
     per_rank = pool.run(bench_rank, args)[:2]
-    rows = summarize(per_rank, args)
-    assert list(rows) == list(FAMILIES)
-    for fam, r in rows.items():
-        assert list(r) == family_cases(fam), (fam, list(r))
-        for case, x in r.items():
-            if case in ("single", "halves"):
-                continue
-            assert x["bytes_ratio"] == [1.0, 1.0] and min(x["form"]) > 0, (fam, case, x["bytes"], x["form"])
-    # the state maps do not grow with N: the ring sends one state per hop, less than the gathered maps
-    assert rows["gdn"]["lasp_ring"]["bytes"][0] < rows["gdn"]["lasp_allgather"]["bytes"][0]
     ops = per_rank[0]["ops"]
-    assert [o["family"] for o in ops] == ["gdn", "kda", "ssd"] and all(o["plain"] > 0 and o["map"] > 0 for o in ops)
     meta = dict(vars(args), cpus=2, elapsed=1.0, load_before="0", load_after="0", load_during=0.0, command="x y")
-    assert write(rows, meta, str(tmp_path), ops) == 0
+    found = rows(per_rank, args, meta, ops, None)
+    layer = [r for r in found if r.metric.startswith("One layer")]
+    assert list(dict.fromkeys(r.case for r in layer)) == list(FAMILIES)
+    for fam in FAMILIES:
+        assert [r.variant for r in layer if r.case == fam] == family_cases(fam), fam
+    sent = {(r.case, r.variant): r for r in found if r.metric.startswith("Bytes per rank")}
+    assert list(sent) == [(f, c) for f in FAMILIES for c in family_cases(f) if c in SP_CASES], list(sent)
+    for key, r in sent.items():
+        assert r.ratios() == [1.0, 1.0] and min(r.predicted) > 0, (key, r.value, r.predicted)
+    # the state maps do not grow with N: the ring sends one state per hop, less than the gathered maps
+    assert sent["gdn", "lasp_ring"].value[0] < sent["gdn", "lasp_allgather"].value[0]
+    assert [o["family"] for o in ops] == ["gdn", "kda", "ssd"] and all(o["plain"] > 0 and o["map"] > 0 for o in ops)
+    assert write(found, meta, str(tmp_path)) == 0
     page = (tmp_path / "hybrid_cpu.md").read_text()
     assert "Command: `x y`" in page and "| gdn | lasp_ring |" in page and "| conv | lasp_allgather |" in page, page
     assert "1.000 / 1.000" in page and "`torch_chunk_gated_delta_rule`" in page, page
-    assert json.loads((tmp_path / "hybrid_cpu.json").read_text())["meta"]["seq"] == 256
+    assert json.loads((tmp_path / "hybrid_cpu.rows.json").read_text())["facts"]["meta"]["seq"] == 256
 
 
 def test_the_llama_of_the_training_comparison_has_the_hybrids_sizes():

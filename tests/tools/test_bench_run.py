@@ -1,11 +1,9 @@
 """A tiny ``ds-seqpar bench`` run end to end on the session's 4-rank pool (the bench's world is its P,
-so P=4 here): every field of the results JSON, exact byte ratios against the closed form, the
+so P=4 here): every row of every case and length, exact byte ratios against the closed form, the
 longest-sequence search, the training-step comparison, the LASP halves bound and per-piece table,
-the markdown rows, the plots, and re-rendering from the JSON. Sizes are the smallest that still
+the markdown rows, the plots, and re-rendering from the rows. Sizes are the smallest that still
 exercise all of it; what costs time is starting ranks, so the run reuses the session pool and
 starts only the 1-rank pool the training comparison needs."""
-import json
-
 import pytest
 
 P = 4
@@ -32,30 +30,32 @@ def test_tiny_bench_writes_json_markdown_and_plots(pool, solo, tmp_path, capsys,
     from ds_seqpar.report.render import result
     from ds_seqpar.report.rows import load_rows
     from ds_seqpar.bench.attention import build_parser, resolve, run
+    from ds_seqpar.bench.attention_rows import BYTES, MAX_SEQ, MEMORY, SPEEDUP, TRAIN
     monkeypatch.setitem(train_step.TRAIN_PRESETS, "quick", TINY_MODEL)
     argv = TINY + ["--out", str(tmp_path)]
     res = run(resolve(build_parser().parse_args(argv)), argv, pools=(pool, solo))
-    with open(tmp_path / "tiny.json") as f:
-        saved = json.load(f)
-    assert saved["meta"]["cases"] == ["single", "zigzag", "single_linear", "lasp2", "lasp1", "halves"], saved["meta"]
-    for key in ("meta", "machine", "attention", "max_seq", "train", "elapsed_s", "load_by_length",
-                "lasp_breakdown", "raw"):
-        assert key in saved, f"results JSON lacks {key!r}"
-    for n in ("64", "128"):
-        for case, row in saved["attention"][n].items():
-            assert row["time_s"]["min"] > 0 and row["speedup"]["median"] > 0, (n, case, row)
-            assert all(c > 0 for c in row["cpu_s"]) and row["mem_ratio"] > 0, (n, case, row)
+    assert res["meta"]["cases"] == ["single", "zigzag", "single_linear", "lasp2", "lasp1", "halves"], res["meta"]
+    rows, facts = load_rows(str(tmp_path / "tiny.rows.json"))
+    table = lambda metric: {(r.case, r.variant): r for r in rows if r.metric.startswith(metric)}  # noqa: E731
+    speed, sent, mem = table(SPEEDUP), table(BYTES), table(MEMORY)
+    for n in ("N=64", "N=128"):
+        for case in res["meta"]["cases"]:
+            r = speed[case, n]
+            assert r.detail["wall s"] > 0 and r.value > 0, (n, case, r)
+            assert all(c > 0 for c in r.detail["CPU s per rank"]) and mem[case, n].value > 0, (n, case, r)
             if case in ("zigzag", "lasp2", "lasp1"):
-                assert row["bytes_ratio"] == [1.0] * P, f"N={n} {case}: bytes vs closed form {row['bytes_ratio']}"
-                assert len(row["cpu_s"]) == P and row["imbalance"] >= 1.0, row
-        assert "bytes" not in saved["attention"][n]["halves"], "halves exchanges nothing"
-    assert saved["max_seq"]["zigzag"]["ratio"] == P, saved["max_seq"]        # exactly 1/P of the saved bytes
-    assert "halves" not in saved["max_seq"], saved["max_seq"]
-    train = saved["train"]["zigzag"]
-    assert train["speedup"]["median"] > 0 and train["loss_rel_diff"] < 1e-4, train
-    pieces = saved["lasp_breakdown"]
-    assert pieces["local_len"] == 128 // P and len(pieces["cpu_s"]) == 4 and min(pieces["cpu_s"].values()) > 0, pieces
-    rows, _ = load_rows(str(tmp_path / "tiny.rows.json"))
+                assert sent[case, n].ratios() == [1.0] * P, f"{n} {case}: bytes vs closed form {sent[case, n]}"
+                imbalance = float(r.detail["imbalance (expected)"].split()[0])
+                assert len(r.detail["CPU s per rank"]) == P and imbalance >= 1.0, r
+        assert ("halves", n) not in sent, "halves exchanges nothing"
+    longest = table(MAX_SEQ)
+    assert longest["zigzag", "budget: one process at N=64"].value == P, longest   # exactly 1/P of the saved bytes
+    assert not [k for k in longest if k[0] == "halves"], longest
+    train = table(TRAIN)["zigzag", "seq 64"]
+    assert train.value > 0 and float(train.detail["losses, max rel diff"]) < 1e-4, train
+    pieces = table(f"LASP kernel work per rank position (N/P = {128 // P}")
+    assert len(pieces) == 4 and {v for _, v in pieces} == {f"N/P={128 // P}"}, pieces
+    assert min(r.value for r in pieces.values()) > 0, pieces
     checks = {(r.case, r.metric): result(r) for r in rows if r.target}
     assert set(checks.values()) <= {"PASS", "SHORT", "FAIL"} and "FAIL" not in checks.values(), checks
     assert not [c for c in checks if c[0] == "halves"], "halves is a bound, not checked"
@@ -69,13 +69,14 @@ def test_tiny_bench_writes_json_markdown_and_plots(pool, solo, tmp_path, capsys,
         path = tmp_path / "tiny" / f"{png}.png"
         assert path.exists() and path.stat().st_size > 10_000, f"{path} missing or empty"
         assert f"(tiny/{png}.png)" in md
-    assert res["meta"] == saved["meta"]
+    assert facts["meta"]["seq_lens"] == [64, 128] and facts["meta"]["train_model"] == res["train_model"]
     assert "PASS" in capsys.readouterr().out
-    # a saved results file re-renders without measuring anything
+    # saved rows re-render (page and plots) without measuring anything
     from ds_seqpar.bench.main import main
     (tmp_path / "tiny.md").unlink()
-    assert main(["--render", str(tmp_path / "tiny.json")]) == 0
-    assert (tmp_path / "tiny.md").read_text() == md
+    (tmp_path / "tiny" / "speedup.png").unlink()
+    assert main(["--render", str(tmp_path / "tiny.rows.json")]) == 0
+    assert (tmp_path / "tiny.md").read_text() == md and (tmp_path / "tiny" / "speedup.png").exists()
 
 
 def _ours_vs_deepspeed():

@@ -1,8 +1,8 @@
 """``ds-seqpar bench trainer`` at a tiny size on the session pool: the side-by-side cases run (plain,
 one ds_seqpar strategy, DeepSpeed's ALST through accelerate's ParallelismConfig), ds_seqpar's steps and
 final parameters equal plain's while ALST's do not (the distinction the page reports), the overhead
-part times both loops, and the page and JSON are written from the results (and re-rendered from
-the JSON)."""
+part times both loops, and the page and its rows are written from the results (and re-rendered from
+the rows)."""
 import json
 import os
 
@@ -32,12 +32,12 @@ def test_trainer_bench_side_by_side_overhead_and_page(pool, tmp_path, monkeypatc
     assert all(r["variable widths"] for r in res["gloo"]), res["gloo"]    # gloo needs equal widths
     over = res["overhead"]
     assert len(over["rounds"]) == 1 and over["rounds"][0]["own_s"] > 0 and over["rounds"][0]["trainer_s"] > 0
+    assert res["meta"]["steps"] == 3
     res["meta"]["name"] = "t"
     assert bench.write(res, str(tmp_path)) == 0
     page = (tmp_path / "t.md").read_text()
     assert "Command: `ds-seqpar bench --trainer x`" in page and "| zigzag | dp2 x sp2, micro 2 |" in page, page
     alst = next(line for line in page.splitlines() if line.startswith("| deepspeed_alst | dp2 x sp2, micro 2 |"))
     assert "transformers' Trainer + ParallelismConfig" in alst and "Trainer / own" in page, page
-    assert bench_main(["--trainer", "--render", str(tmp_path / "t.json")]) == 0
+    assert bench_main(["--trainer", "--render", str(tmp_path / "t.rows.json")]) == 0
     assert (tmp_path / "t.md").read_text() == page
-    assert json.loads((tmp_path / "t.json").read_text())["meta"]["steps"] == 3

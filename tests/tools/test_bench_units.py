@@ -1,7 +1,6 @@
 """``ds-seqpar bench`` pieces that start no rank: the closed-form oracle's edge cases, the option
-checks and presets, the summary's bounds and search, and the markdown page of the committed report
-re-rendered from its JSON."""
-import json
+checks and presets, the summary's bounds and search, and the markdown pages of the committed reports
+re-rendered from their rows."""
 import os
 
 import pytest
@@ -98,17 +97,6 @@ def test_bounds_and_the_longest_sequence_search():
     assert 256 <= _largest(lambda n: True, 64, limit=256) < 2 * 256
 
 
-def test_the_committed_full_report_renders_from_its_json():
-    # the page is a function of the saved results: a change to the layout must re-render the
-    # committed report (ds-seqpar bench --render reports/cpu_full.json)
-    from ds_seqpar.bench.attention_rows import facts, rows
-    from ds_seqpar.report.render import render
-    with open(os.path.join(REPORTS, "cpu_full.json")) as f:
-        res = json.load(f)
-    with open(os.path.join(REPORTS, "cpu_full.md")) as f:
-        assert render(rows(res), facts(res)) == f.read()
-
-
 def test_bench_training_case_takes_a_hugging_face_model(tmp_path):
     from ds_seqpar.bench.attention import BenchError, _train_model, build_parser, resolve
     path = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "configs", "models", "qwen2_small.json")
@@ -135,42 +123,31 @@ def test_bench_runs_a_suite_by_name_and_the_old_flags_as_aliases(capsys):
         main(["packed", "--seq", "100"])           # the suite's own options and checks
 
 
-def _page(name: str) -> str:
-    """A committed report's page, rendered again from its saved results by its suite's rows."""
-    from ds_seqpar.bench import attention_rows as attention, hybrid, packed, trainer_rows, window
-    from ds_seqpar.report.render import render
-    with open(os.path.join(REPORTS, f"{name}.json")) as f:
-        saved = json.load(f)
-    if name.startswith("packed"):
-        d = packed._load(os.path.join(REPORTS, f"{name}.json"))
-        return packed.render(d["summary"], d["masked"], d["meta"])
-    if name.startswith("window"):
-        return render(window.rows(saved["rows"], saved["meta"], saved["pieces"]), window.facts(saved["meta"]))
-    if name.startswith("hybrid"):
-        return render(hybrid.rows(saved["rows"], saved["meta"], saved["ops"], saved["train"]),
-                      hybrid.facts(saved["meta"], list(saved["rows"])))
-    if name.startswith("hf_trainer"):
-        return render(trainer_rows.rows(saved), trainer_rows.facts(saved))
-    return render(attention.rows(saved), attention.facts(saved))
-
-
-@pytest.mark.parametrize("name", ["packed_cpu", "window_cpu", "hybrid_cpu", "hf_trainer_cpu",
-                                  "hf_train_step/hf_qwen2_small_cpu", "hf_train_step/hf_llama_small_cpu"])
+@pytest.mark.parametrize("name", ["cpu_full", "ring_cpu", "lasp_cpu", "packed_cpu", "window_cpu", "hybrid_cpu",
+                                  "hf_trainer_cpu", "hf_train_step/hf_qwen2_small_cpu",
+                                  "hf_train_step/hf_llama_small_cpu"])
 def test_every_committed_suite_page_is_its_rows_rendered(name):
+    # the page is a function of the saved rows: a change to the layout must re-render the committed
+    # reports (ds-seqpar bench [SUITE] --render reports/NAME.rows.json)
+    from ds_seqpar.report.render import render
+    from ds_seqpar.report.rows import load_rows
     with open(os.path.join(REPORTS, f"{name}.md")) as f:
-        assert _page(name) == f.read(), f"reports/{name}.md differs from its JSON's rendering (re-render it)"
+        assert render(*load_rows(os.path.join(REPORTS, f"{name}.rows.json"))) == f.read(), \
+            f"reports/{name}.md differs from its rows' rendering (re-render it)"
 
 
 @pytest.mark.parametrize("suite,name", [("packed", "packed_cpu"), ("window", "window_cpu"), ("hybrid", "hybrid_cpu"),
                                         ("trainer", "hf_trainer_cpu"), ("memory", "memory_cpu")])
 def test_render_rewrites_a_saved_report_unchanged(suite, name, tmp_path, capsys):
-    """``ds-seqpar bench SUITE --render JSON``: the saved results, the page and the rows written beside the
-    JSON are the committed ones, byte for byte (the results file is read, then written back)."""
+    """``ds-seqpar bench SUITE --render NAME.rows.json`` (memory: its measurements file NAME.json): the page
+    and the rows written beside it are the committed ones, byte for byte (the saved file is read, then
+    written back)."""
     import shutil
     from ds_seqpar.bench.main import main
-    shutil.copy(os.path.join(REPORTS, f"{name}.json"), tmp_path)
-    assert main([suite, "--render", str(tmp_path / f"{name}.json")]) == 0
-    for ext in (".json", ".md", ".rows.json"):
+    saved = f"{name}.json" if suite == "memory" else f"{name}.rows.json"
+    shutil.copy(os.path.join(REPORTS, saved), tmp_path)
+    assert main([suite, "--render", str(tmp_path / saved)]) == 0
+    for ext in ((".json",) if suite == "memory" else ()) + (".md", ".rows.json"):
         with open(os.path.join(REPORTS, name + ext)) as want, open(tmp_path / (name + ext)) as got:
             assert got.read() == want.read(), f"{suite} --render: {name}{ext} differs from the committed one"
 

@@ -23,10 +23,10 @@ def _measurement(model, world, features, n, lines, resident=500 * MIB):
             "phase_peak_bytes": phases, "peak_bytes": max(phases.values()), "step_s": [1.0]}
 
 
-def _goals(variants=None, comp=None, timing=None):
-    """{(case, variant, metric): row} of the rows that name a goal; floor = 1 layer x 2048 x 4 B = 8 KiB."""
-    res = {"variants": variants or {}, "strategy_rows": comp, "timing_rows": timing, "meta": {"layers": 1, "hidden": 2048}}
-    return {(r.case, r.variant, r.metric): r for r in R.rows(res) if r.target}
+def _goals(variants=None, rows=None):
+    """{(case, variant, metric): row} of the rows that name a goal (the variants' goal rows, or ``rows``);
+    floor = 1 layer x 2048 x 4 B = 8 KiB."""
+    return {(r.case, r.variant, r.metric): r for r in (R.goal_rows(variants) if variants else rows) if r.target}
 
 
 ON = {"forward": (560 * MIB, 10 * KIB), "layers_backward": (540 * MIB, 16 * KIB), "optimizer": (760 * MIB, 0)}
@@ -70,9 +70,10 @@ def test_implied_step_time_ratio_counts_the_recompute():
     assert S.implied_ratio(dict(meta, layers=0), 1, 2) == pytest.approx(4 / 3)     # the fused loss alone
     timing = {"lm/P2": {"tokens_per_rank": 2, "off_s": [1.0, 1.0, 1.2], "on_s": [1.5, 1.8, 1.5]}}
     row, = S.timing_rows(timing, meta)
-    assert row["ratio"] == pytest.approx(1.5) and row["implied"] == pytest.approx(896 / 600)   # attention over P x N = 4 tokens
-    assert [result(r) for r in _goals(timing=[row]).values()] == ["PASS"]
-    assert [result(r) for r in _goals(timing=[dict(row, ratio=1.8)]).values()] == ["SHORT"]
+    assert row.value == pytest.approx(1.5) and row.predicted == pytest.approx(896 / 600)   # attention over P x N = 4 tokens
+    assert [result(r) for r in _goals(rows=[row]).values()] == ["PASS"]
+    slow = dict(timing["lm/P2"], on_s=[1.8, 1.8, 2.16])                                    # 1.8 every round
+    assert [result(r) for r in _goals(rows=S.timing_rows({"lm/P2": slow}, meta)).values()] == ["SHORT"]
 
 
 def test_plan_follows_the_preset_and_rejects_unknown_models():
@@ -117,18 +118,20 @@ def test_strategy_rows_compare_above_static_and_explain_the_two_point_figure():
           _compared(4, "ulysses", 4096, 210 * MIB), dict(_compared(4, "zigzag", 4096, 200 * MIB), ulysses_size=2),
           # short runs: the optimizer step (200 MiB above static) holds the peak
           _compared(1, "zigzag", 256, 20 * MIB), _compared(2, "zigzag", 256, 20 * MIB)]
-    comp = S.strategy_rows(ms)
-    assert [(r["strategy"], r["world"], r["tokens_per_rank"]) for r in comp["rows"]] == [
-        ("(none: P=1)", 1, n), ("(none: P=1)", 1, 4096), ("zigzag", 2, n), ("ring", 4, n),
-        ("ulysses", 4, 4096), ("hybrid (zigzag x Ulysses 2)", 4, 4096)]
-    assert [round(r["vs_p1"], 4) for r in comp["rows"]] == [1.0, 1.0, round(310 / 300, 4), 1.2, 1.05, 1.0]
-    assert comp["rows"][2]["peak_phase"] == "forward"
-    checks = {f"{case} {variant}": result(r) for (case, variant, _), r in _goals(comp=comp).items()}
+    found = S.strategy_rows(ms)
+    comp = [r for r in found if r.metric == R.STRATEGIES]
+    assert [(r.case, r.variant) for r in comp] == [
+        ("(none: P=1)", f"P=1, {n} tokens/rank"), ("(none: P=1)", "P=1, 4096 tokens/rank"),
+        ("zigzag", f"P=2, {n} tokens/rank"), ("ring", f"P=4, {n} tokens/rank"), ("ulysses", "P=4, 4096 tokens/rank"),
+        ("hybrid (zigzag x Ulysses 2)", "P=4, 4096 tokens/rank")]
+    assert [round(r.value, 4) for r in comp] == [1.0, 1.0, round(310 / 300, 4), 1.2, 1.05, 1.0]
+    assert comp[2].detail["peak phase"] == "forward"
+    checks = {f"{case} {variant}": result(r) for (case, variant, _), r in _goals(rows=found).items()}
     assert checks == {f"zigzag P=2, {n} tokens/rank": "PASS", f"ring P=4, {n} tokens/rank": "SHORT",   # 1.20 > 1.15
                       "ulysses P=4, 4096 tokens/rank": "PASS", "hybrid (zigzag x Ulysses 2) P=4, 4096 tokens/rank": "PASS"}
-    (one, two) = comp["two_point"]
-    assert one["short_peak_phase"] == "optimizer" and one["per_token"] == pytest.approx(100 * MIB / (n - 256))
-    assert one["above_static_per_token"] == pytest.approx(300 * MIB / n)
+    (one, two) = [r for r in found if r.metric == R.TWO_POINT]
+    assert one.detail["its phase"] == "optimizer" and one.value * KIB == pytest.approx(100 * MIB / (n - 256))
+    assert one.detail["above static / token KiB"] * KIB == pytest.approx(300 * MIB / n)
 
 
 TINY = dict(model="lm", world=2, tokens_per_rank=256, hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64,
