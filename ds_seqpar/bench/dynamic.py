@@ -194,15 +194,11 @@ def measure(args, argv) -> int:
     per_rank, meta = measure_on_pool(bench_rank, args, command_line(PROG, argv), versions=True)
     summary = summarize(per_rank)
     meta["loss_rel"] = check_losses(summary)
-    return write_page(args.out, {"rows": summary, "meta": meta}, rows(summary, meta), facts(meta), PROG)
-
-
-def rerender(saved, folder: str) -> int:
-    return write_page(folder, saved, rows(saved["rows"], saved["meta"]), facts(saved["meta"]), PROG)
+    return write_page(args.out, args.name, rows(summary, meta), facts(meta), PROG)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    return suite_main(argv, parser(), rerender, measure)
+    return suite_main(argv, parser(), measure)
 
 
 __all__ = ["main", "bench_rank", "cases", "summarize", "rows"]

@@ -1,10 +1,10 @@
 """ds-seqpar bench dynamic without ranks: its cases and the committed report, which is its rows
-rendered again from the saved results (ds-seqpar bench dynamic --render reports/dynamic_cpu.json)."""
-import json
+rendered again (ds-seqpar bench dynamic --render reports/dynamic_cpu.rows.json)."""
 import os
 
-from ds_seqpar.bench.dynamic import cases, facts, rows
+from ds_seqpar.bench.dynamic import cases
 from ds_seqpar.report.render import render
+from ds_seqpar.report.rows import load_rows
 
 REPORTS = os.path.join(os.path.dirname(__file__), "..", "..", "reports")
 
@@ -16,9 +16,8 @@ def test_every_static_size_and_dynamic_at_the_tokens_per_rank_each_holds():
 
 
 def test_the_committed_page_is_its_rows_rendered():
-    with open(os.path.join(REPORTS, "dynamic_cpu.json")) as f:
-        saved = json.load(f)
+    rows, facts = load_rows(os.path.join(REPORTS, "dynamic_cpu.rows.json"))
     with open(os.path.join(REPORTS, "dynamic_cpu.md")) as f:
-        assert render(rows(saved["rows"], saved["meta"]), facts(saved["meta"])) == f.read()
-    names = {(r.case, r.metric) for r in rows(saved["rows"], saved["meta"])}
+        assert render(rows, facts) == f.read()
+    names = {(r.case, r.metric) for r in rows}
     assert {("dynamic", "critical_cpu_s"), ("static:4", "tokens_per_s")} <= names
