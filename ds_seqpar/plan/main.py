@@ -18,7 +18,7 @@ from .ds_json import ds_config
 from .cost.bytes import SPAN_BUDGET
 from .inputs import OWN_LM, check_args, equal_documents, load_model
 from .model_shape import ModelShape
-from .search import Cluster, Prediction, gpus_needed, longest_sequence, plan
+from .search import HEADROOM, Cluster, Prediction, gpus_needed, longest_sequence, plan
 
 GB, KB, MB = 1e9, 1e3, 1e6
 
@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "shorter): attention work and ring bytes follow their mask")
     p.add_argument("--zero", type=int, choices=(1, 2, 3), help="ZeRO stage (default: try 1, 2 and 3)")
     p.add_argument("--top", type=int, default=12, help="feasible configurations to print")
+    p.add_argument("--headroom", type=float, default=HEADROOM, help="fraction of each GPU's usable memory a "
+                   "configuration must leave free (default %(default)s); near-ties in tokens/s go to fewer moving "
+                   "parts, then more free memory")
     p.add_argument("--out", help="write the best configuration's DeepSpeed JSON here")
     p.add_argument("--json", dest="json_out", help="write every prediction here (machine-readable)")
     p.add_argument("--calibrate", action="store_true", help="measure this machine's alpha/beta (gloo, local ranks) and "
@@ -63,7 +66,7 @@ def render(shape: ModelShape, opts, cluster: Cluster, ok: List[Prediction], reje
              f" of the datasheet peak, NVLink {gpu.assumed['nvlink_efficiency']:.0%}, inter-node "
              f"{gpu.assumed['inter_node_efficiency']:.0%} of theirs (docs/plan.md)", ""]
     hdr = ("rank", "strategy", "size", "u", "lin", "dp", "zero", "features", "static GB", "KB/token", "peak GB (phase)",
-           "comm MB/layer", "comm s", "compute s", "step s", "tokens/s", "MFU")
+           "free", "longest seq", "comm MB/layer", "comm s", "compute s", "step s", "tokens/s", "MFU")
     rows = []
     for i, p in enumerate(ok[:opts.top], 1):
         c = p.candidate
@@ -72,7 +75,7 @@ def render(shape: ModelShape, opts, cluster: Cluster, ok: List[Prediction], reje
         rows.append((str(i), c.strategy, str(c.size), str(c.ulysses_size), c.linear_strategy if shape.hybrid else
                      (c.lasp_comm if c.strategy == "lasp" else "-"),
                      str(p.dp), str(c.zero), c.features.label, _gb(p.static_bytes), f"{p.per_token_bytes / KB:.0f}",
-                     f"{_gb(p.peak_bytes)} ({p.peak_phase})", comm_mb, comm_s, f"{p.compute_s:.2f}", f"{p.step_s:.2f}",
+                     f"{_gb(p.peak_bytes)} ({p.peak_phase})", f"{p.free:.0%}", f"{p.max_seq:,}", comm_mb, comm_s, f"{p.compute_s:.2f}", f"{p.step_s:.2f}",
                      f"{p.tokens_s:,.0f}", f"{p.mfu:.0%}"))
     lines += _table(hdr, rows) if rows else ["no configuration fits (see the rejections)"]
     if len(ok) > opts.top:
@@ -130,7 +133,8 @@ def run(opts) -> int:
     cluster = Cluster(opts.gpus, min(opts.gpus_per_node, opts.gpus), gpu, opts.dtype)
     docs = equal_documents(opts.seq_len, opts.doc_len)
     span_budget = float("inf") if opts.exact_bytes else SPAN_BUDGET
-    ok, rejected = plan(shape, opts.seq_len, cluster, opts.zero, own_linear, docs=docs, span_budget=span_budget)
+    ok, rejected = plan(shape, opts.seq_len, cluster, opts.zero, own_linear, docs=docs, span_budget=span_budget,
+                        headroom=opts.headroom)
     print(render(shape, opts, cluster, ok, rejected))
     bounded = sorted({f"{p.candidate.strategy} x{p.candidate.size // p.candidate.ulysses_size}"
                       for p in ok + rejected if p.bytes_bounded})

@@ -19,6 +19,9 @@ from .cost import flops, memory, times
 from .cost.bytes import SPAN_BUDGET
 from .cost.candidate import Candidate, Features
 from .cost.pairs import padded_length
+
+HEADROOM = 0.10          # of the usable memory a configuration leaves free by default (--headroom)
+NEAR_TIE = 0.02          # predicted tokens/s closer than this are a tie: the model is not more precise
 from .hardware import Gpu
 from .model_shape import ModelShape
 
@@ -55,6 +58,19 @@ class Prediction:
     max_seq: int = 0
     phases: Dict[str, Dict[str, float]] = field(default_factory=dict)   # {phase: {"a": bytes, "b": bytes/token}}
     bytes_bounded: bool = False     # a masked layer's ring bytes are the no-mask upper bound (span budget)
+    headroom: float = 0.0           # the fraction of usable memory kept free (budget_bytes is what is left)
+
+    @property
+    def free(self) -> float:
+        """The fraction of the usable memory this configuration leaves free at its peak."""
+        usable = self.budget_bytes / (1 - self.headroom)
+        return 1 - self.peak_bytes / usable
+
+    @property
+    def moving_parts(self) -> int:
+        """What a user has to get right: a 2D layout, the memory features, optimizer offload, ZeRO-3."""
+        c = self.candidate
+        return (1 < c.ulysses_size < c.size) + c.features.on + c.features.offload_optimizer + (c.zero == 3)
 
 
 def divisors(n: int) -> List[int]:
@@ -105,12 +121,13 @@ def check(c: Candidate, shape: ModelShape, gpus: int, own_linear: bool) -> str:
 
 def predict(c: Candidate, shape: ModelShape, seq: int, cl: Cluster, own_linear: bool = False,
             causal: bool = True, docs: Optional[Tuple[int, ...]] = None, timing: bool = True,
-            span_budget: float = SPAN_BUDGET) -> Prediction:
+            span_budget: float = SPAN_BUDGET, headroom: float = HEADROOM) -> Prediction:
     """One candidate: refused (reason), or its memory, bytes, times and fit. ``docs``: packed
     documents' lengths (their mask sets the attention work and the ring's bytes); ``timing`` False:
-    memory only (longest_sequence asks thousands of clusters); ``span_budget``: cost.bytes'."""
+    memory only (longest_sequence asks thousands of clusters); ``span_budget``: cost.bytes'; ``headroom``:
+    the fraction of usable memory a configuration must leave free (fragmentation, a longer batch)."""
     dp = cl.gpus // c.size if cl.gpus % c.size == 0 else 0
-    p = Prediction(c, dp, ok=False, budget_bytes=cl.gpu.usable_bytes)
+    p = Prediction(c, dp, ok=False, budget_bytes=cl.gpu.usable_bytes * (1 - headroom), headroom=headroom)
     reason = check(c, shape, cl.gpus, own_linear)
     if reason:
         p.reason = reason
@@ -137,7 +154,7 @@ def predict(c: Candidate, shape: ModelShape, seq: int, cl: Cluster, own_linear: 
     p.mfu = flops.model_flops_per_token(shape, seq, causal, docs) * seq * dp / p.step_s / (cl.gpus * peak_flops)
     if p.peak_bytes > p.budget_bytes:
         p.reason = (f"does not fit: {p.peak_bytes / 1e9:.1f} GB per GPU ({p.peak_phase}) > {p.budget_bytes / 1e9:.1f} GB "
-                    f"usable; longest sequence for it {p.max_seq:,}")
+                    f"usable with {headroom:.0%} headroom; longest sequence for it {p.max_seq:,}")
     elif p.host_bytes > HOST_USABLE * cl.gpu.host_bytes_per_node:
         p.reason = (f"host memory: {p.host_bytes / 1e9:.0f} GB per node (checkpoints / optimizer offloaded) > "
                     f"{HOST_USABLE * cl.gpu.host_bytes_per_node / 1e9:.0f} GB usable")
@@ -159,12 +176,23 @@ def _host_tokens(c: Candidate, shape: ModelShape, cl: Cluster) -> int:
 
 
 def plan(shape: ModelShape, seq: int, cl: Cluster, zero: Optional[int] = None, own_linear: bool = False,
-         features=FEATURE_SETS, docs: Optional[Tuple[int, ...]] = None, span_budget: float = SPAN_BUDGET
-         ) -> Tuple[List[Prediction], List[Prediction]]:
-    """(feasible ranked by tokens/s, then less memory; rejected)."""
-    preds = [predict(c, shape, seq, cl, own_linear, docs=docs, span_budget=span_budget) for c in candidates(shape, cl.gpus, zero, features, own_linear)]
-    ok = sorted((p for p in preds if p.ok), key=lambda p: (-p.tokens_s, p.peak_bytes))
-    return ok, [p for p in preds if not p.ok]
+         features=FEATURE_SETS, docs: Optional[Tuple[int, ...]] = None, span_budget: float = SPAN_BUDGET,
+         headroom: float = HEADROOM) -> Tuple[List[Prediction], List[Prediction]]:
+    """(feasible ranked, rejected). Ranked by tokens/s; predictions within NEAR_TIE of each other are
+    one tie (the model is not that precise), broken toward fewer moving parts, then more free memory."""
+    preds = [predict(c, shape, seq, cl, own_linear, docs=docs, span_budget=span_budget, headroom=headroom)
+             for c in candidates(shape, cl.gpus, zero, features, own_linear)]
+    return rank([p for p in preds if p.ok]), [p for p in preds if not p.ok]
+
+
+def rank(feasible: List[Prediction]) -> List[Prediction]:
+    """Ties: each run of predictions within NEAR_TIE of the fastest not yet placed."""
+    rest, ranked = sorted(feasible, key=lambda p: -p.tokens_s), []
+    while rest:
+        tie = [p for p in rest if p.tokens_s >= (1 - NEAR_TIE) * rest[0].tokens_s]
+        ranked += sorted(tie, key=lambda p: (p.moving_parts, -p.free, -p.tokens_s))
+        rest = rest[len(tie):]
+    return ranked
 
 
 def longest_sequence(shape: ModelShape, cl: Cluster, zero: Optional[int] = None, own_linear: bool = False) -> int:
@@ -189,5 +217,5 @@ def gpus_needed(shape: ModelShape, seq: int, cl: Cluster, zero: Optional[int] = 
     return None
 
 
-__all__ = ["Cluster", "FEATURE_SETS", "Prediction", "candidates", "check", "gpus_needed", "longest_sequence", "plan",
-           "predict"]
+__all__ = ["Cluster", "FEATURE_SETS", "HEADROOM", "NEAR_TIE", "Prediction", "candidates", "check", "gpus_needed",
+           "longest_sequence", "plan", "predict", "rank"]

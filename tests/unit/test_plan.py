@@ -15,7 +15,7 @@ from ds_seqpar.plan.main import main as plan_main
 from ds_seqpar.plan.cost.candidate import Candidate, Features
 from ds_seqpar.plan.model_shape import ModelShape
 from ds_seqpar.plan.cost.bytes import comm_per_layer
-from ds_seqpar.plan.search import Cluster, longest_sequence, plan, predict
+from ds_seqpar.plan.search import NEAR_TIE, Cluster, longest_sequence, plan, predict
 from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind, transient_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -175,7 +175,9 @@ def test_custom_profile(tmp_path):
 def test_ranking_and_rejections():
     cl = Cluster(16, 8, hardware.load_gpu("h100"), "bf16")
     ok, rejected = plan(SMALL, 1 << 20, cl, zero=2)
-    assert ok and all(a.tokens_s >= b.tokens_s for a, b in zip(ok, ok[1:]))
+    # by tokens/s, up to the near-ties the ranking breaks toward simpler and roomier (test_plan_ranking.py)
+    assert ok and ok[0].tokens_s >= (1 - NEAR_TIE) * max(p.tokens_s for p in ok)
+    assert all(b.tokens_s * (1 - NEAR_TIE) <= a.tokens_s for a, b in zip(ok, ok[1:]))
     assert all(p.peak_bytes <= p.budget_bytes for p in ok)
     # Ulysses over more ranks than heads: refused with the main job's message
     uly16 = [p for p in rejected if p.candidate.strategy == "ulysses" and p.candidate.size == 16]
