@@ -30,6 +30,7 @@ import torch
 
 from .. import comm
 from ..sharding.documents import boundaries_from_positions
+from . import batch_check
 from .checks import UnsupportedModelError, check_config, check_dropout
 
 
@@ -42,12 +43,15 @@ def install(model, state) -> list:
         kwargs = dict(kwargs)
         check_call(module, state, call)
         packed = call.get("cu_seqlens") is None and call.get("cu_seq_lens_q") is None
-        zeros, restarts = _group_flags(call.get("attention_mask"), call["position_ids"] if packed else None,
-                                       state.sp)
-        if zeros:
-            check_right_padding(call["attention_mask"], state)
-        if restarts:
-            kwargs["cu_seqlens"] = documents_from_positions(call["position_ids"], state.sp)
+        if torch.compiler.is_compiling():       # the same checks, in the first attention call (batch_check.py)
+            kwargs[batch_check.KWARG] = (call["position_ids"], call.get("attention_mask"), packed)
+        else:
+            zeros, restarts = group_flags(call.get("attention_mask"), call["position_ids"] if packed else None,
+                                          state.sp)
+            if zeros:
+                check_right_padding(call["attention_mask"], state)
+            if restarts:
+                kwargs["cu_seqlens"] = documents_from_positions(call["position_ids"], state.sp)
         if state.linear is not None:         # hybrids: the state and the conv restart at every document
             state.linear.documents = linear_documents(kwargs.get("cu_seqlens", call.get("cu_seqlens")),
                                                       call.get("cu_seq_lens_q"), call["position_ids"], module)
@@ -103,7 +107,7 @@ def check_call(model, state, call: dict) -> None:
     check_dropout(state.layers, model.training)
 
 
-def _group_flags(mask, position_ids, sp):
+def group_flags(mask, position_ids, sp):
     """(some rank's mask has a zero, some rank's position_ids are not the global positions): one
     all-reduce (max) of two flags, made on every call so the ranks' collectives always match."""
     device = mask.device if mask is not None else sp.device
@@ -164,4 +168,4 @@ def documents_from_positions(position_ids, sp):
                                     f"batch['position_ids'] from sp.shard_batch") from None
 
 
-__all__ = ["install", "check_call"]
+__all__ = ["install", "check_call", "group_flags", "check_right_padding"]
