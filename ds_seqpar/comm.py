@@ -116,7 +116,6 @@ def group_size(group) -> int:
     return dist.get_world_size(group)
 
 
-
 def barrier(group=None) -> None:
     dist.barrier(group=group)
 
@@ -223,9 +222,9 @@ def all_gather(x: torch.Tensor, dim: int, group, stats: Optional[CommStats] = No
     return _AllGather.apply(x, dim, group, stats, kind)
 
 
+# not differentiable: used inside hand-written backward passes and the opaque ops (ds_seqpar/ops)
 def reduce_scatter(x: torch.Tensor, dim: int, group, stats: Optional[CommStats] = None,
                    kind: str = "reduce_scatter") -> torch.Tensor:
-    """Not differentiable (used inside hand-written backward passes)."""
     return _reduce_scatter(x, dim, group, stats, kind)
 
 
@@ -234,6 +233,8 @@ def all_gather_nograd(x: torch.Tensor, dim: int, group, stats: Optional[CommStat
     return _all_gather(x, dim, group, stats, kind)
 
 
+def all_to_all_nograd(x: torch.Tensor, scatter_dim: int, gather_dim: int, group, stats=None, kind="all_to_all"):
+    return _all_to_all(x, scatter_dim, gather_dim, group, stats, kind)
 
 # ---------------------------------------------------------------------------------------------
 # point to point: the ring

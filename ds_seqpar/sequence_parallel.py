@@ -18,7 +18,7 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 
-from . import comm, strategies
+from . import comm, ops, strategies
 from .config import ConfigError, SequenceParallelConfig, load_ds_config
 from .kernels import get_kernel
 from .kernels.base import check_head_groups
@@ -68,6 +68,7 @@ class SequenceParallel:
             layout=self.layout, overlap=config.overlap, lasp_comm=config.lasp_comm))
         # 5. the linear exchange, over the same groups, layout and stats as the strategy
         self.linear_exchange = LinearExchange(config.linear_strategy, config.lasp_comm, self.strategy.ctx)
+        self._handle = ops.handle(self)      # how the opaque ops (ops/) find this object when they run
 
     @classmethod
     def from_ds_config(cls, ds_config, device=None) -> "SequenceParallel":
@@ -164,13 +165,15 @@ class SequenceParallel:
         strategies.check_heads(self.config, q.shape[2], k.shape[2])
         if seq_len is not None:
             check_seq_len(seq_len, q.shape[1] * self.size, self.layout.required_multiple)
-        mask = self._mask(q, causal, seq_len, cu_seqlens, window)
-        scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        options = dict(softcap=None if softcap is None else float(softcap), sinks=sinks)
+        scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        softcap = None if softcap is None else float(softcap)
+        # one opaque node for torch.compile (ops/attention.py): the mask is built inside, from these arguments
         wire = self._comm_dtype(q.dtype)
         if wire == q.dtype:
-            return self.strategy.attention(q, k, v, mask, scale, **options)
-        out = self.strategy.attention(q.to(wire), k.to(wire), v.to(wire), mask, scale, **options)
+            return ops.attention(self._handle, q, k, v, sinks, cu_seqlens, bool(causal), scale, seq_len, window,
+                                 softcap)
+        out = ops.attention(self._handle, q.to(wire), k.to(wire), v.to(wire), sinks, cu_seqlens, bool(causal), scale,
+                            seq_len, window, softcap)
         return out.to(q.dtype)
 
     def _mask(self, q: torch.Tensor, causal: bool, seq_len: Optional[int], cu_seqlens, window) -> Mask:
@@ -208,11 +211,12 @@ class SequenceParallel:
         """Causal linear attention over the whole sequence (strategy 'lasp'); with ``cu_seqlens``
         (as in attention) the state restarts at every document start."""
         check_qkv(q, k, v)
-        docs = None if cu_seqlens is None else self._documents(cu_seqlens, q)
-        wire = self._comm_dtype(q.dtype)
+        if decay is not None and decay.requires_grad:   # known while tracing; inside the op it may not be
+            raise ValueError("linear attention: decay is a fixed input and gets no gradient; pass decay.detach()")
+        wire = self._comm_dtype(q.dtype)       # one opaque node for torch.compile (ops/linear.py)
         if wire == q.dtype:
-            return self.strategy.linear_attention(q, k, v, decay, docs=docs)
-        return self.strategy.linear_attention(q.to(wire), k.to(wire), v.to(wire), decay, docs=docs).to(q.dtype)
+            return ops.linear_attention(self._handle, q, k, v, decay, cu_seqlens)
+        return ops.linear_attention(self._handle, q.to(wire), k.to(wire), v.to(wire), decay, cu_seqlens).to(q.dtype)
 
     def _comm_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """sequence_parallel.comm_dtype: auto keeps the model's dtype (config.py)."""

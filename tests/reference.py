@@ -66,24 +66,29 @@ def mask_of(n, causal, window=None, bounds=None):
     return ok
 
 
-def masked_attention_with_grads(q, k, v, dout, causal, scale, dtype, window=None, softcap=None, sinks=None,
-                                bounds=None):
-    """(out, dq, dk, dv, dsinks) of dense attention written out in ``dtype`` (autograd): GQA by
-    repeating k/v, scores capped, the mask applied, sinks as an extra logit column with no value."""
-    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
-    s = None if sinks is None else sinks.detach().to(dtype).requires_grad_()
+def dense_attention(q, k, v, causal, scale, window=None, softcap=None, sinks=None, bounds=None):
+    """Dense attention written out (differentiable, in the inputs' dtype): GQA by repeating k/v, scores
+    capped, the mask applied, sinks as an extra logit column with no value."""
     b, n, h, _ = q.shape
     group = h // k.shape[2]
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(group, 2)) * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    scores = scores.masked_fill(~mask_of(n, causal, window, bounds), float("-inf"))
-    if s is not None:
-        scores = torch.cat([scores, s.view(1, h, 1, 1).expand(b, h, n, 1)], dim=-1)
+    scores = scores.masked_fill(~mask_of(n, causal, window, bounds).to(q.device), float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.view(1, h, 1, 1).expand(b, h, n, 1)], dim=-1)
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    if s is not None:
+    if sinks is not None:
         probs = probs[..., :-1]
-    out = torch.einsum("bhqk,bkhd->bqhd", probs, v.repeat_interleave(group, 2))
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v.repeat_interleave(group, 2))
+
+
+def masked_attention_with_grads(q, k, v, dout, causal, scale, dtype, window=None, softcap=None, sinks=None,
+                                bounds=None):
+    """(out, dq, dk, dv, dsinks) of dense_attention in ``dtype`` (autograd)."""
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    s = None if sinks is None else sinks.detach().to(dtype).requires_grad_()
+    out = dense_attention(q, k, v, causal, scale, window, softcap, s, bounds)
     out.backward(dout.to(dtype))
     return out.detach(), q.grad, k.grad, v.grad, (None if s is None else s.grad)
 

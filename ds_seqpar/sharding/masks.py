@@ -2,9 +2,10 @@
 Mask (masks.py) by its documents and its call's (shape, causality, real length, window), and only the
 first call of a batch with new documents checks them (shard_batch checked its own tensor already).
 
-Documents are known by the object the calls pass (cu_seqlens: the tensor shard_batch returned, or a
-list), held here: a tensor is the same documents while its version is unchanged (an in-place write
-bumps it), a list while its values are. A few are kept, so models that alternate two (Llama 4's
+Documents are known by what the calls pass (cu_seqlens: the tensor shard_batch returned, or a list),
+held here: a tensor by the object, the same documents while its version is unchanged (an in-place
+write bumps it; its values are not read to find it); a list by its values (the opaque attention op,
+ds_seqpar/ops, receives a copy of it). A few are kept, so models that alternate two (Llama 4's
 chunked layers beside its full ones) find both; ``None`` (no documents) is one entry like the others.
 """
 from __future__ import annotations
@@ -39,11 +40,9 @@ class BatchDocuments:
 
     def holds(self, cu_seqlens) -> bool:
         """Is ``cu_seqlens`` still these documents?"""
-        if cu_seqlens is not self.cu:
-            return False
         if isinstance(cu_seqlens, torch.Tensor):
-            return cu_seqlens._version == self.version
-        return cu_seqlens is None or self.bounds is None or as_boundaries(cu_seqlens) == self.bounds
+            return cu_seqlens is self.cu and cu_seqlens._version == self.version
+        return True                     # None, or a list found by its values
 
     def remember(self, key: tuple, mask: Mask) -> Mask:
         if len(self.masks) >= self.MASKS:
@@ -62,13 +61,23 @@ class BatchMasks:
 
     def documents(self, cu_seqlens) -> BatchDocuments:
         """The entry of ``cu_seqlens``, new (nothing agreed, no masks) unless it still holds it."""
-        key = id(cu_seqlens)
+        key = _key(cu_seqlens)
         docs = self._docs.get(key)
         if docs is None or not docs.holds(cu_seqlens):
             docs = self._docs[key] = BatchDocuments(cu_seqlens)
             if len(self._docs) > self.KEEP:
                 self._docs.popitem(last=False)
         return docs
+
+
+def _key(cu_seqlens):
+    """A tensor's identity; a list's values (a malformed one by identity: its check will say why)."""
+    if cu_seqlens is None or isinstance(cu_seqlens, torch.Tensor):
+        return id(cu_seqlens)
+    try:
+        return as_boundaries(cu_seqlens)
+    except ValueError:
+        return id(cu_seqlens)
 
 
 __all__ = ["BatchDocuments", "BatchMasks"]

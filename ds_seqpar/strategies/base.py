@@ -36,7 +36,20 @@ class StrategyContext:
 
 
 class Strategy:
-    """Base: one documented entry point per attention kind; unsupported kinds say what to use."""
+    """Base: one documented entry point per attention kind; unsupported kinds say what to use.
+
+    Softmax attention is three plain functions, which ``ds_seqpar.ops`` registers as one opaque,
+    differentiable node for torch.compile (and runs as it is in eager):
+
+        forward(q, k, v, mask, scale, softcap, sinks)             -> (out, saved: [tensors])
+        backward(dout, q, k, v, out, saved, mask, scale, softcap, sinks) -> (dq, dk, dv, dsinks or None)
+        fake(q, k, v, sinks)                                      -> (out, saved) shapes and dtypes only
+
+    ``mask``: the layer's masks.Mask over the global sequence (causal, window, packed documents,
+    real length), validated; ``softcap``, ``sinks``: as sp.attention documents them, validated.
+    ``saved`` never aliases q, k, v or out. Linear attention (lasp) has the same three, with the
+    fixed decay and packed documents in place of the mask.
+    """
 
     name = "base"
     layout_name = "contiguous"      # token layout across the ring dimension
@@ -44,15 +57,31 @@ class Strategy:
     def __init__(self, ctx: StrategyContext):
         self.ctx = ctx
 
-    def attention(self, q_bshd: torch.Tensor, k_bshd: torch.Tensor, v_bshd: torch.Tensor, mask,
-                  scale: float, softcap: Optional[float] = None,
-                  sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``mask``: the layer's masks.Mask over the global sequence (causal, window, packed documents,
-        real length), validated; ``softcap``, ``sinks``: as sp.attention documents them, validated."""
-        raise ValueError(f"sequence_parallel.strategy={self.name!r} computes linear attention; call "
-                         f"sp.linear_attention(q, k, v, decay) or pick a softmax strategy "
-                         f"(ulysses, ring, zigzag, striped)")
+    def _not_softmax(self):
+        return ValueError(f"sequence_parallel.strategy={self.name!r} computes linear attention; call "
+                          f"sp.linear_attention(q, k, v, decay) or pick a softmax strategy "
+                          f"(ulysses, ring, zigzag, striped)")
 
-    def linear_attention(self, q_bshd, k_bshd, v_bshd, decay: Optional[torch.Tensor], docs=None) -> torch.Tensor:
-        raise ValueError(f"sequence_parallel.strategy={self.name!r} computes softmax attention; "
-                         f"sp.linear_attention needs sequence_parallel.strategy='lasp'")
+    def _not_linear(self):
+        return ValueError(f"sequence_parallel.strategy={self.name!r} computes softmax attention; "
+                          f"sp.linear_attention needs sequence_parallel.strategy='lasp'")
+
+    def forward(self, q_bshd, k_bshd, v_bshd, mask, scale: float, softcap: Optional[float] = None,
+                sinks: Optional[torch.Tensor] = None):
+        raise self._not_softmax()
+
+    def backward(self, dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, saved, mask, scale: float,
+                 softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None):
+        raise self._not_softmax()
+
+    def fake(self, q_bshd, k_bshd, v_bshd, sinks: Optional[torch.Tensor] = None):
+        raise self._not_softmax()
+
+    def linear_forward(self, q_bshd, k_bshd, v_bshd, decay: Optional[torch.Tensor], docs=None):
+        raise self._not_linear()
+
+    def linear_backward(self, do_bshd, q_bshd, k_bshd, v_bshd, saved, decay: Optional[torch.Tensor], docs=None):
+        raise self._not_linear()
+
+    def linear_fake(self, q_bshd, k_bshd, v_bshd):
+        raise self._not_linear()

@@ -30,8 +30,8 @@ full-head tensor [b, n, H, d], S_kv = elements of the local k:
 """
 from __future__ import annotations
 
-from .ring_loop import RingFamily, check_local_length, ring_attention
-from .ulysses import heads_to_seq, local_heads, scatter_heads
+from .ring_loop import RingFamily, check_local_length, ring_forward, ring_grads
+from .ulysses import fake_head_parallel, head_parallel_backward, head_parallel_forward
 
 
 class HybridAttention(RingFamily):
@@ -48,12 +48,22 @@ class HybridAttention(RingFamily):
     def blocks(self, me, src, p, causal, n):
         return self.ring.blocks(me, src, p, causal, n)
 
-    def attention(self, q_bshd, k_bshd, v_bshd, mask, scale, softcap=None, sinks=None):
+    def forward(self, q_bshd, k_bshd, v_bshd, mask, scale, softcap=None, sinks=None):
         ctx = self.ctx
         check_local_length(self.ring.name, ctx, q_bshd.shape[1])
-        # [b, n, H, d] -> [b, U*n, H/U, d]: this ring position's whole shard, a slice of the heads
-        q_u, k_u, v_u = scatter_heads(q_bshd, k_bshd, v_bshd, ctx.ulysses_group, ctx.ulysses_size, ctx.stats)
-        plan = self.plan(mask, q_u.shape[1])          # the ring strategy's blocks over U*n-token shards
-        sinks_h = None if sinks is None else local_heads(sinks, ctx.ulysses_size, ctx.ulysses_rank)
-        out_u = ring_attention(q_u, k_u, v_u, scale, ctx, plan, softcap, sinks_h)
-        return heads_to_seq(out_u, ctx.ulysses_group, ctx.stats)            # [b, n, H, d]
+        # [b, n, H, d] -> [b, U*n, H/U, d]: this ring position's whole shard, a slice of the heads; the
+        # ring strategy's blocks over U*n-token shards
+        return head_parallel_forward(ctx, q_bshd, k_bshd, v_bshd, sinks, lambda q_u, k_u, v_u, sinks_h: ring_forward(
+            q_u, k_u, v_u, scale, ctx, self.plan(mask, q_u.shape[1]), softcap, sinks_h))
+
+    def backward(self, dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, saved, mask, scale, softcap=None, sinks=None):
+        ctx = self.ctx
+
+        def inner_grads(dout_u, q_u, k_u, v_u, out_u, lse_u, sinks_h):
+            return ring_grads(dout_u, q_u, k_u, v_u, out_u, lse_u, scale, ctx, self.plan(mask, q_u.shape[1]),
+                              softcap, sinks_h)
+        return head_parallel_backward(ctx, dout_bshd, k_bshd, saved, sinks, inner_grads)
+
+    def fake(self, q_bshd, k_bshd, v_bshd, sinks=None):
+        check_local_length(self.ring.name, self.ctx, q_bshd.shape[1])
+        return fake_head_parallel(self.ctx, q_bshd, k_bshd, v_bshd)

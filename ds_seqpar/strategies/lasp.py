@@ -66,6 +66,7 @@ H states travel even when kv heads share one without decay); decay None or a fix
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Optional, Tuple
 
 import torch
@@ -153,44 +154,43 @@ def lasp_backward(do_bshd, q_bshd, k_bshd, v_bshd, state_in, decay_h, ctx, chain
     return tuple(_joined([g[i] for g in grads], single) for i in range(3))
 
 
-class LaspFunction(torch.autograd.Function):
-    """Thin: save what backward needs, call the plain functions. decay gets no gradient."""
-
-    @staticmethod
-    def forward(fctx, q_bshd, k_bshd, v_bshd, decay_h, ctx, chain):
-        o_bshd, state_in = lasp_forward(q_bshd, k_bshd, v_bshd, decay_h, ctx, chain)
-        fctx.save_for_backward(q_bshd, k_bshd, v_bshd, state_in)
-        fctx.decay_h, fctx.ctx, fctx.chain = decay_h, ctx, chain
-        return o_bshd
-
-    @staticmethod
-    def backward(fctx, do_bshd):
-        q_bshd, k_bshd, v_bshd, state_in = fctx.saved_tensors
-        dq, dk, dv = lasp_backward(do_bshd, q_bshd, k_bshd, v_bshd, state_in, fctx.decay_h, fctx.ctx, fctx.chain)
-        return dq, dk, dv, None, None, None
-
-
-def lasp_attention(q_bshd, k_bshd, v_bshd, decay_h, ctx, docs=None, chain: Optional[LaspChain] = None) -> Tensor:
-    """Differentiable causal linear attention of this rank's block over the whole sequence; with
-    ``docs`` (packed documents) the state restarts at every document start. ``chain``: the plan, when
-    the caller kept it (the same for every call of one local length without documents)."""
-    chain = chain or LaspChain(ctx.sp_size, q_bshd.shape[1], docs)
-    return LaspFunction.apply(q_bshd, k_bshd, v_bshd, decay_h, ctx, chain)
-
-
 class LaspAttention(Strategy):
-    """sp.linear_attention via LASP; sp.attention raises (Strategy base) and names the fix."""
+    """sp.linear_attention via LASP (its forward / backward / fake, which ds_seqpar/ops registers as one
+    opaque node); sp.attention raises (Strategy base) and names the fix."""
 
     name = "lasp"
     layout_name = "contiguous"
+    CHAINS = 8               # plans kept: the plain one per local length, and the latest batches' documents
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        self._plain_chains = {}        # local length -> the plan without documents, built once per length
+        self._chains = OrderedDict()
 
-    def linear_attention(self, q_bshd, k_bshd, v_bshd, decay: Optional[Tensor], docs=None) -> Tensor:
-        chain = None
-        if docs is None:
-            n = q_bshd.shape[1]
-            chain = self._plain_chains.get(n) or self._plain_chains.setdefault(n, LaspChain(self.ctx.sp_size, n))
-        return lasp_attention(q_bshd, k_bshd, v_bshd, decay, self.ctx, docs, chain)
+    def chain(self, n: int, docs=None) -> LaspChain:
+        """The plan of a local length ``n`` (and packed documents), built once and shared by the layers."""
+        key = (n, None if docs is None else tuple(docs.bounds))
+        chain = self._chains.get(key)
+        if chain is None:
+            chain = self._chains[key] = LaspChain(self.ctx.sp_size, n, docs)
+            if len(self._chains) > self.CHAINS:
+                self._chains.popitem(last=False)
+        return chain
+
+    def linear_forward(self, q_bshd, k_bshd, v_bshd, decay: Optional[Tensor], docs=None):
+        """(o, [state_in]): state_in zeros where no state comes in (its backward knows from the plan)."""
+        o_bshd, state_in = lasp_forward(q_bshd, k_bshd, v_bshd, decay, self.ctx, self.chain(q_bshd.shape[1], docs))
+        return o_bshd, [state_in if state_in is not None else self._state_like(q_bshd, v_bshd).zero_()]
+
+    def linear_backward(self, do_bshd, q_bshd, k_bshd, v_bshd, saved, decay: Optional[Tensor], docs=None):
+        chain = self.chain(q_bshd.shape[1], docs)
+        state_in = saved[0] if chain.takes_in[self.ctx.sp_rank] else None
+        return lasp_backward(do_bshd, q_bshd, k_bshd, v_bshd, state_in, decay, self.ctx, chain)
+
+    def linear_fake(self, q_bshd, k_bshd, v_bshd):
+        b, n, h, _ = q_bshd.shape
+        return q_bshd.new_empty((b, n, h, v_bshd.shape[-1])), [self._state_like(q_bshd, v_bshd)]
+
+    @staticmethod
+    def _state_like(q_bshd, v_bshd) -> Tensor:
+        b, _, h, dk = q_bshd.shape
+        return q_bshd.new_empty((b, h, dk, v_bshd.shape[-1]), dtype=state_dtype(q_bshd.dtype))

@@ -48,7 +48,7 @@ from typing import Optional
 
 import torch
 
-from ..kernels import empty_accumulators
+from ..kernels import acc_dtype, empty_accumulators
 from ..kernels.merge import Merge, Sum
 from ..kernels.bands import Band
 from ..masks import Mask
@@ -186,35 +186,17 @@ def ring_backward(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, scale: f
 
 
 # ---------------------------------------------------------------------------------------------
-# autograd and the strategy base
+# gradients and the strategy base
 
 
-class RingAttentionFunction(torch.autograd.Function):
-    """Thin: save what backward needs, call the plain functions."""
-
-    @staticmethod
-    def forward(fctx, q_bshd, k_bshd, v_bshd, sinks_h, ctx, plan, scale, softcap):
-        out_bshd, lse_bhs = ring_forward(q_bshd, k_bshd, v_bshd, scale, ctx, plan, softcap, sinks_h)
-        # with sinks, out and lse are the final ones (sinks included): the kernels' backward formulas
-        # then give the exact q/k/v gradients (a sink is a key with no value)
-        fctx.save_for_backward(q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, sinks_h)
-        fctx.ctx, fctx.plan, fctx.scale, fctx.softcap = ctx, plan, scale, softcap
-        return out_bshd
-
-    @staticmethod
-    def backward(fctx, dout_bshd):
-        q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, sinks_h = fctx.saved_tensors
-        dq, dk, dv = ring_backward(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, fctx.scale, fctx.ctx,
-                                   fctx.plan, fctx.softcap)
-        dsinks = None if sinks_h is None else sinks_grad(dout_bshd, out_bshd, lse_bhs, sinks_h)
-        return dq, dk, dv, dsinks, None, None, None, None
-
-
-def ring_attention(q_bshd, k_bshd, v_bshd, scale: float, ctx, plan: MaskPlan,
-                   softcap: Optional[float] = None, sinks_h: Optional[torch.Tensor] = None):
-    """Differentiable exact attention of this rank's queries against every ring rank's K/V, as
-    ``plan`` says. ``sinks_h``: this rank's q heads' sink logits (their gradient is this rank's share)."""
-    return RingAttentionFunction.apply(q_bshd, k_bshd, v_bshd, sinks_h, ctx, plan, scale, softcap)
+def ring_grads(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, scale: float, ctx, plan: MaskPlan,
+               softcap: Optional[float] = None, sinks_h: Optional[torch.Tensor] = None):
+    """(dq, dk, dv, dsinks or None) of ring_forward. With sinks, out and lse are the final ones (sinks
+    included): the kernels' backward formulas then give the exact q/k/v gradients (a sink is a key
+    with no value)."""
+    dq, dk, dv = ring_backward(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, scale, ctx, plan, softcap)
+    dsinks = None if sinks_h is None else sinks_grad(dout_bshd, out_bshd, lse_bhs, sinks_h)
+    return dq, dk, dv, dsinks
 
 
 def check_local_length(strategy_name: str, ctx, n_local: int) -> None:
@@ -255,7 +237,25 @@ class RingFamily(Strategy):
         mask: PlanCache)."""
         return self._plans.get(mask, n_ring * self.ctx.ring_size)
 
-    def attention(self, q_bshd, k_bshd, v_bshd, mask: Mask, scale, softcap=None, sinks=None):
+    def forward(self, q_bshd, k_bshd, v_bshd, mask: Mask, scale, softcap=None, sinks=None):
         check_local_length(self.name, self.ctx, q_bshd.shape[1])
         plan = self.plan(mask, q_bshd.shape[1])
-        return ring_attention(q_bshd, k_bshd, v_bshd, scale, self.ctx, plan, softcap, sinks)
+        out_bshd, lse_bhs = ring_forward(q_bshd, k_bshd, v_bshd, scale, self.ctx, plan, softcap, sinks)
+        return out_bshd, [lse_bhs]
+
+    def backward(self, dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, saved, mask: Mask, scale, softcap=None,
+                 sinks=None):
+        plan = self.plan(mask, q_bshd.shape[1])
+        return ring_grads(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, saved[0], scale, self.ctx, plan, softcap,
+                          sinks)
+
+    def fake(self, q_bshd, k_bshd, v_bshd, sinks=None):
+        check_local_length(self.name, self.ctx, q_bshd.shape[1])
+        return fake_ring(q_bshd, v_bshd)
+
+
+def fake_ring(q_bshd, v_bshd):
+    """(out, [lse]) as ring_forward returns them, shapes and dtypes only (the compiler's fake)."""
+    b, n, h, _ = q_bshd.shape
+    out = q_bshd.new_empty((b, n, h, v_bshd.shape[-1]))
+    return out, [q_bshd.new_empty((b, h, n), dtype=acc_dtype(q_bshd.dtype))]

@@ -6,11 +6,14 @@ Notation: P ranks in the Ulysses group, S_local tokens per rank, H q heads, H_kv
     local kernel over the whole sequence (this rank's H/P heads)
     out    [b, P*S_local, H/P, d] --all_to_all(seq -> heads)--> [b, S_local, H, d]
 
-Backward is the same exchanges in reverse (each all-to-all's backward is its dual).
+Backward is the same exchanges in reverse (each all-to-all's dual): dout goes heads-sharded, the
+kernel's backward runs on the saved head-sharded q, k, v, out, lse, and dq, dk, dv come back
+sequence-sharded. ``head_parallel_forward`` / ``_backward`` are that sandwich around any inner
+attention (the kernel here; the ring loop in the 2D hybrid, hybrid.py).
 
 GQA: K/V travel with their own H_kv heads. When P does not divide H_kv, each k/v head is
 repeated the least number of times f = P / gcd(H_kv, P) that makes H_kv*f split over P ranks;
-repeat_interleave's backward sums the copies' gradients back. Rank r then holds q heads
+backward sums the copies' gradients back (``_sum_copies``). Rank r then holds q heads
 [r*H/P, (r+1)*H/P) and exactly the k/v heads they use.
 
 Bytes per rank, one forward + backward, element size e: q, k, v, out forward and dout, dq, dk,
@@ -27,17 +30,19 @@ kernel; sinks join the final merge (ring_loop.apply_sinks_), each rank with its 
 from __future__ import annotations
 
 import math
+from typing import Callable, List, Optional
 
 import torch
+import torch.nn.functional as F
 
 from .. import comm
-from ..kernels import local_attention
+from ..kernels import acc_dtype
 from ..kernels.base import check_head_groups
 from ..masks import Mask
 from ..sharding.layouts import make_layout
 from .base import Strategy
 from .mask_plan import PlanCache, plain_blocks, plan_mask
-from .ring_loop import ring_attention
+from .ring_loop import ring_forward, ring_grads
 
 
 def kv_replication(num_heads: int, num_kv_heads: int, size: int) -> int:
@@ -56,12 +61,12 @@ def check_ulysses_heads(num_heads: int, num_kv_heads: int, size: int, key: str) 
 
 def seq_to_heads(x_bshd: torch.Tensor, group, stats, kind="all_to_all") -> torch.Tensor:
     """[b, S_local, H, d] -> [b, P*S_local, H/P, d]: gather the sequence, scatter the heads."""
-    return comm.all_to_all(x_bshd, 2, 1, group, stats, kind)
+    return comm.all_to_all_nograd(x_bshd, 2, 1, group, stats, kind)
 
 
 def heads_to_seq(x_bshd: torch.Tensor, group, stats, kind="all_to_all") -> torch.Tensor:
     """[b, P*S_local, H/P, d] -> [b, S_local, H, d]: the inverse exchange."""
-    return comm.all_to_all(x_bshd, 1, 2, group, stats, kind)
+    return comm.all_to_all_nograd(x_bshd, 1, 2, group, stats, kind)
 
 
 def scatter_heads(q_bshd, k_bshd, v_bshd, group, size, stats):
@@ -74,9 +79,67 @@ def scatter_heads(q_bshd, k_bshd, v_bshd, group, size, stats):
             seq_to_heads(v_bshd, group, stats))
 
 
+def _sum_copies(dx_bshd: torch.Tensor, f: int) -> torch.Tensor:
+    """repeat_interleave's dual: [b, s, H_kv*f, d] -> [b, s, H_kv, d], each head's f copies summed."""
+    if f == 1:
+        return dx_bshd
+    b, s, h, d = dx_bshd.shape
+    return dx_bshd.reshape(b, s, h // f, f, d).sum(3)
+
+
 def local_heads(per_head: torch.Tensor, size: int, rank: int) -> torch.Tensor:
     """The entries of a per-q-head tensor (sinks) for the heads this rank holds after scatter_heads."""
     return per_head.chunk(size)[rank]
+
+
+def _all_heads(dper_head_local: Optional[torch.Tensor], like: torch.Tensor, size: int, rank: int):
+    """local_heads' dual: this rank's heads' gradient in a zero [H] tensor (the others' rows are zero)."""
+    if dper_head_local is None:
+        return None
+    out = torch.zeros_like(like)
+    out.chunk(size)[rank].copy_(dper_head_local)
+    return out
+
+
+# Inner = (q_u, k_u, v_u, sinks_h) -> (out_u, lse_u); InnerGrads = (dout_u, q_u, k_u, v_u, out_u, lse_u,
+# sinks_h) -> (dq_u, dk_u, dv_u, dsinks_h or None): the attention of the head-sharded, whole-shard tensors
+Inner = Callable
+InnerGrads = Callable
+
+
+def head_parallel_forward(ctx, q_bshd, k_bshd, v_bshd, sinks, inner: Inner):
+    """(out [b, n, H, d], saved [q_u, k_u, v_u, out_u, lse_u]): all-to-all to head-sharded tensors
+    [b, U*n, H/U, d], ``inner`` on them, all-to-all back."""
+    q_u, k_u, v_u = scatter_heads(q_bshd, k_bshd, v_bshd, ctx.ulysses_group, ctx.ulysses_size, ctx.stats)
+    sinks_h = None if sinks is None else local_heads(sinks, ctx.ulysses_size, ctx.ulysses_rank)
+    out_u, lse_u = inner(q_u, k_u, v_u, sinks_h)
+    return heads_to_seq(out_u, ctx.ulysses_group, ctx.stats), [q_u, k_u, v_u, out_u, lse_u]
+
+
+def head_parallel_backward(ctx, dout_bshd, k_bshd, saved: List[torch.Tensor], sinks, inner_grads: InnerGrads):
+    """(dq, dk, dv, dsinks or None) of head_parallel_forward: the exchanges in reverse around
+    ``inner_grads``, k/v copies summed back."""
+    q_u, k_u, v_u, out_u, lse_u = saved
+    group, size, stats = ctx.ulysses_group, ctx.ulysses_size, ctx.stats
+    dout_u = seq_to_heads(dout_bshd.contiguous(), group, stats)
+    sinks_h = None if sinks is None else local_heads(sinks, size, ctx.ulysses_rank)
+    dq_u, dk_u, dv_u, dsinks_h = inner_grads(dout_u, q_u, k_u, v_u, out_u, lse_u, sinks_h)
+    f = kv_replication(q_u.shape[2] * size, k_bshd.shape[2], size)
+    dq = heads_to_seq(dq_u.contiguous(), group, stats)
+    dk, dv = (_sum_copies(heads_to_seq(g.contiguous(), group, stats), f) for g in (dk_u, dv_u))
+    return dq, dk, dv, _all_heads(dsinks_h, sinks, size, ctx.ulysses_rank)
+
+
+def fake_head_parallel(ctx, q_bshd, k_bshd, v_bshd):
+    """(out, saved) of head_parallel_forward, shapes and dtypes only (the compiler's fake)."""
+    b, n, h, d = q_bshd.shape
+    u = ctx.ulysses_size
+    h_kv = k_bshd.shape[2] * kv_replication(h, k_bshd.shape[2], u)
+    dv = v_bshd.shape[-1]
+    saved = [q_bshd.new_empty((b, u * n, h // u, d)), k_bshd.new_empty((b, u * n, h_kv // u, d)),
+             v_bshd.new_empty((b, u * n, h_kv // u, dv)), q_bshd.new_empty((b, u * n, h // u, dv)),
+             q_bshd.new_empty((b, h // u, u * n), dtype=acc_dtype(q_bshd.dtype))]
+    return q_bshd.new_empty((b, n, h, dv)), saved
 
 
 class UlyssesAttention(Strategy):
@@ -88,22 +151,45 @@ class UlyssesAttention(Strategy):
         whole = make_layout("contiguous", 1)            # after the all-to-all: one position, global order
         self._plans = PlanCache(lambda mask, padded: plan_mask(mask, whole, padded, plain_blocks))
 
-    def attention(self, q_bshd, k_bshd, v_bshd, mask: Mask, scale, softcap=None, sinks=None):
+    @staticmethod
+    def _kernel_alone(mask: Mask, softcap, sinks) -> bool:
+        """A plain mask (end padding at most) and no score modifier: one kernel call on the whole sequence."""
+        return mask.docs is None and mask.window is None and softcap is None and sinks is None
+
+    @staticmethod
+    def _keys(mask: Mask, padded: int) -> int:
+        """Non-causal end padding (padding.py): the real keys are the first ``real`` of the whole sequence."""
+        return padded if mask.causal else mask.real(padded)
+
+    def forward(self, q_bshd, k_bshd, v_bshd, mask: Mask, scale, softcap=None, sinks=None):
         ctx = self.ctx
-        q_full, k_full, v_full = scatter_heads(q_bshd, k_bshd, v_bshd, ctx.ulysses_group, ctx.ulysses_size,
-                                               ctx.stats)
-        padded = q_full.shape[1]
-        if mask.docs is not None or mask.window is not None or softcap is not None or sinks is not None:
+
+        def inner(q_u, k_u, v_u, sinks_h):
+            padded = q_u.shape[1]
+            if self._kernel_alone(mask, softcap, sinks):
+                keys = self._keys(mask, padded)
+                return ctx.kernel.forward(q_u, k_u[:, :keys], v_u[:, :keys], mask.causal, scale)
             # the whole sequence is here, in global order: the plan's bands through the ring loop's
             # single step (one position, nothing travels), which also applies softcap in the kernel and
             # sinks in the final merge
-            plan = self._plans.get(mask, padded)
-            sinks_h = None if sinks is None else local_heads(sinks, ctx.ulysses_size, ctx.ulysses_rank)
-            out_full = ring_attention(q_full, k_full, v_full, scale, ctx, plan, softcap, sinks_h)
-            return heads_to_seq(out_full, ctx.ulysses_group, ctx.stats)
-        real = mask.real(padded)
-        if not mask.causal and real < padded:
-            # end padding (padding.py): the real keys are the first ``real`` of the whole sequence
-            k_full, v_full = k_full[:, :real], v_full[:, :real]
-        out_full = local_attention(q_full, k_full, v_full, ctx.kernel, mask.causal, scale)   # [b, S, H/P, d]
-        return heads_to_seq(out_full, ctx.ulysses_group, ctx.stats)
+            return ring_forward(q_u, k_u, v_u, scale, ctx, self._plans.get(mask, padded), softcap, sinks_h)
+        return head_parallel_forward(ctx, q_bshd, k_bshd, v_bshd, sinks, inner)
+
+    def backward(self, dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, saved, mask: Mask, scale, softcap=None,
+                 sinks=None):
+        ctx = self.ctx
+
+        def inner_grads(dout_u, q_u, k_u, v_u, out_u, lse_u, sinks_h):
+            padded = q_u.shape[1]
+            if self._kernel_alone(mask, softcap, sinks):
+                keys = self._keys(mask, padded)
+                dq, dk, dv = ctx.kernel.backward(dout_u, q_u, k_u[:, :keys], v_u[:, :keys], out_u, lse_u,
+                                                 mask.causal, scale)
+                pad = (0, 0, 0, 0, 0, padded - keys)     # the padding keys get no gradient
+                return dq, F.pad(dk, pad), F.pad(dv, pad), None
+            return ring_grads(dout_u, q_u, k_u, v_u, out_u, lse_u, scale, ctx, self._plans.get(mask, padded),
+                              softcap, sinks_h)
+        return head_parallel_backward(ctx, dout_bshd, k_bshd, saved, sinks, inner_grads)
+
+    def fake(self, q_bshd, k_bshd, v_bshd, sinks=None):
+        return fake_head_parallel(self.ctx, q_bshd, k_bshd, v_bshd)

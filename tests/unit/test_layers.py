@@ -26,7 +26,7 @@ import ds_seqpar
 
 PACKAGE = "ds_seqpar"
 CORE = frozenset({"config", "errors", "sequence_parallel", "topology", "comm", "loss", "zero", "sharding",
-                  "strategies", "kernels", "memory", "masks", "schedule", "dynamic", "step_stats"})
+                  "strategies", "kernels", "memory", "masks", "schedule", "dynamic", "step_stats", "ops"})
 CORE_MODULES = ("plan.cost",)               # core modules inside a tool's folder (and everything under them)
 TOOLS = frozenset({"models", "launch", "train", "bench", "report", "hf", "plan", "dashboard"})
 # layer -> the layers it may import besides itself ("report.plotting": that one module of report)

@@ -1,0 +1,200 @@
+"""torch.compile(fullgraph=True) of modules that call sp.attention (every softmax strategy and the 2D hybrid;
+window, softcap, sinks, packed documents as a tensor and as a list, causal and not, GQA) and
+sp.linear_attention (LASP allgather and ring; decay, packed documents): the output, the input's gradient
+and EVERY parameter's gradient (the projections before the attention included) equal a single-process
+dense reference within the derived tolerance, eager and compiled alike, and the compiled run counts the
+same bytes and calls in sp.stats as the eager one.
+
+Backends (docs/compile.md): the sweep runs under "aot_eager", which traces forward and backward through
+the ops' fake and autograd registrations (where a compiled graph can go wrong) without inductor's C++
+builds, which cost minutes on this CPU with every rank compiling at once; one module per size runs
+under "inductor", shaped so that inductor builds no C++ kernel (bias-free projection, no pointwise op
+around the ops): its graph is the ops and matmuls.
+"""
+import pytest
+import torch
+from torch import nn
+
+from ds_seqpar import SequenceParallel
+from ds_seqpar.kernels.linear.naive import linear_attention_reference
+
+from ..reference import assert_derived_close, dense_attention
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, SEQ = 16, 4, 2, 8, 64
+BOUNDS = [0, 11, 40, 64]
+SCALE = HEAD_DIM ** -0.5
+# the attention calls of one block, in order: every mask and score option in one compiled graph
+LAYERS = (dict(causal=True), dict(causal=False, window=5, softcap=3.0, sinks=True, docs="tensor"),
+          dict(causal=True, window=6, softcap=2.0, sinks=True, docs="list"))
+LINEAR_LAYERS = (dict(docs="list"), dict(decay=True, docs="tensor"), dict(decay=True))
+DECAY = torch.tensor([0.9, 0.8, 0.95, 1.0])
+
+
+def _docs(o, cu):
+    return {"tensor": cu, "list": BOUNDS}.get(o.get("docs"))
+
+
+class Block(nn.Module):
+    """Projections -> attention -> output projection, residual, once per entry of ``layers``;
+    ``linear``: sp.linear_attention's signature (decay, documents) instead of sp.attention's."""
+
+    def __init__(self, attend, linear=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.wq = nn.Linear(HIDDEN, HEADS * HEAD_DIM)
+        self.wk = nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM)
+        self.wv = nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM)
+        self.wo = nn.Linear(HEADS * HEAD_DIM, HIDDEN)
+        self.sinks = nn.Parameter(torch.tensor([0.5, -1.0, 2.0, 0.0]))
+        self.register_buffer("decay", DECAY.clone())
+        self.attend, self.linear = attend, linear
+        self.layers = LINEAR_LAYERS if linear else LAYERS
+
+    def forward(self, x, cu):
+        b, n, _ = x.shape
+        for o in self.layers:
+            q = self.wq(x).view(b, n, HEADS, HEAD_DIM)
+            k = self.wk(x).view(b, n, KV_HEADS, HEAD_DIM)
+            v = self.wv(x).view(b, n, KV_HEADS, HEAD_DIM)
+            if self.linear:
+                a = self.attend(q, k, v, decay=self.decay if o.get("decay") else None, cu_seqlens=_docs(o, cu))
+            else:
+                a = self.attend(q, k, v, causal=o["causal"], window=o.get("window"), softcap=o.get("softcap"),
+                                sinks=self.sinks if o.get("sinks") else None, cu_seqlens=_docs(o, cu))
+            x = x + self.wo(a.reshape(b, n, HEADS * HEAD_DIM))
+        return x
+
+
+def _dense(q, k, v, causal, window, softcap, sinks, cu_seqlens):
+    return dense_attention(q, k, v, causal, SCALE, window, softcap, sinks, None if cu_seqlens is None else BOUNDS)
+
+
+def _dense_linear(q, k, v, decay, cu_seqlens):
+    bounds = [0, q.shape[1]] if cu_seqlens is None else BOUNDS
+    return torch.cat([linear_attention_reference(q[:, a:b], k[:, a:b], v[:, a:b], decay)
+                      for a, b in zip(bounds, bounds[1:])], dim=1)
+
+
+def run_block(module, inputs, dout, backend=None):
+    """(out, [input grads], {name: grad}) of one forward + backward, compiled with fullgraph under
+    ``backend``; inputs: (tensors that get a gradient, *other arguments)."""
+    module.zero_grad()
+    run = module
+    if backend is not None:
+        torch._dynamo.reset()
+        run = torch.compile(module, backend=backend, fullgraph=True)
+    leaves = [t.detach().requires_grad_() for t in inputs[0]]
+    out = run(*leaves, *inputs[1:])
+    out.backward(dout)
+    return out.detach(), [t.grad for t in leaves], {n: torch.zeros_like(p) if p.grad is None else p.grad.clone()
+                                                    for n, p in module.named_parameters()}
+
+
+def check_against(case, sp, got, ref64, plain):
+    """Sharded output and input gradients; parameter gradients summed over the sequence group."""
+    out, dins, grads = got
+    for name, g, r, p in [("out", out, ref64[0], plain[0])] + [(f"d_input{i}", g, r, p) for i, (g, r, p) in
+                                                                enumerate(zip(dins, ref64[1], plain[1]))]:
+        assert g is not None, f"{case}: no {name}"
+        assert_derived_close(f"{case} {name}", g, sp.shard(r), sp.shard(p))
+    for name, g in grads.items():
+        total = g.clone()
+        torch.distributed.all_reduce(total, group=sp.group)
+        assert_derived_close(f"{case} d{name}", total, ref64[2][name], plain[2][name])
+
+
+def _stats(sp):
+    return {k: (v["bytes"], v["calls"]) for k, v in sp.stats.as_dict().items()}
+
+
+def _compiled_blocks(cfgs, backend, linear):
+    g = torch.Generator().manual_seed(7)
+    x, dout = torch.randn(1, SEQ, HIDDEN, generator=g), torch.randn(1, SEQ, HIDDEN, generator=g)
+    cu = torch.tensor(BOUNDS)
+    ref64, plain = (run_block(Block(_dense_linear if linear else _dense, linear).to(dtype), ([x.to(dtype)], cu),
+                              dout.to(dtype)) for dtype in (torch.float64, torch.float32))
+    done = []
+    for cfg in cfgs:
+        sp = SequenceParallel(cfg)
+        module = Block(sp.linear_attention if linear else sp.attention, linear)
+        inputs, dout_l = ([sp.shard(x)], cu), sp.shard(dout)
+        check_against(f"{cfg} eager rank {sp.rank}", sp, run_block(module, inputs, dout_l), ref64, plain)
+        sp.stats.reset()                                   # the documents were agreed by the eager call
+        got = run_block(module, inputs, dout_l, backend)
+        check_against(f"{cfg} {backend} rank {sp.rank}", sp, got, ref64, plain)
+        compiled, _ = _stats(sp), sp.stats.reset()
+        run_block(module, inputs, dout_l)
+        assert compiled == _stats(sp), f"{cfg}: compiled sp.stats {compiled} != eager {_stats(sp)}"
+        assert compiled, f"{cfg}: nothing counted"
+        done.append(cfg["strategy"])
+    return done
+
+
+SWEEP = {2: [{"strategy": s, "size": 2} for s in ("ulysses", "ring", "zigzag", "striped")],
+         4: [{"strategy": s, "size": 4} for s in ("ulysses", "ring", "zigzag", "striped")]
+         + [{"strategy": "zigzag", "size": 4, "ulysses_size": 2}]}
+LINEAR_SWEEP = {p: [{"strategy": "lasp", "size": p, "lasp_comm": c} for c in ("allgather", "ring")] for p in (2, 4)}
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_attention_compiles_fullgraph_and_matches_dense_reference(pool, size):
+    for done in pool.run(_compiled_blocks, SWEEP[size], "aot_eager", False):
+        assert done == [c["strategy"] for c in SWEEP[size]]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_linear_attention_compiles_fullgraph_and_matches_reference(pool, size):
+    for done in pool.run(_compiled_blocks, LINEAR_SWEEP[size], "aot_eager", True):
+        assert done == ["lasp"] * 2
+
+
+# -- inductor: one module per size, both ops in one graph ------------------------------------------
+
+
+class Both(nn.Module):
+    """A bias-free q projection, then sp.attention (window, documents) and sp.linear_attention (decay)."""
+
+    def __init__(self, attend, linear):
+        super().__init__()
+        torch.manual_seed(1)
+        self.wq = nn.Linear(HIDDEN, HEADS * HEAD_DIM, bias=False)
+        self.attend, self.linear = attend, linear
+
+    def forward(self, x, k, v, cu):
+        q = self.wq(x).view(x.shape[0], x.shape[1], HEADS, HEAD_DIM)
+        soft = self.attend(q, k, v, causal=True, window=6, softcap=None, sinks=None, cu_seqlens=cu)
+        return soft, self.linear(q, k, v, decay=DECAY, cu_seqlens=None)
+
+
+def _run_both(module, x, k, v, cu, douts, backend=None):
+    class Summed(nn.Module):          # one output for run_block: the two outputs against their upstream grads
+        def __init__(self):
+            super().__init__()
+            self.inner = module
+
+        def forward(self, x, k, v, cu):
+            soft, lin = self.inner(x, k, v, cu)
+            return torch.cat([soft, lin], dim=-1)
+    return run_block(Summed(), ([x, k, v], cu), torch.cat(douts, dim=-1), backend)
+
+
+def _inductor(cfg):
+    torch._inductor.config.compile_threads = 1            # no compile workers: the ranks share two cores
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, SEQ, HIDDEN, generator=g)
+    k, v = (torch.randn(1, SEQ, KV_HEADS, HEAD_DIM, generator=g) for _ in range(2))
+    douts = [torch.randn(1, SEQ, HEADS, HEAD_DIM, generator=g) for _ in range(2)]
+    cu = torch.tensor(BOUNDS)
+    ref64, plain = (_run_both(Both(_dense, _dense_linear).to(dtype), x.to(dtype), k.to(dtype), v.to(dtype), cu,
+                              [d.to(dtype) for d in douts]) for dtype in (torch.float64, torch.float32))
+    sp, lasp = SequenceParallel(cfg), SequenceParallel({"strategy": "lasp", "size": cfg["size"]})
+    local = [sp.shard(t) for t in (x, k, v)] + [cu, [sp.shard(d) for d in douts]]
+    got = _run_both(Both(sp.attention, lasp.linear_attention), *local, backend="inductor")
+    check_against(f"{cfg} inductor rank {sp.rank}", sp, got, ref64, plain)
+    return cfg["strategy"]
+
+
+# contiguous layouts: the LASP shards are the softmax strategy's
+@pytest.mark.parametrize("cfg", [{"strategy": "ring", "size": 2}, {"strategy": "ulysses", "size": 4}])
+def test_inductor_compiles_both_ops_fullgraph(pool, cfg):
+    assert pool.run(_inductor, cfg) == [cfg["strategy"]] * 4
