@@ -22,7 +22,6 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
 
 class CommStats:
@@ -62,11 +61,6 @@ class CommStats:
 
 @contextmanager
 def _timed(stats: Optional[CommStats], kind: str):
-    if torch.compiler.is_compiling():
-        # a compiled graph has no host clock between its ops: bytes and calls are still counted
-        # (replayed on every run of the graph), seconds are not
-        yield
-        return
     start = time.perf_counter()
     yield
     if stats is not None:
@@ -338,31 +332,21 @@ def destroy() -> None:
 
 class _AllReduceSum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        # a functional (out-of-place) collective: torch.compile traces it into the graph with its data
-        # dependence, where an in-place all_reduce would be a graph break
-        return funcol.wait_tensor(funcol.all_reduce(x, "sum", group))
+    def forward(ctx, x, group, stats, kind):
+        return all_reduce(x.clone(), group, stats, "sum", kind)
 
     @staticmethod
     def backward(ctx, grad):
         # dual of an all-reduce whose output is replicated: every rank back-propagates the same
         # upstream gradient, and d(sum_r x_r)/d x_r = 1, so each rank keeps the gradient as is
         # (Megatron's reduce-from-region). Summing it again here would count it P times.
-        return grad, None
+        return grad, None, None, None
 
 
 def all_reduce_sum(x: torch.Tensor, group, stats: Optional[CommStats] = None,
                    kind: str = "all_reduce") -> torch.Tensor:
-    """Sum over the group, out of place, same value on every rank; backward is the identity.
-    Compiles without a graph break (the training loss's reduction)."""
-    p = dist.get_world_size(group)
-    if p == 1:
-        return x.clone()
-    with _timed(stats, kind):
-        out = _AllReduceSum.apply(x, group)
-    if stats is not None:
-        stats.record(kind, 2 * _nbytes(x) * (p - 1) // p)        # as all_reduce counts a ring all-reduce
-    return out
+    """Sum over the group, out of place, same value on every rank; backward is the identity."""
+    return _AllReduceSum.apply(x, group, stats, kind)
 
 
 @dataclass
