@@ -70,3 +70,27 @@ def test_trainer_torch_compile_trains_as_eager(pool):
     for g, w in zip(compiled[0], eager[0]):
         assert abs(g["loss"] - w["loss"]) <= REL * abs(w["loss"]), (g, w)
     assert len(compiled[0]) == len(eager[0]) == 2
+
+
+def packed_recompiles(steps):
+    """Graphs compiled over ``steps`` training steps of packed documents: every step a new global length
+    (32, 48 or 64 tokens) and a new packing (1 to 4 documents), as a data loader of packed rows gives."""
+    from ds_seqpar.hf import apply_sequence_parallel
+    sp = SequenceParallel({"strategy": "zigzag", "size": 2})
+    model = apply_sequence_parallel(tiny_model("llama", num_hidden_layers=1), sp)
+    graphs = []
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=lambda gm, _: graphs.append(gm) or gm.forward)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        n = int(torch.randint(2, 5, (1,), generator=g)) * 16
+        cuts = sorted(torch.randperm(n - 1, generator=g)[:int(torch.randint(0, 4, (1,), generator=g))] + 1)
+        pos = torch.cat([torch.arange(b - a) for a, b in zip([0] + cuts, cuts + [n])])[None]
+        ids = torch.randint(0, 96, (1, n), generator=g)
+        compiled(**sp.shard_batch({"input_ids": ids, "labels": ids, "position_ids": pos})).loss.backward()
+    return len(graphs)
+
+
+def test_new_lengths_and_packings_do_not_recompile_every_step(pool):
+    counts = pool.run(packed_recompiles, 100)
+    assert max(counts) <= 4, f"graphs compiled in 100 packed steps, per rank: {counts}"
