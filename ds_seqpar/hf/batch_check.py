@@ -12,7 +12,8 @@ where the eager hook refuses. One case the eager hook handles is refused here by
 whose position_ids restart at 0 and come without cu_seqlens (the documents would have to become a
 tensor of data-dependent length); sp.shard_batch's batch carries cu_seqlens and compiles.
 
-Custom ops take tensors and plain values, so the applied state is found by its attention key
+The flags and the right-padding check live here, shared by the eager hook and the op. Custom ops
+take tensors and plain values, so the applied state is found by its attention key
 (apply.py) in a registry of weak references.
 """
 import weakref
@@ -20,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from .. import comm
 from .checks import UnsupportedModelError
 
 KWARG = "sp_batch_check"
@@ -39,7 +41,6 @@ def checked_query(query: torch.Tensor, check: tuple, key: str) -> torch.Tensor:
 @torch.library.custom_op("ds_seqpar_hf::checked_query", mutates_args=())
 def _checked_query(query: torch.Tensor, position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
                    key: str, packed: bool) -> torch.Tensor:
-    from .hooks import check_right_padding, group_flags
     state = _STATES.get(key)
     if state is None or state.sp is None:
         raise RuntimeError(f"ds_seqpar.hf: a compiled model called attention key {key!r} after "
@@ -66,4 +67,35 @@ def _backward(ctx, grad):
 
 _checked_query.register_autograd(_backward)
 
-__all__ = ["register", "checked_query"]
+def group_flags(mask, position_ids, sp):
+    """(some rank's mask has a zero, some rank's position_ids are not the global positions): one
+    all-reduce (max) of two flags, made on every call so the ranks' collectives always match."""
+    device = mask.device if mask is not None else sp.device
+    flags = torch.zeros(2, dtype=torch.int32, device=device)
+    if mask is not None and bool((mask == 0).any()):
+        flags[0] = 1
+    if position_ids is not None:
+        expected = sp.position_ids(position_ids.shape[1] * sp.size, device=position_ids.device)
+        flags[1] = int(not bool((position_ids == expected).all()))
+    zeros, restarts = comm.all_reduce(flags, sp.group, op="max").tolist()
+    return bool(zeros), bool(restarts)
+
+
+def check_right_padding(mask, state) -> None:
+    """The gathered mask (the same on every rank) must be right padding of a causal model; refuse
+    with the feature named otherwise."""
+    full = state.sp.unshard(mask.to(torch.int32), dim=1)              # [b, padded] in global order
+    inner = bool((full[:, 1:] > full[:, :-1]).any())                  # a one after a zero
+    if inner:
+        raise UnsupportedModelError("ds_seqpar.hf: an attention_mask with left or inner zeros (padding before real "
+                                    "tokens) cannot be exact under sequence parallelism: transformers builds no "
+                                    "mask for sequence-parallel attention; pad on the right, or pack the rows as "
+                                    "documents (sp.shard_batch with position_ids restarting at 0)")
+    non_causal = [n for n, m in state.layers if getattr(m, "is_causal", True) is False]
+    if non_causal:
+        raise UnsupportedModelError(f"ds_seqpar.hf: an attention_mask with zeros in a non-causal model (first: "
+                                    f"{non_causal[0]}) cannot be exact under sequence parallelism: the pads would "
+                                    f"be seen; trim the padding or pack documents")
+
+
+__all__ = ["register", "checked_query", "group_flags", "check_right_padding"]

@@ -28,9 +28,9 @@ import inspect
 
 import torch
 
-from .. import comm
 from ..sharding.documents import boundaries_from_positions
 from . import batch_check
+from .batch_check import check_right_padding, group_flags
 from .checks import UnsupportedModelError, check_config, check_dropout
 
 
@@ -107,20 +107,6 @@ def check_call(model, state, call: dict) -> None:
     check_dropout(state.layers, model.training)
 
 
-def group_flags(mask, position_ids, sp):
-    """(some rank's mask has a zero, some rank's position_ids are not the global positions): one
-    all-reduce (max) of two flags, made on every call so the ranks' collectives always match."""
-    device = mask.device if mask is not None else sp.device
-    flags = torch.zeros(2, dtype=torch.int32, device=device)
-    if mask is not None and bool((mask == 0).any()):
-        flags[0] = 1
-    if position_ids is not None:
-        expected = sp.position_ids(position_ids.shape[1] * sp.size, device=position_ids.device)
-        flags[1] = int(not bool((position_ids == expected).all()))
-    zeros, restarts = comm.all_reduce(flags, sp.group, op="max").tolist()
-    return bool(zeros), bool(restarts)
-
-
 def linear_documents(cu_seqlens, cu_seq_lens_q, position_ids, module):
     """The global document bounds the linear layers cut at, or None; the same on every rank (the
     bounds are global). Packed rows must be batch 1, as for the attention layers."""
@@ -132,23 +118,6 @@ def linear_documents(cu_seqlens, cu_seq_lens_q, position_ids, module):
                                     f"{type(module).__name__}: the linear layers' documents are one row's; pack "
                                     f"into batch size 1")
     return bounds.tolist() if torch.is_tensor(bounds) else list(bounds)
-
-
-def check_right_padding(mask, state) -> None:
-    """The gathered mask (the same on every rank) must be right padding of a causal model; refuse
-    with the feature named otherwise."""
-    full = state.sp.unshard(mask.to(torch.int32), dim=1)              # [b, padded] in global order
-    inner = bool((full[:, 1:] > full[:, :-1]).any())                  # a one after a zero
-    if inner:
-        raise UnsupportedModelError("ds_seqpar.hf: an attention_mask with left or inner zeros (padding before real "
-                                    "tokens) cannot be exact under sequence parallelism: transformers builds no "
-                                    "mask for sequence-parallel attention; pad on the right, or pack the rows as "
-                                    "documents (sp.shard_batch with position_ids restarting at 0)")
-    non_causal = [n for n, m in state.layers if getattr(m, "is_causal", True) is False]
-    if non_causal:
-        raise UnsupportedModelError(f"ds_seqpar.hf: an attention_mask with zeros in a non-causal model (first: "
-                                    f"{non_causal[0]}) cannot be exact under sequence parallelism: the pads would "
-                                    f"be seen; trim the padding or pack documents")
 
 
 def documents_from_positions(position_ids, sp):
@@ -168,4 +137,4 @@ def documents_from_positions(position_ids, sp):
                                     f"batch['position_ids'] from sp.shard_batch") from None
 
 
-__all__ = ["install", "check_call", "group_flags", "check_right_padding"]
+__all__ = ["install", "check_call"]
