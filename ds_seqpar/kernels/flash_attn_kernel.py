@@ -86,7 +86,7 @@ class FlashAttnKernel(AttentionKernel):
                                            window_size_left=window[0], window_size_right=window[1],
                                            softcap=0.0 if softcap is None else float(softcap),
                                            alibi_slopes=None, return_softmax=False)
-        return res[0][..., :dv], res[1].float()
+        return res[0].narrow(-1, 0, dv), res[1].float()      # narrow: traceable on fake CUDA tensors too
 
     def _backward(self, dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, causal, window, scale, softcap):
         d, dv_width = q_bshd.shape[-1], v_bshd.shape[-1]
@@ -95,7 +95,7 @@ class FlashAttnKernel(AttentionKernel):
         self._fa._flash_attn_backward(dout_p, q_p, k_p, v_p, out_p, lse_bhs.float().contiguous(), dq, dk, dv,
                                       0.0, scale, causal, window[0], window[1],
                                       0.0 if softcap is None else float(softcap), None, False, None)
-        return dq[..., :d], dk[..., :d], dv[..., :dv_width]
+        return dq.narrow(-1, 0, d), dk.narrow(-1, 0, d), dv.narrow(-1, 0, dv_width)
 
 
 def _window(sq: int, sk: int, lo, hi):

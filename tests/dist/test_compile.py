@@ -107,6 +107,29 @@ def _stats(sp):
     return {k: (v["bytes"], v["calls"]) for k, v in sp.stats.as_dict().items()}
 
 
+def check_fakes(sp, linear):
+    """Each op's fake against its real run (shapes, dtypes, strides: torch.library.opcheck), forward and
+    backward, with documents, and sinks, window and softcap (softmax) or decay (linear)."""
+    g = torch.Generator().manual_seed(5)
+    n, cu, ops = SEQ // sp.size, torch.tensor(BOUNDS), torch.ops.ds_seqpar
+    q = torch.randn(1, n, HEADS, HEAD_DIM, generator=g)
+    k, v = (torch.randn(1, n, KV_HEADS, HEAD_DIM, generator=g) for _ in range(2))
+    if linear:
+        fwd, bwd, front, back = ops.linear_attention, ops.linear_attention_backward, (DECAY, cu, None), \
+            (DECAY, cu, None, sp._handle)
+        args = (q, k, v) + front + (sp._handle,)
+        saved = lambda outs: (q, k, v, outs[1:])              # noqa: E731
+    else:
+        options = (cu, None, sp._handle, False, SCALE, None, 5, 3.0)
+        sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+        fwd, bwd, args = ops.attention, ops.attention_backward, (q, k, v, sinks) + options
+        saved = lambda outs: (q, k, v, sinks, outs[0], outs[1:])  # noqa: E731
+        back = options
+    outs = fwd(*args)
+    for op, op_args in ((fwd, args), (bwd, (torch.randn_like(outs[0]),) + saved(outs) + back)):
+        torch.library.opcheck(op, op_args, test_utils="test_faketensor")
+
+
 def _compiled_blocks(cfgs, backend, linear):
     g = torch.Generator().manual_seed(7)
     x, dout = torch.randn(1, SEQ, HIDDEN, generator=g), torch.randn(1, SEQ, HIDDEN, generator=g)
@@ -116,6 +139,7 @@ def _compiled_blocks(cfgs, backend, linear):
     done = []
     for cfg in cfgs:
         sp = SequenceParallel(cfg)
+        check_fakes(sp, linear)
         module = Block(sp.linear_attention if linear else sp.attention, linear)
         inputs, dout_l = ([sp.shard(x)], cu), sp.shard(dout)
         check_against(f"{cfg} eager rank {sp.rank}", sp, run_block(module, inputs, dout_l), ref64, plain)

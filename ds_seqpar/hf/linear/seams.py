@@ -15,6 +15,8 @@ import contextvars
 import inspect
 import sys
 
+import torch
+
 from ...errors import UnsupportedModelError
 from .families import CONV, FUSED, LAYER_OPS, LIGHTNING, OPTIONAL, SSD
 
@@ -70,12 +72,25 @@ def install_seams(layers) -> None:
                 setattr(module, name, _seam(name, fn))
 
 
+def refuse_compile(where: str) -> None:
+    """Raised while torch.compile traces an applied linear layer: its exchange is not an opaque op yet.
+    Under fullgraph=True the compile fails with this message; without it, dynamo runs the layer eagerly
+    between graphs (its own documented fallback)."""
+    if torch.compiler.is_compiling():
+        raise UnsupportedModelError(
+            f"ds_seqpar.hf: {where} cannot be compiled yet: the sequence-parallel exchange of the hybrids' linear "
+            f"layers (conv halo, recurrent states, heads all-to-all) is not an opaque op (docs/compile.md); what "
+            f"compiles with fullgraph=True: sp.attention under every strategy and sp.linear_attention (lasp). "
+            f"Compile without fullgraph (these layers then run eagerly between graphs) or leave the model eager")
+
+
 def layer_hooks(mixers, module) -> list:
     """The pre-hook that marks ``module`` running (and keeps the packing kwargs from its ops) and the
     post-hook that unmarks it and refuses a layer that did not call each of its ops once."""
     tokens = []
 
     def pre(module, args, kwargs):
+        refuse_compile(mixers.where(module))
         tokens.append(_RUNNING.set((mixers, module, {})))
         # the documents reach the mixers through mixers.documents; transformers' layers would pass
         # the call's cu_seqlens on to ops that refuse them (or pass them twice)
