@@ -6,7 +6,7 @@ Backward: rank r's loss is
     L = (sum_r s_r) / C        s_r = sum of this rank's token losses, C = global valid count
 
 and dL/d(logits_r) = (d s_r / d logits_r) / C: exactly the gradient of this rank's share. The
-all-reduce of s_r therefore back-propagates as the identity (comm.all_reduce_sum), and the sum of
+all-reduce of s_r therefore back-propagates as the identity (ops/reduce.py, opaque to torch.compile), and the sum of
 the P ranks' gradients is the full-sequence gradient of L. Under DeepSpeed, which averages over
 all data x sequence ranks at every ZeRO stage, ``grad_scale`` = P turns that average into plain
 data parallelism's (zero.py); it multiplies the backward only, never the value.
@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from . import comm
+from .ops import reduce
 from .sharding.batch import IGNORE_INDEX
 
 
@@ -69,7 +70,7 @@ def global_mean(loss_sum: torch.Tensor, count: torch.Tensor, group=None, stats: 
         loss_sum = _ScaleGrad.apply(loss_sum, float(grad_scale))
     pair = torch.stack([loss_sum.double(), count.detach().double()])        # [2]
     if group is not None:
-        pair = comm.all_reduce_sum(pair, group, stats, kind="loss")
+        pair = reduce.all_reduce_sum(pair, group, stats, kind="loss")
     return (pair[0] / pair[1].clamp(min=1.0)).to(loss_sum.dtype)
 
 

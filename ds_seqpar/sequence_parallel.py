@@ -69,6 +69,7 @@ class SequenceParallel:
         # 5. the linear exchange, over the same groups, layout and stats as the strategy
         self.linear_exchange = LinearExchange(config.linear_strategy, config.lasp_comm, self.strategy.ctx)
         self._handle = ops.handle(self)      # how the opaque ops (ops/) find this object when they run
+        ops.handle(self.group), ops.handle(self.stats)     # the loss's reduction finds them (ops/reduce.py)
 
     @classmethod
     def from_ds_config(cls, ds_config, device=None) -> "SequenceParallel":

@@ -21,7 +21,7 @@ from typing import Dict, List, Optional
 
 import torch.nn as nn
 
-from . import hooks
+from . import batch_check, hooks
 from .attention import chunked_documents, is_chunked, make_attention_function
 from .checks import UnsupportedModelError, check_config, check_heads, check_hybrid, check_modules
 from .indexed import IndexedState, indexed_layers
@@ -111,6 +111,7 @@ def apply_sequence_parallel(model: nn.Module, sp) -> nn.Module:
     # 4. loss and hooks
     model.loss_function = make_loss_function(state)
     state.handles = hooks.install(model, state)
+    batch_check.register(state)
     if linear:
         install_seams(linear)
         state.handles += state.linear.hooks(linear)

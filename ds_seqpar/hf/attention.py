@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..masks import chunk_bounds, effective_window
+from . import batch_check
 from .checks import UnsupportedModelError
 from .indexed import sparse_attention
 
@@ -47,6 +48,8 @@ def make_attention_function(state) -> Callable:
         n_global = query.shape[2] * sp.size
         window, softcap, sinks = score_options(kwargs, n_global)
         cu_seqlens = state.chunks(module, cu_seqlens, seq_len or n_global)
+        if not state.calls and kwargs.get(batch_check.KWARG) is not None:     # compiled: the hook's checks
+            query = batch_check.checked_query(query, kwargs[batch_check.KWARG], state.key)
         state.calls.add(id(module))
         # [b, h, s, d] -> [b, s, h, d]: sp.attention's layout (contiguous: strategies view and split it)
         q_bshd, k_bshd, v_bshd = (t.transpose(1, 2).contiguous() for t in (query, key, value))

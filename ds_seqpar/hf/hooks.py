@@ -30,8 +30,9 @@ import inspect
 
 import torch
 
-from .. import comm
 from ..sharding.documents import boundaries_from_positions
+from . import batch_check
+from .batch_check import check_right_padding, group_flags
 from .checks import UnsupportedModelError, check_config, check_dropout
 from .indexed import check_topk
 
@@ -48,14 +49,17 @@ def install(model, state) -> list:
         check_call(module, state, call)
         packed = call.get("cu_seqlens") is None and call.get("cu_seq_lens_q") is None
         pos = call["position_ids"]
-        zeros, restarts = _group_flags(call.get("attention_mask"), pos if packed and pos.dim() == 2 else None,
-                                       state.sp)
-        if zeros:
-            check_right_padding(call["attention_mask"], state)
+        if torch.compiler.is_compiling():       # the same checks, in the first attention call (batch_check.py)
+            kwargs[batch_check.KWARG] = (pos, call.get("attention_mask"), packed and pos.dim() == 2)
+        else:
+            zeros, restarts = group_flags(call.get("attention_mask"), pos if packed and pos.dim() == 2 else None,
+                                          state.sp)
+            if zeros:
+                check_right_padding(call["attention_mask"], state)
+            if restarts:
+                kwargs["cu_seqlens"] = documents_from_positions(pos, state.sp)
         if state.vision is not None:
             kwargs.update(state.vision.whole_row(call, state.sp))
-        if restarts:
-            kwargs["cu_seqlens"] = documents_from_positions(call["position_ids"], state.sp)
         if state.linear is not None:         # hybrids: the state and the conv restart at every document
             state.linear.documents = linear_documents(kwargs.get("cu_seqlens", call.get("cu_seqlens")),
                                                       call.get("cu_seq_lens_q"), call["position_ids"], module)
@@ -122,20 +126,6 @@ def check_call(model, state, call: dict) -> None:
         check_topk(model.config, pos.shape[-1] * state.sp.size)
 
 
-def _group_flags(mask, position_ids, sp):
-    """(some rank's mask has a zero, some rank's position_ids are not the global positions): one
-    all-reduce (max) of two flags, made on every call so the ranks' collectives always match."""
-    device = mask.device if mask is not None else sp.device
-    flags = torch.zeros(2, dtype=torch.int32, device=device)
-    if mask is not None and bool((mask == 0).any()):
-        flags[0] = 1
-    if position_ids is not None:
-        expected = sp.position_ids(position_ids.shape[1] * sp.size, device=position_ids.device)
-        flags[1] = int(not bool((position_ids == expected).all()))
-    zeros, restarts = comm.all_reduce(flags, sp.group, op="max").tolist()
-    return bool(zeros), bool(restarts)
-
-
 def linear_documents(cu_seqlens, cu_seq_lens_q, position_ids, module):
     """The global document bounds the linear layers cut at, or None; the same on every rank (the
     bounds are global). Packed rows must be batch 1, as for the attention layers."""
@@ -147,23 +137,6 @@ def linear_documents(cu_seqlens, cu_seq_lens_q, position_ids, module):
                                     f"{type(module).__name__}: the linear layers' documents are one row's; pack "
                                     f"into batch size 1")
     return bounds.tolist() if torch.is_tensor(bounds) else list(bounds)
-
-
-def check_right_padding(mask, state) -> None:
-    """The gathered mask (the same on every rank) must be right padding of a causal model; refuse
-    with the feature named otherwise."""
-    full = state.sp.unshard(mask.to(torch.int32), dim=1)              # [b, padded] in global order
-    inner = bool((full[:, 1:] > full[:, :-1]).any())                  # a one after a zero
-    if inner:
-        raise UnsupportedModelError("ds_seqpar.hf: an attention_mask with left or inner zeros (padding before real "
-                                    "tokens) cannot be exact under sequence parallelism: transformers builds no "
-                                    "mask for sequence-parallel attention; pad on the right, or pack the rows as "
-                                    "documents (sp.shard_batch with position_ids restarting at 0)")
-    non_causal = [n for n, m in state.layers if getattr(m, "is_causal", True) is False]
-    if non_causal:
-        raise UnsupportedModelError(f"ds_seqpar.hf: an attention_mask with zeros in a non-causal model (first: "
-                                    f"{non_causal[0]}) cannot be exact under sequence parallelism: the pads would "
-                                    f"be seen; trim the padding or pack documents")
 
 
 def documents_from_positions(position_ids, sp):

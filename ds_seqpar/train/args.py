@@ -62,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--attention", default="auto", choices=("auto", "softmax", "linear"),
                    help="auto: linear for strategy lasp, softmax otherwise")
     m.add_argument("--untied", action="store_true", help="separate lm head instead of the embedding's")
+    m.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   choices=("inductor", "aot_eager", "eager"),
+                   help="torch.compile the model (DeepSpeed's engine.compile); BACKEND: inductor (the default), "
+                        "aot_eager, eager; sequence lengths are marked dynamic, so new lengths and packings do not "
+                        "recompile every step")
     d = p.add_argument_group("data and steps")
     d.add_argument("--steps", type=int, default=50, help="total optimizer steps (a resumed run stops here too)")
     d.add_argument("--seq_len", type=int, default=512, help="global sequence length")

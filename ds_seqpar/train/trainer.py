@@ -32,13 +32,16 @@ class Trainer:
         with runlog.wandb_env(wandb_on, self.name, group, tags, self.run_dir):
             self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                    config=ds_config, mpu=sp.mpu)
+        if opts.compile:
+            self.engine.compile(backend=opts.compile, compile_kwargs={"dynamic": None})
         self.micro_batch = self.engine.train_micro_batch_size_per_gpu()
         self.grad_accum = self.engine.gradient_accumulation_steps()
         self.config = self._run_config(ds_config, model)
         self.wandb_dir = runlog.attach_wandb(self.config) if self.is_writer else None
         self.metrics = StepMetrics(sp, self.run_dir, wandb_on=bool(self.wandb_dir), is_writer=self.is_writer)
         self.memory = StepMemory(sp.device)             # each step's peak above what it started with
-        for module, phase in memory_watch_points(model):
+        # a compiled model runs no Python between its layers: its memory phases are marked at the step's calls only
+        for module, phase in ([] if opts.compile else memory_watch_points(model)):
             self.memory.watch(module, phase)
         self.memory_records = collections.deque(maxlen=64)     # the latest steps' records (bench, tests)
         self.metrics.log.write_config(self.config)
