@@ -46,7 +46,7 @@ from . import trl_support
 from .apply import apply_sequence_parallel
 from .ds_config import trainer_deepspeed_config
 from .metrics import StepMeter, meter_callback
-from .vision import rope_positions
+from .vision import has_vision_inputs, rope_positions
 from .wandb_run import one_wandb_run, run_config_callback
 
 
@@ -164,9 +164,10 @@ class SequenceParallelMixin:
                               "(DataCollatorForLanguageModeling(mlm=False), DataCollatorWithFlattening, TRL's)")
         check_group_batch(batch, self.sp)
         tokens = trl_support.tokens_of(batch) if getattr(self, "_sp_trl", False) else None  # before the mask goes
-        positions = rope_positions(self.model, batch)       # 3-D RoPE: the whole row's, before sharding
-        if positions is not None:
-            batch["position_ids"] = positions
+        if has_vision_inputs(batch):                         # 3-D RoPE: the whole row's, before sharding
+            positions = rope_positions(self.model, batch)
+            if positions is not None:
+                batch["position_ids"] = positions
         drop_right_padding(batch)
         out = self.sp.shard_batch(batch)
         out["shift_labels"] = out["labels"]                # what the Trainer counts: the shards' targets

@@ -136,8 +136,10 @@ class VisionLanguage:
 def rope_positions(model, batch: dict):
     """The whole batch's 3-D RoPE positions [3, B, N] from the model's own get_rope_index, or None (no
     3-D RoPE, no vision input, or position_ids given): what a Trainer adds before sp.shard_batch."""
+    if batch.get("position_ids") is not None or not has_vision_inputs(batch):
+        return None                     # a text batch: the model is not even looked at
     owner = next((m for m in model.modules() if hasattr(m, "get_rope_index")), None)
-    if owner is None or batch.get("position_ids") is not None or not has_vision_inputs(batch):
+    if owner is None:
         return None
     keys = ("mm_token_type_ids", "image_grid_thw", "video_grid_thw", "second_per_grid_ts", "attention_mask")
     return owner.get_rope_index(batch["input_ids"], **{k: batch[k] for k in keys if batch.get(k) is not None})[0]
