@@ -70,15 +70,9 @@ def main():
                   f"groups {plan.group_sizes}, priced imbalance {plan.imbalance:.3f}", flush=True)
 
 
-def spawn(nprocs: int = 4) -> int:
-    """No launcher: start ``nprocs`` local ranks of this script."""
-    import subprocess
-    from ds_seqpar.launch.env import free_port, rank_env
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, __file__], env=dict(os.environ, **rank_env(r, nprocs, port)))
-             for r in range(nprocs)]
-    return max(p.wait() for p in procs)
-
-
 if __name__ == "__main__":
-    sys.exit(main() if "RANK" in os.environ else spawn())
+    from ds_seqpar.launch.spawn import spawn_command, under_launcher
+    if under_launcher():
+        main()
+    else:                   # no launcher: 4 local ranks of this script
+        sys.exit(spawn_command([sys.executable, __file__], nprocs=4))

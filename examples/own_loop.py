@@ -8,7 +8,6 @@ The model is written the way yours is: its attention layer calls ``attention(q, 
 printed loss is the mean over every token of the global batch, what one process over the same
 rows prints (tests/dist/test_examples.py checks it).
 """
-import os
 import sys
 
 import torch
@@ -91,18 +90,9 @@ def main(steps: int = 3):
     return sp.dp_rank, losses
 
 
-def spawn(nprocs: int = 4) -> int:
-    """No launcher: start ``nprocs`` local ranks of this script."""
-    import subprocess
-    from ds_seqpar.launch.env import free_port, rank_env
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, __file__], env=dict(os.environ, **rank_env(r, nprocs, port)))
-             for r in range(nprocs)]
-    return max(p.wait() for p in procs)
-
-
 if __name__ == "__main__":
-    if "RANK" in os.environ:
+    from ds_seqpar.launch.spawn import spawn_command, under_launcher
+    if under_launcher():
         main()
-    else:
-        sys.exit(spawn())
+    else:                   # no launcher: 4 local ranks of this script
+        sys.exit(spawn_command([sys.executable, __file__], nprocs=4))

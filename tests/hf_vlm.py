@@ -11,7 +11,7 @@ import inspect
 
 import torch
 
-from .hf_zoo import STRATEGIES, _worst
+from .hf_zoo import STRATEGIES, _worst, verdict
 
 SEQ = 64
 TOKENS = dict(image_token_id=120, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123)
@@ -223,13 +223,7 @@ def check(cfg, make_inputs, sps):
         ratios = {"logits": _worst(sp.unshard(logits, dim=1, seq_len=SEQ), ref[0], plain[0]),
                   "loss": _worst(loss, ref[1], plain[1])}
         ratios.update({f"grad {n}": _worst(g, ref[2][n], plain[2][n]) for n, g in grads.items() if n in ref[2]})
-        missing = set(ref[2]) ^ set(grads)
-        worst = max(ratios, key=ratios.get)
-        if missing or ratios[worst] > 1.0:
-            out[strategy] = ("mismatch", f"{worst}: {ratios[worst]:.2g}x the bound" if not missing
-                             else f"gradients missing or extra: {sorted(missing)[:3]}")
-        else:
-            out[strategy] = ("exact", ratios[worst])
+        out[strategy] = verdict(ratios, set(ref[2]) ^ set(grads))
     return out
 
 

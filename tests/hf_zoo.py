@@ -373,13 +373,18 @@ def check_model(model_type, sps):
             for n, g in grads.items():
                 if n in ref[2]:
                     ratios[f"grad {n}"] = _gradient_ratio(g, ref[2][n], plain[2][n], rounding.get(n))
-        worst = max(ratios, key=ratios.get)
-        if missing or ratios[worst] > 1.0:
-            out[name] = ("mismatch", f"{worst}: {ratios[worst]:.2g}x the bound" if not missing
-                         else f"gradients missing or extra: {sorted(missing)[:3]}")
-        else:
-            out[name] = ("exact", ratios[worst])
+        out[name] = verdict(ratios, missing)
     return out
+
+
+def verdict(ratios, missing):
+    """("exact", worst ratio) or ("mismatch", what): every ratio to its bound within 1, no gradient
+    missing or extra."""
+    worst = max(ratios, key=ratios.get)
+    if missing or ratios[worst] > 1.0:
+        return ("mismatch", f"{worst}: {ratios[worst]:.2g}x the bound" if not missing
+                else f"gradients missing or extra: {sorted(missing)[:3]}")
+    return ("exact", ratios[worst])
 
 
 def sweep(model_types):

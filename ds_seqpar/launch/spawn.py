@@ -27,11 +27,16 @@ def under_launcher() -> bool:
 
 def spawn_local(module: str, argv: Sequence[str], nprocs: int, grace_s: float = 15.0) -> int:
     """Run ``python -m module argv`` as ranks 0..nprocs-1 on this machine; return an exit code."""
+    return spawn_command([sys.executable, "-u", "-m", module, *argv], nprocs, grace_s)
+
+
+def spawn_command(command: Sequence[str], nprocs: int, grace_s: float = 15.0) -> int:
+    """Run ``command`` (a script of one's own: the examples) as ranks 0..nprocs-1; return an exit code."""
     port = launch_env.free_port()
     procs: List[subprocess.Popen] = []
     for rank in range(nprocs):
         env = dict(os.environ, **launch_env.rank_env(rank, nprocs, port))
-        procs.append(subprocess.Popen([sys.executable, "-u", "-m", module, *argv], env=env))
+        procs.append(subprocess.Popen(list(command), env=env))
     failed_at, code = None, 0
     try:
         # poll every rank each time (any() would stop at the first live one and miss a failure)
@@ -63,4 +68,4 @@ def _say_exit(rank: int, code: int) -> None:
     sys.stderr.flush()
 
 
-__all__ = ["under_launcher", "spawn_local"]
+__all__ = ["under_launcher", "spawn_command", "spawn_local"]

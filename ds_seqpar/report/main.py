@@ -177,8 +177,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     with open(args.out, "w") as f:
         f.write(render(rows, facts(runs, plots, name, args.skip_steps, argv)))
     print(f"ds-seqpar report: wrote {args.out} and {len(plots)} plots in {os.path.join(out_dir, name)}/")
-    if _load_warning(runs):
-        print(f"ds-seqpar report: warning: {_load_warning(runs)}", file=sys.stderr)
+    warning = _load_warning(runs)
+    if warning:
+        print(f"ds-seqpar report: warning: {warning}", file=sys.stderr)
     return 0
 
 

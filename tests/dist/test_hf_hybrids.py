@@ -77,7 +77,6 @@ def _scan_refusals():
     """Mamba-1 settings that cannot be exact: striped runs, and 90 channels that ulysses cannot split over 4 ranks."""
     import torch
     from ds_seqpar import SequenceParallel
-    from ds_seqpar.config import ConfigError
     from ds_seqpar.hf import apply_sequence_parallel
     from ..hf_hybrids import batch, build, hybrid_config, seq_of
     out = {}
@@ -87,12 +86,8 @@ def _scan_refusals():
         cfg = hybrid_config("mamba", **over)
         sp = SequenceParallel(setting)
         ids, labels = batch(cfg.vocab_size, seq=seq_of("mamba"))
-        try:
-            model = apply_sequence_parallel(build(cfg, torch.float32), sp)
-            model(**sp.shard_batch({"input_ids": ids, "labels": labels}))
-            out[name] = "ran"
-        except ConfigError as err:
-            out[name] = str(err)
+        out[name] = _said(lambda: apply_sequence_parallel(build(cfg, torch.float32), sp)(
+            **sp.shard_batch({"input_ids": ids, "labels": labels})), "ran")
     return out
 
 
@@ -117,29 +112,31 @@ def test_ranks_agree_and_refusals_name_the_key(results):
 def _refusals():
     import torch
     from ds_seqpar import SequenceParallel
-    from ds_seqpar.config import ConfigError
     from ds_seqpar.hf import apply_sequence_parallel
     from ..hf_hybrids import batch, build, hybrid_config
     cfg = hybrid_config("qwen3_5_text")
     ids, labels = batch(cfg.vocab_size, rows=2)
     out = {}
     for name, setting in (("striped", dict(strategy="striped", size=2)), ("lasp", dict(strategy="lasp", size=2))):
-        try:
-            apply_sequence_parallel(build(cfg, torch.float32), SequenceParallel(setting))
-            out[name] = "applied"
-        except ConfigError as err:
-            out[name] = str(err)
+        out[name] = _said(lambda: apply_sequence_parallel(build(cfg, torch.float32), SequenceParallel(setting)),
+                          "applied")
     sp = SequenceParallel(dict(strategy="ring", size=2))
     model = apply_sequence_parallel(build(cfg, torch.float32), sp)
     b = sp.shard_batch({"input_ids": ids, "labels": labels})
     packed = dict(b, position_ids=b["position_ids"] % 50)           # documents restarting at 0, 2 rows
     for name, kwargs in (("packed", packed), ("cache", dict(b, use_cache=True))):
-        try:
-            model(**kwargs)
-            out[name] = "ran"
-        except ConfigError as err:
-            out[name] = str(err)
+        out[name] = _said(lambda: model(**kwargs), "ran")
     return out
+
+
+def _said(call, done: str) -> str:
+    """``done`` when ``call()`` goes through, else the ConfigError's message (what a refusal says)."""
+    from ds_seqpar.config import ConfigError
+    try:
+        call()
+        return done
+    except ConfigError as err:
+        return str(err)
 
 
 def test_what_cannot_be_exact_is_refused_by_name_on_every_rank(pool):
