@@ -93,7 +93,7 @@ def masked_attention_with_grads(q, k, v, dout, causal, scale, dtype, window=None
     return out.detach(), q.grad, k.grad, v.grad, (None if s is None else s.grad)
 
 
-# -- the cost oracle: what plan/cost.py and strategies/closed_form.py count, by enumeration ------------
+# -- the cost oracle: what cost/ and strategies/closed_form.py count, by enumeration ------------
 
 
 def pairs_per_query_set(n, causal, window, bounds, query_sets):

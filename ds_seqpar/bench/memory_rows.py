@@ -1,5 +1,5 @@
 """The memory suite's results (bench/memory.py) as rows: the arithmetic from measured peaks to bytes per
-token, the phase model of a step's peak (plan/cost's fit), the longest sequence in a budget, the
+token, the phase model of a step's peak (cost/'s fit), the longest sequence in a budget, the
 per-strategy comparison and the recompute's implied step time; then the goals (features against the
 plain step and the floor, P=2 against P=1, every strategy against P=1, the features' step time against
 the recompute), every variant, measurement and phase, the facts around them and the plots.
@@ -20,7 +20,7 @@ import os
 import statistics
 from typing import Any, Dict, List
 
-from ..plan.cost.memory import max_tokens, phase_model, peak as predict_peak
+from ..cost.memory import max_tokens, phase_model, peak as predict_peak
 from ..report.plotting import line_figure
 from ..report.rows import Row
 

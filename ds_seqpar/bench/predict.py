@@ -1,8 +1,8 @@
 """The seam between bench and the cost model: every prediction a suite writes beside its measurement
 (bounds, closed-form bytes, work per rank) comes through this module; the memory suite's phase model
-is plan/cost's too, read by memory_rows.py.
+is cost/'s too, read by memory_rows.py.
 
-Bounds, imbalances and pairs per rank are plan/cost's (the one cost model, also the planner's);
+Bounds, imbalances and pairs per rank are cost/'s (the one cost model, also the planner's);
 bytes are strategies/closed_form.py's (the oracle the cost model's bytes are held to).
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import statistics
 from typing import Dict, List, Optional
 
 from ..masks import Mask
-from ..plan.cost import expected_imbalance, imbalance, pairs_per_rank, position_pairs, speedup_bound  # noqa: F401
+from ..cost import expected_imbalance, imbalance, pairs_per_rank, position_pairs, speedup_bound  # noqa: F401
 from .harness import LINEAR, strategy_config
 
 

@@ -16,10 +16,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from ..masks import Mask
 from ..report.rows import Row, load_rows
 from ..strategies.closed_form import Shapes, closed_form_by_kind
-from .cost import memory, times
-from .cost.bytes import rank_bytes
-from .cost.candidate import Candidate, Features
-from .cost.pairs import computed_pairs
+from ..cost import memory, times
+from ..cost.bytes import rank_bytes
+from ..cost.candidate import Candidate, Features
+from ..cost.pairs import computed_pairs
 from .hardware import Link, PlanError
 from .measure import lstsq2
 from .model_shape import ModelShape

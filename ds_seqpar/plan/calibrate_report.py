@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ..report.render import write
 from ..report.rows import Row
 from . import calibrate as cb
-from .cost.pairs import KEY_TILE, computed_pairs
+from ..cost.pairs import KEY_TILE, computed_pairs
 from .hardware import describe
 from .measure import BLOCKS, cpu_profile, measure_blocks, measure_comm, measure_kernels
 

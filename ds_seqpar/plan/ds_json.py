@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from .cost.candidate import Candidate
+from ..cost.candidate import Candidate
 
 
 def ds_config(c: Candidate, dtype: str, hybrid: bool) -> Dict[str, Any]:

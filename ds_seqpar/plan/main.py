@@ -15,7 +15,7 @@ from typing import List, Optional
 from ..config import ConfigError
 from . import hardware
 from .ds_json import ds_config
-from .cost.bytes import SPAN_BUDGET
+from ..cost.bytes import SPAN_BUDGET
 from .inputs import OWN_LM, check_args, equal_documents, load_model
 from .model_shape import ModelShape
 from .search import HEADROOM, Cluster, Prediction, gpus_needed, longest_sequence, plan

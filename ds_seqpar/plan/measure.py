@@ -13,7 +13,7 @@ import statistics
 import time
 from typing import Any, Dict, List, Sequence, Tuple
 
-from .cost.pairs import computed_pairs
+from ..cost.pairs import computed_pairs
 from .hardware import Gpu, from_dict
 
 SIZES = (16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)

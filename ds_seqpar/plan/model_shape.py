@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from .cost.candidate import LINEAR_KINDS, SOFTMAX_KINDS
+from ..cost.candidate import LINEAR_KINDS, SOFTMAX_KINDS
 _KIND_OF = {"full_attention": "attention", "attention": "attention", "sliding_attention": "sliding",
             "chunked_attention": "sliding", "linear_attention": "linear", "mamba": "mamba", "hybrid": "mamba",
             "conv": "linear", "mlp": "mlp", "moe": "mlp"}

@@ -15,10 +15,10 @@ from typing import Dict, List, Optional, Tuple
 from .. import strategies
 from ..config import ConfigError, SequenceParallelConfig
 from ..strategies import RING_STRATEGIES
-from .cost import flops, memory, times
-from .cost.bytes import SPAN_BUDGET
-from .cost.candidate import Candidate, Features
-from .cost.pairs import padded_length
+from ..cost import flops, memory, times
+from ..cost.bytes import SPAN_BUDGET
+from ..cost.candidate import Candidate, Features
+from ..cost.pairs import padded_length
 
 HEADROOM = 0.10          # of the usable memory a configuration leaves free by default (--headroom)
 NEAR_TIE = 0.02          # predicted tokens/s closer than this are a tie: the model is not more precise

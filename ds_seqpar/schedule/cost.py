@@ -1,9 +1,9 @@
 """What one document costs the busiest rank of the group it runs on: the scheduler's one price.
 
 ``price`` is the only place the dynamic scheduler (rounds.py) values a document. Its attention pairs
-are the cost model's (plan/cost: the pairs the busiest rank computes under the document's causal
+are the cost model's (cost/: the pairs the busiest rank computes under the document's causal
 mask, on its layout's global positions, the end padding seeing nothing); its bytes are the
-strategies' closed forms (strategies/closed_form.py, the oracle plan/cost's bytes are held to).
+strategies' closed forms (strategies/closed_form.py, the oracle cost/'s bytes are held to).
 
 Units are floating-point operations of forward + backward (3x the forward's), with the bytes a rank
 sends converted at ``flops_per_byte`` (how many operations the machine does while one byte crosses
@@ -15,7 +15,7 @@ import functools
 from dataclasses import dataclass
 
 from ..masks import Mask
-from ..plan.cost import pairs_per_rank
+from ..cost import pairs_per_rank
 from ..sharding.layouts import make_layout
 from ..sharding.padding import padded_len
 from ..strategies import get_strategy

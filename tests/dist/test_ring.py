@@ -9,7 +9,7 @@ import torch
 from ds_seqpar import SequenceParallel
 from ds_seqpar.kernels import AttentionKernel
 from ds_seqpar.masks import Mask
-from ds_seqpar.plan.cost.pairs import layout_pairs
+from ds_seqpar.cost.pairs import layout_pairs
 from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind
 
 from ..dist_checks import HEAD_CASES, check_attention_exact, global_inputs, sharded_attention_grads

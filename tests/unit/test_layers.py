@@ -1,8 +1,9 @@
 """The layer rule, read from the source with ``ast`` (nothing is imported):
 
 - the core (config, errors, sequence_parallel, topology, comm, loss, zero, masks, sharding, strategies,
-  kernels, memory, schedule, dynamic, step_stats, and plan.cost: the cost model, which the runtime may price
-  with) imports nothing from models, launch, train, bench, report, hf, nor the rest of plan;
+  kernels, memory, schedule, dynamic, step_stats, ops, and cost: the cost model, which the runtime's
+  scheduler prices documents with and the planner and bench read) imports nothing from models, launch,
+  train, bench, report, hf or plan;
 - models, launch and hf import the core only; train the core, models, launch and hf; bench those,
   train (it times the training step through train.run_training) and report's plotting helper, rows,
   renderer and targets;
@@ -27,8 +28,7 @@ import ds_seqpar
 
 PACKAGE = "ds_seqpar"
 CORE = frozenset({"config", "errors", "sequence_parallel", "topology", "comm", "loss", "zero", "sharding",
-                  "strategies", "kernels", "memory", "masks", "schedule", "dynamic", "step_stats", "ops"})
-CORE_MODULES = ("plan.cost",)               # core modules inside a tool's folder (and everything under them)
+                  "strategies", "kernels", "memory", "masks", "schedule", "dynamic", "step_stats", "ops", "cost"})
 TOOLS = frozenset({"models", "launch", "train", "bench", "report", "hf", "plan", "dashboard"})
 # layer -> the layers it may import besides itself ("report.plotting": that one module of report)
 ALLOWED = {
@@ -58,8 +58,7 @@ def layer_of(module: str) -> Optional[str]:
     if parts == [PACKAGE]:
         return "root"
     top = parts[1]
-    inner = ".".join(parts[1:])
-    if top in CORE or any(inner == m or inner.startswith(m + ".") for m in CORE_MODULES):
+    if top in CORE:
         return "core"
     if top in TOOLS or top == "cli":
         return top
@@ -306,17 +305,16 @@ def test_checker_finds_every_kind_of_break_in_a_fake_package(tmp_path):
     ], "\n".join(got)
 
 
-def test_the_cost_model_is_core_inside_plan(tmp_path):
-    """plan/cost is the core's: the runtime may price with it, so it may not reach the rest of plan."""
-    assert [layer_of(f"ds_seqpar.plan.{m}") for m in ("cost", "cost.pairs", "costs", "search")] == \
-        ["core", "core", "plan", "plan"]
+def test_the_cost_model_is_core(tmp_path):
+    """cost/ is the core's: the runtime's scheduler prices with it, so it may not reach the planner."""
+    assert [layer_of(f"ds_seqpar.{m}") for m in ("cost", "cost.pairs", "plan.search")] == ["core", "core", "plan"]
     root = tmp_path / PACKAGE
     for rel, text in {"__init__.py": "", "strategies/__init__.py": "", "plan/__init__.py": "",
-                      "plan/search.py": "from .cost import z\n",
-                      "plan/cost/__init__.py": "from ..search import x\nfrom ...strategies import y\n"}.items():
+                      "plan/search.py": "from ..cost import z\n",
+                      "cost/__init__.py": "from ..plan.search import x\nfrom ..strategies import y\n"}.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text)
-    assert violations(str(root)) == ["ds_seqpar.plan.cost (core) imports ds_seqpar.plan.search (plan)"]
+    assert violations(str(root)) == ["ds_seqpar.cost (core) imports ds_seqpar.plan.search (plan)"]
 
 
 def test_relative_imports_resolve_against_the_importing_module():

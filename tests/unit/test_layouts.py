@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from ds_seqpar.masks import Mask
-from ds_seqpar.plan.cost.pairs import layout_pairs
+from ds_seqpar.cost.pairs import layout_pairs
 from ds_seqpar.sharding.layouts import (LAYOUTS, ContiguousLayout, HybridLayout, Layout, StripedLayout,
                                         ZigzagLayout, make_layout)
 
@@ -179,7 +179,7 @@ def _brute_force_work(layout, n):
 
 
 def _causal_work(layout, n):
-    """Per rank, the causal (q, k) pairs its queries see: the cost model's count (plan/cost/pairs.py)."""
+    """Per rank, the causal (q, k) pairs its queries see: the cost model's count (cost/pairs.py)."""
     return list(layout_pairs(layout, n, n, Mask(True)))
 
 

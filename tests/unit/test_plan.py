@@ -10,11 +10,11 @@ import pytest
 
 from ds_seqpar.config import SequenceParallelConfig
 from ds_seqpar.plan import hardware
-from ds_seqpar.plan.cost import flops, memory
+from ds_seqpar.cost import flops, memory
 from ds_seqpar.plan.main import main as plan_main
-from ds_seqpar.plan.cost.candidate import Candidate, Features
+from ds_seqpar.cost.candidate import Candidate, Features
 from ds_seqpar.plan.model_shape import ModelShape
-from ds_seqpar.plan.cost.bytes import comm_per_layer
+from ds_seqpar.cost.bytes import comm_per_layer
 from ds_seqpar.plan.search import NEAR_TIE, Cluster, longest_sequence, plan, predict
 from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind, transient_bytes
 

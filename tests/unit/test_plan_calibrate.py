@@ -10,7 +10,7 @@ import pytest
 
 from ds_seqpar.kernels.bands import SubBlock, visible_pairs
 from ds_seqpar.plan import calibrate as cb, calibrate_report as cr
-from ds_seqpar.plan.cost import pairs, times
+from ds_seqpar.cost import pairs, times
 from ds_seqpar.plan.hardware import load_gpu
 from ds_seqpar.plan.measure import fit_call_cost
 from ds_seqpar.report.rows import load_rows

@@ -1,4 +1,4 @@
-"""The cost model (plan/cost) against the one brute-force oracle (tests/reference.py: pairs counted
+"""The cost model (cost/) against the one brute-force oracle (tests/reference.py: pairs counted
 pair by pair on the dense mask, key spans found by enumerating every pair of blocks), and the closed
 forms (strategies/closed_form.py) against the same oracle. Pure Python, no ranks."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ds_seqpar.masks import Mask
-from ds_seqpar.plan.cost import bytes as cost_bytes, flops, memory, pairs
+from ds_seqpar.cost import bytes as cost_bytes, flops, memory, pairs
 from ds_seqpar.sharding.layouts import make_layout
 from ds_seqpar.strategies import get_strategy
 from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind

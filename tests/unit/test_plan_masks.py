@@ -1,4 +1,4 @@
-"""The plan's masks (plan/cost: pairs.py, bytes.py): sliding windows and packed documents in the attention work and
+"""The plan's masks (cost/: pairs.py, bytes.py): sliding windows and packed documents in the attention work and
 the bytes, per layer kind, held to the strategies' closed forms and to the work the window benchmark
 counted (reports/window_cpu.rows.json); and the project's own LM with strategy lasp. Pure Python, no ranks."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 
 from ds_seqpar.plan import hardware
-from ds_seqpar.plan.cost import bytes as cost_bytes, flops, pairs
-from ds_seqpar.plan.cost.bytes import comm_per_layer
-from ds_seqpar.plan.cost.candidate import Candidate, Features
+from ds_seqpar.cost import bytes as cost_bytes, flops, pairs
+from ds_seqpar.cost.bytes import comm_per_layer
+from ds_seqpar.cost.candidate import Candidate, Features
 from ds_seqpar.masks import Mask
 from ds_seqpar.plan.main import equal_documents
 from ds_seqpar.plan.model_shape import ModelShape, from_hf_config

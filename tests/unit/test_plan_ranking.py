@@ -1,7 +1,7 @@
 """The planner's ranking: a memory headroom every configuration must leave free, and near-ties in
 predicted tokens/s broken toward fewer moving parts, then more free memory."""
 from ds_seqpar.plan import hardware
-from ds_seqpar.plan.cost.candidate import Candidate, Features
+from ds_seqpar.cost.candidate import Candidate, Features
 from ds_seqpar.plan.search import NEAR_TIE, Cluster, Prediction, predict, rank
 
 from .test_plan import SMALL

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from ...strategies.closed_form import Shapes, transient_bytes
+from ..strategies.closed_form import Shapes, transient_bytes
 from .candidate import SOFTMAX_KINDS, Features
 
 PHASES = ("forward", "loss_backward", "layers_backward", "optimizer")

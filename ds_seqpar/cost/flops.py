@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
 
-from ...masks import Mask
+from ..masks import Mask
 from .pairs import pairs_total
 
 LINEAR_CHUNK = 64

@@ -14,10 +14,10 @@ from __future__ import annotations
 import functools
 from typing import Dict, List, Optional, Tuple
 
-from ...masks import Mask
-from ...sharding.layouts import make_layout
-from ...strategies import get_strategy
-from ...strategies.closed_form import (Shapes, closed_form_by_kind, conv_halo_bytes, linear_state_bytes,
+from ..masks import Mask
+from ..sharding.layouts import make_layout
+from ..strategies import get_strategy
+from ..strategies.closed_form import (Shapes, closed_form_by_kind, conv_halo_bytes, linear_state_bytes,
                                        linear_ulysses_bytes, masked_ring_by_kind, ring_key_ranges)
 from .candidate import SOFTMAX_KINDS
 from .pairs import ring_of

@@ -20,9 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from ...masks import Mask, cut_documents
-from ...strategies import RING_STRATEGIES
-from ...strategies.closed_form import Shapes
+from ..masks import Mask, cut_documents
+from ..strategies import RING_STRATEGIES
+from ..strategies.closed_form import Shapes
 from .bytes import SPAN_BUDGET, comm_per_layer, exact_spans, layer_mask
 from .candidate import SOFTMAX_KINDS
 from .flops import step_per_token
@@ -194,10 +194,10 @@ def rank_calls(strategy: str, p: int, seq: int, causal: bool = True,
     blocks the ring loop calls, a masked plan's cut as the CPU torch kernel's ``band`` cuts them
     (``pieces``: its tiles and key columns). Ulysses: one position holding the whole sequence (its
     H / P heads counted by the caller)."""
-    from ...kernels import get_kernel
-    from ...sharding.layouts import make_layout
-    from ...strategies import STRATEGIES
-    from ...strategies.mask_plan import plain_blocks, plan_mask
+    from ..kernels import get_kernel
+    from ..sharding.layouts import make_layout
+    from ..strategies import STRATEGIES
+    from ..strategies.mask_plan import plain_blocks, plan_mask
     kernel, whole = get_kernel("torch", "cpu"), strategy == "ulysses" or p == 1
     layout = make_layout("contiguous" if whole else STRATEGIES[strategy].layout_name, 1 if whole else p)
     plan = plan_mask(Mask(causal, window), layout, seq, plain_blocks if whole else STRATEGIES[strategy].blocks)

@@ -16,9 +16,9 @@ import functools
 from collections import Counter
 from typing import List, Sequence, Tuple
 
-from ...masks import Mask, seen_keys
-from ...sharding.layouts import make_layout
-from ...strategies import RING_STRATEGIES, get_strategy
+from ..masks import Mask, seen_keys
+from ..sharding.layouts import make_layout
+from ..strategies import RING_STRATEGIES, get_strategy
 
 KEY_TILE = 512        # keys per tile of torch's CPU flash kernel (kernels/torch_kernel.py's causal_tile note)
 
