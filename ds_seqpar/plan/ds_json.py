@@ -1,5 +1,9 @@
 """The DeepSpeed JSON of a chosen configuration, in the shape of configs/long_context.json, so the
-main job (``python -m ds_seqpar.train --deepspeed_config ds.json``) takes it as is."""
+main job (``python -m ds_seqpar.train --deepspeed_config ds.json``) and transformers'
+``TrainingArguments(deepspeed="ds.json", per_device_train_batch_size=1)`` take it as is: what the plan
+chose (one sequence per rank, dtype, ZeRO, strategy, memory features) is written out; what the
+Trainer's arguments own (learning rate, Adam's betas, eps, weight decay, clipping, accumulation) is
+"auto", which transformers fills from its arguments and the main job from its defaults."""
 from __future__ import annotations
 
 from typing import Any, Dict
@@ -17,7 +21,7 @@ def ds_config(c: Candidate, dtype: str, hybrid: bool) -> Dict[str, Any]:
         section["lasp_comm"] = c.lasp_comm
     zero: Dict[str, Any] = {"stage": c.zero, "overlap_comm": False, "contiguous_gradients": True,
                             "reduce_bucket_size": 50_000_000}
-    adam = {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01, "torch_adam": True}
+    adam = {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto", "torch_adam": True}
     if c.features.on:
         section["tiled_loss_tokens"] = c.features.tiled_loss_tokens
         section["tiled_mlp_tokens"] = c.features.tiled_mlp_tokens
@@ -26,8 +30,8 @@ def ds_config(c: Candidate, dtype: str, hybrid: bool) -> Dict[str, Any]:
         adam.pop("torch_adam")                   # DeepSpeed's CPU Adam runs the offloaded step
     out: Dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
         "steps_per_print": 1000000,
         "optimizer": {"type": "AdamW", "params": adam},
         "zero_optimization": zero,

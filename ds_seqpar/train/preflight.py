@@ -35,6 +35,7 @@ def build_ds_config(opts) -> dict:
         if not os.path.exists(src):
             raise TrainConfigError(f"--deepspeed_config {src!r} does not exist")
         ds = dict(load_ds_config(src))
+    fill_auto(ds)
     section = dict(ds.get("sequence_parallel", {}))
     overrides = {"strategy": opts.strategy, "size": opts.sp_size, "ulysses_size": opts.ulysses_size,
                  "max_tokens_per_rank": opts.max_tokens_per_rank}
@@ -55,6 +56,31 @@ def build_ds_config(opts) -> dict:
     if opts.resume_universal:
         ds["checkpoint"] = dict(ds.get("checkpoint", {}), load_universal=True)
     return ds
+
+
+# The values transformers' Trainer fills where a config says "auto" (from its TrainingArguments), so one
+# JSON serves both entry points (`ds-seqpar plan --out` writes these as "auto"): the main job fills them
+# with its own defaults; --micro_batch and --lr still override.
+AUTO_FILLED = {"train_micro_batch_size_per_gpu": DEFAULT_DS_CONFIG["train_micro_batch_size_per_gpu"],
+               "gradient_accumulation_steps": DEFAULT_DS_CONFIG["gradient_accumulation_steps"],
+               "gradient_clipping": DEFAULT_DS_CONFIG["gradient_clipping"],
+               **{f"optimizer.params.{k}": DEFAULT_DS_CONFIG["optimizer"]["params"][k]
+                  for k in ("lr", "betas", "eps", "weight_decay")}}
+
+
+def fill_auto(ds: dict, where: str = "") -> None:
+    """Replace the Trainer's "auto" values in place; any other "auto" is refused by its key."""
+    for key, value in list(ds.items()):
+        path = f"{where}{key}"
+        if isinstance(value, dict):
+            fill_auto(value, path + ".")
+        elif value == "auto" and path in AUTO_FILLED:
+            ds[key] = copy.deepcopy(AUTO_FILLED[path])
+        elif value == "auto" and path == "train_batch_size":
+            del ds[key]                     # DeepSpeed derives it: micro batch x accumulation x replicas
+        elif value == "auto":
+            raise TrainConfigError(f'DeepSpeed config "{path}": "auto" is filled by transformers\' Trainer; the '
+                                   f"main job fills only {', '.join(sorted(AUTO_FILLED))}: give {path} a value")
 
 
 def check_options(opts) -> None:

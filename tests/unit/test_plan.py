@@ -230,6 +230,28 @@ def test_out_json_is_accepted_by_the_main_job(tmp_path, capsys):
     assert cfg.size > 1 and ds["zero_optimization"]["stage"] == 3
 
 
+def test_out_json_is_accepted_by_training_arguments(tmp_path, capsys):
+    """transformers checks a DeepSpeed JSON against the Trainer's arguments: the plan writes what it chose
+    (one sequence per rank, bf16) and leaves what the arguments own as "auto", so the defaults pass."""
+    from transformers import TrainingArguments
+    out = tmp_path / "ds.json"
+    assert plan_main(["--model", LLAMA, "--seq-len", str(40 << 20), "--gpus", "8", "--zero", "3",
+                      "--out", str(out)]) == 0
+    capsys.readouterr()
+    bf16 = json.loads(out.read_text()).get("bf16", {}).get("enabled", False)
+    args = TrainingArguments(output_dir=str(tmp_path), deepspeed=str(out), per_device_train_batch_size=1,
+                             bf16=bf16, use_cpu=True, report_to=[])
+
+    class Model:
+        config = type("Config", (), {"hidden_size": 64})
+    args.hf_deepspeed_config.trainer_config_finalize(args, Model(), 10)      # raises on any mismatch
+    filled = args.hf_deepspeed_config.config
+    assert filled["optimizer"]["params"]["lr"] == args.learning_rate and filled["train_micro_batch_size_per_gpu"] == 1
+    with pytest.raises(ValueError, match="train_micro_batch_size_per_gpu=1 vs hf per_device_train_batch_size=8"):
+        TrainingArguments(output_dir=str(tmp_path), deepspeed=str(out), bf16=bf16, use_cpu=True,
+                          report_to=[]).hf_deepspeed_config.trainer_config_finalize(args, Model(), 10)
+
+
 def test_hybrid_out_json_names_the_linear_strategy(tmp_path, capsys):
     out = tmp_path / "ds.json"
     rc = plan_main(["--model", HYBRID, "--seq-len", str(16 << 20), "--gpus", "4", "--gpus-per-node", "4", "--zero", "2",

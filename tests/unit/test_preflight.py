@@ -105,3 +105,22 @@ def test_other_syntax_errors_get_no_comment_hint(tmp_path):
     assert str(err.value).startswith(f"{path}:2:1: not valid JSON") and "comment" not in str(err.value), err.value
     path.write_text(json.dumps({"sequence_parallel": {"strategy": "ring"}}))
     assert read_json(str(path)) == {"sequence_parallel": {"strategy": "ring"}}
+
+
+def test_the_trainers_auto_values_are_filled_and_any_other_auto_is_refused_by_its_key(tmp_path):
+    """One JSON for both entry points: the Trainer example's config ("auto" everywhere the Trainer's
+    arguments own a value) runs in the main job with the job's defaults; --lr still overrides."""
+    from ds_seqpar.train.args import DEFAULT_DS_CONFIG
+    ds, _ = check_config(opts("--deepspeed_config", os.path.join(ROOT, "configs/trainer/zigzag_zero2.json")), 4)
+    assert ds["train_micro_batch_size_per_gpu"] == DEFAULT_DS_CONFIG["train_micro_batch_size_per_gpu"]
+    assert ds["optimizer"]["params"]["betas"] == DEFAULT_DS_CONFIG["optimizer"]["params"]["betas"]
+    assert ds["gradient_clipping"] == 1.0 and "auto" not in json.dumps(ds)
+    ds, _ = check_config(opts("--deepspeed_config", os.path.join(ROOT, "configs/trainer/zigzag_zero2.json"),
+                              "--lr", "3e-4"), 4)
+    assert ds["optimizer"]["params"]["lr"] == 3e-4
+    bad = tmp_path / "ds.json"
+    bad.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto"},
+                               "sequence_parallel": {"strategy": "ring", "size": 2}}))
+    with pytest.raises(ConfigError, match=r'"zero_optimization.stage3_prefetch_bucket_size": "auto" is filled by '
+                                          r"transformers' Trainer.*give zero_optimization.stage3_prefetch_bucket_size"):
+        check_config(opts("--deepspeed_config", str(bad)), 4)
