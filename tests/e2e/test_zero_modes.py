@@ -105,12 +105,12 @@ def test_zero_offload_trains_with_sequence_parallelism_as_without(pool, tmp_path
     """Optimizer (and ZeRO-3 parameters) on the CPU, DeepSpeedCPUAdam doing AdamW: the losses and
     grad norms of plain data parallelism, which is what the runs without offload give too."""
     _cpu_adam_or_skip()
+    ref_losses, ref_norms = reference_losses(dict(TINY, deepspeed_config=shipped_config("zigzag")), 2)
     for what, zero in OFFLOAD.items():
         ds = shipped_config("zigzag")
         ds["optimizer"]["params"]["torch_adam"] = False          # DeepSpeedCPUAdam, the offload optimizer
         ds["zero_optimization"].update(zero)
         results = pool.run(_train, dict(TINY, deepspeed_config=ds, run_dir=str(tmp_path)))
-        ref_losses, ref_norms = reference_losses(dict(TINY, deepspeed_config=shipped_config("zigzag")), 2)
         for r in results:
             assert_close_losses(r["losses"], ref_losses[r["dp_rank"]], f"offload {what} rank {r['rank']}")
             assert_close_losses(r["grad_norms"], ref_norms, f"offload {what} rank {r['rank']}", 1e-4, "gradient norm")
