@@ -15,14 +15,17 @@ TIMEOUT_S = 240
 SLOW_LINK = "tbf rate 4mbit burst 8kb latency 20ms"     # 4 Mbit/s, a 20 ms queue: bursts overflow it
 
 
-def one_host_losses(hosts, tmp_path, port, cfg):
-    """The reference: the same job, 4 ranks on host a."""
+def train_argv(argv):
+    """On each rank of the session's pool: the main job with these command-line options."""
+    from ds_seqpar.train import run_training
+    from ds_seqpar.train.args import build_parser
+    return run_training(vars(build_parser().parse_args(argv)))
+
+
+def one_host_losses(pool, tmp_path, cfg):
+    """The reference: the same job on one host's 4 ranks (the session's pool: its ranks are started)."""
     runs = str(tmp_path / "one_host")
-    job = jobs.Job([jobs.torchrun_on(hosts, 0, port, [*cfg, "--run_dir", runs], nnodes=1, nproc=4)], hosts.env())
-    try:
-        assert job.wait(TIMEOUT_S) == [0], job.output[-4000:]
-    finally:
-        job.close()
+    pool.run(train_argv, [*cfg, "--run_dir", runs])
     return jobs.losses(runs)
 
 
@@ -32,7 +35,7 @@ def check_placed_by_host(runs):
 
 
 @needs("torchrun")
-def test_zigzag_torchrun_on_each_host_equals_one_host(fresh, tmp_path):
+def test_zigzag_torchrun_on_each_host_equals_one_host(fresh, pool, tmp_path):
     hosts = fresh
     cfg = ["--deepspeed_config", jobs.ds_config(tmp_path, strategy="zigzag", size=4), "--steps", str(STEPS),
            *jobs.TINY]
@@ -50,11 +53,11 @@ def test_zigzag_torchrun_on_each_host_equals_one_host(fresh, tmp_path):
         hosts.impair(name, "")
     assert dropped > 0, "the shaped link dropped nothing: the test did not exercise a lossy link"
     check_placed_by_host(runs)
-    assert jobs.losses(runs) == one_host_losses(hosts, tmp_path, 29612, cfg)
+    assert jobs.losses(runs) == one_host_losses(pool, tmp_path, cfg)
 
 
 @needs("pdsh")
-def test_hybrid_deepspeed_hostfile_pdsh_equals_one_host(fresh, tmp_path):
+def test_hybrid_deepspeed_hostfile_pdsh_equals_one_host(fresh, pool, tmp_path):
     hosts = fresh
     cfg = ["--deepspeed_config", jobs.ds_config(tmp_path, strategy="zigzag", size=4, ulysses_size=2),
            "--steps", str(STEPS), *jobs.TINY]
@@ -68,4 +71,4 @@ def test_hybrid_deepspeed_hostfile_pdsh_equals_one_host(fresh, tmp_path):
     # Ulysses groups inside a host, the ring across: nothing to warn about
     assert "ulysses=2, ring=2" in job.output and "ds_seqpar.train: warning:" not in job.output, job.output[-4000:]
     check_placed_by_host(runs)
-    assert jobs.losses(runs) == one_host_losses(hosts, tmp_path, 29614, cfg)
+    assert jobs.losses(runs) == one_host_losses(pool, tmp_path, cfg)
