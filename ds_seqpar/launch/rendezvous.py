@@ -46,4 +46,15 @@ def join(init: Callable[[], None], env: Mapping[str, str], timeout_s: float) -> 
         raise RendezvousError(
             f"{_where(env)}: could not join the rendezvous within sequence_parallel.timeout_s={timeout_s:g} s "
             f"({first}). Check that rank 0 started, that MASTER_ADDR is rank 0's address as this host "
-            f"reaches it, and that MASTER_PORT is open between the hosts (docs/launchers.md, several hosts)") from e
+            f"reaches it, and that MASTER_PORT is open between the hosts (docs/launchers.md, several hosts)"
+            f"{_restart_hint(env)}") from e
+
+
+def _restart_hint(env: Mapping[str, str]) -> str:
+    """torchrun --max-restarts shares its rendezvous store with the ranks by default: a restarted round
+    then reads the addresses the killed round left there and cannot connect."""
+    if int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return (". Under torchrun --max-restarts start torchrun with --rdzv-backend c10d and "
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment: with the shared store a restarted round "
+                "reads the previous round's addresses")
+    return ""

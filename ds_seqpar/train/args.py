@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--verbose", action="store_true", help="keep DeepSpeed's INFO logging")
     lg.add_argument("--save_dir", default=None, help="DeepSpeed checkpoints go here")
     lg.add_argument("--save_interval", type=int, default=0, help="save every K steps (0: never)")
-    lg.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save_dir")
+    lg.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save_dir "
+                    "(under torchrun --max-restarts a first start, with none yet, starts at step 0)")
     lg.add_argument("--resume_tag", default=None, help="continue from this tag (e.g. step20) in --save_dir")
     lg.add_argument("--resume_universal", action="store_true", help="continue from the latest (or --resume_tag) "
                     "checkpoint at another shape: other data-parallel or sequence-parallel size or strategy, "

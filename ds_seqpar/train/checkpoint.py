@@ -31,6 +31,12 @@ def resume(engine, opts, say) -> int:
         raise TrainConfigError("--resume, --resume_tag and --resume_universal need --save_dir (where the "
                                "checkpoints are)")
     tag = opts.resume_tag
+    if tag is None and not opts.resume_universal and restarted_by_torchrun() \
+            and not os.path.exists(os.path.join(opts.save_dir, "latest")):
+        # torchrun --max-restarts reruns the same command: its first start has nothing to resume yet
+        say(f"--resume: no checkpoint in --save_dir {opts.save_dir!r} yet; starting at step 0 (torchrun "
+            f"--max-restarts={os.environ['TORCHELASTIC_MAX_RESTARTS']} resumes from the latest one on a restart)")
+        return 0
     if opts.resume_universal:
         tag = universal_tag(opts.save_dir, tag)
         _check_stage(os.path.join(opts.save_dir, tag), engine.zero_optimization_stage())
@@ -40,6 +46,11 @@ def resume(engine, opts, say) -> int:
                                f"(tag {tag or 'latest'!r})")
     say(f"resumed from {path} at step {client['step']}")
     return int(client["step"])
+
+
+def restarted_by_torchrun() -> bool:
+    """Launched by torchrun with --max-restarts > 0 (it sets TORCHELASTIC_MAX_RESTARTS for its ranks)."""
+    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0
 
 
 def universal_tag(save_dir: str, tag) -> str:

@@ -38,10 +38,18 @@ def ds_config(tmp_path, **sequence_parallel) -> str:
 
 
 def torchrun_on(hosts: Hosts, node: int, port: int, train_args: Sequence[str], nnodes: Optional[int] = None,
-                nproc: int = RANKS_PER_HOST) -> List[str]:
-    """ssh HOST torchrun ...: node ``node`` of ``nnodes`` (all hosts), static rendezvous at host 0."""
+                nproc: int = RANKS_PER_HOST, max_restarts: int = 0) -> List[str]:
+    """ssh HOST torchrun ...: node ``node`` of ``nnodes`` (all hosts), static rendezvous at host 0; with
+    ``max_restarts``, the c10d rendezvous hosted by host 0's agent (static ranks never re-form a world),
+    its store not shared with the ranks (a restarted round would read the killed round's addresses)."""
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in REMOTE_ENV.items())
-    torchrun = (f"torchrun --nnodes {nnodes or len(hosts.names)} --node-rank {node} "
+    if max_restarts:
+        exports += " TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+        rdzv = (f"--rdzv-backend c10d --rdzv-id ds_seqpar --max-restarts {max_restarts} "
+                f"--rdzv-conf is_host={int(node == 0)}")
+    else:
+        rdzv = f"--node-rank {node}"
+    torchrun = (f"torchrun --nnodes {nnodes or len(hosts.names)} {rdzv} "
                 f"--nproc-per-node {nproc} --rdzv-endpoint {hosts.addrs[0]}:{port} "
                 f"-m ds_seqpar.train {' '.join(map(shlex.quote, train_args))}")
     return ["ssh", hosts.names[node], f"cd {shlex.quote(ROOT)} && env {exports} {torchrun}"]
@@ -105,8 +113,25 @@ class Job:
 def losses(run_dir: str) -> List[float]:
     """Per-step losses from the run's metrics.jsonl (rank 0 writes it)."""
     (name,) = os.listdir(run_dir)
-    with open(os.path.join(run_dir, name, "metrics.jsonl")) as f:
-        return [json.loads(line)["loss"] for line in f]
+    return [r["loss"] for r in records(os.path.join(run_dir, name))]
+
+
+def train_argv(argv):
+    """On each rank of the session's pool: the main job with these command-line options."""
+    from ds_seqpar.train import run_training
+    from ds_seqpar.train.args import build_parser
+    return run_training(vars(build_parser().parse_args(argv)))
+
+
+def train_on_pool(pool, cfg: Sequence[str], run_dir: str) -> str:
+    """The job of ``cfg`` on one host's 4 ranks (the session's pool); returns its run directory."""
+    pool.run(train_argv, [*cfg, "--run_dir", run_dir])
+    return run_dir
+
+
+def records(run: str) -> List[dict]:
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
 
 
 def run_info(run_dir: str) -> dict:

@@ -15,18 +15,9 @@ TIMEOUT_S = 240
 SLOW_LINK = "tbf rate 4mbit burst 8kb latency 20ms"     # 4 Mbit/s, a 20 ms queue: bursts overflow it
 
 
-def train_argv(argv):
-    """On each rank of the session's pool: the main job with these command-line options."""
-    from ds_seqpar.train import run_training
-    from ds_seqpar.train.args import build_parser
-    return run_training(vars(build_parser().parse_args(argv)))
-
-
 def one_host_losses(pool, tmp_path, cfg):
     """The reference: the same job on one host's 4 ranks (the session's pool: its ranks are started)."""
-    runs = str(tmp_path / "one_host")
-    pool.run(train_argv, [*cfg, "--run_dir", runs])
-    return jobs.losses(runs)
+    return jobs.losses(jobs.train_on_pool(pool, cfg, str(tmp_path / "one_host")))
 
 
 def check_placed_by_host(runs):

@@ -35,3 +35,17 @@ def test_unreachable_rendezvous_names_the_address_and_the_timeout_key():
     with pytest.raises(RendezvousError, match=rf"MASTER_PORT='{port}'.*sequence_parallel.timeout_s=2 s"):
         join(init, env, timeout_s=2)
     assert time.time() - start < 60 and not dist.is_initialized()
+
+
+def test_a_failed_rendezvous_under_torchrun_restarts_with_the_shared_store_names_the_fix():
+    """A restarted round that joins through torchrun's shared store reads the killed round's addresses:
+    the error says how to start torchrun (the multinode tier restarts a job the way it says)."""
+    def fails():
+        raise RuntimeError("Gloo connectFullMesh failed with ... Connection refused")
+    env = {"RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_MAX_RESTARTS": "1"}
+    with pytest.raises(RendezvousError) as plain:
+        join(fails, env, timeout_s=20)
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in str(plain.value)
+    with pytest.raises(RendezvousError, match=r"Connection refused.*torchrun --max-restarts start torchrun with "
+                                              r"--rdzv-backend c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        join(fails, dict(env, TORCHELASTIC_USE_AGENT_STORE="True"), timeout_s=20)
