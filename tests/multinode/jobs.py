@@ -55,6 +55,20 @@ def torchrun_on(hosts: Hosts, node: int, port: int, train_args: Sequence[str], n
     return ["ssh", hosts.names[node], f"cd {shlex.quote(ROOT)} && env {exports} {torchrun}"]
 
 
+def mpirun_hostfile(hosts: Hosts, tmp_path, train_args: Sequence[str], slots: int = 1,
+                    extra_hosts: Sequence[str] = ()) -> List[str]:
+    """mpirun --hostfile, started on host 0 (the head node: its daemons on the other hosts call back to
+    it), reaching the others through ssh; its out-of-band channel and gloo on the hosts' interface."""
+    hostfile = os.path.join(str(tmp_path), "mpi_hostfile")
+    with open(hostfile, "w") as f:
+        f.write("".join(f"{h} slots={slots}\n" for h in [*hosts.names, *extra_hosts]))
+    exports = " ".join(f"-x {k}={shlex.quote(v)}" for k, v in REMOTE_ENV.items())
+    mpirun = (f"mpirun --allow-run-as-root --hostfile {hostfile} -np {len(hosts.names) * slots} "
+              f"--mca plm_rsh_agent ssh --prtemca oob_tcp_if_include {IFNAME} {exports} "
+              f"{sys.executable} -m ds_seqpar.train {' '.join(map(shlex.quote, train_args))}")
+    return ["ssh", hosts.names[0], f"cd {shlex.quote(ROOT)} && {mpirun}"]
+
+
 def deepspeed_hostfile(hosts: Hosts, tmp_path, launcher: str, port: int, train_args: Sequence[str]) -> List[str]:
     """deepspeed --hostfile (``launcher`` pdsh or openmpi), run on this machine; the environment
     the ranks need goes in .deepspeed_env (DS_ENV_FILE), which DeepSpeed exports on every host."""
