@@ -4,7 +4,8 @@ surviving rank ends within the bound, naming the ranks and the host it lost, and
 non-zero (pdsh's exit code included). The killed job's checkpoint then resumes on the surviving host
 alone (half the ranks, through the universal checkpoint) and gives the loss the lost job logged for
 that step. Under torchrun --max-restarts a host's killed ranks are restarted with the others, from
-the latest checkpoint, and the steps after it are the uninterrupted run's."""
+the latest checkpoint, and the steps after it are the uninterrupted run's (a linear-attention LM under
+LASP)."""
 import os
 import re
 import signal
@@ -119,8 +120,10 @@ def test_killed_host_every_survivor_ends_naming_it_and_pdsh_fails(fresh, tmp_pat
 def test_torchrun_restarts_a_killed_host_from_the_latest_checkpoint(fresh, pool, tmp_path):
     hosts = fresh
     runs, saved = str(tmp_path / "runs"), str(tmp_path / "ckpt")
-    steps = ["--steps", "5", *jobs.TINY]
-    ds_json = jobs.ds_config(tmp_path, strategy="zigzag", size=4, timeout_s=TIMEOUT_S)
+    steps = ["--steps", "5", "--attention", "linear", *jobs.TINY]         # LASP across the hosts
+    # the restarted ranks of both hosts join within timeout_s of each other: on a loaded machine their
+    # imports alone can take longer than the 20 s the other tests detect faults in
+    ds_json = jobs.ds_config(tmp_path, strategy="lasp", size=4, timeout_s=STARTUP_S)
     cfg = ["--deepspeed_config", ds_json, *steps, "--run_dir", runs, "--save_dir", saved, "--save_interval", "1",
            "--resume"]
     job = jobs.Job([jobs.torchrun_on(hosts, node, 29624, cfg, max_restarts=1) for node in (0, 1)], hosts.env())

@@ -37,7 +37,8 @@ def test_hf_hybrid_ulysses_lasp_mpirun_hostfile_on_four_hosts_equals_one_host(fo
     finally:
         job.close()
     info = jobs.run_info(runs)
-    assert info["model"]["model_type"] == "bamba" and info["ds_config"]["sequence_parallel"]["linear_strategy"] == "lasp"
+    assert info["model"]["model_type"] == "bamba", info["model"]
+    assert info["ds_config"]["sequence_parallel"]["linear_strategy"] == "lasp", info["ds_config"]
     placed = [(h["host"], h["local_world_size"]) for h in info["hosts"]]
     assert placed == [(name, 1) for name in four.names], placed
     assert job.output.count("warning: sequence_parallel.size=4 puts all-to-all groups across hosts (ranks 0, 1, 2, "
