@@ -166,10 +166,11 @@ def goal_rows(variants: Dict[str, Dict[str, Any]]) -> List[Row]:
         for p in sorted({v["world"] for v in variants.values() if v["model"] == model}):
             on, off = variants.get(key(model, p, True)), variants.get(key(model, p, False))
             if on and off:
-                out.append(Row("memory", model, f"P={p}", FEATURES, "x", on["bytes_per_token"] / off["bytes_per_token"],
-                               target="memory.features_vs_plain"))
+                out.append(Row("memory", model, f"P={p}", FEATURES, "x",
+                               on["bytes_per_token"] / off["bytes_per_token"], target="memory.features_vs_plain"))
             if on:
-                out.append(Row("memory", model, f"P={p}", FLOOR, "x", on["floor_ratio"], target="memory.features_vs_floor"))
+                out.append(Row("memory", model, f"P={p}", FLOOR, "x", on["floor_ratio"],
+                               target="memory.features_vs_floor"))
         for features, tag in ((True, "with"), (False, "without")):
             one, two = variants.get(key(model, 1, features)), variants.get(key(model, 2, features))
             if not (one and two):
@@ -198,12 +199,13 @@ def rows(res: Dict[str, Any]) -> List[Row]:
         "x floor": v["bytes_per_token"] / fl, "phase": v["dominant_phase"],
         "static MiB": v["rows"][0]["resident_bytes"] / MIB, "longest tokens/rank": v["max_tokens_per_rank"],
         "longest sequence": v["max_seq_len"], "fit residual MiB": v["fit_max_residual"] / MIB}) for v, tag in tagged]
-    out += [Row("memory", v["model"], f"{tag}, {r['tokens_per_rank']} tokens/rank", POINTS, "MiB", r["peak_bytes"] / MIB,
-                detail={"static MiB": r["resident_bytes"] / MIB, "peak phase": r["peak_phase"],
-                        "fwd+bwd above static MiB": r["activation_bytes"] / MIB,
-                        "above static / token KiB": r["above_static_per_token"] / KIB,
-                        "marginal / token KiB": None if r["marginal_per_token"] is None else
-                        r["marginal_per_token"] / KIB, "step s": r["step_s"]})
+    out += [Row("memory", v["model"], f"{tag}, {r['tokens_per_rank']} tokens/rank", POINTS, "MiB",
+                r["peak_bytes"] / MIB, detail={
+                    "static MiB": r["resident_bytes"] / MIB, "peak phase": r["peak_phase"],
+                    "fwd+bwd above static MiB": r["activation_bytes"] / MIB,
+                    "above static / token KiB": r["above_static_per_token"] / KIB,
+                    "marginal / token KiB": None if r["marginal_per_token"] is None else r["marginal_per_token"] / KIB,
+                    "step s": r["step_s"]})
             for v, tag in tagged for r in v["rows"]]
     return out + [Row("memory", v["model"], tag, PHASES, "KiB", v["bytes_per_token"] / KIB,
                       detail={p: m["b"] / KIB for p, m in v["phase_model"].items()}) for v, tag in tagged]
