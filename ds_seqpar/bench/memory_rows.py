@@ -4,15 +4,10 @@ recompute's implied step time, held against their goals; the facts and the plots
 (meta, measurements, timing, host, elapsed_s) rides in the rows file's facts: --render re-derives
 the page and plots from it, --resume continues it, plan --calibrate reads its meta.
 
-A step's peak is the largest of its phases' peaks (forward, loss backward, layers backward, end of
-backward, optimizer step). Each phase's peak is affine in the tokens per rank N: a fixed part
-(weights, gradient buffers, optimizer state, runtime, fixed-size buffers such as one chunk of logits)
-plus bytes per token times N. Fitting every phase over the measured lengths gives
-
-    peak(N) = max_phase (a_phase + b_phase * N)
-
-whose largest slope is the step's bytes per token per rank at long sequence, and whose inverse at a
-budget is the longest sequence that fits.
+A step's peak is the largest of its phases' peaks, each affine in the tokens per rank N (a fixed part:
+weights, gradients, optimizer state, fixed-size chunks; plus bytes per token times N), so the fit
+peak(N) = max_phase (a_phase + b_phase N) over the measured lengths (cost/memory.py's phase form) gives
+the bytes per token at long sequence (its largest slope) and the longest sequence in a budget (its inverse).
 """
 from __future__ import annotations
 
@@ -23,7 +18,7 @@ from typing import Any, Dict, List
 from ..cost.memory import max_tokens, peak as predict_peak, phase_model
 from ..report.plotting import line_figure
 from ..report.rows import Row
-from .harness import write_page
+from .harness import median_ratio, ratio_range, write_page
 
 PROG = "ds-seqpar bench memory"
 KIB, MIB, GIB = 1024, 2 ** 20, 2 ** 30
@@ -146,15 +141,12 @@ def implied_ratio(meta: Dict[str, Any], world: int, tokens_per_rank: int) -> flo
 def timing_rows(timing: Dict[str, Dict[str, Any]], meta: Dict[str, Any]) -> List[Row]:
     """Per (model, P): step seconds with / without the features per round (median, min-max) against the
     ratio the recompute implies (step_macs_per_token)."""
-    out = []
-    for k, t in sorted(timing.items()):
-        ratios = [on / off for on, off in zip(t["on_s"], t["off_s"])]
-        out.append(Row("memory", "step", f"{k}, {t['tokens_per_rank']} tokens/rank", TIMING, "x",
-                       statistics.median(ratios), (min(ratios), max(ratios)), target="memory.time_vs_implied",
-                       predicted=implied_ratio(meta, int(k.rsplit("/P", 1)[1]), t["tokens_per_rank"]), detail={
-                           "without s": statistics.median(t["off_s"]), "with s": statistics.median(t["on_s"]),
-                           "rounds": len(ratios)}))
-    return out
+    return [Row("memory", "step", f"{k}, {t['tokens_per_rank']} tokens/rank", TIMING, "x",
+                median_ratio(t["on_s"], t["off_s"]), ratio_range(t["on_s"], t["off_s"]),
+                predicted=implied_ratio(meta, int(k.rsplit("/P", 1)[1]), t["tokens_per_rank"]),
+                target="memory.time_vs_implied", detail={
+                    "without s": statistics.median(t["off_s"]), "with s": statistics.median(t["on_s"]),
+                    "rounds": len(t["on_s"])}) for k, t in sorted(timing.items())]
 
 
 def goal_rows(variants: Dict[str, Dict[str, Any]]) -> List[Row]:
@@ -230,10 +222,9 @@ def facts(res: Dict[str, Any]) -> Dict[str, Any]:
                  f"slope; the longest sequence in the budget ({m['budget_bytes'] / GIB:.2f} GiB per rank) solves "
                  f"peak(N) = budget. Floor = layers x hidden x 4 B = {floor(m) / KIB:.0f} KiB per token.",
         "command": m["command"],
-        "machine": f"{host.get('cpu_model', '?')}, {host.get('cpus', '?')} cores (shared); torch "
-                   f"{host.get('torch', '?')}, deepspeed {host.get('deepspeed', '?')}; whole run "
-                   f"{res.get('elapsed_s', 0) / 60:.0f} min. Memory high-water marks do not depend on the load; step "
-                   f"times do.",
+        "machine": f"{host['cpu_model']}, {host['cpus']} cores (shared); torch {host['torch']}, deepspeed "
+                   f"{host['deepspeed']}; whole run {res['elapsed_s'] / 60:.0f} min. Memory high-water marks do not "
+                   f"depend on the load; step times do.",
         "metrics": {
             TIMING: "Both variants alternate round by round in the same processes; per round the median of its steps, "
                     "the slowest rank's. Implied: the ratio of the step's matmul multiply-accumulates with and without "
