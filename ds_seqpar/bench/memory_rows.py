@@ -1,18 +1,13 @@
-"""The memory suite's results (bench/memory.py) as rows: the arithmetic from measured peaks to bytes per
-token, the phase model of a step's peak (cost/'s fit), the longest sequence in a budget, the
-per-strategy comparison and the recompute's implied step time; then the goals (features against the
-plain step and the floor, P=2 against P=1, every strategy against P=1, the features' step time against
-the recompute), every variant, measurement and phase, the facts around them and the plots.
+"""The memory suite's points (bench/memory.py) as rows: bytes per token, the phase model of a step's
+peak (cost/memory.py's fit), the longest sequence in a budget, the per-strategy comparison and the
+recompute's implied step time, held against their goals; the facts and the plots. The run's record
+(meta, measurements, timing, host, elapsed_s) rides in the rows file's facts: --render re-derives
+the page and plots from it, --resume continues it, plan --calibrate reads its meta.
 
-A step's peak is the largest of its phases' peaks (forward, loss backward, layers backward, end of
-backward, optimizer step). Each phase's peak is affine in the tokens per rank N: a fixed part
-(weights, gradient buffers, optimizer state, runtime, fixed-size buffers such as one chunk of logits)
-plus bytes per token times N. Fitting every phase over the measured lengths gives
-
-    peak(N) = max_phase (a_phase + b_phase * N)
-
-whose largest slope is the step's bytes per token per rank at long sequence, and whose inverse at a
-budget is the longest sequence that fits.
+A step's peak is the largest of its phases' peaks, each affine in the tokens per rank N (a fixed part:
+weights, gradients, optimizer state, fixed-size chunks; plus bytes per token times N), so the fit
+peak(N) = max_phase (a_phase + b_phase N) over the measured lengths (cost/memory.py's phase form) gives
+the bytes per token at long sequence (its largest slope) and the longest sequence in a budget (its inverse).
 """
 from __future__ import annotations
 
@@ -20,15 +15,33 @@ import os
 import statistics
 from typing import Any, Dict, List
 
-from ..cost.memory import max_tokens, phase_model, peak as predict_peak
+from ..cost.memory import max_tokens, peak as predict_peak, phase_model
 from ..report.plotting import line_figure
 from ..report.rows import Row
+from .harness import median_ratio, ratio_range, write_page
 
+PROG = "ds-seqpar bench memory"
 KIB, MIB, GIB = 1024, 2 ** 20, 2 ** 30
+FEATURES = "Bytes per token per rank: with the features / without"
+FLOOR = "Bytes per token per rank with the features / the floor (layers x hidden x 4 B)"
+PEAK = "Step peak per rank, P=2 / P=1 at equal tokens per rank"
+ABOVE = "Forward+backward peak above static, P=2 / P=1 at equal tokens per rank"
+LONGEST = "Longest sequence in the budget with the features, P=2 / P=1"
+STRATEGIES = "Every strategy: the whole step's peak above static at P ranks / one rank's, equal tokens per rank"
+TWO_POINT = "Why a two-point figure misleads (zigzag): (peak at N - peak at a short length) / (N - short), KiB"
+VARIANTS = "Bytes per token per rank (KiB, the largest phase slope) and the longest sequence"
+POINTS = "Every measurement: peak per rank of the whole step (MiB)"
+PHASES = "Bytes per token of each phase (KiB, fitted slope)"
+TIMING = "Step time at a short sequence: with / without the features (predicted: the recompute's implied ratio)"
 
 
 def key(model: str, world: int, features: bool) -> str:
     return f"{model}/P{world}/{'on' if features else 'off'}"
+
+
+def floor(meta: Dict[str, Any]) -> int:
+    """The checkpointed residual stream's bytes per token: layers x hidden x 4 B."""
+    return meta["layers"] * meta["hidden"] * 4
 
 
 def summarize_variant(points: List[Dict[str, Any]], floor: int, budget: float, world: int) -> Dict[str, Any]:
@@ -36,18 +49,15 @@ def summarize_variant(points: List[Dict[str, Any]], floor: int, budget: float, w
     points = sorted(points, key=lambda p: p["tokens_per_rank"])
     model = phase_model(points)
     dominant = max(model, key=lambda p: model[p]["b"])
-    rows, prev = [], None
-    for pt in points:
-        n, peak = pt["tokens_per_rank"], pt["peak_bytes"]
-        activation = max(v for p, v in pt["phase_peak_bytes"].items() if p != "optimizer") - pt["resident_bytes"]
-        row = {"tokens_per_rank": n, "resident_bytes": pt["resident_bytes"], "peak_bytes": peak,
-               "activation_bytes": activation,
-               "above_static_per_token": (peak - pt["resident_bytes"]) / n,
-               "peak_phase": max(pt["phase_peak_bytes"], key=pt["phase_peak_bytes"].get),
-               "marginal_per_token": None if prev is None else (peak - prev[1]) / (n - prev[0]),
-               "step_s": pt["step_s"][-1]}
-        rows.append(row)
-        prev = (n, peak)
+    rows = []
+    for i, pt in enumerate(points):
+        n, peak, static, phases = pt["tokens_per_rank"], pt["peak_bytes"], pt["resident_bytes"], pt["phase_peak_bytes"]
+        prev = points[i - 1] if i else None
+        rows.append({"tokens_per_rank": n, "resident_bytes": static, "peak_bytes": peak,
+                     "activation_bytes": max(v for p, v in phases.items() if p != "optimizer") - static,
+                     "above_static_per_token": (peak - static) / n, "peak_phase": max(phases, key=phases.get),
+                     "marginal_per_token": None if prev is None else
+                     (peak - prev["peak_bytes"]) / (n - prev["tokens_per_rank"]), "step_s": pt["step_s"][-1]})
     n_max = max_tokens(model, budget, unbounded=-1)
     return {"rows": rows, "phase_model": model, "bytes_per_token": model[dominant]["b"], "dominant_phase": dominant,
             "floor_ratio": model[dominant]["b"] / floor,
@@ -56,14 +66,17 @@ def summarize_variant(points: List[Dict[str, Any]], floor: int, budget: float, w
 
 
 def summarize(measurements: List[Dict[str, Any]], floor: int, budget: float) -> Dict[str, Dict[str, Any]]:
+    """{key: summarize_variant and its model, world, features} of the scaling points, by variant."""
     groups: Dict[str, List[Dict[str, Any]]] = {}
     for m in measurements:
         groups.setdefault(key(m["model"], m["world"], m["features"]), []).append(m)
-    out = {}
-    for k, pts in sorted(groups.items()):
-        out[k] = summarize_variant(pts, floor, budget, pts[0]["world"])
-        out[k].update(model=pts[0]["model"], world=pts[0]["world"], features=pts[0]["features"])
-    return out
+    return {k: dict(summarize_variant(pts, floor, budget, pts[0]["world"]), model=pts[0]["model"],
+                    world=pts[0]["world"], features=pts[0]["features"]) for k, pts in sorted(groups.items())}
+
+
+def variants(res: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    scaling = [m for m in res["measurements"] if m.get("purpose", "scaling") == "scaling"]
+    return summarize(scaling, floor(res["meta"]), res["meta"]["budget_bytes"])
 
 
 def strategy_rows(measurements: List[Dict[str, Any]]) -> List[Row]:
@@ -71,33 +84,33 @@ def strategy_rows(measurements: List[Dict[str, Any]]) -> List[Row]:
     (largest rank), phase by phase, over P=1's at the same tokens per rank; and per P the two-point
     figure (peak at N - peak at a short length) / (N - short), which the optimizer step's fixed
     transient distorts (it holds the short run's peak, more so at P=1 where ZeRO shards nothing)."""
-    if not measurements:
-        return []
-    short = min(m["tokens_per_rank"] for m in measurements)
-    long_runs = [m for m in measurements if m["tokens_per_rank"] > short]
+    short = min((m["tokens_per_rank"] for m in measurements), default=0)
+    long_runs = sorted((m for m in measurements if m["tokens_per_rank"] > short),
+                       key=lambda m: (m["world"], -m["tokens_per_rank"], m["strategy"]))
     one, out = {m["tokens_per_rank"]: m for m in long_runs if m["world"] == 1}, []
-    for m in sorted(long_runs, key=lambda m: (m["world"], -m["tokens_per_rank"], m["strategy"])):
-        base, above = one.get(m["tokens_per_rank"]), m["phase_above_static_bytes"]
-        name = m["strategy"] if m.get("ulysses_size", 1) == 1 else f"hybrid ({m['strategy']} x Ulysses {m['ulysses_size']})"
-        target = {2: "memory.strategy_p2", 4: "memory.strategy_p4"}.get(m["world"]) if base else None
-        out.append(Row("memory", name if m["world"] > 1 else "(none: P=1)", f"P={m['world']}, {m['tokens_per_rank']} "
-                       "tokens/rank", STRATEGIES, "x", m["above_static_bytes"] / base["above_static_bytes"] if base else
-                       None, target=target, detail=dict(
-                           {"static MiB": m["resident_bytes"] / MIB, "peak MiB": m["peak_bytes"] / MIB,
-                            "above static MiB": m["above_static_bytes"] / MIB, "peak phase": max(above, key=above.get)},
-                           **{f"{p} MiB": b / MIB for p, b in above.items()})))
+    for m in long_runs:
+        base, above, u = one.get(m["tokens_per_rank"]), m["phase_above_static_bytes"], m.get("ulysses_size", 1)
+        case = m["strategy"] if u == 1 else f"hybrid ({m['strategy']} x Ulysses {u})"
+        out.append(Row("memory", case if m["world"] > 1 else "(none: P=1)",
+                       f"P={m['world']}, {m['tokens_per_rank']} tokens/rank", STRATEGIES, "x",
+                       m["above_static_bytes"] / base["above_static_bytes"] if base else None,
+                       target={2: "memory.strategy_p2", 4: "memory.strategy_p4"}.get(m["world"]) if base else None,
+                       detail=dict({"static MiB": m["resident_bytes"] / MIB, "peak MiB": m["peak_bytes"] / MIB,
+                                    "above static MiB": m["above_static_bytes"] / MIB,
+                                    "peak phase": max(above, key=above.get)},
+                                   **{f"{p} MiB": b / MIB for p, b in above.items()})))
     for world in sorted({m["world"] for m in measurements}):
         pts = sorted((m for m in measurements if m["world"] == world and m["strategy"] == "zigzag"
                       and m.get("ulysses_size", 1) == 1), key=lambda m: m["tokens_per_rank"])
-        if len(pts) >= 2 and pts[0]["tokens_per_rank"] == short:
-            lo, hi = pts[0], pts[-1]
-            n = hi["tokens_per_rank"]
-            out.append(Row("memory", f"P={world}", f"{short} -> {n} tokens/rank", TWO_POINT, "KiB",
-                           (hi["peak_bytes"] - lo["peak_bytes"]) / (n - short) / KIB, detail={
-                               "peak at short MiB": lo["peak_bytes"] / MIB,
-                               "its phase": max(lo["phase_peak_bytes"], key=lo["phase_peak_bytes"].get),
-                               "peak MiB": hi["peak_bytes"] / MIB, "above static / token KiB":
-                               hi["above_static_bytes"] / n / KIB}))
+        if len(pts) < 2 or pts[0]["tokens_per_rank"] != short:
+            continue
+        lo, hi, n = pts[0], pts[-1], pts[-1]["tokens_per_rank"]
+        out.append(Row("memory", f"P={world}", f"{short} -> {n} tokens/rank", TWO_POINT, "KiB",
+                       (hi["peak_bytes"] - lo["peak_bytes"]) / (n - short) / KIB, detail={
+                           "peak at short MiB": lo["peak_bytes"] / MIB,
+                           "its phase": max(lo["phase_peak_bytes"], key=lo["phase_peak_bytes"].get),
+                           "peak MiB": hi["peak_bytes"] / MIB,
+                           "above static / token KiB": hi["above_static_bytes"] / n / KIB}))
     return out
 
 
@@ -125,56 +138,42 @@ def implied_ratio(meta: Dict[str, Any], world: int, tokens_per_rank: int) -> flo
             / step_macs_per_token(meta, world, tokens_per_rank, False))
 
 
-FEATURES = "Bytes per token per rank: with the features / without"
-FLOOR = "Bytes per token per rank with the features / the floor (layers x hidden x 4 B)"
-PEAK = "Step peak per rank, P=2 / P=1 at equal tokens per rank"
-ABOVE = "Forward+backward peak above static, P=2 / P=1 at equal tokens per rank"
-LONGEST = "Longest sequence in the budget with the features, P=2 / P=1"
-STRATEGIES = "Every strategy: the whole step's peak above static at P ranks / one rank's, equal tokens per rank"
-TWO_POINT = "Why a two-point figure misleads (zigzag): (peak at N - peak at a short length) / (N - short), KiB"
-VARIANTS = "Bytes per token per rank (KiB, the largest phase slope) and the longest sequence"
-POINTS = "Every measurement: peak per rank of the whole step (MiB)"
-PHASES = "Bytes per token of each phase (KiB, fitted slope)"
-TIMING = "Step time at a short sequence: with / without the features (predicted: the recompute's implied ratio)"
-
-
 def timing_rows(timing: Dict[str, Dict[str, Any]], meta: Dict[str, Any]) -> List[Row]:
     """Per (model, P): step seconds with / without the features per round (median, min-max) against the
     ratio the recompute implies (step_macs_per_token)."""
-    out = []
-    for k, t in sorted(timing.items()):
-        ratios = [on / off for on, off in zip(t["on_s"], t["off_s"])]
-        out.append(Row("memory", "step", f"{k}, {t['tokens_per_rank']} tokens/rank", TIMING, "x",
-                       statistics.median(ratios), (min(ratios), max(ratios)), target="memory.time_vs_implied",
-                       predicted=implied_ratio(meta, int(k.rsplit("/P", 1)[1]), t["tokens_per_rank"]), detail={
-                           "without s": statistics.median(t["off_s"]), "with s": statistics.median(t["on_s"]),
-                           "rounds": len(ratios)}))
-    return out
+    return [Row("memory", "step", f"{k}, {t['tokens_per_rank']} tokens/rank", TIMING, "x",
+                median_ratio(t["on_s"], t["off_s"]), ratio_range(t["on_s"], t["off_s"]),
+                predicted=implied_ratio(meta, int(k.rsplit("/P", 1)[1]), t["tokens_per_rank"]),
+                target="memory.time_vs_implied", detail={
+                    "without s": statistics.median(t["off_s"]), "with s": statistics.median(t["on_s"]),
+                    "rounds": len(t["on_s"])}) for k, t in sorted(timing.items())]
 
 
 def goal_rows(variants: Dict[str, Dict[str, Any]]) -> List[Row]:
+    """Per model: the features against the plain step and the floor at each P; then, with and without
+    them, P=2 against P=1 at equal tokens per rank (the step's peak, and what the tokens cost without
+    the static part, which ZeRO shards over P) and the longest sequence in the budget."""
     out = []
     for model in sorted({v["model"] for v in variants.values()}):
         for p in sorted({v["world"] for v in variants.values() if v["model"] == model}):
             on, off = variants.get(key(model, p, True)), variants.get(key(model, p, False))
             if on and off:
-                out.append(Row("memory", model, f"P={p}", FEATURES, "x", on["bytes_per_token"] / off["bytes_per_token"],
-                               target="memory.features_vs_plain"))
+                out.append(Row("memory", model, f"P={p}", FEATURES, "x",
+                               on["bytes_per_token"] / off["bytes_per_token"], target="memory.features_vs_plain"))
             if on:
-                out.append(Row("memory", model, f"P={p}", FLOOR, "x", on["floor_ratio"], target="memory.features_vs_floor"))
-        for features in (True, False):
+                out.append(Row("memory", model, f"P={p}", FLOOR, "x", on["floor_ratio"],
+                               target="memory.features_vs_floor"))
+        for features, tag in ((True, "with"), (False, "without")):
             one, two = variants.get(key(model, 1, features)), variants.get(key(model, 2, features))
             if not (one and two):
                 continue
             at = {r["tokens_per_rank"]: r for r in one["rows"]}
-            tag = "with" if features else "without"
-            for r2 in (r for r in two["rows"] if r["tokens_per_rank"] in at):
-                r1, n = at[r2["tokens_per_rank"]], r2["tokens_per_rank"]
-                out.append(Row("memory", model, f"{tag} features, {n} tokens/rank", PEAK, "x",
-                               r2["peak_bytes"] / r1["peak_bytes"], target="memory.peak_p2_vs_p1"))
-                # what the tokens cost, without the static part (ZeRO shards the optimizer over P)
-                out.append(Row("memory", model, f"{tag} features, {n} tokens/rank", ABOVE, "x",
-                               r2["activation_bytes"] / r1["activation_bytes"], target="memory.p2_vs_p1"))
+            for r2, r1 in ((r, at[r["tokens_per_rank"]]) for r in two["rows"] if r["tokens_per_rank"] in at):
+                variant = f"{tag} features, {r2['tokens_per_rank']} tokens/rank"
+                out += [Row("memory", model, variant, PEAK, "x", r2["peak_bytes"] / r1["peak_bytes"],
+                            target="memory.peak_p2_vs_p1"),
+                        Row("memory", model, variant, ABOVE, "x", r2["activation_bytes"] / r1["activation_bytes"],
+                            target="memory.p2_vs_p1")]
             if features and one["max_seq_len"] and two["max_seq_len"]:
                 out.append(Row("memory", model, "with features", LONGEST, "x", two["max_seq_len"] / one["max_seq_len"],
                                target="memory.max_seq"))
@@ -182,36 +181,34 @@ def goal_rows(variants: Dict[str, Dict[str, Any]]) -> List[Row]:
 
 
 def rows(res: Dict[str, Any]) -> List[Row]:
-    variants, floor = res["variants"], res["meta"]["layers"] * res["meta"]["hidden"] * 4
-    out = goal_rows(variants) + strategy_rows([m for m in res["measurements"] if m.get("purpose") == "strategies"])
+    """The page's rows: the goals, the per-strategy comparison, the step time, then every variant's
+    slope and longest sequence, its points and its phases' slopes."""
+    found, fl = variants(res), floor(res["meta"])
+    out = goal_rows(found) + strategy_rows([m for m in res["measurements"] if m.get("purpose") == "strategies"])
     out += timing_rows(res.get("timing") or {}, res["meta"])
-    for v in variants.values():
-        label = f"P={v['world']} {'on' if v['features'] else 'off'}"
-        out.append(Row("memory", v["model"], label, VARIANTS, "KiB", v["bytes_per_token"] / KIB, detail={
-            "x floor": v["bytes_per_token"] / floor, "phase": v["dominant_phase"],
-            "static MiB": v["rows"][0]["resident_bytes"] / MIB, "longest tokens/rank": v["max_tokens_per_rank"],
-            "longest sequence": v["max_seq_len"], "fit residual MiB": v["fit_max_residual"] / MIB}))
-    for v in variants.values():
-        label = f"P={v['world']} {'on' if v['features'] else 'off'}"
-        out += [Row("memory", v["model"], f"{label}, {r['tokens_per_rank']} tokens/rank", POINTS, "MiB",
-                    r["peak_bytes"] / MIB, detail={
-                        "static MiB": r["resident_bytes"] / MIB, "peak phase": r["peak_phase"],
-                        "fwd+bwd above static MiB": r["activation_bytes"] / MIB,
-                        "above static / token KiB": r["above_static_per_token"] / KIB,
-                        "marginal / token KiB": None if r["marginal_per_token"] is None else r["marginal_per_token"] / KIB,
-                        "step s": r["step_s"]}) for r in v["rows"]]
-    out += [Row("memory", v["model"], f"P={v['world']} {'on' if v['features'] else 'off'}", PHASES, "KiB",
-                v["bytes_per_token"] / KIB, detail={p: m["b"] / KIB for p, m in v["phase_model"].items()})
-            for v in variants.values()]
-    return out
+    tagged = [(v, f"P={v['world']} {'on' if v['features'] else 'off'}") for v in found.values()]
+    out += [Row("memory", v["model"], tag, VARIANTS, "KiB", v["bytes_per_token"] / KIB, detail={
+        "x floor": v["bytes_per_token"] / fl, "phase": v["dominant_phase"],
+        "static MiB": v["rows"][0]["resident_bytes"] / MIB, "longest tokens/rank": v["max_tokens_per_rank"],
+        "longest sequence": v["max_seq_len"], "fit residual MiB": v["fit_max_residual"] / MIB}) for v, tag in tagged]
+    out += [Row("memory", v["model"], f"{tag}, {r['tokens_per_rank']} tokens/rank", POINTS, "MiB",
+                r["peak_bytes"] / MIB, detail={
+                    "static MiB": r["resident_bytes"] / MIB, "peak phase": r["peak_phase"],
+                    "fwd+bwd above static MiB": r["activation_bytes"] / MIB,
+                    "above static / token KiB": r["above_static_per_token"] / KIB,
+                    "marginal / token KiB": None if r["marginal_per_token"] is None else r["marginal_per_token"] / KIB,
+                    "step s": r["step_s"]})
+            for v, tag in tagged for r in v["rows"]]
+    return out + [Row("memory", v["model"], tag, PHASES, "KiB", v["bytes_per_token"] / KIB,
+                      detail={p: m["b"] / KIB for p, m in v["phase_model"].items()}) for v, tag in tagged]
 
 
 def facts(res: Dict[str, Any]) -> Dict[str, Any]:
-    m, mach = res["meta"], res.get("machine", {})
-    floor = m["layers"] * m["hidden"] * 4
+    """The page's facts around the run's record (which they carry: plan --calibrate reads its meta)."""
+    m, host = res["meta"], res["host"]
     malloc = ("glibc malloc with MALLOC_MMAP_THRESHOLD_=65536 (the resident set follows live tensors)"
               if m["malloc"] == "mmap" else "glibc malloc defaults")
-    return {
+    return dict(res, **{
         "title": f"Memory of a training step per rank: `{m['name']}`",
         "setup": f"Model: vocab {m['vocab']}, hidden {m['hidden']}, {m['layers']} layers, {m['heads']} heads "
                  f"({m['kv_heads']} k/v), MLP {m['intermediate']}; `llama` = Hugging Face LlamaForCausalLM from a "
@@ -222,47 +219,49 @@ def facts(res: Dict[str, Any]) -> Dict[str, Any]:
                  f"process's resident high-water mark (VmHWM), reset per phase (data, forward, loss backward, layers "
                  f"backward, end of backward, optimizer step); allocator: {malloc}. *Static* = the resident set just "
                  f"before the step. Each phase's peak is affine in the tokens per rank N; bytes/token = the largest "
-                 f"slope; the longest sequence in the budget ({m['budget_bytes'] / 2 ** 30:.2f} GiB per rank) solves "
-                 f"peak(N) = budget. Floor = layers x hidden x 4 B = {floor / KIB:.0f} KiB per token.",
-        "command": m["command"], "notes": "; ".join(res.get("skipped") or []) and
-        "Not measured: " + "; ".join(res["skipped"]),
-        "machine": f"{mach.get('cpu_model', '?')}, {mach.get('cpus', '?')} cores (shared); torch "
-                   f"{mach.get('torch', '?')}, deepspeed {mach.get('deepspeed', '?')}; whole run "
-                   f"{res.get('elapsed_s', 0) / 60:.0f} min. Memory high-water marks do not depend on the load; step "
-                   f"times do.",
+                 f"slope; the longest sequence in the budget ({m['budget_bytes'] / GIB:.2f} GiB per rank) solves "
+                 f"peak(N) = budget. Floor = layers x hidden x 4 B = {floor(m) / KIB:.0f} KiB per token.",
+        "command": m["command"],
+        "machine": f"{host['cpu_model']}, {host['cpus']} cores (shared); torch {host['torch']}, deepspeed "
+                   f"{host['deepspeed']}; whole run {res['elapsed_s'] / 60:.0f} min. Memory high-water marks do not "
+                   f"depend on the load; step times do.",
         "metrics": {
             TIMING: "Both variants alternate round by round in the same processes; per round the median of its steps, "
                     "the slowest rank's. Implied: the ratio of the step's matmul multiply-accumulates with and without "
                     "the features (the recompute), elementwise work not counted.",
             POINTS: "above static per token = (peak - static) / N; marginal = the peak's rise per token from the "
                     "previous length; fwd+bwd above static = the highest forward or backward phase minus static."},
-        "images": [(p, f"{m['name']}/{p}.png") for p in ("bytes_per_token", "peak_per_rank") if res["variants"]]}
+        "images": [(p, f"{m['name']}/{p}.png") for p in ("bytes_per_token", "peak_per_rank") if variants(res)]})
 
 
 def write_plots(res: Dict[str, Any], out: str) -> None:
     """<out>/<name>/bytes_per_token.png and peak_per_rank.png: per variant the measured points and the
-    phase model's line out to the budget; the floor and the budget drawn."""
-    m, variants = res["meta"], res["variants"].values()
-    if not variants:
-        return
-    floor, per_token, peak = m["layers"] * m["hidden"] * 4, [], []
-    for v in variants:
+    phase model's line out to the longest sequence in the budget; the floor and the budget drawn."""
+    m, fl, per_token, peak = res["meta"], floor(res["meta"]), [], []
+    for v in variants(res).values():
         label = f"{v['model']} P={v['world']} {'with' if v['features'] else 'without'}"
-        static = v["rows"][0]["resident_bytes"]
-        xs = [r["tokens_per_rank"] for r in v["rows"]]
+        static, xs = v["rows"][0]["resident_bytes"], [r["tokens_per_rank"] for r in v["rows"]]
         top = max(xs + [v["max_tokens_per_rank"]])
         grid = [min(xs) * (top / min(xs)) ** (i / 60) for i in range(61)]
+        lines = [(n, predict_peak(v["phase_model"], n)) for n in grid]
         per_token += [(label, n, r["above_static_per_token"] / KIB, None) for n, r in zip(xs, v["rows"])]
-        per_token += [(f"{label}: phase model", n, (predict_peak(v["phase_model"], n) - static) / n / KIB, None)
-                      for n in grid]
+        per_token += [(f"{label}: phase model", n, (b - static) / n / KIB, None) for n, b in lines]
         peak += [(label, n, r["peak_bytes"] / MIB, None) for n, r in zip(xs, v["rows"])]
-        peak += [(f"{label}: phase model", n, predict_peak(v["phase_model"], n) / MIB, None) for n in grid]
+        peak += [(f"{label}: phase model", n, b / MIB, None) for n, b in lines]
+    if not peak:
+        return
     folder = os.path.join(out, m["name"])
     os.makedirs(folder, exist_ok=True)
-    line_figure(per_token, [(f"floor layers x hidden x 4 B = {floor / KIB:g} KiB", floor / KIB),
-                            ("3 x floor", 3 * floor / KIB)], os.path.join(folder, "bytes_per_token.png"),
-                "KiB per token per rank above static", "Bytes per token: points measured, lines = phase model up "
-                "to the budget", log_y=True, xlabel="tokens per rank")
+    line_figure(per_token, [(f"floor layers x hidden x 4 B = {fl / KIB:g} KiB", fl / KIB), ("3 x floor", 3 * fl / KIB)],
+                os.path.join(folder, "bytes_per_token.png"), "KiB per token per rank above static",
+                "Bytes per token: points measured, lines = phase model up to the budget", log_y=True,
+                xlabel="tokens per rank")
     line_figure(peak, [(f"budget {m['budget_bytes'] / GIB:.2f} GiB", m["budget_bytes"] / MIB)],
-                os.path.join(folder, "peak_per_rank.png"), "peak MiB per rank (whole step)", "Peak memory per rank: "
-                "measured points, phase model lines", xlabel="tokens per rank")
+                os.path.join(folder, "peak_per_rank.png"), "peak MiB per rank (whole step)",
+                "Peak memory per rank: measured points, phase model lines", xlabel="tokens per rank")
+
+
+def finish(res: Dict[str, Any], out: str) -> None:
+    """The plots, then <out>/<name>.md and .rows.json: the rows, and the facts with the record in them."""
+    write_plots(res, out)
+    write_page(out, res["meta"]["name"], rows(res), facts(res), PROG)

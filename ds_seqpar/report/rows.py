@@ -9,6 +9,7 @@ rank (bytes sent, CPU seconds): the renderer writes those "a / b".
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -39,9 +40,11 @@ class Row:
 
 
 def save_rows(path: str, rows: Sequence[Row], facts: Dict[str, Any]) -> None:
-    """``{"facts": ..., "rows": [...]}``: the run's facts (command, machine, load) and its rows."""
-    with open(path, "w") as f:
+    """``{"facts": ..., "rows": [...]}``: the run's facts (command, machine, load) and its rows; written
+    whole or not at all (a suite that rewrites it after every point keeps its points if stopped mid-write)."""
+    with open(path + ".tmp", "w") as f:
         json.dump({"facts": facts, "rows": [asdict(r) for r in rows]}, f, indent=1, default=str)
+    os.replace(path + ".tmp", path)
 
 
 def load_rows(path: str) -> Tuple[List[Row], Dict[str, Any]]:

@@ -139,15 +139,15 @@ def test_every_committed_suite_page_is_its_rows_rendered(name):
 @pytest.mark.parametrize("suite,name", [("packed", "packed_cpu"), ("window", "window_cpu"), ("hybrid", "hybrid_cpu"),
                                         ("trainer", "hf_trainer_cpu"), ("memory", "memory_cpu")])
 def test_render_rewrites_a_saved_report_unchanged(suite, name, tmp_path, capsys):
-    """``ds-seqpar bench SUITE --render NAME.rows.json`` (memory: its measurements file NAME.json): the page
-    and the rows written beside it are the committed ones, byte for byte (the saved file is read, then
-    written back)."""
+    """``ds-seqpar bench SUITE --render NAME.rows.json`` (memory: re-derived from the points in its facts):
+    the page and the rows written beside it are the committed ones, byte for byte (the saved file is read,
+    then written back)."""
     import shutil
     from ds_seqpar.bench.main import main
-    saved = f"{name}.json" if suite == "memory" else f"{name}.rows.json"
+    saved = f"{name}.rows.json"
     shutil.copy(os.path.join(REPORTS, saved), tmp_path)
     assert main([suite, "--render", str(tmp_path / saved)]) == 0
-    for ext in ((".json",) if suite == "memory" else ()) + (".md", ".rows.json"):
+    for ext in (".md", ".rows.json"):
         with open(os.path.join(REPORTS, name + ext)) as want, open(tmp_path / (name + ext)) as got:
             assert got.read() == want.read(), f"{suite} --render: {name}{ext} differs from the committed one"
 

@@ -1,6 +1,6 @@
 """``ds-seqpar bench memory``: the phase model's arithmetic and its rows' goals (no ranks), one measured
 step on the session pool (every phase reported, the features leave the loss unchanged), and the
-committed report re-rendered from its JSON."""
+committed report re-derived from the points its rows file carries."""
 import json
 import os
 
@@ -151,13 +151,41 @@ def test_measured_step_reports_every_phase_and_features_keep_the_loss(pool):
 
 
 def test_committed_report_renders_from_its_json(tmp_path):
-    path = os.path.join(REPORTS, "memory_cpu.json")
+    path = os.path.join(REPORTS, "memory_cpu.rows.json")
     if not os.path.exists(path):
-        pytest.skip("reports/memory_cpu.json not generated yet")
+        pytest.skip("reports/memory_cpu.rows.json not generated yet")
     from ds_seqpar.bench.memory_rows import facts, rows
     from ds_seqpar.report.render import render
-    with open(path) as f:
-        res = json.load(f)
+    from ds_seqpar.report.rows import load_rows
+    res = load_rows(path)[1]                        # the run's record rides in the rows file's facts
     with open(os.path.join(REPORTS, "memory_cpu.md")) as f:
         committed = f.read()
     assert render(rows(res), facts(res)) == committed, "reports/memory_cpu.md differs from its JSON's rendering"
+
+
+def test_resume_measures_only_the_points_its_rows_file_lacks(tmp_path, monkeypatch):
+    """--resume on the committed rows file with the flags of its last command: every point is there,
+    so no rank starts and the page is rewritten; one more length asks for that one point alone."""
+    import shutil
+    from ds_seqpar.bench import memory as M
+    from ds_seqpar.report.rows import load_rows
+    shutil.copy(os.path.join(REPORTS, "memory_cpu.rows.json"), tmp_path)
+    asked = []
+
+    class Stopped(Exception):
+        """A run stopped while measuring."""
+
+    def measure_one(spec, malloc):
+        asked.append(spec)
+        raise Stopped
+
+    monkeypatch.setattr(M, "measure_one", measure_one)
+    monkeypatch.setattr(R, "write_plots", lambda res, out: None)     # the page's figures: not what is tested
+    flags = ["--models", "llama", "--P", "4", "--off-tokens", "1024,2048", "--timing-tokens", "0", "--strategies", "",
+             "--resume", "--out", str(tmp_path)]
+    assert M.main(flags + ["--on-tokens", "2048,4096,8192"]) == 0 and asked == []
+    assert len(load_rows(str(tmp_path / "memory_cpu.rows.json"))[1]["measurements"]) == 29
+    assert os.path.exists(tmp_path / "memory_cpu.md")
+    with pytest.raises(Stopped):
+        M.main(flags + ["--on-tokens", "2048,4096,8192,16384"])
+    assert [(s.world, s.features, s.tokens_per_rank) for s in asked] == [(4, True, 16384)]

@@ -1,5 +1,5 @@
 """`ds-seqpar plan`'s cost model against the project's own oracles: the strategies' closed forms,
-the measured-memory benchmark's FLOP count and its measured bytes per token (reports/memory_cpu.json),
+the measured-memory benchmark's FLOP count and its measured bytes per token (reports/memory_cpu.rows.json),
 and the main job's config checks for the JSON it writes. Pure Python, no ranks."""
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind, transi
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LLAMA = os.path.join(ROOT, "configs", "models", "llama_small.json")
 HYBRID = os.path.join(ROOT, "configs", "models", "qwen3_5_small.json")
-MEMORY_REPORT = os.path.join(ROOT, "reports", "memory_cpu.json")
+MEMORY_REPORT = os.path.join(ROOT, "reports", "memory_cpu.rows.json")
 SMALL = ModelShape("small", hidden=256, layers=8, heads=8, kv_heads=2, head_dim=32, intermediate=688, vocab=32000)
 
 
@@ -77,14 +77,14 @@ def _measured_variants():
     from ds_seqpar.bench.memory_rows import summarize
     path = MEMORY_REPORT
     with open(path) as f:
-        report = json.load(f)
+        report = json.load(f)["facts"]          # the bench's record rides in its rows file's facts
     ms = [m for m in report["measurements"] if m.get("purpose") in (None, "scaling")]
     groups = {}
     for m in ms:
         groups.setdefault((m["model"], m["world"], m["features"]), []).append(m)
     usable = [m for g in groups.values() if len({x["tokens_per_rank"] for x in g}) >= 2 for m in g]
     if not usable:
-        pytest.skip("reports/memory_cpu.json holds no variant measured at two lengths (being re-measured?)")
+        pytest.skip("reports/memory_cpu.rows.json holds no variant measured at two lengths (being re-measured?)")
     return usable, summarize(usable, floor=1, budget=report["meta"].get("budget_bytes", 2 ** 31))
 
 
@@ -130,7 +130,7 @@ def test_static_memory_follows_zero2_sharding():
                     m1["features"] == m2["features"] and m1["tokens_per_rank"] == m2["tokens_per_rank"]:
                 pairs.append((m1, m2))
     if not pairs:
-        pytest.skip("no llama P=1 / P=2 pair at one length in reports/memory_cpu.json")
+        pytest.skip("no llama P=1 / P=2 pair at one length in reports/memory_cpu.rows.json")
     for m1, m2 in pairs:
         shape = _shape_of(m1, tied=False)
         want = sum(memory.static_bytes(shape, 1, 2, "fp32").values()) - sum(memory.static_bytes(shape, 2, 2, "fp32").values())
