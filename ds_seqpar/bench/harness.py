@@ -20,21 +20,35 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-SOFTMAX = ("ulysses", "ring", "zigzag", "striped")
-LINEAR = ("lasp2", "lasp1")
-
+from ..strategies import RING_STRATEGIES
 
 # -- the case vocabulary -----------------------------------------------------------------------------
 
+SOFTMAX = ("ulysses",) + RING_STRATEGIES
+LINEAR = ("lasp2", "lasp1")
+# the case vocabulary every suite speaks: a case name -> its sequence_parallel keys (size and kernel per run);
+# ds_ulysses is DeepSpeed's DistributedAttention on the group our Ulysses would use
+SP_KEYS = {**{name: {"strategy": name} for name in SOFTMAX},
+           "zigzag_no_overlap": {"strategy": "zigzag", "overlap": False},
+           "hybrid": {"strategy": "zigzag", "ulysses_size": 2},             # Ulysses 2 x zigzag
+           "ds_ulysses": {"strategy": "ulysses"},
+           "lasp2": {"strategy": "lasp", "lasp_comm": "allgather"}, "lasp1": {"strategy": "lasp", "lasp_comm": "ring"}}
 
-def strategy_config(name: str, world: int) -> dict:
-    """The sequence_parallel keys of a case named in the suites' vocabulary (lasp2 / lasp1: LASP's two
-    exchanges; hybrid: Ulysses 2 x zigzag)."""
-    if name in LINEAR:
-        return {"strategy": "lasp", "size": world, "lasp_comm": "allgather" if name == "lasp2" else "ring"}
-    if name == "hybrid":
-        return {"strategy": "zigzag", "size": world, "ulysses_size": 2, "backend": "torch"}
-    return {"strategy": name, "size": world, "backend": "torch"}
+
+def strategy_config(name: str, world: int, backend: str = "torch") -> dict:
+    """The sequence_parallel section of a case of the vocabulary (SP_KEYS) on ``world`` ranks."""
+    keys = dict(SP_KEYS[name])
+    cfg = {"strategy": keys.pop("strategy"), "size": world, **keys}
+    return cfg if cfg["strategy"] == "lasp" else dict(cfg, backend=backend)
+
+
+def closed_form(name: str, p: int, shapes, **mask) -> List[int]:
+    """Bytes per rank of one fwd+bwd of case ``name`` (strategies/closed_form.py, the oracle CommStats is
+    held to); ``mask``: the cu_seqlens, causal and window closed_form_bytes takes."""
+    from ..strategies.closed_form import closed_form_bytes
+    cfg = strategy_config(name, p)
+    return [closed_form_bytes(cfg["strategy"], p, shapes, rank, cfg.get("ulysses_size", 1),
+                              cfg.get("lasp_comm", "allgather"), **mask) for rank in range(p)]
 
 
 # -- timing ------------------------------------------------------------------------------------------
@@ -198,12 +212,16 @@ def measure_on_pool(rank_fn, args, command: str, versions: bool = False):
     return per_rank, meta
 
 
+SIZE_HELP = {"P": "ranks (sequence-parallel size = world)", "seq": "global sequence length",
+             "heads": "attention heads", "head_dim": "size of one head"}
+
+
 def suite_parser(prog: str, doc: str, name: str, repeats: int = 5, **sizes: int) -> argparse.ArgumentParser:
     """A suite's parser with the options every suite shares: its sizes (P, seq, heads, head_dim: integer
     options with these defaults), the rounds and the page."""
-    ap = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=prog, description=" ".join(doc.split("\n\n")[0].split()))
     for key, default in sizes.items():
-        ap.add_argument(f"--{key.replace('_', '-')}", type=int, default=default)
+        ap.add_argument(f"--{key.replace('_', '-')}", type=int, default=default, help=SIZE_HELP.get(key))
     ap.add_argument("--repeats", type=int, default=repeats, help="measured rounds")
     ap.add_argument("--warmup", type=int, default=1, help="unmeasured rounds first")
     ap.add_argument("--out", default="reports")
@@ -291,12 +309,14 @@ def log_rows(rows, meta: Dict[str, Any], run_dir: str, project: str) -> None:
         run.finish()
 
 
-def suite_main(argv: Optional[List[str]], parser: argparse.ArgumentParser, measure) -> int:
-    """A suite's command line: with --render ROWS the saved page is rewritten from its rows (harness.render_saved);
-    otherwise ``measure(args, argv)``."""
+def suite_main(argv: Optional[List[str]], parser: argparse.ArgumentParser, measure, plots=None) -> int:
+    """A suite's command line: with --render ROWS the saved page is rewritten from its rows (render_saved), and
+    its figures with ``plots(rows, meta, folder)``; otherwise ``measure(args, argv)``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
-    if args.render:
-        render_saved(args.render, parser.prog)
-        return 0
-    return measure(args, argv)
+    if not args.render:
+        return measure(args, argv)
+    rows, facts = render_saved(args.render, parser.prog)
+    if plots:
+        plots(rows, facts["meta"], os.path.join(os.path.dirname(args.render) or ".", facts["meta"]["name"]))
+    return 0

@@ -5,18 +5,20 @@ Per strategy the same N causal tokens as plain ``sp.attention``, each ``--window
 sinks (one logit per head, a leaf with a gradient), in the harness's interleaved rounds; every ratio is
 taken per round against plain, then the median. After the rounds rank 0 alone times the kernel calls of
 the busiest rank's sub-blocks (``--kernel-rounds 0``: skip). The page (facts below) says what each table
-means and which goal it is held to; predictions come through bench/predict.py.
+means and which goal it is held to; the work is the cost model's, the bytes the closed forms.
 """
 from __future__ import annotations
 
 import argparse
 from typing import Dict, List, Optional, Tuple
 
+from ..cost import pairs_per_rank
+from ..masks import Mask
 from ..report.rows import Row
 from ..report.targets import TARGETS
-from .harness import (alone, attention_inputs, case_times, command_line, fwd_bwd, machine_line,
+from ..strategies.closed_form import Shapes
+from .harness import (alone, attention_inputs, case_times, closed_form, command_line, fwd_bwd, machine_line,
                       measure_on_pool, rank_rounds, strategy_config, suite_main, suite_parser, versus, write_page)
-from .predict import window_closed_form, window_work
 
 STRATEGIES = ("ring", "zigzag", "striped", "ulysses")
 PROG = "ds-seqpar bench window"
@@ -52,12 +54,16 @@ def bench_rank(args) -> Dict[str, list]:
     return rank_rounds(args, _case_fns, ("pieces", kernel_pieces) if args.kernel_rounds else None)
 
 
+def window_work(name: str, p: int, seq: int, window: Optional[int]) -> List[int]:
+    """Visible causal (q, k) pairs per rank (Ulysses: all queries, 1/P of the heads)."""
+    return [int(x) for x in pairs_per_rank(name, p, p if name == "ulysses" else 1, seq, Mask(True, window))]
+
+
 def _policies(name: str, args, window: Optional[int]):
     """(busiest position, sub-blocks of (position, src), positions, local length, heads) of one strategy:
     the ring family's own blocks without a window, the masked plan's bands cut as the torch kernel's ``band``
     cuts them (its tiles and key columns) with one; Ulysses one position, the whole sequence, heads / P."""
     from ..kernels import get_kernel
-    from ..masks import Mask
     from ..sharding.layouts import make_layout
     from ..strategies import STRATEGIES, get_strategy
     from ..strategies.mask_plan import masked_plan
@@ -127,6 +133,7 @@ def rows(per_rank, args, pieces: Optional[List[dict]] = None) -> List[Row]:
     time ratio against its work ratio, bytes per variant against the closed form, softcap and sinks against
     plain; then the kernel calls alone per visible pair."""
     win, sent, capped, times = [], [], [], {}
+    shapes = Shapes(1, args.seq, args.heads, args.heads, args.head_dim)
     for name in args.strategies:
         t = times[name] = {key: case_times(per_rank, f"{name}/{key}") for key, _ in variants(args)}
         plain, plain_work = t["plain"], window_work(name, args.P, args.seq, None)
@@ -139,7 +146,7 @@ def rows(per_rank, args, pieces: Optional[List[dict]] = None) -> List[Row]:
                                    "CPU / work": vs["cpu_ratio"] / work_ratio, "work per rank": work,
                                    "work per rank (plain)": plain_work}))
         sent += [Row("window", name, key, BYTES, "B", t[key]["bytes"], target="bytes",
-                     predicted=window_closed_form(name, args, kw.get("window"))) for key, kw in variants(args)]
+                     predicted=closed_form(name, args.P, shapes, window=kw.get("window"))) for key, kw in variants(args)]
         for key in (f"softcap={args.softcap:g}", "sinks"):
             vs = versus(t[key], plain)
             capped.append(Row("window", name, key, SOFTCAP_SINKS, "x", vs["ratio"], tuple(vs["ratio_range"]),
