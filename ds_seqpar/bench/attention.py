@@ -16,6 +16,7 @@ the rows and the plots (what each metric means is written on the page). Writes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -28,7 +29,8 @@ from ..report.plotting import require_matplotlib
 from ..strategies import STRATEGIES
 from .attention_rows import write_plots
 from .cases import BASELINE, CASES, DTYPES, BenchSpec
-from .harness import command_line, loads, log_rows, machine_facts, suite_main, suite_parser, write_page
+from .harness import (command_line, fresh_pool, loads, log_rows, machine_facts, suite_main, suite_parser,
+                      write_page)
 
 ALIASES = {"lasp": ["lasp2", "lasp1"], "deepspeed": ["ds_ulysses"]}
 # every registered strategy (lasp: both exchanges) and DeepSpeed's Ulysses
@@ -212,25 +214,19 @@ def _train_model(args) -> Dict[str, Any]:
 def _measure(args, spec: BenchSpec, pools=None):
     """(per-rank results, training results, why training was skipped); None on non-writing ranks."""
     from .cases import run_rank
-    from ..launch.rankpool import RankPool
     if under_launcher():
         return _measure_under_launcher(args, spec)
-    if pools is not None and pools[0].world_size != args.P:
-        raise BenchError(f"--P {args.P} but the given pool has {pools[0].world_size} ranks")
-    pool, solo = pools or (RankPool(args.P, timeout_s=3600.0, threads_per_rank=1).start(), None)
-    try:
+    with contextlib.ExitStack() as stack:
+        pool, solo = pools or (stack.enter_context(fresh_pool(args.P)), None)
+        if pool.world_size != args.P:
+            raise BenchError(f"--P {args.P} but the given pool has {pool.world_size} ranks")
         per_rank = pool.run(run_rank, spec, args.seq_lens, args.mem_budget_n, timeout=3600.0)
         train = {}
         if args.train:
             from .train_step import measure_training
             # started only now: its process start and imports would load the attention timings
-            solo = solo or RankPool(1, timeout_s=3600.0, threads_per_rank=1).start()
+            solo = solo or stack.enter_context(fresh_pool(1))
             train = measure_training(pool, solo, args.train, _train_model(args), args.warmup, args.repeats)
-    finally:
-        if pools is None:
-            pool.close()
-            if solo is not None:
-                solo.close()
     return per_rank, train, "" if args.train else "skipped (--train-strategies none)"
 
 

@@ -129,9 +129,10 @@ def rows(res: Dict[str, Any]) -> List[Row]:
     cpus = res.get("machine", {}).get("cpus") or 1
     for s, t in res["raw"]["train"].items():
         c = statistics.median(t["compute_ratios"])
-        why = (f"the busiest rank's fwd+bwd CPU time shrinks only {c:.2f}x" if c < TARGETS["train_step"].threshold(
-            float(m["world"])) else f"fwd+bwd CPU time shrinks {c:.2f}x; the rest of the step (ZeRO-2 gradient reduction, "
-            f"optimizer, loss all-reduce, waiting for the slower rank) does not shrink with P")
+        short = c < TARGETS["train_step"].threshold(float(m["world"]))
+        why = (f"the busiest rank's fwd+bwd CPU time shrinks only {c:.2f}x" if short else
+               f"fwd+bwd CPU time shrinks {c:.2f}x; the rest of the step (ZeRO-2 gradient reduction, optimizer, "
+               f"loss all-reduce, waiting for the slower rank) does not shrink with P")
         out.append(step_row("attention", s, f"seq {res['train_model']['seq_len']}", TRAIN, t, bound=float(m["world"]),
                             target="train_step", why=why + _loaded(max(t["load_1min"]), cpus)))
     return out
@@ -158,10 +159,10 @@ def facts(res: Dict[str, Any]) -> Dict[str, Any]:
     return {
         "title": f"Sequence-parallel benchmark `{m['name']}`",
         "setup": f"P={m['world']} ranks x 1 thread ({m['device']}, {m['comm_backend']}), {m['dtype']}, "
-                 f"{'causal' if m['causal'] else 'non-causal'}, batch {m['batch']}, {m['heads']} heads ({m['kv_heads']} "
-                 f"k/v), head_dim {m['head_dim']}, kernel `{m['backend']}`, forward + backward; lengths "
-                 f"{', '.join(map(str, m['seq_lens']))}; {m['warmup']} warm-up + {m['repeats']} interleaved rounds per "
-                 f"length; medians over rounds with (min-max).{loaded}",
+                 f"{'causal' if m['causal'] else 'non-causal'}, batch {m['batch']}, {m['heads']} heads "
+                 f"({m['kv_heads']} k/v), head_dim {m['head_dim']}, kernel `{m['backend']}`, forward + backward; "
+                 f"lengths {', '.join(map(str, m['seq_lens']))}; {m['warmup']} warm-up + {m['repeats']} interleaved "
+                 f"rounds per length; medians over rounds with (min-max).{loaded}",
         "command": m["command"], "notes": m.get("notes", ""),
         "machine": f"{mach['cpu_model']}, {mach['cpus']} cores; load average before {mach['load_before']}, after "
                    f"{mach['load_after']}, highest 1-minute value seen during the run {mach['load_peak']:.2f}; torch "
@@ -174,8 +175,8 @@ def facts(res: Dict[str, Any]) -> Dict[str, Any]:
                      "work vs single = sum of per-rank CPU / baseline CPU. halves: every rank the single-process "
                      "kernel on its own N/P tokens, no exchange: the bound no exact scheme beats here.",
             BYTES: "What CommStats recorded per rank for one fwd+bwd, against `strategies/closed_form.py`.",
-            TRAIN: f"{model}, micro-batch {t.get('micro_batch')}, {t.get('steps')} steps per run (the first is warm-up), "
-                   f"through train.run_training; rounds alternate the 1-rank and the P-rank run. "
+            TRAIN: f"{model}, micro-batch {t.get('micro_batch')}, {t.get('steps')} steps per run (the first is "
+                   f"warm-up), through train.run_training; rounds alternate the 1-rank and the P-rank run. "
                    + ("" if res["raw"]["train"] else res.get("train_skipped", "not measured"))},
         "images": [(caption, f"{m['name']}/{png}.png") for png, caption in PLOTS.items()]}
 

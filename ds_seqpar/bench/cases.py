@@ -15,8 +15,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from .harness import (LINEAR, SOFTMAX, SP_KEYS, alone, attention_inputs, fwd_bwd, interleaved_rounds, saved_bytes,
-                      strategy_config)
+from .harness import (LINEAR, SOFTMAX, SP_KEYS, alone, attention_inputs, fwd_bwd, interleaved_rounds, on_rank0,
+                      saved_bytes, strategy_config)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
@@ -136,25 +136,18 @@ def run_rank(spec: BenchSpec, seq_lens: List[int], budget_n: Optional[int]) -> D
     if budget_n:
         out["max_seq"] = max_seq_search(cases, budget_n)
     if spec.lasp_breakdown:
-        out["lasp_breakdown"] = lasp_breakdown(cases, max(seq_lens))
+        out["lasp_breakdown"] = on_rank0(lasp_breakdown, cases, max(seq_lens))
     return out
 
 
-def lasp_breakdown(cases: "RankCases", seq: int) -> Optional[Dict[str, Any]]:
-    """Rank 0, alone on its share of the machine after the rounds: where a LASP rank's time goes without
-    the transfers, the kernel work of one fwd+bwd at the local length seq / P per rank position
-    (lasp_pieces), median CPU seconds. None on the other ranks."""
-    from .. import comm
-    spec, out = cases.spec, None
-    comm.barrier()
-    if cases.rank == 0:
-        local = seq // spec.world
-        q, k, v, dout = attention_inputs(local, spec.heads, spec.head_dim, spec.kv_heads, spec.batch, cases.dtype,
-                                         cases.device)
-        times = alone(lasp_pieces(q, k, v, dout, cases.decay), 3 * spec.repeats, device=spec.device)
-        out = {"local_len": local, "cpu_s": {name: statistics.median(t) for name, t in times.items()}}
-    comm.barrier()
-    return out
+def lasp_breakdown(cases: "RankCases", seq: int) -> Dict[str, Any]:
+    """Where a LASP rank's time goes without the transfers: the kernel work of one fwd+bwd at the local
+    length seq / P per rank position (lasp_pieces), median CPU seconds (rank 0 alone, after the rounds)."""
+    spec, local = cases.spec, seq // cases.spec.world
+    q, k, v, dout = attention_inputs(local, spec.heads, spec.head_dim, spec.kv_heads, spec.batch, cases.dtype,
+                                     cases.device)
+    times = alone(lasp_pieces(q, k, v, dout, cases.decay), 3 * spec.repeats, device=spec.device)
+    return {"local_len": local, "cpu_s": {name: statistics.median(t) for name, t in times.items()}}
 
 
 def lasp_rank(q, k, v, dout, decay_h, state_in: Optional[torch.Tensor], dstate_local: Optional[torch.Tensor],

@@ -10,6 +10,7 @@ rank's wall time, and a ratio between two cases is taken per round, then the med
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import shlex
@@ -142,13 +143,21 @@ def interleaved_rounds(fns, warmup: int, repeats: int, device: str = "cpu") -> D
 
 def rank_rounds(args, case_fns, after=None) -> Dict[str, Any]:
     """What every rank of a suite runs: the interleaved rounds of ``case_fns(args, rank)``, then, with
-    ``after`` = (key, fn), rank 0 alone on its share of the machine ``fn(args)`` under ``key``."""
+    ``after`` = (key, fn), ``fn(args)`` under ``key`` on rank 0 alone (on_rank0)."""
     from .. import comm
-    rank = comm.global_rank()
-    out = {"rounds": interleaved_rounds(case_fns(args, rank), args.warmup, args.repeats),
+    out = {"rounds": interleaved_rounds(case_fns(args, comm.global_rank()), args.warmup, args.repeats),
            "load_1min": os.getloadavg()[0]}
-    if rank == 0 and after:
-        out[after[0]] = after[1](args)
+    if after:
+        out[after[0]] = on_rank0(after[1], args)
+    return out
+
+
+def on_rank0(fn, *args):
+    """``fn(*args)`` on rank 0 alone on its share of the machine, the other ranks waiting at a barrier
+    (what a suite times after its rounds, without communication); None on the other ranks."""
+    from .. import comm
+    comm.barrier()
+    out = fn(*args) if comm.global_rank() == 0 else None
     comm.barrier()
     return out
 
@@ -192,18 +201,25 @@ def versus(a: dict, b: dict) -> Dict[str, Any]:
 # -- the run -----------------------------------------------------------------------------------------
 
 
-def measure_on_pool(rank_fn, args, command: str, versions: bool = False):
-    """``rank_fn(args)`` on P fresh local CPU ranks (one thread each): (per-rank results, the page's
-    meta: the options, CPUs, elapsed seconds, load before / after / at the end of the rounds, command;
-    with ``versions`` also the CPU model, torch and DeepSpeed versions). Each rank's result carries its
-    "load_1min" at the end of the rounds."""
+@contextlib.contextmanager
+def fresh_pool(world: int):
+    """``world`` fresh local CPU ranks (RankPool, one thread each, gloo), closed on the way out."""
     from ..launch.rankpool import RankPool
-    load_before, start = os.getloadavg(), time.monotonic()
-    pool = RankPool(args.P, timeout_s=3600.0, threads_per_rank=1).start()
+    pool = RankPool(world, timeout_s=3600.0, threads_per_rank=1).start()
     try:
-        per_rank = pool.run(rank_fn, args, timeout=3600.0)
+        yield pool
     finally:
         pool.close()
+
+
+def measure_on_pool(rank_fn, args, command: str, versions: bool = False):
+    """``rank_fn(args)`` on P fresh local CPU ranks: (per-rank results, the page's meta: the options, CPUs,
+    elapsed seconds, load before / after / at the end of the rounds, command; with ``versions`` also the
+    CPU model, torch and DeepSpeed versions). Each rank's result carries its "load_1min" at the end of
+    the rounds."""
+    load_before, start = os.getloadavg(), time.monotonic()
+    with fresh_pool(args.P) as pool:
+        per_rank = pool.run(rank_fn, args, timeout=3600.0)
     meta = dict(vars(args), cpus=os.cpu_count(), elapsed=time.monotonic() - start,
                 load_before=loads(load_before), load_after=loads(),
                 load_during=max(r["load_1min"] for r in per_rank), command=command)
@@ -252,15 +268,9 @@ def loads(values=None) -> str:
 
 def command_line(prefix: str, argv: List[str]) -> str:
     """``prefix`` and the arguments, shell-quoted; --notes text is printed in the page, not here."""
-    shown, skip = [], False
-    for a in argv:
-        if skip or a.startswith("--notes="):
-            skip = False
-            continue
-        skip = a == "--notes"
-        if not skip:
-            shown.append(shlex.quote(a))
-    return " ".join([prefix] + shown)
+    notes = {i for i, a in enumerate(argv) if a == "--notes"}
+    shown = [a for i, a in enumerate(argv) if not ({i, i - 1} & notes or a.startswith("--notes="))]
+    return " ".join([prefix] + [shlex.quote(a) for a in shown])
 
 
 def machine_line(meta: Dict[str, Any]) -> str:
@@ -270,6 +280,13 @@ def machine_line(meta: Dict[str, Any]) -> str:
     return (f"{', '.join(known)}, shared with other jobs: load average before {meta['load_before']}, after "
             f"{meta['load_after']}, highest 1-minute value at the end of the rounds {meta['load_during']:.2f}; whole "
             f"run {meta['elapsed']:.0f} s.")
+
+
+def suite_facts(meta: Dict[str, Any], title: str, setup: str, metrics: Dict[str, str]) -> Dict[str, Any]:
+    """A suite's page facts (report/render.py): its title, setup and what each metric means, with the run's
+    command, machine line and notes from ``meta`` (measure_on_pool's)."""
+    return {"title": title, "setup": setup, "command": meta["command"], "machine": machine_line(meta),
+            "notes": meta.get("notes", ""), "metrics": metrics}
 
 
 def write_page(out: str, name: str, rows, facts: Dict[str, Any], prog: str) -> int:

@@ -23,8 +23,8 @@ from typing import Dict, List, Optional
 
 from ..report.rows import Row
 from .attention_rows import step_row
-from .harness import (alone, case_times, command_line, machine_line, measure_on_pool, rank_rounds,
-                      suite_main, suite_parser, versus, write_page)
+from .harness import (alone, case_times, command_line, fresh_pool, measure_on_pool, rank_rounds,
+                      suite_facts, suite_main, suite_parser, versus, write_page)
 
 PROG = "ds-seqpar bench hybrid"
 # the families (one linear layer of a Hugging Face hybrid each, built from the model type's own config
@@ -84,7 +84,8 @@ def layer_bytes(fam: str, case: str, args) -> List[int]:
     frags = fragments(make_layout("contiguous", p), args.seq)
     state = halo = None             # (heads, dk, dv) of the state and its transition; (channels, width) of the conv
     if fam == "gdn":
-        hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        hk, hv = c.linear_num_key_heads, c.linear_num_value_heads
+        dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
         state, kind, elems = (hv, dk, dv), "matrix", [t * hk * dk] * 2 + [t * hv * dv] * 2 + [t * hv] * 2
         halo = (2 * hk * dk + hv * dv, c.linear_conv_kernel_dim - 1)
     elif fam == "kda":
@@ -255,25 +256,16 @@ def equal_llama(path: str) -> dict:
 
 def measure_train(args) -> Dict[str, dict]:
     """{label: measure_training's result for zigzag} for the hybrid and its equal Llama."""
-    from ..launch.rankpool import RankPool
     from .train_step import measure_training
     tmp = tempfile.mkdtemp(prefix="ds_seqpar_bench_hybrid_")
     llama = os.path.join(tmp, "llama_equal.json")
     with open(llama, "w") as f:
         json.dump(equal_llama(args.train_model), f)
     models = {os.path.basename(args.train_model): os.path.abspath(args.train_model), "llama (equal sizes)": llama}
-    pool, solo = RankPool(args.P, timeout_s=3600.0, threads_per_rank=1).start(), None
-    try:
-        solo = RankPool(1, timeout_s=3600.0, threads_per_rank=1).start()
-        out = {}
-        for label, path in models.items():
-            model = dict(seq_len=args.train_seq, micro_batch=1, steps=3, model=path)
-            out[label] = measure_training(pool, solo, ["zigzag"], model, 1, args.train_repeats)["zigzag"]
-        return out
-    finally:
-        pool.close()
-        if solo is not None:
-            solo.close()
+    with fresh_pool(args.P) as pool, fresh_pool(1) as solo:
+        return {label: measure_training(pool, solo, ["zigzag"], dict(seq_len=args.train_seq, micro_batch=1, steps=3,
+                                                                      model=path), 1, args.train_repeats)["zigzag"]
+                for label, path in models.items()}
 
 
 # -- the rows ------------------------------------------------------------------------------------------
@@ -306,16 +298,14 @@ def rows(per_rank, args, meta, ops: Optional[List[dict]], train: Optional[Dict[s
 def facts(meta) -> dict:
     listed = "; ".join(f"`{fam}`: {FAMILIES[fam][0]} (`{FAMILIES[fam][1]}`), {family_sizes(fam, meta['hidden'])}"
                        for fam in meta["families"])
-    return {
-        "title": "Hybrid models' linear layers on CPU ranks: one transformers layer, sharded vs unsharded",
-        "setup": f"P={meta['P']} ranks x 1 thread (gloo), N={meta['seq']} tokens, batch 1, hidden {meta['hidden']}, "
-                 f"fp32, forward + backward of ONE layer: the model's own mixer module (transformers "
-                 f"{meta.get('transformers', '?')}, its torch fallbacks), applied by ds_seqpar with softmax strategy "
-                 f"ring. {meta['repeats']} interleaved rounds after {meta['warmup']} warm-up round(s); speedup = "
-                 f"single / case per round, median (min-max); CPU speedup: the same with the busiest rank's thread "
-                 f"CPU time. Families: {listed}.",
-        "command": meta["command"], "machine": machine_line(meta), "notes": meta.get("notes", ""),
-        "metrics": {
+    return suite_facts(
+        meta, "Hybrid models' linear layers on CPU ranks: one transformers layer, sharded vs unsharded",
+        f"P={meta['P']} ranks x 1 thread (gloo), N={meta['seq']} tokens, batch 1, hidden {meta['hidden']}, "
+        f"fp32, forward + backward of ONE layer: the model's own mixer module (transformers "
+        f"{meta.get('transformers', '?')}, its torch fallbacks), applied by ds_seqpar with softmax strategy "
+        f"ring. {meta['repeats']} interleaved rounds after {meta['warmup']} warm-up round(s); speedup = "
+        f"single / case per round, median (min-max); CPU speedup: the same with the busiest rank's thread "
+        f"CPU time. Families: {listed}.", {
             f"One layer, fwd+bwd at N={meta['seq']}, P={meta['P']}":
                 "single: rank 0, the unapplied layer on all N tokens (the baseline). halves: every rank the "
                 "unapplied layer on its N/P tokens, nothing exchanged: the bound no exact split beats here.",
@@ -324,7 +314,7 @@ def facts(meta) -> dict:
                 "(`linear_state_bytes`, `conv_halo_bytes`, `linear_ulysses_bytes`).",
             f"Whole training step at {meta.get('train_seq')} tokens, ZeRO-2":
                 "Through train.run_training: zigzag for the softmax layers, linear_strategy lasp (allgather) for "
-                "the linear ones; rounds alternate the 1-rank and the P-rank run. The Llama has the hybrid's sizes."}}
+                "the linear ones; rounds alternate the 1-rank and the P-rank run. The Llama has the hybrid's sizes."})
 
 
 # -- command line ----------------------------------------------------------------------------------------
@@ -348,7 +338,8 @@ def resolve(args) -> argparse.Namespace:
     if bad or not args.families:
         raise SystemExit(f"{PROG}: --families {bad or args.families}: choose from {', '.join(FAMILIES)}")
     if args.P < 2 or args.seq % args.P or args.repeats < 1 or args.warmup < 0:
-        raise SystemExit(f"{PROG}: --P {args.P} must be >= 2 and divide --seq {args.seq}; --repeats >= 1, --warmup >= 0")
+        raise SystemExit(f"{PROG}: --P {args.P} must be >= 2 and divide --seq {args.seq}; --repeats >= 1, "
+                         f"--warmup >= 0")
     if args.train_repeats and not os.path.exists(args.train_model):
         raise SystemExit(f"{PROG}: --train-model {args.train_model!r} does not exist")
     return args

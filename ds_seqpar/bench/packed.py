@@ -19,7 +19,7 @@ from ..report.rows import Row
 from ..report.targets import TARGETS
 from ..strategies.closed_form import Shapes
 from .harness import (LINEAR, SOFTMAX, alone, attention_inputs, case_times, closed_form, command_line, fwd_bwd,
-                      machine_line, measure_on_pool, rank_rounds, strategy_config, suite_main, suite_parser, versus,
+                      measure_on_pool, rank_rounds, strategy_config, suite_facts, suite_main, suite_parser, versus,
                       write_page)
 
 PROG = "ds-seqpar bench packed"
@@ -196,7 +196,8 @@ def rows(per_rank, args, meta) -> List[Row]:
             continue
         bounds = {v: variant_bounds(v, args.seq, args.docs, tuple(args.mixed)) for v in VARIANTS}
         sent += [Row("packed", name, v, "Bytes per rank against the document closed forms", "B", t[v]["bytes"],
-                     predicted=closed_form(name, args.P, shapes, cu_seqlens=bounds[v]), target="bytes") for v in VARIANTS]
+                     predicted=closed_form(name, args.P, shapes, cu_seqlens=bounds[v]), target="bytes")
+                 for v in VARIANTS]
         work = work_per_rank(name, args, bounds["mixed"])
         balance.append(Row("packed", name, "mixed", mixed, "s", t["mixed"]["cpu"], detail={
             "time s": t["mixed"]["time"], "measured imbalance": t["mixed"]["imbalance"], "work per rank": work,
@@ -222,24 +223,23 @@ def facts(meta) -> dict:
         best = (f"Over {meta['sweep_trials']} random packings of N={meta['seq']} (log-normal document lengths, "
                 f"median 400 tokens), mean per layout and P; Ulysses is 1.00 by construction and LASP follows "
                 f"tokens. Best balanced ring layout for packed data (smallest worst case): **{best}**.")
-    return {"title": f"Packed documents on CPU ranks: {docs} equal documents vs one document of the same length",
-            "setup": f"P={meta['P']} ranks x 1 thread (gloo), N={meta['seq']} tokens, batch 1, {meta['heads']} heads x "
-                     f"{meta['head_dim']}, fp32, causal, forward + backward, kernel `torch` (CPU flash SDPA); "
-                     f"{meta['repeats']} interleaved rounds after {meta['warmup']} warm-up round(s); ratios are taken "
-                     f"per round (the variants run back to back, under the same load), median (min-max) over rounds; "
-                     f"CPU ratio: the same with the busiest rank's thread CPU time.",
-            "command": meta["command"], "machine": machine_line(meta), "notes": meta.get("notes", ""),
-            "metrics": {
-                _ratio_metric(docs):
-                    "Softmax attention: causal work is the sum of squared document lengths, 1/docs of one "
-                    "document's (predicted). Linear attention (LASP, single_linear) does O(N) work either way.",
-                f"Mixed document lengths {list(meta['mixed'])}: per-rank balance":
-                    "Value: median CPU seconds per rank. Work = (q, k) pairs each rank computes (from the mask "
-                    "policy; LASP: tokens), imbalance = max/mean.",
-                "Random packings: causal work imbalance max/mean": best,
-                f"One rank's block (n = {meta['seq'] // meta['P']}): masked / sub-blocks":
-                    "Fwd+bwd on one process, the same CPU flash kernel: causal squares per document (what the "
-                    "strategies do) against one call over the whole block with an additive mask (attn_mask)."}}
+    return suite_facts(
+        meta, f"Packed documents on CPU ranks: {docs} equal documents vs one document of the same length",
+        f"P={meta['P']} ranks x 1 thread (gloo), N={meta['seq']} tokens, batch 1, {meta['heads']} heads x "
+        f"{meta['head_dim']}, fp32, causal, forward + backward, kernel `torch` (CPU flash SDPA); "
+        f"{meta['repeats']} interleaved rounds after {meta['warmup']} warm-up round(s); ratios are taken "
+        f"per round (the variants run back to back, under the same load), median (min-max) over rounds; "
+        f"CPU ratio: the same with the busiest rank's thread CPU time.", {
+            _ratio_metric(docs):
+                "Softmax attention: causal work is the sum of squared document lengths, 1/docs of one "
+                "document's (predicted). Linear attention (LASP, single_linear) does O(N) work either way.",
+            f"Mixed document lengths {list(meta['mixed'])}: per-rank balance":
+                "Value: median CPU seconds per rank. Work = (q, k) pairs each rank computes (from the mask "
+                "policy; LASP: tokens), imbalance = max/mean.",
+            "Random packings: causal work imbalance max/mean": best,
+            f"One rank's block (n = {meta['seq'] // meta['P']}): masked / sub-blocks":
+                "Fwd+bwd on one process, the same CPU flash kernel: causal squares per document (what the "
+                "strategies do) against one call over the whole block with an additive mask (attn_mask)."})
 
 
 def write(found: List[Row], meta, out: str) -> int:

@@ -17,8 +17,8 @@ from ..masks import Mask
 from ..report.rows import Row
 from ..report.targets import TARGETS
 from ..strategies.closed_form import Shapes
-from .harness import (alone, attention_inputs, case_times, closed_form, command_line, fwd_bwd, machine_line,
-                      measure_on_pool, rank_rounds, strategy_config, suite_main, suite_parser, versus, write_page)
+from .harness import (alone, attention_inputs, case_times, closed_form, command_line, fwd_bwd, measure_on_pool,
+                      rank_rounds, strategy_config, suite_facts, suite_main, suite_parser, versus, write_page)
 
 STRATEGIES = ("ring", "zigzag", "striped", "ulysses")
 PROG = "ds-seqpar bench window"
@@ -146,7 +146,8 @@ def rows(per_rank, args, pieces: Optional[List[dict]] = None) -> List[Row]:
                                    "CPU / work": vs["cpu_ratio"] / work_ratio, "work per rank": work,
                                    "work per rank (plain)": plain_work}))
         sent += [Row("window", name, key, BYTES, "B", t[key]["bytes"], target="bytes",
-                     predicted=closed_form(name, args.P, shapes, window=kw.get("window"))) for key, kw in variants(args)]
+                     predicted=closed_form(name, args.P, shapes, window=kw.get("window")))
+                 for key, kw in variants(args)]
         for key in (f"softcap={args.softcap:g}", "sinks"):
             vs = versus(t[key], plain)
             capped.append(Row("window", name, key, SOFTCAP_SINKS, "x", vs["ratio"], tuple(vs["ratio_range"]),
@@ -166,17 +167,15 @@ def rows(per_rank, args, pieces: Optional[List[dict]] = None) -> List[Row]:
 
 
 def facts(meta) -> dict:
-    return {
-        "title": "Sliding windows, softcap and sinks on CPU ranks: each against plain causal attention",
-        "setup": f"P={meta['P']} ranks x 1 thread (gloo), N={meta['seq']} tokens, batch 1, {meta['heads']} heads x "
-                 f"{meta['head_dim']}, fp32, causal, forward + backward, kernel `torch` (CPU flash SDPA); variants per "
-                 f"strategy: plain, window {', '.join(map(str, meta['windows']))}, softcap {meta['softcap']:g}, sinks "
-                 f"(one logit per head, with its gradient). {meta['repeats']} interleaved rounds after "
-                 f"{meta['warmup']} warm-up round(s); times are medians of the slowest rank's wall time; ratios are "
-                 f"taken per round (every variant of a strategy runs back to back with plain, under the same load), "
-                 f"median (min-max) over rounds; CPU ratio: the same with the busiest rank's thread CPU time.",
-        "command": meta["command"], "machine": machine_line(meta), "notes": meta.get("notes", ""),
-        "metrics": {
+    return suite_facts(
+        meta, "Sliding windows, softcap and sinks on CPU ranks: each against plain causal attention",
+        f"P={meta['P']} ranks x 1 thread (gloo), N={meta['seq']} tokens, batch 1, {meta['heads']} heads x "
+        f"{meta['head_dim']}, fp32, causal, forward + backward, kernel `torch` (CPU flash SDPA); variants per "
+        f"strategy: plain, window {', '.join(map(str, meta['windows']))}, softcap {meta['softcap']:g}, sinks "
+        f"(one logit per head, with its gradient). {meta['repeats']} interleaved rounds after "
+        f"{meta['warmup']} warm-up round(s); times are medians of the slowest rank's wall time; ratios are "
+        f"taken per round (every variant of a strategy runs back to back with plain, under the same load), "
+        f"median (min-max) over rounds; CPU ratio: the same with the busiest rank's thread CPU time.", {
             WINDOW: "Predicted: the work ratio, visible causal (q, k) pairs of the busiest rank with the window / "
                     "without it (query i sees min(i + 1, w) keys; a ring layout's rank holds layout.indices, "
                     "Ulysses' every rank 1/P of the heads of all queries). Goal: time ratio / work ratio "
@@ -188,7 +187,7 @@ def facts(meta) -> dict:
             KERNEL: "One process, one thread, after the rounds: forward + backward of every sub-block the busiest "
                     "position computes (the strategy's blocks without a window; the masked policy's band pieces with "
                     f"one), no merge and no communication; median of {meta.get('kernel_rounds')} runs. Rounds CPU: "
-                    "that rank's median CPU seconds in the rounds above (kernel + merges + the ring loop)."}}
+                    "that rank's median CPU seconds in the rounds above (kernel + merges + the ring loop)."})
 
 
 # -- command line ----------------------------------------------------------------------------------------
