@@ -35,20 +35,16 @@ from .harness import (command_line, fresh_pool, loads, log_rows, machine_facts, 
 ALIASES = {"lasp": ["lasp2", "lasp1"], "deepspeed": ["ds_ulysses"]}
 # every registered strategy (lasp: both exchanges) and DeepSpeed's Ulysses
 DEFAULT_STRATEGIES = ",".join(list(STRATEGIES) + ["ds_ulysses"])
-_SIZES = dict(P=2, heads=8, head_dim=64, warmup=1)
+_BASE = dict(P=2, heads=8, head_dim=64, warmup=1, repeats=5, strategies=DEFAULT_STRATEGIES, train_strategies="none",
+             train_preset="full", lasp_breakdown=False)
 PRESETS = {
-    "quick": dict(_SIZES, seq_lens=[512, 1024, 2048], repeats=5, mem_budget_n=1024, strategies=DEFAULT_STRATEGIES,
-                  train_strategies="zigzag", train_preset="quick", lasp_breakdown=False),
-    "full": dict(_SIZES, seq_lens=[1024, 2048, 4096, 8192], repeats=5, mem_budget_n=2048,
-                 strategies=DEFAULT_STRATEGIES, train_strategies="zigzag,ulysses,lasp", train_preset="full",
-                 lasp_breakdown=False),
-    # the ring family against Ulysses and zigzag without overlap (formerly python -m ds_seqpar.bench_ring)
-    "ring": dict(_SIZES, seq_lens=[8192], repeats=5, mem_budget_n=0, strategies="ring,zigzag,striped,ulysses,"
-                 "zigzag_no_overlap", train_strategies="none", train_preset="full", lasp_breakdown=False),
-    # LASP-2 and LASP-1 against the halves bound, and where a LASP rank's time goes (formerly
-    # python -m ds_seqpar.bench_lasp)
-    "lasp": dict(_SIZES, seq_lens=[8192], repeats=7, mem_budget_n=0, strategies="lasp,halves",
-                 train_strategies="none", train_preset="full", lasp_breakdown=True),
+    "quick": dict(_BASE, seq_lens=[512, 1024, 2048], mem_budget_n=1024, train_strategies="zigzag",
+                  train_preset="quick"),
+    "full": dict(_BASE, seq_lens=[1024, 2048, 4096, 8192], mem_budget_n=2048, train_strategies="zigzag,ulysses,lasp"),
+    # the ring family against Ulysses and zigzag without overlap
+    "ring": dict(_BASE, seq_lens=[8192], mem_budget_n=0, strategies="ring,zigzag,striped,ulysses,zigzag_no_overlap"),
+    # LASP-2 and LASP-1 against the halves bound, and where a LASP rank's time goes
+    "lasp": dict(_BASE, seq_lens=[8192], repeats=7, mem_budget_n=0, strategies="lasp,halves", lasp_breakdown=True),
 }
 
 

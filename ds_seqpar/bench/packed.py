@@ -118,30 +118,30 @@ def masked_vs_subblocks(args) -> List[dict]:
     sub-blocks (what the masked plan computes) vs one masked block (attn_mask, same CPU flash kernel), fwd+bwd."""
     import torch
     n = args.seq // args.P
-    q, k, v, dout = (t.transpose(1, 2) for t in attention_inputs(n, args.heads, args.head_dim))     # [b, h, s, d]
-    scale, aten, rows = args.head_dim ** -0.5, torch.ops.aten, []
+    bhsd = [t.transpose(1, 2) for t in attention_inputs(n, args.heads, args.head_dim)]     # q, k, v, dout
+    scale, rows = args.head_dim ** -0.5, []
     for length in (n // 2, n // 8, 64, 16):
         doc = torch.arange(n) // length
         mask = (doc[:, None] == doc[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
         bias = torch.zeros(n, n).masked_fill(~mask, float("-inf"))
 
-        def masked():
-            out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
-                                                                        scale=scale)
-            aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, False,
-                                                                    attn_mask=bias, scale=scale)
-
         def subblocks():
             for a in range(0, n, length):
-                s = slice(a, a + length)
-                out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q[:, :, s], k[:, :, s], v[:, :, s], 0.0,
-                                                                            True, scale=scale)
-                aten._scaled_dot_product_flash_attention_for_cpu_backward(dout[:, :, s], q[:, :, s], k[:, :, s],
-                                                                        v[:, :, s], out, lse, 0.0, True, scale=scale)
-        t = alone({"masked": masked, "subblocks": subblocks}, args.repeats, key="wall", warmup=1)
+                _flash_fwd_bwd(*(t[:, :, a:a + length] for t in bhsd), True, scale)
+        t = alone({"masked": lambda: _flash_fwd_bwd(*bhsd, False, scale, bias), "subblocks": subblocks},
+                  args.repeats, key="wall", warmup=1)
         rows.append({"doc_len": length, "docs": n // length, "masked": statistics.median(t["masked"]),
                      "subblocks": statistics.median(t["subblocks"])})
     return rows
+
+
+def _flash_fwd_bwd(q, k, v, dout, causal: bool, scale: float, bias=None) -> None:
+    """Forward and backward of the CPU flash kernel on [b, h, s, d] tensors; ``bias``: an additive mask."""
+    import torch
+    aten = torch.ops.aten
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
+    aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias,
+                                                              scale=scale)
 
 
 def build_parser() -> argparse.ArgumentParser:

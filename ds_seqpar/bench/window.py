@@ -68,24 +68,22 @@ def _policies(name: str, args, window: Optional[int]):
     from ..strategies import STRATEGIES, get_strategy
     from ..strategies.mask_plan import masked_plan
     from ..strategies.ring_loop import plain_blocks
-    kernel, n = get_kernel("torch", "cpu"), args.seq
+    ulysses = name == "ulysses"
+    p, heads = (1, args.heads // args.P) if ulysses else (args.P, args.heads)
+    work, n = window_work(name, args.P, args.seq, window), args.seq // p
+    busiest = 0 if ulysses else work.index(max(work))
+    if window is None:
+        blocks = plain_blocks if ulysses else STRATEGIES[name].blocks
+        return busiest, lambda me, src: blocks(me, src, p, True, n), p, n, heads
+    kernel = get_kernel("torch", "cpu")
+    layout = make_layout("contiguous" if ulysses else get_strategy(name).layout_name, p)
+    plan = masked_plan(Mask(True, window), layout, args.seq)
     shift = lambda s, a: slice(a + s.start, a + s.stop)  # noqa: E731
 
-    def cut(plan):
-        return lambda me, src: [s._replace(q=shift(s.q, b.q.start), k=shift(s.k, b.k.start))
-                                for b in plan.bands(me, src)
-                                for s in kernel.pieces(b.q.stop - b.q.start, b.k.stop - b.k.start, b.lo, b.hi, "cpu")]
-    if name == "ulysses":
-        if window is None:
-            return 0, lambda me, src: plain_blocks(0, 0, 1, True, n), 1, n, args.heads // args.P
-        return 0, cut(masked_plan(Mask(True, window), make_layout("contiguous", 1), n)), 1, n, args.heads // args.P
-    work = window_work(name, args.P, n, window)
-    busiest, n = work.index(max(work)), n // args.P
-    if window is None:
-        blocks = STRATEGIES[name].blocks
-        return busiest, lambda me, src: blocks(me, src, args.P, True, n), args.P, n, args.heads
-    layout = make_layout(get_strategy(name).layout_name, args.P)
-    return busiest, cut(masked_plan(Mask(True, window), layout, args.seq)), args.P, n, args.heads
+    def cut(me, src):          # the plan's bands as the kernel cuts them, in the positions' local slots
+        return [s._replace(q=shift(s.q, b.q.start), k=shift(s.k, b.k.start)) for b in plan.bands(me, src)
+                for s in kernel.pieces(b.q.stop - b.q.start, b.k.stop - b.k.start, b.lo, b.hi, "cpu")]
+    return busiest, cut, p, n, heads
 
 
 def kernel_pieces(args) -> List[dict]:
