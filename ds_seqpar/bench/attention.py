@@ -16,6 +16,7 @@ the rows and the plots (what each metric means is written on the page). Writes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -23,28 +24,27 @@ from dataclasses import asdict
 from typing import Any, Dict, List, Optional
 
 from ..kernels.base import check_head_groups
+from ..launch.spawn import under_launcher
 from ..report.plotting import require_matplotlib
 from ..strategies import STRATEGIES
+from .attention_rows import write_plots
 from .cases import BASELINE, CASES, DTYPES, BenchSpec
-from .harness import command_line, loads, log_rows, machine_facts, render_saved, write_page
+from .harness import (command_line, fresh_pool, loads, log_rows, machine_facts, suite_main, suite_parser,
+                      write_page)
 
 ALIASES = {"lasp": ["lasp2", "lasp1"], "deepspeed": ["ds_ulysses"]}
 # every registered strategy (lasp: both exchanges) and DeepSpeed's Ulysses
 DEFAULT_STRATEGIES = ",".join(list(STRATEGIES) + ["ds_ulysses"])
-_SIZES = dict(P=2, heads=8, head_dim=64, warmup=1)
+_BASE = dict(P=2, heads=8, head_dim=64, warmup=1, repeats=5, strategies=DEFAULT_STRATEGIES, train_strategies="none",
+             train_preset="full", lasp_breakdown=False)
 PRESETS = {
-    "quick": dict(_SIZES, seq_lens=[512, 1024, 2048], repeats=5, mem_budget_n=1024, strategies=DEFAULT_STRATEGIES,
-                  train_strategies="zigzag", train_preset="quick", lasp_breakdown=False),
-    "full": dict(_SIZES, seq_lens=[1024, 2048, 4096, 8192], repeats=5, mem_budget_n=2048,
-                 strategies=DEFAULT_STRATEGIES, train_strategies="zigzag,ulysses,lasp", train_preset="full",
-                 lasp_breakdown=False),
-    # the ring family against Ulysses and zigzag without overlap (formerly python -m ds_seqpar.bench_ring)
-    "ring": dict(_SIZES, seq_lens=[8192], repeats=5, mem_budget_n=0, strategies="ring,zigzag,striped,ulysses,"
-                 "zigzag_no_overlap", train_strategies="none", train_preset="full", lasp_breakdown=False),
-    # LASP-2 and LASP-1 against the halves bound, and where a LASP rank's time goes (formerly
-    # python -m ds_seqpar.bench_lasp)
-    "lasp": dict(_SIZES, seq_lens=[8192], repeats=7, mem_budget_n=0, strategies="lasp,halves",
-                 train_strategies="none", train_preset="full", lasp_breakdown=True),
+    "quick": dict(_BASE, seq_lens=[512, 1024, 2048], mem_budget_n=1024, train_strategies="zigzag",
+                  train_preset="quick"),
+    "full": dict(_BASE, seq_lens=[1024, 2048, 4096, 8192], mem_budget_n=2048, train_strategies="zigzag,ulysses,lasp"),
+    # the ring family against Ulysses and zigzag without overlap
+    "ring": dict(_BASE, seq_lens=[8192], mem_budget_n=0, strategies="ring,zigzag,striped,ulysses,zigzag_no_overlap"),
+    # LASP-2 and LASP-1 against the halves bound, and where a LASP rank's time goes
+    "lasp": dict(_BASE, seq_lens=[8192], repeats=7, mem_budget_n=0, strategies="lasp,halves", lasp_breakdown=True),
 }
 
 
@@ -53,25 +53,25 @@ class BenchError(ValueError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="ds-seqpar bench [attention]", description="The attention suite: every sequence-parallel strategy, the "
-        "single-process kernels and DeepSpeed's Ulysses side by side in one run; write <out>/<name>.{md,rows.json} "
-        "and plots. Other suites: ds-seqpar bench {packed,window,hybrid,trainer,memory} --help.",
-        epilog="presets: " + "; ".join(f"{k}: P={v['P']}, N={','.join(map(str, v['seq_lens']))}, {v['heads']} heads x "
-                                      f"{v['head_dim']}, cases {v['strategies']}, training {v['train_strategies']}"
-                                      for k, v in PRESETS.items()))
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    # sizes, rounds and --name default to the preset's (resolve)
+    ap = suite_parser("ds-seqpar bench [attention]", __doc__, None, repeats=None, P=None, heads=None, head_dim=None)
+    ap.description = ("The attention suite: every sequence-parallel strategy, the single-process kernels and "
+                      "DeepSpeed's Ulysses side by side in one run; write <out>/<name>.{md,rows.json} and plots. Other "
+                      "suites: ds-seqpar bench {packed,window,hybrid,trainer,memory,dynamic} --help.")
+    ap.epilog = "presets: " + "; ".join(f"{k}: P={v['P']}, N={','.join(map(str, v['seq_lens']))}, {v['heads']} heads x "
+                                        f"{v['head_dim']}, cases {v['strategies']}, training {v['train_strategies']}"
+                                        for k, v in PRESETS.items())
+    ap.set_defaults(warmup=None)
+    ap.add_argument("--world", dest="P", type=int, help=argparse.SUPPRESS)       # the former name of --P
     ap.add_argument("--preset", choices=sorted(PRESETS), default="quick",
                     help="defaults for the options below (quick: ~1 minute on 2 cores; ring, lasp: one family "
                          "at N=8192)")
     ap.add_argument("--strategies", help=f"comma list of {', '.join(c for c in CASES if c not in BASELINE.values())}; "
                     f"lasp = lasp2,lasp1 (the single-process baselines are always measured); default: the "
                     f"preset's ({DEFAULT_STRATEGIES} for quick and full)")
-    ap.add_argument("--P", "--world", dest="P", type=int, help="ranks (sequence-parallel size = world)")
     ap.add_argument("--seq-lens", type=ints, help="global sequence lengths, comma separated")
-    ap.add_argument("--heads", type=int)
     ap.add_argument("--kv-heads", type=int, help="k/v heads (GQA); default = heads")
-    ap.add_argument("--head-dim", type=int)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="bf16/fp16 need CUDA")
     ap.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
@@ -79,8 +79,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--backend", default="torch", choices=("torch", "math", "flash_attn", "auto"),
                     help="local attention kernel (flash_attn needs CUDA and the flash-attn package)")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    ap.add_argument("--repeats", type=int, help="measured rounds per length (>= 5 for numbers to report)")
-    ap.add_argument("--warmup", type=int, help="unmeasured rounds first")
     ap.add_argument("--mem-budget-n", type=int, help="memory budget = what one process saves at this N (0: skip)")
     ap.add_argument("--train-strategies", help="training-step comparison, comma list ('none' to skip)")
     ap.add_argument("--train-seq-len", type=int, help="training sequence length (default: the preset's)")
@@ -89,13 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "(on in --preset lasp)")
     ap.add_argument("--model", metavar="PATH", help="the training-step case trains this local Hugging Face model "
                     "(a model directory or a config JSON, as `ds_seqpar.train --model`) instead of the small LM")
-    ap.add_argument("--out", default="reports", help="directory for <name>.md, <name>.rows.json, <name>/*.png")
-    ap.add_argument("--name", help="default: <device>_<preset>")
     ap.add_argument("--wandb", action="store_true", help="one wandb run per case (offline without credentials)")
     ap.add_argument("--wandb-project", default="ds_seqpar")
-    ap.add_argument("--notes", default="", help="free text added to the report")
-    ap.add_argument("--render", metavar="ROWS", help="measure nothing: rewrite the page and plots of a saved "
-                    "<name>.rows.json (e.g. after a change to the report's layout)")
     ap.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)      # the deepspeed launcher's
     return ap
 
@@ -122,13 +115,13 @@ def _device(args) -> str:
     cuda = torch.cuda.is_available()
     if args.device == "cuda" and not cuda:
         raise BenchError("--device cuda: CUDA is not available on this machine; use --device cpu")
-    device = args.device if args.device != "auto" else ("cuda" if cuda and _under_launcher() else "cpu")
+    device = args.device if args.device != "auto" else ("cuda" if cuda and under_launcher() else "cpu")
     if device == "cpu" and args.dtype in ("bf16", "fp16"):
         raise BenchError(f"--dtype {args.dtype} needs CUDA (--device cuda under a launcher): on CPU the local "
                          f"kernels would time a half-precision emulation no GPU run resembles; use --dtype fp32")
     if device == "cpu" and args.backend == "flash_attn":
         raise BenchError("--backend flash_attn needs CUDA and the flash-attn package; use --backend torch on CPU")
-    if device == "cuda" and not _under_launcher():
+    if device == "cuda" and not under_launcher():
         raise BenchError("--device cuda runs under a launcher (one GPU per rank), e.g. "
                          "`torchrun --nproc_per_node P -m ds_seqpar.cli bench --device cuda ...`")
     return device
@@ -172,24 +165,6 @@ def _check(a) -> None:
         raise BenchError(f"--repeats {a.repeats} must be >= 1 and --warmup {a.warmup} >= 0")
 
 
-def _under_launcher() -> bool:
-    from ..launch.spawn import under_launcher
-    return under_launcher()
-
-
-def machine(load_before, during: List[float]) -> Dict[str, Any]:
-    """CPU, versions, and the load: before, after, and the highest 1-minute value seen during the run."""
-    facts = machine_facts()
-    after, cpus = os.getloadavg(), facts["cpus"]
-    peak = max([load_before[0], after[0]] + during)
-    return dict(facts, load_before=loads(load_before), load_peak=peak, loaded=peak > cpus)
-
-
-def _command(argv: List[str]) -> str:
-    launcher = f"(each of WORLD_SIZE={os.environ.get('WORLD_SIZE')} ranks of a launcher) " if _under_launcher() else ""
-    return launcher + command_line("ds-seqpar bench", argv)
-
-
 def run(args: argparse.Namespace, argv: List[str], pools=None) -> Optional[Dict[str, Any]]:
     """Measure, write the rows; returns the results dict (the run's facts and what the ranks measured, "raw")
     on the writing rank (None elsewhere).
@@ -204,10 +179,14 @@ def run(args: argparse.Namespace, argv: List[str], pools=None) -> Optional[Dict[
         return None
     meta = dict(asdict(spec), name=args.name, cases=args.cases, comm_backend="nccl" if args.device == "cuda" else
                 "gloo", seq_lens=args.seq_lens, mem_budget_n=args.mem_budget_n, preset=args.preset, notes=args.notes,
-                command=_command(argv))
-    load_by_length = {str(n): per_rank[0]["lengths"][n]["load_1min"] for n in args.seq_lens}
-    during = list(load_by_length.values()) + [x for t in train.values() for x in t["load_1min"]]
-    res = {"meta": meta, "machine": machine(load_before, during), "elapsed_s": time.monotonic() - start,
+                command=(f"(each of WORLD_SIZE={os.environ.get('WORLD_SIZE')} ranks of a launcher) "
+                         if under_launcher() else "") + command_line("ds-seqpar bench", argv))
+    load_by_length = {str(n): per_rank[0]["load_1min"][n] for n in args.seq_lens}
+    # the load before, after, and the highest 1-minute value seen during the run
+    peak = max([load_before[0], os.getloadavg()[0]] + list(load_by_length.values())
+               + [x for t in train.values() for x in t["load_1min"]])
+    machine = dict(machine_facts(), load_before=loads(load_before), load_peak=peak, loaded=peak > os.cpu_count())
+    res = {"meta": meta, "machine": machine, "elapsed_s": time.monotonic() - start,
            "train_skipped": skipped, "train_model": _train_model(args), "load_by_length": load_by_length,
            "raw": {"ranks": per_rank, "train": train}}
     found = write(res, args.out)
@@ -231,25 +210,19 @@ def _train_model(args) -> Dict[str, Any]:
 def _measure(args, spec: BenchSpec, pools=None):
     """(per-rank results, training results, why training was skipped); None on non-writing ranks."""
     from .cases import run_rank
-    from ..launch.rankpool import RankPool
-    if _under_launcher():
+    if under_launcher():
         return _measure_under_launcher(args, spec)
-    if pools is not None and pools[0].world_size != args.P:
-        raise BenchError(f"--P {args.P} but the given pool has {pools[0].world_size} ranks")
-    pool, solo = pools or (RankPool(args.P, timeout_s=3600.0, threads_per_rank=1).start(), None)
-    try:
+    with contextlib.ExitStack() as stack:
+        pool, solo = pools or (stack.enter_context(fresh_pool(args.P)), None)
+        if pool.world_size != args.P:
+            raise BenchError(f"--P {args.P} but the given pool has {pool.world_size} ranks")
         per_rank = pool.run(run_rank, spec, args.seq_lens, args.mem_budget_n, timeout=3600.0)
         train = {}
         if args.train:
             from .train_step import measure_training
             # started only now: its process start and imports would load the attention timings
-            solo = solo or RankPool(1, timeout_s=3600.0, threads_per_rank=1).start()
+            solo = solo or stack.enter_context(fresh_pool(1))
             train = measure_training(pool, solo, args.train, _train_model(args), args.warmup, args.repeats)
-    finally:
-        if pools is None:
-            pool.close()
-            if solo is not None:
-                solo.close()
     return per_rank, train, "" if args.train else "skipped (--train-strategies none)"
 
 
@@ -279,7 +252,7 @@ def _measure_under_launcher(args, spec: BenchSpec):
 
 def write(res: Dict[str, Any], out: str) -> list:
     """<out>/<name>.md, .rows.json and the plots of a run's results (attention_rows.py); its rows."""
-    from .attention_rows import facts, rows, write_plots
+    from .attention_rows import facts, rows
     found = rows(res)
     write_plots(found, res["meta"], os.path.join(out, res["meta"]["name"]))
     meta = dict(res["meta"], train_model=res.get("train_model"))      # the run's parameters plan --calibrate reads
@@ -287,18 +260,15 @@ def write(res: Dict[str, Any], out: str) -> list:
     return found
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--render" in argv:
-        from .attention_rows import write_plots
-        path = build_parser().parse_args(argv).render
-        rows, facts = render_saved(path, "ds-seqpar bench")
-        write_plots(rows, facts["meta"], os.path.join(os.path.dirname(path) or ".", facts["meta"]["name"]))
-        return 0
+def measure(args: argparse.Namespace, argv: List[str]) -> int:
     try:
-        args = resolve(build_parser().parse_args(argv))
+        args = resolve(args)
     except BenchError as err:
         print(f"ds-seqpar bench: error: {err}", file=sys.stderr)
         return 2
     run(args, argv)
     return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    return suite_main(argv, build_parser(), measure, plots=write_plots)

@@ -1,6 +1,6 @@
 """The attention suite's rows: from what the ranks measured (cases.run_rank, train_step.measure_training,
 kept in the run's ``res["raw"]``) straight to rows (per length and case the ratios, each beside its bound
-and closed form from bench/predict.py), then the page's facts and the plots.
+from the cost model and its closed form), then the page's facts and the plots.
 
 Only ratios from the same run count: a speedup is the median over rounds of the per-round ratio
 baseline wall time / case wall time (a case's wall time in a round is its slowest rank's), with the
@@ -14,12 +14,13 @@ import os
 import statistics
 from typing import Any, Dict, List
 
+from ..cost import expected_imbalance, speedup_bound
 from ..report.plotting import MIB
 from ..report.rows import Row
 from ..report.targets import TARGETS
-from .cases import BASELINE, CASES
-from .harness import case_times, spread
-from .predict import attention_closed_form, expected_imbalance, speedup_bound
+from ..strategies.closed_form import Shapes
+from .cases import BASELINE, CASES, DTYPES
+from .harness import case_times, closed_form, spread, versus
 
 SPEEDUP = "Attention fwd+bwd speedup over one process"
 BYTES = "Bytes per rank against the closed form"
@@ -30,13 +31,13 @@ LASP = "LASP-1 (ring) vs LASP-2 (all-gather)"
 TRAIN = "Whole training step, ZeRO-2: P ranks (sp=P, dp=1) vs one"
 
 
-def _why(r: Dict[str, Any], bound_target: float) -> str:
+def _why(cpu_ratio: float, imbalance: float, inflation: float, wait, wall: float, bound_target: float) -> str:
     """A measured reason for a missed speedup: compute (CPU ratio, imbalance, inflation) vs waiting."""
-    if r["cpu_ratio"] < bound_target:
-        return (f"compute itself: CPU ratio {r['cpu_ratio']:.2f} (imbalance {r['imbalance']:.2f}, total work "
-                f"{r['inflation']:.2f}x single)")
-    return (f"compute is on target (CPU ratio {r['cpu_ratio']:.2f}); the rest is waiting and scheduling (comm wait "
-            f"up to {max(r.get('wait_s') or [0.0]):.3f} s per rank, wall {r['time_s']['median']:.3f} s)")
+    if cpu_ratio < bound_target:
+        return (f"compute itself: CPU ratio {cpu_ratio:.2f} (imbalance {imbalance:.2f}, total work "
+                f"{inflation:.2f}x single)")
+    return (f"compute is on target (CPU ratio {cpu_ratio:.2f}); the rest is waiting and scheduling (comm wait "
+            f"up to {max(wait or [0.0]):.3f} s per rank, wall {wall:.3f} s)")
 
 
 def _loaded(load: float, cpus: int) -> str:
@@ -44,51 +45,62 @@ def _loaded(load: float, cpus: int) -> str:
 
 
 def _attention(res, seq: int, last: bool) -> List[Row]:
+    """One length's rows: each case against its family's baseline, per round (harness.case_times, versus)."""
     per_rank, m, out = res["raw"]["ranks"], res["meta"], []
-    p, rows = m["world"], {case: case_row(per_rank, seq, case, m) for case in m["cases"]}
+    p, variant = m["world"], f"N={seq}"
     load, cpus = res.get("load_by_length", {}).get(str(seq), 0.0), res.get("machine", {}).get("cpus") or 1
-    for case, r in rows.items():
-        key = f"speedup.{case}" if last and case != r["baseline"] and f"speedup.{case}" in TARGETS else None
-        why = _why(r, TARGETS[key].threshold(r["bound"])) + _loaded(load, cpus) if key else ""
-        out.append(Row("attention", case, f"N={seq}", SPEEDUP, "x", r["speedup"]["median"],
-                       (r["speedup"]["min"], r["speedup"]["max"]), bound=r["bound"], target=key, detail={
-                           "wall s": r["time_s"]["median"], "CPU s per rank": r["cpu_s"], "CPU ratio": r["cpu_ratio"],
-                           "imbalance (expected)": f"{r['imbalance']:.2f} ({r['expected_imbalance']:.2f})",
-                           "work vs single": r["inflation"], "comm wait s per rank": r.get("wait_s"), "why": why}))
-    for case, r in rows.items():
-        if r.get("bytes_form") is None:
+    times = {case: case_times(per_rank, f"{case}/{seq}") for case in m["cases"]}
+    saved = {case: [x for x in (r["saved_bytes"][f"{case}/{seq}"] for r in per_rank) if x is not None]
+             for case in m["cases"]}
+    for case, t in times.items():
+        base = BASELINE[CASES[case].attention]
+        vs, base_cpu, cpu = versus(times[base], t), times[base]["cpu"][0], t["cpu"]
+        bound = speedup_bound(case, p, m["causal"]) if case != base else 1.0
+        expected = expected_imbalance(case, p, m["causal"]) if case != base else 1.0
+        wait = t["wait"] if CASES[case].runner == "sp" else None
+        key = f"speedup.{case}" if last and case != base and f"speedup.{case}" in TARGETS else None
+        why = _why(base_cpu / max(cpu), t["imbalance"], sum(cpu) / base_cpu, wait, t["time"],
+                   TARGETS[key].threshold(bound)) + _loaded(load, cpus) if key else ""
+        out.append(Row("attention", case, variant, SPEEDUP, "x", vs["ratio"], vs["ratio_range"], bound=bound,
+                       target=key, detail={
+                           "wall s": t["time"], "CPU s per rank": cpu, "CPU ratio": base_cpu / max(cpu),
+                           "imbalance (expected)": f"{t['imbalance']:.2f} ({expected:.2f})",
+                           "work vs single": sum(cpu) / base_cpu, "comm wait s per rank": wait, "why": why}))
+    shapes = Shapes(m["batch"], seq, m["heads"], m["kv_heads"], m["head_dim"], DTYPES[m["dtype"]].itemsize)
+    for case in (c for c in m["cases"] if CASES[c].runner in ("sp", "deepspeed")):   # the cases that communicate
+        form = closed_form(case, p, shapes)
+        if CASES[case].runner == "deepspeed":
+            out.append(Row("attention", case, variant, BYTES, "B", None, predicted=form,
+                           detail={"measured": "not measured (DeepSpeed's own collectives)"}))
             continue
-        measured, why = r.get("bytes"), ""
-        if measured and not r["bytes_constant"]:
-            measured, why = [float("nan")] * p, "bytes varied between rounds"
-        out.append(Row("attention", case, f"N={seq}", BYTES, "B", measured, predicted=r["bytes_form"],
-                       target="bytes" if measured else None,
-                       detail={"why": why} if measured else {"measured": "not measured (DeepSpeed's own collectives)"}))
-    for case, r in rows.items():
-        base = rows[r["baseline"]]["saved_bytes"][0]
-        held = last and case != r["baseline"] and CASES[case].runner != "local"
-        out.append(Row("attention", case, f"N={seq}", MEMORY, "x", r["mem_ratio"], bound=1 / p,
+        sent = [sorted({x["bytes"] for x in r["rounds"][f"{case}/{seq}"]}) for r in per_rank]
+        varied = any(len(s) > 1 for s in sent)
+        out.append(Row("attention", case, variant, BYTES, "B", [float("nan")] * p if varied else [s[-1] for s in sent],
+                       predicted=form, target="bytes", detail={"why": "bytes varied between rounds" if varied else ""}))
+    for case in m["cases"]:
+        base = BASELINE[CASES[case].attention]
+        held = last and case != base and CASES[case].runner != "local"
+        base_saved = saved[base][0]
+        out.append(Row("attention", case, variant, MEMORY, "x", max(saved[case]) / base_saved, bound=1 / p,
                        target="activation_memory" if held else None, detail={
-                           "MiB per rank": [b / MIB for b in r["saved_bytes"]], "baseline MiB": base / MIB,
-                           "why": f"{r['mem_extra_bytes']:.0f} bytes per rank beyond 1/P of one process's: state "
-                                  f"that does not shrink with N (LASP: one d x d state per head)"}))
-    if "ds_ulysses" in rows and "ulysses" in rows:
-        ours, theirs = rows["ulysses"], rows["ds_ulysses"]
-        # paired per round, like the speedups: ours / DeepSpeed's wall time
-        ours_walls, theirs_walls = (_times(per_rank, seq, c)["walls"] for c in ("ulysses", "ds_ulysses"))
-        s = spread([o / t for o, t in zip(ours_walls, theirs_walls)])
-        out.append(Row("attention", "ulysses / ds_ulysses", f"N={seq}", PEER, "x", s["median"], (s["min"], s["max"]),
+                           "MiB per rank": [b / MIB for b in saved[case]], "baseline MiB": base_saved / MIB,
+                           "why": f"{max(saved[case]) - base_saved / p:.0f} bytes per rank beyond 1/P of one "
+                                  f"process's: state that does not shrink with N (LASP: one d x d state per head)"}))
+    if "ds_ulysses" in times and "ulysses" in times:
+        ours, theirs = times["ulysses"], times["ds_ulysses"]
+        vs = versus(ours, theirs)                 # paired per round, like the speedups
+        out.append(Row("attention", "ulysses / ds_ulysses", variant, PEER, "x", vs["ratio"], vs["ratio_range"],
                        target="vs_deepspeed" if last else None, detail={
-                           "ours s": ours["time_s"]["median"], "DeepSpeed s": theirs["time_s"]["median"],
-                           "why": f"compute is the same (CPU per rank ours {max(ours['cpu_s']):.3f} s, theirs "
-                                  f"{max(theirs['cpu_s']):.3f} s), so the gap is in the all-to-alls (ours waited up to "
-                                  f"{max(ours.get('wait_s') or [0.0]):.3f} s per rank)" + _loaded(load, cpus)}))
-    if "lasp1" in rows and "lasp2" in rows:
-        t = {c: rows[c]["time_s"]["median"] for c in ("lasp1", "lasp2", "halves") if c in rows}
+                           "ours s": ours["time"], "DeepSpeed s": theirs["time"],
+                           "why": f"compute is the same (CPU per rank ours {max(ours['cpu']):.3f} s, theirs "
+                                  f"{max(theirs['cpu']):.3f} s), so the gap is in the all-to-alls (ours waited up to "
+                                  f"{max(ours['wait'] or [0.0]):.3f} s per rank)" + _loaded(load, cpus)}))
+    if "lasp1" in times and "lasp2" in times:
+        t = {c: times[c]["time"] for c in ("lasp1", "lasp2", "halves") if c in times}
         pairs = [("LASP-1 / LASP-2 time", "lasp1", "lasp2")] + \
             ([("LASP-2 / halves time", "lasp2", "halves"), ("LASP-1 / halves time", "lasp1", "halves")]
              if "halves" in t else [])
-        out += [Row("attention", label, f"N={seq}", LASP, "x", t[a] / t[b]) for label, a, b in pairs]
+        out += [Row("attention", label, variant, LASP, "x", t[a] / t[b]) for label, a, b in pairs]
     return out
 
 
@@ -117,9 +129,10 @@ def rows(res: Dict[str, Any]) -> List[Row]:
     cpus = res.get("machine", {}).get("cpus") or 1
     for s, t in res["raw"]["train"].items():
         c = statistics.median(t["compute_ratios"])
-        why = (f"the busiest rank's fwd+bwd CPU time shrinks only {c:.2f}x" if c < TARGETS["train_step"].threshold(
-            float(m["world"])) else f"fwd+bwd CPU time shrinks {c:.2f}x; the rest of the step (ZeRO-2 gradient reduction, "
-            f"optimizer, loss all-reduce, waiting for the slower rank) does not shrink with P")
+        short = c < TARGETS["train_step"].threshold(float(m["world"]))
+        why = (f"the busiest rank's fwd+bwd CPU time shrinks only {c:.2f}x" if short else
+               f"fwd+bwd CPU time shrinks {c:.2f}x; the rest of the step (ZeRO-2 gradient reduction, optimizer, "
+               f"loss all-reduce, waiting for the slower rank) does not shrink with P")
         out.append(step_row("attention", s, f"seq {res['train_model']['seq_len']}", TRAIN, t, bound=float(m["world"]),
                             target="train_step", why=why + _loaded(max(t["load_1min"]), cpus)))
     return out
@@ -146,10 +159,10 @@ def facts(res: Dict[str, Any]) -> Dict[str, Any]:
     return {
         "title": f"Sequence-parallel benchmark `{m['name']}`",
         "setup": f"P={m['world']} ranks x 1 thread ({m['device']}, {m['comm_backend']}), {m['dtype']}, "
-                 f"{'causal' if m['causal'] else 'non-causal'}, batch {m['batch']}, {m['heads']} heads ({m['kv_heads']} "
-                 f"k/v), head_dim {m['head_dim']}, kernel `{m['backend']}`, forward + backward; lengths "
-                 f"{', '.join(map(str, m['seq_lens']))}; {m['warmup']} warm-up + {m['repeats']} interleaved rounds per "
-                 f"length; medians over rounds with (min-max).{loaded}",
+                 f"{'causal' if m['causal'] else 'non-causal'}, batch {m['batch']}, {m['heads']} heads "
+                 f"({m['kv_heads']} k/v), head_dim {m['head_dim']}, kernel `{m['backend']}`, forward + backward; "
+                 f"lengths {', '.join(map(str, m['seq_lens']))}; {m['warmup']} warm-up + {m['repeats']} interleaved "
+                 f"rounds per length; medians over rounds with (min-max).{loaded}",
         "command": m["command"], "notes": m.get("notes", ""),
         "machine": f"{mach['cpu_model']}, {mach['cpus']} cores; load average before {mach['load_before']}, after "
                    f"{mach['load_after']}, highest 1-minute value seen during the run {mach['load_peak']:.2f}; torch "
@@ -162,8 +175,8 @@ def facts(res: Dict[str, Any]) -> Dict[str, Any]:
                      "work vs single = sum of per-rank CPU / baseline CPU. halves: every rank the single-process "
                      "kernel on its own N/P tokens, no exchange: the bound no exact scheme beats here.",
             BYTES: "What CommStats recorded per rank for one fwd+bwd, against `strategies/closed_form.py`.",
-            TRAIN: f"{model}, micro-batch {t.get('micro_batch')}, {t.get('steps')} steps per run (the first is warm-up), "
-                   f"through train.run_training; rounds alternate the 1-rank and the P-rank run. "
+            TRAIN: f"{model}, micro-batch {t.get('micro_batch')}, {t.get('steps')} steps per run (the first is "
+                   f"warm-up), through train.run_training; rounds alternate the 1-rank and the P-rank run. "
                    + ("" if res["raw"]["train"] else res.get("train_skipped", "not measured"))},
         "images": [(caption, f"{m['name']}/{png}.png") for png, caption in PLOTS.items()]}
 
@@ -197,41 +210,3 @@ def write_plots(rows_: List[Row], meta: Dict[str, Any], folder: str) -> List[str
             bar_figure({r.case: r.detail["CPU s per rank"] for r in speed if r.variant == f"N={last}"},
                        os.path.join(folder, "imbalance.png"), "CPU seconds per rank (fwd+bwd)",
                        f"Per-rank compute at N={last}")]
-
-
-def _times(per_rank: List[Dict[str, Any]], seq: int, case: str) -> Dict[str, Any]:
-    """harness.case_times of one case at one length (the slowest rank's wall per round, CPU per rank, ...)."""
-    return case_times([{"rounds": r["lengths"][seq]["rounds"]} for r in per_rank], case)
-
-
-def case_row(per_rank: List[Dict[str, Any]], seq: int, case: str, meta: Dict[str, Any]) -> Dict[str, Any]:
-    """Every number of one case at one length."""
-    p, causal = meta["world"], meta["causal"]
-    base = BASELINE[CASES[case].attention]
-    t, b = _times(per_rank, seq, case), _times(per_rank, seq, base)
-    walls, cpu, base_cpu = t["walls"], t["cpu"], b["cpu"][0]
-    saved = [r["lengths"][seq]["saved_bytes"][case] for r in per_rank]
-    saved = [s for s in saved if s is not None]
-    base_saved = per_rank[0]["lengths"][seq]["saved_bytes"][base]
-    row = {"case": case, "seq": seq, "baseline": base, "time_s": spread(walls),
-           "speedup": spread([x / w for x, w in zip(b["walls"], walls)]),
-           "cpu_s": cpu, "cpu_ratio": base_cpu / max(cpu), "imbalance": max(cpu) / statistics.mean(cpu),
-           "inflation": sum(cpu) / base_cpu, "saved_bytes": saved, "mem_ratio": max(saved) / base_saved,
-           "mem_extra_bytes": max(saved) - base_saved / p,
-           "bound": speedup_bound(case, p, causal) if case != base else 1.0,
-           "expected_imbalance": expected_imbalance(case, p, causal) if case != base else 1.0}
-    if CASES[case].runner in ("sp", "deepspeed"):        # the cases that communicate
-        row["wait_s"] = t["wait"] if CASES[case].runner == "sp" else None
-        row.update(_bytes_fields(per_rank, seq, case, meta))
-    return row
-
-
-def _bytes_fields(per_rank, seq, case, meta) -> Dict[str, Any]:
-    """Measured bytes per rank (one value per rank over all rounds, else it is a FAIL) against the
-    closed form; DeepSpeed's collectives bypass CommStats, so only the form is given there."""
-    c = CASES[case]
-    form = attention_closed_form(dict(c.config), meta, seq)
-    if c.runner != "sp":
-        return {"bytes": None, "bytes_form": form, "bytes_constant": True}
-    sent = [sorted({x["bytes"] for x in r["lengths"][seq]["rounds"][case]}) for r in per_rank]
-    return {"bytes": [s[-1] for s in sent], "bytes_form": form, "bytes_constant": all(len(s) == 1 for s in sent)}

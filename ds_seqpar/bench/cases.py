@@ -1,15 +1,9 @@
-"""Rank-side measurements of ``ds-seqpar bench``: every case (the single-process kernels, each
-strategy, DeepSpeed's own Ulysses, the no-communication "halves" bound) timed side by side in
-interleaved rounds, plus the bytes each case saves for backward. Runs on every rank (RankPool or a
-launcher); attention.py drives it and attention_rows.py turns what it returns into ratios.
-
-Round structure: for each sequence length, the harness's ``warmup + repeats`` interleaved rounds;
-each round runs every case once in a fixed order after a barrier (A B C A B C ...), so load from
-other processes hits all cases alike. A "single" case runs on rank 0 only (one thread, the whole
-sequence) while the other ranks wait in the next barrier. Per case and round each rank returns its wall time, the main
-thread's CPU time (the compute: waiting in a collective costs little CPU), the seconds it sat
-blocked in communication and the bytes it sent (CommStats; None for DeepSpeed's collectives,
-which bypass it). On CUDA "cpu" is the wall time between synchronisations instead.
+"""Rank-side measurements of the attention suite: its cases (the single-process kernels, each strategy,
+DeepSpeed's own Ulysses, the no-communication "halves" bound) built once per rank and timed at every
+length in the harness's interleaved rounds, with the bytes each saves for backward; then the longest
+sequence in a memory budget and the LASP kernel pieces. A "single" case runs on rank 0 only (one thread,
+the whole sequence) while the other ranks wait in the next barrier; DeepSpeed's collectives bypass
+CommStats, so its bytes are not measured. attention.py drives it, attention_rows.py turns it into rows.
 """
 from __future__ import annotations
 
@@ -17,48 +11,32 @@ import math
 import os
 import statistics
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from ..strategies import RING_STRATEGIES
-from .harness import alone, attention_inputs, fwd_bwd, interleaved_rounds, saved_bytes
+from .harness import (LINEAR, SOFTMAX, SP_KEYS, alone, attention_inputs, fwd_bwd, interleaved_rounds, on_rank0,
+                      saved_bytes, strategy_config)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
 
-@dataclass(frozen=True)
-class Case:
-    """One measured variant. runner: "single" (rank 0, whole sequence), "sp" (our strategy, with
-    these sequence_parallel keys), "deepspeed" (deepspeed.sequence.layer.DistributedAttention),
-    "local" (every rank runs the single-process kernel on its own N/P tokens and exchanges nothing:
-    not attention over the sequence, but the bound no exact scheme beats on this machine, since
-    ranks running at once share caches and memory bandwidth)."""
+class Case(NamedTuple):
+    """How a case of the vocabulary runs. runner: "single" (rank 0, whole sequence), "sp" (our strategy,
+    harness.strategy_config), "deepspeed" (deepspeed.sequence.layer.DistributedAttention), "local" (every
+    rank runs the single-process kernel on its own N/P tokens and exchanges nothing: not attention over the
+    sequence, but the bound no exact scheme beats on this machine, since ranks running at once share
+    caches and memory bandwidth)."""
 
-    name: str
     attention: str                                   # softmax | linear
     runner: str
-    config: Tuple[Tuple[str, Any], ...] = ()
-
-    @property
-    def strategy(self) -> Optional[str]:
-        return dict(self.config).get("strategy")
 
 
-# one case per softmax strategy of the registry (Ulysses first, then the ring family), named after it
-SOFTMAX_STRATEGIES = ("ulysses",) + RING_STRATEGIES
-
-CASES: Dict[str, Case] = {c.name: c for c in (
-    Case("single", "softmax", "single"),
-    *(Case(name, "softmax", "sp", (("strategy", name),)) for name in SOFTMAX_STRATEGIES),
-    Case("zigzag_no_overlap", "softmax", "sp", (("strategy", "zigzag"), ("overlap", False))),
-    Case("hybrid", "softmax", "sp", (("strategy", "zigzag"), ("ulysses_size", 2))),
-    Case("ds_ulysses", "softmax", "deepspeed"),
-    Case("single_linear", "linear", "single"),
-    Case("lasp2", "linear", "sp", (("strategy", "lasp"), ("lasp_comm", "allgather"))),
-    Case("lasp1", "linear", "sp", (("strategy", "lasp"), ("lasp_comm", "ring"))),
-    Case("halves", "linear", "local"),
-)}
+# in the pages' order: each family's baseline first
+CASES: Dict[str, Case] = {"single": Case("softmax", "single"),
+                          **{name: Case("softmax", "sp") for name in SOFTMAX + ("zigzag_no_overlap", "hybrid")},
+                          "ds_ulysses": Case("softmax", "deepspeed"), "single_linear": Case("linear", "single"),
+                          **{name: Case("linear", "sp") for name in LINEAR}, "halves": Case("linear", "local")}
 BASELINE = {"softmax": "single", "linear": "single_linear"}
 
 
@@ -82,13 +60,9 @@ class BenchSpec:
     lasp_breakdown: bool = False    # kernel work per LASP rank position (lasp_pieces), rank 0 alone
 
 
-# ---------------------------------------------------------------------------------------------
-# building the cases on a rank
-
-
 class RankCases:
-    """The attend functions of every selected case on this rank, built once (process groups are
-    collective to create, so all SequenceParallel objects live for the whole measurement)."""
+    """The attend function, shards and CommStats of every selected case on this rank, built once (process
+    groups are collective to create, so all SequenceParallel objects live for the whole measurement)."""
 
     def __init__(self, spec: BenchSpec):
         from .. import comm
@@ -100,28 +74,21 @@ class RankCases:
             if spec.device == "cuda" else torch.device("cpu")
         self.dtype = DTYPES[spec.dtype]
         self.kernel = get_kernel(spec.backend, self.device)
-        self.scale = spec.head_dim ** -0.5
         self.decay = head_decay(spec.heads, self.device) if spec.decay else None
-        self.sps = {}
-        for name in spec.cases:
-            case = CASES[name]
-            if case.runner == "sp":
-                cfg = dict(case.config, size=spec.world)
-                if case.attention == "softmax":
-                    cfg["backend"] = spec.backend
-                self.sps[name] = SequenceParallel(cfg, device=self.device)
+        self.sps = {name: SequenceParallel(strategy_config(name, spec.world, spec.backend), device=self.device)
+                    for name in spec.cases if CASES[name].runner == "sp"}
         self.ds_attn = self._deepspeed_ulysses() if "ds_ulysses" in spec.cases else None
 
-    def _deepspeed_ulysses(self):
-        """DeepSpeed's Ulysses around the same local kernel, on the whole world's group."""
+    def _deepspeed_ulysses(self) -> Callable:
+        """DeepSpeed's Ulysses around the same local kernel, on the group of our Ulysses."""
         import deepspeed
         from deepspeed.sequence.layer import DistributedAttention
         from .. import comm
         from ..kernels import local_attention
         from ..sequence_parallel import SequenceParallel
         deepspeed.init_distributed(dist_backend=comm.backend_name())     # adopt the running world
-        group = SequenceParallel({"strategy": "ulysses", "size": self.spec.world}, device=self.device).group
-        causal, kernel, scale = self.spec.causal, self.kernel, self.scale
+        group = SequenceParallel(strategy_config("ds_ulysses", self.spec.world), device=self.device).group
+        causal, kernel, scale = self.spec.causal, self.kernel, self.spec.head_dim ** -0.5
 
         def local(q, k, v, *args, **kwargs):                  # [b, N, H/P, d] head-sharded, whole sequence
             return local_attention(q, k, v, kernel, causal, scale)
@@ -131,19 +98,19 @@ class RankCases:
 
     def attend(self, name: str) -> Callable:
         """q, k, v (this case's shards) -> output, differentiable."""
-        case, causal = CASES[name], self.spec.causal
-        if name == "single":
-            from ..kernels import local_attention
-            return lambda q, k, v: local_attention(q, k, v, self.kernel, causal, self.scale)
-        if name in ("single_linear", "halves"):
-            from ..kernels.linear import linear_attention
-            return lambda q, k, v: linear_attention(q, k, v, self.decay)
+        from ..kernels import local_attention
+        from ..kernels.linear import linear_attention
+        case, causal, scale = CASES[name], self.spec.causal, self.spec.head_dim ** -0.5
         if case.runner == "deepspeed":
             return lambda q, k, v: self.ds_attn(q, k, v, 0)
-        sp = self.sps[name]
-        if case.attention == "linear":
-            return lambda q, k, v: sp.linear_attention(q, k, v, self.decay)
-        return lambda q, k, v: sp.attention(q, k, v, causal=causal)
+        sp = self.sps.get(name)
+        if sp is not None:
+            if case.attention == "linear":
+                return lambda q, k, v: sp.linear_attention(q, k, v, self.decay)
+            return lambda q, k, v: sp.attention(q, k, v, causal=causal)
+        if case.attention == "linear":                            # single_linear, halves
+            return lambda q, k, v: linear_attention(q, k, v, self.decay)
+        return lambda q, k, v: local_attention(q, k, v, self.kernel, causal, scale)
 
     def inputs(self, name: str, seq: int, seed: int = 0) -> Optional[List[torch.Tensor]]:
         """This rank's q, k, v, dout for the case (None: the case does not run on this rank)."""
@@ -157,9 +124,6 @@ class RankCases:
             return [self.sps[name].shard(t).clone() for t in full]
         return [t.chunk(s.world, dim=1)[self.rank].clone() for t in full]      # DeepSpeed, halves: contiguous
 
-    def stats(self, name: str):
-        return self.sps[name].stats if name in self.sps else None
-
 
 # ---------------------------------------------------------------------------------------------
 # what the ranks run
@@ -168,29 +132,22 @@ class RankCases:
 def run_rank(spec: BenchSpec, seq_lens: List[int], budget_n: Optional[int]) -> Dict[str, Any]:
     """What every rank runs: timing and memory at each length, then the longest-sequence search."""
     cases = RankCases(spec)
-    out = {"lengths": measure(cases, seq_lens)}
+    out = measure(cases, seq_lens)
     if budget_n:
         out["max_seq"] = max_seq_search(cases, budget_n)
     if spec.lasp_breakdown:
-        out["lasp_breakdown"] = lasp_breakdown(cases, max(seq_lens))
+        out["lasp_breakdown"] = on_rank0(lasp_breakdown, cases, max(seq_lens))
     return out
 
 
-def lasp_breakdown(cases: "RankCases", seq: int) -> Optional[Dict[str, Any]]:
-    """Rank 0, alone on its share of the machine after the rounds: where a LASP rank's time goes without
-    the transfers, the kernel work of one fwd+bwd at the local length seq / P per rank position
-    (lasp_pieces), median CPU seconds. None on the other ranks."""
-    from .. import comm
-    spec, out = cases.spec, None
-    comm.barrier()
-    if cases.rank == 0:
-        local = seq // spec.world
-        q, k, v, dout = attention_inputs(local, spec.heads, spec.head_dim, spec.kv_heads, spec.batch, cases.dtype,
-                                         cases.device)
-        times = alone(lasp_pieces(q, k, v, dout, cases.decay), 3 * spec.repeats, device=spec.device)
-        out = {"local_len": local, "cpu_s": {name: statistics.median(t) for name, t in times.items()}}
-    comm.barrier()
-    return out
+def lasp_breakdown(cases: "RankCases", seq: int) -> Dict[str, Any]:
+    """Where a LASP rank's time goes without the transfers: the kernel work of one fwd+bwd at the local
+    length seq / P per rank position (lasp_pieces), median CPU seconds (rank 0 alone, after the rounds)."""
+    spec, local = cases.spec, seq // cases.spec.world
+    q, k, v, dout = attention_inputs(local, spec.heads, spec.head_dim, spec.kv_heads, spec.batch, cases.dtype,
+                                     cases.device)
+    times = alone(lasp_pieces(q, k, v, dout, cases.decay), 3 * spec.repeats, device=spec.device)
+    return {"local_len": local, "cpu_s": {name: statistics.median(t) for name, t in times.items()}}
 
 
 def lasp_rank(q, k, v, dout, decay_h, state_in: Optional[torch.Tensor], dstate_local: Optional[torch.Tensor],
@@ -225,21 +182,18 @@ def lasp_pieces(q, k, v, dout, decay_h, chunk: int = 64) -> Dict[str, Callable[[
     }
 
 
-def measure(cases: "RankCases", seq_lens: List[int]) -> Dict[int, Dict[str, Any]]:
-    """Every case at every length: interleaved timing rounds and saved bytes on this rank."""
+def measure(cases: "RankCases", seq_lens: List[int]) -> Dict[str, Dict[str, Any]]:
+    """Every case at every length on this rank, keyed "case/N": the interleaved timing rounds and the bytes
+    saved for backward; and per length the 1-minute load as its rounds end (a neighbour's burst shows)."""
     from .. import comm
-    spec = cases.spec
-    out = {}
+    out: Dict[str, Dict[str, Any]] = {"rounds": {}, "saved_bytes": {}, "load_1min": {}}
     for seq in seq_lens:
-        shards = {name: cases.inputs(name, seq) for name in spec.cases}
-        fns = {(name, seq): (None if shards[name] is None else
-                             (lambda a=cases.attend(name), x=shards[name]: fwd_bwd(a, *x)), cases.stats(name))
-               for name in spec.cases}
-        timed_rounds = interleaved_rounds(fns, spec.warmup, spec.repeats, spec.device)
-        rounds = {name: timed_rounds[f"{name}/{seq}"] for name in spec.cases}
-        memory = {name: _saved(cases, name, shards[name]) for name in spec.cases}
-        # the 1-minute load average as this length's rounds end: a neighbour's burst mid-run shows here
-        out[seq] = {"rounds": rounds, "saved_bytes": memory, "load_1min": os.getloadavg()[0]}
+        shards = {name: cases.inputs(name, seq) for name in cases.spec.cases}
+        fns = {(name, seq): (None if x is None else (lambda a=cases.attend(name), x=x: fwd_bwd(a, *x)),
+                             cases.sps[name].stats if name in cases.sps else None) for name, x in shards.items()}
+        out["rounds"].update(interleaved_rounds(fns, cases.spec.warmup, cases.spec.repeats, cases.spec.device))
+        out["saved_bytes"].update({f"{name}/{seq}": _saved(cases, name, x) for name, x in shards.items()})
+        out["load_1min"][seq] = os.getloadavg()[0]
         del shards, fns
     comm.barrier()
     return out
@@ -261,7 +215,7 @@ def max_seq_search(cases: RankCases, budget_n: int) -> Dict[str, Dict[str, int]]
     spec = cases.spec
     # every layout's divisor (zigzag: 2P chunks, the hybrid: times U) and no finer than 64 tokens, so a
     # search costs ~2 log2(N / 64) forward passes
-    step = math.lcm(64, *(2 * spec.world * dict(CASES[n].config).get("ulysses_size", 1) for n in spec.cases))
+    step = math.lcm(64, *(2 * spec.world * SP_KEYS.get(n, {}).get("ulysses_size", 1) for n in spec.cases))
     budgets = {}
     for base in ("single", "single_linear"):
         if base in spec.cases and cases.rank == 0:

@@ -4,25 +4,15 @@ document lengths, interleaved in one run (not a test).
     ds-seqpar bench dynamic [--lengths FILE,FILE] [--P 4] [--max_tokens_per_rank 512]
                             [--tokens_per_step 16384] [--strategy zigzag] [--zero 2] [--repeats 5]
 
-Every case trains the own LM (the main job's default model, ZeRO ``--zero``) one optimizer step
-per round on the same documents: the round's global batch drawn from FILE (data.documents_for_step,
-seeded by the round) and cut at the largest group's capacity C = P x T. Cases:
-
-* ``static:<s>`` for every size s dividing P: rows of C tokens on groups of s ranks (C / s tokens
-  per rank: sizes below P hold more than T tokens per rank),
-* ``dynamic`` at T (each document on the smallest group holding it at T tokens per rank), and
-  ``dynamic:T=<C/s>`` for the static sizes s strictly between 1 and P: dynamic with the tokens per
-  rank static:<s> holds (at T = C every document fits on one rank and dynamic's schedule is
-  static:1's: the same scheduler, one size).
-
-Each round runs every case once after a barrier, in a fixed order, so load from other processes hits
-all alike. Per case and round: each rank's CPU time of the whole step (process time: the rank's
-communication threads included; schedule, rounds, optimizer step), the wall time, loss, bytes sent
-and rounds. With more ranks than cores the wall clock measures the machine's sharing, so the primary
-figure is the critical path: the busiest rank's CPU seconds (``critical_cpu_s``, median over
-rounds); ``tokens_per_s`` is tokens over the wall time; the balance bound is the mean over ranks (what
-the busiest rank would spend if the step's work were spread evenly). The cases' losses must agree
-(the same token-level mean): a speed-up of a different computation would mean nothing.
+Every case (``cases``: each static size, dynamic at T and at the tokens per rank each static size
+holds) trains the own LM (the main job's default model, ZeRO ``--zero``) one optimizer step per round
+on the same documents: the round's global batch drawn from FILE (data.documents_for_step, seeded by
+the round) and cut at the largest group's capacity C = P x T. Rounds run every case once after a
+barrier, in a fixed order. With more ranks than cores the wall clock measures the machine's sharing,
+so the primary figure is the critical path: the busiest rank's CPU seconds of the whole step (process
+time: its communication threads included), median over rounds; its bound is the mean over ranks
+(the step's work spread evenly). The cases' losses must agree (the same token-level mean): a
+speed-up of a different computation would mean nothing.
 """
 from __future__ import annotations
 
@@ -32,7 +22,7 @@ import statistics
 from typing import Any, Dict, List, Optional
 
 from ..report.rows import Row
-from .harness import command_line, machine_line, measure_on_pool, suite_main, suite_parser, write_page
+from .harness import command_line, measure_on_pool, suite_facts, suite_main, suite_parser, write_page
 
 PROG = "ds-seqpar bench dynamic"
 LOSS_REL = 1e-4
@@ -122,22 +112,20 @@ def bench_rank(args) -> Dict[str, Any]:
 
 
 def summarize(per_rank: List[Dict[str, Any]]) -> Dict[str, Dict[str, Dict[str, Any]]]:
-    """file -> case -> medians over rounds of the busiest rank's CPU, the mean rank's, wall, ..."""
+    """file -> case -> per round: the busiest rank's CPU seconds, the mean rank's, tokens per wall second, ..."""
     out: Dict[str, Dict[str, Dict[str, Any]]] = {}
-    for name in per_rank[0]["per"]:
+    for name, by_case in per_rank[0]["per"].items():
         out[name] = {}
-        for case, rounds in per_rank[0]["per"][name].items():
+        for case, rounds in by_case.items():
             at = [[r["per"][name][case][i] for r in per_rank] for i in range(len(rounds))]   # [round][rank]
             crit = [max(x["cpu"] for x in rnd) for rnd in at]
             mean = [statistics.fmean(x["cpu"] for x in rnd) for rnd in at]
-            wall = [max(x["wall"] for x in rnd) for rnd in at]
             out[name][case] = {
-                "critical_cpu_s": crit, "mean_cpu_s": mean, "wall_s": wall,
-                "tokens_per_s": [rnd[0]["tokens"] / w for rnd, w in zip(at, wall)],
-                "imbalance": [c / m for c, m in zip(crit, mean)],
+                "critical_cpu_s": crit, "mean_cpu_s": mean, "imbalance": [c / m for c, m in zip(crit, mean)],
+                "tokens_per_s": [rnd[0]["tokens"] / max(x["wall"] for x in rnd) for rnd in at],
                 "bytes": [max(x["bytes"] for x in rnd) for rnd in at], "rounds": [rnd[0]["rounds"] for rnd in at],
                 "losses": [rnd[0]["loss"] for rnd in at], "sizes": sorted({s for rnd in at for s in rnd[0]["sizes"]}),
-                "priced_imbalance": [rnd[0]["priced_imbalance"] for rnd in at], "cut": [rnd[0]["cut"] for rnd in at]}
+                "priced_imbalance": [rnd[0]["priced_imbalance"] for rnd in at]}
     return out
 
 
@@ -165,8 +153,9 @@ def rows(summary, meta) -> List[Row]:
         for case, r in by_case.items():
             crit = r["critical_cpu_s"]
             detail = {"tokens per rank": per_rank[case]["per_rank"], "rounds": med(r["rounds"]),
-                      "imbalance": round(med(r["imbalance"]), 3), "priced imbalance": round(med(r["priced_imbalance"]), 3),
-                      "bytes": med(r["bytes"]), "group sizes": r["sizes"], "vs best static": round(static[best] / med(crit), 3)}
+                      "imbalance": round(med(r["imbalance"]), 3),
+                      "priced imbalance": round(med(r["priced_imbalance"]), 3), "bytes": med(r["bytes"]),
+                      "group sizes": r["sizes"], "vs best static": round(static[best] / med(crit), 3)}
             out.append(Row("dynamic", case, variant, "critical_cpu_s", "s", med(crit), (min(crit), max(crit)),
                            bound=med(r["mean_cpu_s"]), detail=detail))
             tps = r["tokens_per_s"]
@@ -175,19 +164,19 @@ def rows(summary, meta) -> List[Row]:
 
 
 def facts(meta) -> Dict[str, Any]:
-    return {"title": f"Dynamic data-sequence groups vs static sizes at P={meta['P']}, T={meta['max_tokens_per_rank']}",
-            "setup": f"{meta['P']} ranks x 1 thread (gloo), the own LM {MODEL}, {meta['strategy']}, ZeRO-{meta['zero']}, "
-                     f"AdamW, clipping 1.0, fp32; {meta['tokens_per_step']} tokens per step drawn from each file, cut at "
-                     f"{meta['P'] * meta['max_tokens_per_rank']} tokens; {meta['repeats']} interleaved rounds after "
-                     f"{meta['warmup']} warm-up round(s), median (min-max) over rounds; largest loss difference between "
-                     f"cases {meta['loss_rel']:.1e}.",
-            "command": meta["command"], "machine": machine_line(meta), "notes": meta.get("notes", ""),
-            "metrics": {"critical_cpu_s": "The busiest rank's CPU seconds of a whole step (process time); bound: the "
-                                          "mean over ranks (perfect balance). Detail: tokens each rank holds at once, "
-                                          "rounds, measured and priced imbalance (max/mean), bytes the busiest rank "
-                                          "sent, busiest static size's time over this case's.",
-                        "tokens_per_s": "Step tokens over the slowest rank's wall time (ranks share the cores: read "
-                                        "critical_cpu_s first)."}}
+    return suite_facts(
+        meta, f"Dynamic data-sequence groups vs static sizes at P={meta['P']}, T={meta['max_tokens_per_rank']}",
+        f"{meta['P']} ranks x 1 thread (gloo), the own LM {MODEL}, {meta['strategy']}, ZeRO-{meta['zero']}, "
+        f"AdamW, clipping 1.0, fp32; {meta['tokens_per_step']} tokens per step drawn from each file, cut at "
+        f"{meta['P'] * meta['max_tokens_per_rank']} tokens; {meta['repeats']} interleaved rounds after "
+        f"{meta['warmup']} warm-up round(s), median (min-max) over rounds; largest loss difference between "
+        f"cases {meta['loss_rel']:.1e}.", {
+            "critical_cpu_s": "The busiest rank's CPU seconds of a whole step (process time); bound: the mean over "
+                              "ranks (perfect balance). Detail: tokens each rank holds at once, rounds, measured and "
+                              "priced imbalance (max/mean), bytes the busiest rank sent, busiest static size's time "
+                              "over this case's.",
+            "tokens_per_s": "Step tokens over the slowest rank's wall time (ranks share the cores: read "
+                            "critical_cpu_s first)."})
 
 
 def measure(args, argv) -> int:

@@ -10,6 +10,7 @@ rank's wall time, and a ratio between two cases is taken per round, then the med
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import shlex
@@ -20,21 +21,35 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-SOFTMAX = ("ulysses", "ring", "zigzag", "striped")
-LINEAR = ("lasp2", "lasp1")
-
+from ..strategies import RING_STRATEGIES
 
 # -- the case vocabulary -----------------------------------------------------------------------------
 
+SOFTMAX = ("ulysses",) + RING_STRATEGIES
+LINEAR = ("lasp2", "lasp1")
+# the case vocabulary every suite speaks: a case name -> its sequence_parallel keys (size and kernel per run);
+# ds_ulysses is DeepSpeed's DistributedAttention on the group our Ulysses would use
+SP_KEYS = {**{name: {"strategy": name} for name in SOFTMAX},
+           "zigzag_no_overlap": {"strategy": "zigzag", "overlap": False},
+           "hybrid": {"strategy": "zigzag", "ulysses_size": 2},             # Ulysses 2 x zigzag
+           "ds_ulysses": {"strategy": "ulysses"},
+           "lasp2": {"strategy": "lasp", "lasp_comm": "allgather"}, "lasp1": {"strategy": "lasp", "lasp_comm": "ring"}}
 
-def strategy_config(name: str, world: int) -> dict:
-    """The sequence_parallel keys of a case named in the suites' vocabulary (lasp2 / lasp1: LASP's two
-    exchanges; hybrid: Ulysses 2 x zigzag)."""
-    if name in LINEAR:
-        return {"strategy": "lasp", "size": world, "lasp_comm": "allgather" if name == "lasp2" else "ring"}
-    if name == "hybrid":
-        return {"strategy": "zigzag", "size": world, "ulysses_size": 2, "backend": "torch"}
-    return {"strategy": name, "size": world, "backend": "torch"}
+
+def strategy_config(name: str, world: int, backend: str = "torch") -> dict:
+    """The sequence_parallel section of a case of the vocabulary (SP_KEYS) on ``world`` ranks."""
+    keys = dict(SP_KEYS[name])
+    cfg = {"strategy": keys.pop("strategy"), "size": world, **keys}
+    return cfg if cfg["strategy"] == "lasp" else dict(cfg, backend=backend)
+
+
+def closed_form(name: str, p: int, shapes, **mask) -> List[int]:
+    """Bytes per rank of one fwd+bwd of case ``name`` (strategies/closed_form.py, the oracle CommStats is
+    held to); ``mask``: the cu_seqlens, causal and window closed_form_bytes takes."""
+    from ..strategies.closed_form import closed_form_bytes
+    cfg = strategy_config(name, p)
+    return [closed_form_bytes(cfg["strategy"], p, shapes, rank, cfg.get("ulysses_size", 1),
+                              cfg.get("lasp_comm", "allgather"), **mask) for rank in range(p)]
 
 
 # -- timing ------------------------------------------------------------------------------------------
@@ -128,13 +143,21 @@ def interleaved_rounds(fns, warmup: int, repeats: int, device: str = "cpu") -> D
 
 def rank_rounds(args, case_fns, after=None) -> Dict[str, Any]:
     """What every rank of a suite runs: the interleaved rounds of ``case_fns(args, rank)``, then, with
-    ``after`` = (key, fn), rank 0 alone on its share of the machine ``fn(args)`` under ``key``."""
+    ``after`` = (key, fn), ``fn(args)`` under ``key`` on rank 0 alone (on_rank0)."""
     from .. import comm
-    rank = comm.global_rank()
-    out = {"rounds": interleaved_rounds(case_fns(args, rank), args.warmup, args.repeats),
+    out = {"rounds": interleaved_rounds(case_fns(args, comm.global_rank()), args.warmup, args.repeats),
            "load_1min": os.getloadavg()[0]}
-    if rank == 0 and after:
-        out[after[0]] = after[1](args)
+    if after:
+        out[after[0]] = on_rank0(after[1], args)
+    return out
+
+
+def on_rank0(fn, *args):
+    """``fn(*args)`` on rank 0 alone on its share of the machine, the other ranks waiting at a barrier
+    (what a suite times after its rounds, without communication); None on the other ranks."""
+    from .. import comm
+    comm.barrier()
+    out = fn(*args) if comm.global_rank() == 0 else None
     comm.barrier()
     return out
 
@@ -178,18 +201,25 @@ def versus(a: dict, b: dict) -> Dict[str, Any]:
 # -- the run -----------------------------------------------------------------------------------------
 
 
-def measure_on_pool(rank_fn, args, command: str, versions: bool = False):
-    """``rank_fn(args)`` on P fresh local CPU ranks (one thread each): (per-rank results, the page's
-    meta: the options, CPUs, elapsed seconds, load before / after / at the end of the rounds, command;
-    with ``versions`` also the CPU model, torch and DeepSpeed versions). Each rank's result carries its
-    "load_1min" at the end of the rounds."""
+@contextlib.contextmanager
+def fresh_pool(world: int):
+    """``world`` fresh local CPU ranks (RankPool, one thread each, gloo), closed on the way out."""
     from ..launch.rankpool import RankPool
-    load_before, start = os.getloadavg(), time.monotonic()
-    pool = RankPool(args.P, timeout_s=3600.0, threads_per_rank=1).start()
+    pool = RankPool(world, timeout_s=3600.0, threads_per_rank=1).start()
     try:
-        per_rank = pool.run(rank_fn, args, timeout=3600.0)
+        yield pool
     finally:
         pool.close()
+
+
+def measure_on_pool(rank_fn, args, command: str, versions: bool = False):
+    """``rank_fn(args)`` on P fresh local CPU ranks: (per-rank results, the page's meta: the options, CPUs,
+    elapsed seconds, load before / after / at the end of the rounds, command; with ``versions`` also the
+    CPU model, torch and DeepSpeed versions). Each rank's result carries its "load_1min" at the end of
+    the rounds."""
+    load_before, start = os.getloadavg(), time.monotonic()
+    with fresh_pool(args.P) as pool:
+        per_rank = pool.run(rank_fn, args, timeout=3600.0)
     meta = dict(vars(args), cpus=os.cpu_count(), elapsed=time.monotonic() - start,
                 load_before=loads(load_before), load_after=loads(),
                 load_during=max(r["load_1min"] for r in per_rank), command=command)
@@ -198,12 +228,16 @@ def measure_on_pool(rank_fn, args, command: str, versions: bool = False):
     return per_rank, meta
 
 
+SIZE_HELP = {"P": "ranks (sequence-parallel size = world)", "seq": "global sequence length",
+             "heads": "attention heads", "head_dim": "size of one head"}
+
+
 def suite_parser(prog: str, doc: str, name: str, repeats: int = 5, **sizes: int) -> argparse.ArgumentParser:
     """A suite's parser with the options every suite shares: its sizes (P, seq, heads, head_dim: integer
     options with these defaults), the rounds and the page."""
-    ap = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=prog, description=" ".join(doc.split("\n\n")[0].split()))
     for key, default in sizes.items():
-        ap.add_argument(f"--{key.replace('_', '-')}", type=int, default=default)
+        ap.add_argument(f"--{key.replace('_', '-')}", type=int, default=default, help=SIZE_HELP.get(key))
     ap.add_argument("--repeats", type=int, default=repeats, help="measured rounds")
     ap.add_argument("--warmup", type=int, default=1, help="unmeasured rounds first")
     ap.add_argument("--out", default="reports")
@@ -234,15 +268,9 @@ def loads(values=None) -> str:
 
 def command_line(prefix: str, argv: List[str]) -> str:
     """``prefix`` and the arguments, shell-quoted; --notes text is printed in the page, not here."""
-    shown, skip = [], False
-    for a in argv:
-        if skip or a.startswith("--notes="):
-            skip = False
-            continue
-        skip = a == "--notes"
-        if not skip:
-            shown.append(shlex.quote(a))
-    return " ".join([prefix] + shown)
+    notes = {i for i, a in enumerate(argv) if a == "--notes"}
+    shown = [a for i, a in enumerate(argv) if not ({i, i - 1} & notes or a.startswith("--notes="))]
+    return " ".join([prefix] + [shlex.quote(a) for a in shown])
 
 
 def machine_line(meta: Dict[str, Any]) -> str:
@@ -252,6 +280,13 @@ def machine_line(meta: Dict[str, Any]) -> str:
     return (f"{', '.join(known)}, shared with other jobs: load average before {meta['load_before']}, after "
             f"{meta['load_after']}, highest 1-minute value at the end of the rounds {meta['load_during']:.2f}; whole "
             f"run {meta['elapsed']:.0f} s.")
+
+
+def suite_facts(meta: Dict[str, Any], title: str, setup: str, metrics: Dict[str, str]) -> Dict[str, Any]:
+    """A suite's page facts (report/render.py): its title, setup and what each metric means, with the run's
+    command, machine line and notes from ``meta`` (measure_on_pool's)."""
+    return {"title": title, "setup": setup, "command": meta["command"], "machine": machine_line(meta),
+            "notes": meta.get("notes", ""), "metrics": metrics}
 
 
 def write_page(out: str, name: str, rows, facts: Dict[str, Any], prog: str) -> int:
@@ -291,12 +326,14 @@ def log_rows(rows, meta: Dict[str, Any], run_dir: str, project: str) -> None:
         run.finish()
 
 
-def suite_main(argv: Optional[List[str]], parser: argparse.ArgumentParser, measure) -> int:
-    """A suite's command line: with --render ROWS the saved page is rewritten from its rows (harness.render_saved);
-    otherwise ``measure(args, argv)``."""
+def suite_main(argv: Optional[List[str]], parser: argparse.ArgumentParser, measure, plots=None) -> int:
+    """A suite's command line: with --render ROWS the saved page is rewritten from its rows (render_saved), and
+    its figures with ``plots(rows, meta, folder)``; otherwise ``measure(args, argv)``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
-    if args.render:
-        render_saved(args.render, parser.prog)
-        return 0
-    return measure(args, argv)
+    if not args.render:
+        return measure(args, argv)
+    rows, facts = render_saved(args.render, parser.prog)
+    if plots:
+        plots(rows, facts["meta"], os.path.join(os.path.dirname(args.render) or ".", facts["meta"]["name"]))
+    return 0

@@ -23,9 +23,8 @@ from typing import Dict, List, Optional
 
 from ..report.rows import Row
 from .attention_rows import step_row
-from .harness import (alone, case_times, command_line, machine_line, measure_on_pool, rank_rounds,
-                      suite_main, suite_parser, versus, write_page)
-from .predict import hybrid_closed_form
+from .harness import (alone, case_times, command_line, fresh_pool, measure_on_pool, rank_rounds,
+                      suite_facts, suite_main, suite_parser, versus, write_page)
 
 PROG = "ds-seqpar bench hybrid"
 # the families (one linear layer of a Hugging Face hybrid each, built from the model type's own config
@@ -69,13 +68,48 @@ def family_cases(name: str) -> List[str]:
 
 
 def family_sizes(fam: str, hidden: int) -> str:
+    """The sizes the page names: the family's config keys (not the lists that pick the layer kind)."""
     c = family_config(fam, hidden)
-    keys = {"gdn": ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-                    "linear_conv_kernel_dim"),
-            "kda": ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim"),
-            "ssd": ("mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_chunk_size", "mamba_d_conv"),
-            "lightning": ("num_attention_heads", "head_dim", "block_size"), "conv": ("conv_L_cache",)}[fam]
-    return ", ".join(f"{k}={getattr(c, k)}" for k in keys)
+    return ", ".join(f"{k}={getattr(c, k)}" for k, v in FAMILIES[fam][2].items() if not isinstance(v, list))
+
+
+def layer_bytes(fam: str, case: str, args) -> List[int]:
+    """Bytes per rank of one fwd+bwd of the family's layer (batch 1, fp32) under ``case``, from
+    strategies/closed_form.py: the conv halo, then the states (lasp) or the all-to-all of the op's inputs
+    and output (ulysses)."""
+    from ..sharding.layouts import make_layout
+    from ..strategies.closed_form import conv_halo_bytes, linear_state_bytes, linear_ulysses_bytes
+    from ..strategies.state_passing import fragments
+    c, p, t = family_config(fam, args.hidden), args.P, args.seq // args.P
+    frags = fragments(make_layout("contiguous", p), args.seq)
+    state = halo = None             # (heads, dk, dv) of the state and its transition; (channels, width) of the conv
+    if fam == "gdn":
+        hk, hv = c.linear_num_key_heads, c.linear_num_value_heads
+        dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
+        state, kind, elems = (hv, dk, dv), "matrix", [t * hk * dk] * 2 + [t * hv * dv] * 2 + [t * hv] * 2
+        halo = (2 * hk * dk + hv * dv, c.linear_conv_kernel_dim - 1)
+    elif fam == "kda":
+        h, d = c.linear_num_heads, c.linear_head_dim
+        state, kind, elems = (h, d, d), "matrix", [t * h * d] * 5 + [t * h]          # q, k, v, g, out; beta
+        halo = (3 * h * d, c.linear_conv_kernel_dim - 1)
+    elif fam == "ssd":
+        h, pd, n, g = c.mamba_n_heads, c.mamba_d_head, c.mamba_d_state, c.mamba_n_groups
+        state, kind, elems = (h, pd, n), "scalar", [t * h * pd] * 2 + [t * h] + [t * g * n] * 2   # x, out; dt; B, C
+        halo = (int(c.mamba_expand * c.hidden_size) + 2 * g * n, c.mamba_d_conv - 1)
+    elif fam == "lightning":
+        h, d = c.num_attention_heads, c.head_dim
+        state, kind, elems = (h, d, d), "fixed", [t * h * d] * 4
+    else:
+        halo = (c.hidden_size, c.conv_L_cache - 1)
+    out = []
+    for r in range(p):
+        total = conv_halo_bytes(frags, 1, halo[0], halo[1], 4)["conv_halo"] if halo else 0
+        if state and SP_CASES[case]["linear_strategy"] == "ulysses":
+            total += linear_ulysses_bytes(p, elems, 4)["linear_all_to_all"]
+        elif state:
+            total += sum(linear_state_bytes(frags, r, 1, *state, SP_CASES[case]["lasp_comm"], kind).values())
+        out.append(total)
+    return out
 
 
 def _mixer(cfg, sp=None):
@@ -222,25 +256,16 @@ def equal_llama(path: str) -> dict:
 
 def measure_train(args) -> Dict[str, dict]:
     """{label: measure_training's result for zigzag} for the hybrid and its equal Llama."""
-    from ..launch.rankpool import RankPool
     from .train_step import measure_training
     tmp = tempfile.mkdtemp(prefix="ds_seqpar_bench_hybrid_")
     llama = os.path.join(tmp, "llama_equal.json")
     with open(llama, "w") as f:
         json.dump(equal_llama(args.train_model), f)
     models = {os.path.basename(args.train_model): os.path.abspath(args.train_model), "llama (equal sizes)": llama}
-    pool, solo = RankPool(args.P, timeout_s=3600.0, threads_per_rank=1).start(), None
-    try:
-        solo = RankPool(1, timeout_s=3600.0, threads_per_rank=1).start()
-        out = {}
-        for label, path in models.items():
-            model = dict(seq_len=args.train_seq, micro_batch=1, steps=3, model=path)
-            out[label] = measure_training(pool, solo, ["zigzag"], model, 1, args.train_repeats)["zigzag"]
-        return out
-    finally:
-        pool.close()
-        if solo is not None:
-            solo.close()
+    with fresh_pool(args.P) as pool, fresh_pool(1) as solo:
+        return {label: measure_training(pool, solo, ["zigzag"], dict(seq_len=args.train_seq, micro_batch=1, steps=3,
+                                                                      model=path), 1, args.train_repeats)["zigzag"]
+                for label, path in models.items()}
 
 
 # -- the rows ------------------------------------------------------------------------------------------
@@ -258,7 +283,7 @@ def rows(per_rank, args, meta, ops: Optional[List[dict]], train: Optional[Dict[s
                            target="hybrid_layer" if case.startswith("lasp") else None,
                            detail={"wall s": x["time"], "CPU speedup": s["cpu_ratio"], "CPU s per rank": x["cpu"]}))
         sent += [Row("hybrid", fam, case, "Bytes per rank of one layer against the closed form", "B", x["bytes"],
-                     predicted=hybrid_closed_form(fam, case, args, family_config, SP_CASES), target="bytes")
+                     predicted=layer_bytes(fam, case, args), target="bytes")
                  for case, x in times.items() if case in SP_CASES]
     out += sent
     for o in ops or []:
@@ -273,16 +298,14 @@ def rows(per_rank, args, meta, ops: Optional[List[dict]], train: Optional[Dict[s
 def facts(meta) -> dict:
     listed = "; ".join(f"`{fam}`: {FAMILIES[fam][0]} (`{FAMILIES[fam][1]}`), {family_sizes(fam, meta['hidden'])}"
                        for fam in meta["families"])
-    return {
-        "title": "Hybrid models' linear layers on CPU ranks: one transformers layer, sharded vs unsharded",
-        "setup": f"P={meta['P']} ranks x 1 thread (gloo), N={meta['seq']} tokens, batch 1, hidden {meta['hidden']}, "
-                 f"fp32, forward + backward of ONE layer: the model's own mixer module (transformers "
-                 f"{meta.get('transformers', '?')}, its torch fallbacks), applied by ds_seqpar with softmax strategy "
-                 f"ring. {meta['repeats']} interleaved rounds after {meta['warmup']} warm-up round(s); speedup = "
-                 f"single / case per round, median (min-max); CPU speedup: the same with the busiest rank's thread "
-                 f"CPU time. Families: {listed}.",
-        "command": meta["command"], "machine": machine_line(meta), "notes": meta.get("notes", ""),
-        "metrics": {
+    return suite_facts(
+        meta, "Hybrid models' linear layers on CPU ranks: one transformers layer, sharded vs unsharded",
+        f"P={meta['P']} ranks x 1 thread (gloo), N={meta['seq']} tokens, batch 1, hidden {meta['hidden']}, "
+        f"fp32, forward + backward of ONE layer: the model's own mixer module (transformers "
+        f"{meta.get('transformers', '?')}, its torch fallbacks), applied by ds_seqpar with softmax strategy "
+        f"ring. {meta['repeats']} interleaved rounds after {meta['warmup']} warm-up round(s); speedup = "
+        f"single / case per round, median (min-max); CPU speedup: the same with the busiest rank's thread "
+        f"CPU time. Families: {listed}.", {
             f"One layer, fwd+bwd at N={meta['seq']}, P={meta['P']}":
                 "single: rank 0, the unapplied layer on all N tokens (the baseline). halves: every rank the "
                 "unapplied layer on its N/P tokens, nothing exchanged: the bound no exact split beats here.",
@@ -291,7 +314,7 @@ def facts(meta) -> dict:
                 "(`linear_state_bytes`, `conv_halo_bytes`, `linear_ulysses_bytes`).",
             f"Whole training step at {meta.get('train_seq')} tokens, ZeRO-2":
                 "Through train.run_training: zigzag for the softmax layers, linear_strategy lasp (allgather) for "
-                "the linear ones; rounds alternate the 1-rank and the P-rank run. The Llama has the hybrid's sizes."}}
+                "the linear ones; rounds alternate the 1-rank and the P-rank run. The Llama has the hybrid's sizes."})
 
 
 # -- command line ----------------------------------------------------------------------------------------
@@ -315,7 +338,8 @@ def resolve(args) -> argparse.Namespace:
     if bad or not args.families:
         raise SystemExit(f"{PROG}: --families {bad or args.families}: choose from {', '.join(FAMILIES)}")
     if args.P < 2 or args.seq % args.P or args.repeats < 1 or args.warmup < 0:
-        raise SystemExit(f"{PROG}: --P {args.P} must be >= 2 and divide --seq {args.seq}; --repeats >= 1, --warmup >= 0")
+        raise SystemExit(f"{PROG}: --P {args.P} must be >= 2 and divide --seq {args.seq}; --repeats >= 1, "
+                         f"--warmup >= 0")
     if args.train_repeats and not os.path.exists(args.train_model):
         raise SystemExit(f"{PROG}: --train-model {args.train_model!r} does not exist")
     return args

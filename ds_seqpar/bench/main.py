@@ -14,9 +14,8 @@ import importlib
 import sys
 from typing import List, Optional
 
-SUITES = {"attention": "attention", "packed": "packed", "window": "window", "hybrid": "hybrid",
-          "trainer": "trainer", "memory": "memory", "dynamic": "dynamic"}
-OLD_FLAGS = {"--packed": "packed", "--window": "window", "--hybrid": "hybrid", "--trainer": "trainer"}
+SUITES = ("attention", "packed", "window", "hybrid", "trainer", "memory", "dynamic")      # = their modules' names
+OLD_FLAGS = {f"--{suite}": suite for suite in ("packed", "window", "hybrid", "trainer")}
 
 
 def suite_of(argv: List[str]):
@@ -33,7 +32,7 @@ def suite_of(argv: List[str]):
 
 def main(argv: Optional[List[str]] = None) -> int:
     suite, argv = suite_of(list(sys.argv[1:] if argv is None else argv))
-    return importlib.import_module(f"{__package__}.{SUITES[suite]}").main(argv)
+    return importlib.import_module(f"{__package__}.{suite}").main(argv)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ Per strategy three variants of the same N tokens: one document (the ordinary cal
 documents and documents of mixed lengths (``--mixed``), in the harness's interleaved rounds; "single"
 is the one-process kernel (rank 0; documents: one kernel call per document). After the rounds, rank 0
 alone times one rank's block as per-document sub-blocks against one masked block. The page (facts
-below) says what each table means; predictions come through bench/predict.py.
+below) says what each table means; the work is the cost model's, the bytes the closed forms.
 """
 from __future__ import annotations
 
@@ -13,12 +13,14 @@ import argparse
 import statistics
 from typing import Dict, List, Optional, Tuple
 
+from ..cost import imbalance, pairs_per_rank, position_pairs
+from ..masks import Mask
 from ..report.rows import Row
 from ..report.targets import TARGETS
-from .harness import (LINEAR, SOFTMAX, alone, attention_inputs, case_times, command_line, fwd_bwd,
-                      machine_line, measure_on_pool, rank_rounds, strategy_config, suite_main, suite_parser, versus,
+from ..strategies.closed_form import Shapes
+from .harness import (LINEAR, SOFTMAX, alone, attention_inputs, case_times, closed_form, command_line, fwd_bwd,
+                      measure_on_pool, rank_rounds, strategy_config, suite_facts, suite_main, suite_parser, versus,
                       write_page)
-from .predict import imbalance_sweep, packed_closed_form, work_per_rank
 
 PROG = "ds-seqpar bench packed"
 VARIANTS = ("one", "equal", "mixed")
@@ -30,6 +32,37 @@ def variant_bounds(variant: str, seq: int, docs: int, mixed: Tuple[int, ...]) ->
         return None
     lengths = [seq // docs] * docs if variant == "equal" else list(mixed)
     return [sum(lengths[:i]) for i in range(len(lengths) + 1)]
+
+
+def work_per_rank(name: str, args, bounds) -> List[int]:
+    """(q, k) pairs each rank computes for these documents (causal); linear attention: tokens."""
+    if name in LINEAR:                               # linear attention: work follows tokens, L per rank
+        return [args.seq // args.P] * args.P
+    cfg = strategy_config(name, args.P)
+    return [int(x) for x in pairs_per_rank(cfg["strategy"], args.P, cfg.get("ulysses_size", 1), args.seq,
+                                           Mask.from_boundaries(bounds))]
+
+
+def imbalance_sweep(seq: int, ps=(2, 4, 8), trials: int = 200, seed: int = 0) -> Dict[str, Dict[int, tuple]]:
+    """Causal work imbalance (max/mean over ranks) of random packings, per ring layout and P: (mean,
+    worst) over ``trials`` packings of documents with log-normal lengths (median 400 tokens, long tail)
+    cut to ``seq``. A rank's work is the sum over its queries of the keys they see in their document."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    out = {name: {p: [] for p in ps} for name in ("contiguous", "zigzag", "striped")}
+    for _ in range(trials):
+        lengths = (torch.randn(64, generator=g) * 1.2 + 6.0).exp().clamp(1, seq).long().tolist()
+        bounds = [0]
+        for n in lengths:
+            bounds.append(min(bounds[-1] + n, seq))
+            if bounds[-1] == seq:
+                break
+        bounds[-1] = seq
+        mask = Mask.from_boundaries(bounds)
+        for name, per_p in out.items():
+            for p in ps:
+                per_p[p].append(imbalance(position_pairs(name, p, seq, seq, mask)))
+    return {name: {p: (statistics.mean(v), max(v)) for p, v in per_p.items()} for name, per_p in out.items()}
 
 
 def _single(kind: str, bounds, kernel, scale, decay):
@@ -85,30 +118,30 @@ def masked_vs_subblocks(args) -> List[dict]:
     sub-blocks (what the masked plan computes) vs one masked block (attn_mask, same CPU flash kernel), fwd+bwd."""
     import torch
     n = args.seq // args.P
-    q, k, v, dout = (t.transpose(1, 2) for t in attention_inputs(n, args.heads, args.head_dim))     # [b, h, s, d]
-    scale, aten, rows = args.head_dim ** -0.5, torch.ops.aten, []
+    bhsd = [t.transpose(1, 2) for t in attention_inputs(n, args.heads, args.head_dim)]     # q, k, v, dout
+    scale, rows = args.head_dim ** -0.5, []
     for length in (n // 2, n // 8, 64, 16):
         doc = torch.arange(n) // length
         mask = (doc[:, None] == doc[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
         bias = torch.zeros(n, n).masked_fill(~mask, float("-inf"))
 
-        def masked():
-            out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
-                                                                        scale=scale)
-            aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, False,
-                                                                    attn_mask=bias, scale=scale)
-
         def subblocks():
             for a in range(0, n, length):
-                s = slice(a, a + length)
-                out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q[:, :, s], k[:, :, s], v[:, :, s], 0.0,
-                                                                            True, scale=scale)
-                aten._scaled_dot_product_flash_attention_for_cpu_backward(dout[:, :, s], q[:, :, s], k[:, :, s],
-                                                                        v[:, :, s], out, lse, 0.0, True, scale=scale)
-        t = alone({"masked": masked, "subblocks": subblocks}, args.repeats, key="wall", warmup=1)
+                _flash_fwd_bwd(*(t[:, :, a:a + length] for t in bhsd), True, scale)
+        t = alone({"masked": lambda: _flash_fwd_bwd(*bhsd, False, scale, bias), "subblocks": subblocks},
+                  args.repeats, key="wall", warmup=1)
         rows.append({"doc_len": length, "docs": n // length, "masked": statistics.median(t["masked"]),
                      "subblocks": statistics.median(t["subblocks"])})
     return rows
+
+
+def _flash_fwd_bwd(q, k, v, dout, causal: bool, scale: float, bias=None) -> None:
+    """Forward and backward of the CPU flash kernel on [b, h, s, d] tensors; ``bias``: an additive mask."""
+    import torch
+    aten = torch.ops.aten
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
+    aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias,
+                                                              scale=scale)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,6 +184,7 @@ def rows(per_rank, args, meta) -> List[Row]:
     imbalance; the masked block per document length (rank 0's, after the rounds)."""
     ratio, equal, sent, balance = _ratio_metric(args.docs), [], [], []
     mixed = f"Mixed document lengths {list(args.mixed)}: per-rank balance"
+    shapes = Shapes(1, args.seq, args.heads, args.heads, args.head_dim)
     for name in ("single", "single_linear") + tuple(args.strategies):
         t = {v: case_times(per_rank, f"{name}/{v}") for v in VARIANTS}
         vs, linear = versus(t["equal"], t["one"]), name in LINEAR or name == "single_linear"
@@ -162,7 +196,8 @@ def rows(per_rank, args, meta) -> List[Row]:
             continue
         bounds = {v: variant_bounds(v, args.seq, args.docs, tuple(args.mixed)) for v in VARIANTS}
         sent += [Row("packed", name, v, "Bytes per rank against the document closed forms", "B", t[v]["bytes"],
-                     predicted=packed_closed_form(name, args, bounds[v]), target="bytes") for v in VARIANTS]
+                     predicted=closed_form(name, args.P, shapes, cu_seqlens=bounds[v]), target="bytes")
+                 for v in VARIANTS]
         work = work_per_rank(name, args, bounds["mixed"])
         balance.append(Row("packed", name, "mixed", mixed, "s", t["mixed"]["cpu"], detail={
             "time s": t["mixed"]["time"], "measured imbalance": t["mixed"]["imbalance"], "work per rank": work,
@@ -188,24 +223,23 @@ def facts(meta) -> dict:
         best = (f"Over {meta['sweep_trials']} random packings of N={meta['seq']} (log-normal document lengths, "
                 f"median 400 tokens), mean per layout and P; Ulysses is 1.00 by construction and LASP follows "
                 f"tokens. Best balanced ring layout for packed data (smallest worst case): **{best}**.")
-    return {"title": f"Packed documents on CPU ranks: {docs} equal documents vs one document of the same length",
-            "setup": f"P={meta['P']} ranks x 1 thread (gloo), N={meta['seq']} tokens, batch 1, {meta['heads']} heads x "
-                     f"{meta['head_dim']}, fp32, causal, forward + backward, kernel `torch` (CPU flash SDPA); "
-                     f"{meta['repeats']} interleaved rounds after {meta['warmup']} warm-up round(s); ratios are taken "
-                     f"per round (the variants run back to back, under the same load), median (min-max) over rounds; "
-                     f"CPU ratio: the same with the busiest rank's thread CPU time.",
-            "command": meta["command"], "machine": machine_line(meta), "notes": meta.get("notes", ""),
-            "metrics": {
-                _ratio_metric(docs):
-                    "Softmax attention: causal work is the sum of squared document lengths, 1/docs of one "
-                    "document's (predicted). Linear attention (LASP, single_linear) does O(N) work either way.",
-                f"Mixed document lengths {list(meta['mixed'])}: per-rank balance":
-                    "Value: median CPU seconds per rank. Work = (q, k) pairs each rank computes (from the mask "
-                    "policy; LASP: tokens), imbalance = max/mean.",
-                "Random packings: causal work imbalance max/mean": best,
-                f"One rank's block (n = {meta['seq'] // meta['P']}): masked / sub-blocks":
-                    "Fwd+bwd on one process, the same CPU flash kernel: causal squares per document (what the "
-                    "strategies do) against one call over the whole block with an additive mask (attn_mask)."}}
+    return suite_facts(
+        meta, f"Packed documents on CPU ranks: {docs} equal documents vs one document of the same length",
+        f"P={meta['P']} ranks x 1 thread (gloo), N={meta['seq']} tokens, batch 1, {meta['heads']} heads x "
+        f"{meta['head_dim']}, fp32, causal, forward + backward, kernel `torch` (CPU flash SDPA); "
+        f"{meta['repeats']} interleaved rounds after {meta['warmup']} warm-up round(s); ratios are taken "
+        f"per round (the variants run back to back, under the same load), median (min-max) over rounds; "
+        f"CPU ratio: the same with the busiest rank's thread CPU time.", {
+            _ratio_metric(docs):
+                "Softmax attention: causal work is the sum of squared document lengths, 1/docs of one "
+                "document's (predicted). Linear attention (LASP, single_linear) does O(N) work either way.",
+            f"Mixed document lengths {list(meta['mixed'])}: per-rank balance":
+                "Value: median CPU seconds per rank. Work = (q, k) pairs each rank computes (from the mask "
+                "policy; LASP: tokens), imbalance = max/mean.",
+            "Random packings: causal work imbalance max/mean": best,
+            f"One rank's block (n = {meta['seq'] // meta['P']}): masked / sub-blocks":
+                "Fwd+bwd on one process, the same CPU flash kernel: causal squares per document (what the "
+                "strategies do) against one call over the whole block with an additive mask (attn_mask)."})
 
 
 def write(found: List[Row], meta, out: str) -> int:

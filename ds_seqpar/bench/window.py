@@ -5,18 +5,20 @@ Per strategy the same N causal tokens as plain ``sp.attention``, each ``--window
 sinks (one logit per head, a leaf with a gradient), in the harness's interleaved rounds; every ratio is
 taken per round against plain, then the median. After the rounds rank 0 alone times the kernel calls of
 the busiest rank's sub-blocks (``--kernel-rounds 0``: skip). The page (facts below) says what each table
-means and which goal it is held to; predictions come through bench/predict.py.
+means and which goal it is held to; the work is the cost model's, the bytes the closed forms.
 """
 from __future__ import annotations
 
 import argparse
 from typing import Dict, List, Optional, Tuple
 
+from ..cost import pairs_per_rank
+from ..masks import Mask
 from ..report.rows import Row
 from ..report.targets import TARGETS
-from .harness import (alone, attention_inputs, case_times, command_line, fwd_bwd, machine_line,
-                      measure_on_pool, rank_rounds, strategy_config, suite_main, suite_parser, versus, write_page)
-from .predict import window_closed_form, window_work
+from ..strategies.closed_form import Shapes
+from .harness import (alone, attention_inputs, case_times, closed_form, command_line, fwd_bwd, measure_on_pool,
+                      rank_rounds, strategy_config, suite_facts, suite_main, suite_parser, versus, write_page)
 
 STRATEGIES = ("ring", "zigzag", "striped", "ulysses")
 PROG = "ds-seqpar bench window"
@@ -52,34 +54,36 @@ def bench_rank(args) -> Dict[str, list]:
     return rank_rounds(args, _case_fns, ("pieces", kernel_pieces) if args.kernel_rounds else None)
 
 
+def window_work(name: str, p: int, seq: int, window: Optional[int]) -> List[int]:
+    """Visible causal (q, k) pairs per rank (Ulysses: all queries, 1/P of the heads)."""
+    return [int(x) for x in pairs_per_rank(name, p, p if name == "ulysses" else 1, seq, Mask(True, window))]
+
+
 def _policies(name: str, args, window: Optional[int]):
     """(busiest position, sub-blocks of (position, src), positions, local length, heads) of one strategy:
     the ring family's own blocks without a window, the masked plan's bands cut as the torch kernel's ``band``
     cuts them (its tiles and key columns) with one; Ulysses one position, the whole sequence, heads / P."""
     from ..kernels import get_kernel
-    from ..masks import Mask
     from ..sharding.layouts import make_layout
     from ..strategies import STRATEGIES, get_strategy
     from ..strategies.mask_plan import masked_plan
     from ..strategies.ring_loop import plain_blocks
-    kernel, n = get_kernel("torch", "cpu"), args.seq
+    ulysses = name == "ulysses"
+    p, heads = (1, args.heads // args.P) if ulysses else (args.P, args.heads)
+    work, n = window_work(name, args.P, args.seq, window), args.seq // p
+    busiest = 0 if ulysses else work.index(max(work))
+    if window is None:
+        blocks = plain_blocks if ulysses else STRATEGIES[name].blocks
+        return busiest, lambda me, src: blocks(me, src, p, True, n), p, n, heads
+    kernel = get_kernel("torch", "cpu")
+    layout = make_layout("contiguous" if ulysses else get_strategy(name).layout_name, p)
+    plan = masked_plan(Mask(True, window), layout, args.seq)
     shift = lambda s, a: slice(a + s.start, a + s.stop)  # noqa: E731
 
-    def cut(plan):
-        return lambda me, src: [s._replace(q=shift(s.q, b.q.start), k=shift(s.k, b.k.start))
-                                for b in plan.bands(me, src)
-                                for s in kernel.pieces(b.q.stop - b.q.start, b.k.stop - b.k.start, b.lo, b.hi, "cpu")]
-    if name == "ulysses":
-        if window is None:
-            return 0, lambda me, src: plain_blocks(0, 0, 1, True, n), 1, n, args.heads // args.P
-        return 0, cut(masked_plan(Mask(True, window), make_layout("contiguous", 1), n)), 1, n, args.heads // args.P
-    work = window_work(name, args.P, n, window)
-    busiest, n = work.index(max(work)), n // args.P
-    if window is None:
-        blocks = STRATEGIES[name].blocks
-        return busiest, lambda me, src: blocks(me, src, args.P, True, n), args.P, n, args.heads
-    layout = make_layout(get_strategy(name).layout_name, args.P)
-    return busiest, cut(masked_plan(Mask(True, window), layout, args.seq)), args.P, n, args.heads
+    def cut(me, src):          # the plan's bands as the kernel cuts them, in the positions' local slots
+        return [s._replace(q=shift(s.q, b.q.start), k=shift(s.k, b.k.start)) for b in plan.bands(me, src)
+                for s in kernel.pieces(b.q.stop - b.q.start, b.k.stop - b.k.start, b.lo, b.hi, "cpu")]
+    return busiest, cut, p, n, heads
 
 
 def kernel_pieces(args) -> List[dict]:
@@ -127,6 +131,7 @@ def rows(per_rank, args, pieces: Optional[List[dict]] = None) -> List[Row]:
     time ratio against its work ratio, bytes per variant against the closed form, softcap and sinks against
     plain; then the kernel calls alone per visible pair."""
     win, sent, capped, times = [], [], [], {}
+    shapes = Shapes(1, args.seq, args.heads, args.heads, args.head_dim)
     for name in args.strategies:
         t = times[name] = {key: case_times(per_rank, f"{name}/{key}") for key, _ in variants(args)}
         plain, plain_work = t["plain"], window_work(name, args.P, args.seq, None)
@@ -139,7 +144,8 @@ def rows(per_rank, args, pieces: Optional[List[dict]] = None) -> List[Row]:
                                    "CPU / work": vs["cpu_ratio"] / work_ratio, "work per rank": work,
                                    "work per rank (plain)": plain_work}))
         sent += [Row("window", name, key, BYTES, "B", t[key]["bytes"], target="bytes",
-                     predicted=window_closed_form(name, args, kw.get("window"))) for key, kw in variants(args)]
+                     predicted=closed_form(name, args.P, shapes, window=kw.get("window")))
+                 for key, kw in variants(args)]
         for key in (f"softcap={args.softcap:g}", "sinks"):
             vs = versus(t[key], plain)
             capped.append(Row("window", name, key, SOFTCAP_SINKS, "x", vs["ratio"], tuple(vs["ratio_range"]),
@@ -159,17 +165,15 @@ def rows(per_rank, args, pieces: Optional[List[dict]] = None) -> List[Row]:
 
 
 def facts(meta) -> dict:
-    return {
-        "title": "Sliding windows, softcap and sinks on CPU ranks: each against plain causal attention",
-        "setup": f"P={meta['P']} ranks x 1 thread (gloo), N={meta['seq']} tokens, batch 1, {meta['heads']} heads x "
-                 f"{meta['head_dim']}, fp32, causal, forward + backward, kernel `torch` (CPU flash SDPA); variants per "
-                 f"strategy: plain, window {', '.join(map(str, meta['windows']))}, softcap {meta['softcap']:g}, sinks "
-                 f"(one logit per head, with its gradient). {meta['repeats']} interleaved rounds after "
-                 f"{meta['warmup']} warm-up round(s); times are medians of the slowest rank's wall time; ratios are "
-                 f"taken per round (every variant of a strategy runs back to back with plain, under the same load), "
-                 f"median (min-max) over rounds; CPU ratio: the same with the busiest rank's thread CPU time.",
-        "command": meta["command"], "machine": machine_line(meta), "notes": meta.get("notes", ""),
-        "metrics": {
+    return suite_facts(
+        meta, "Sliding windows, softcap and sinks on CPU ranks: each against plain causal attention",
+        f"P={meta['P']} ranks x 1 thread (gloo), N={meta['seq']} tokens, batch 1, {meta['heads']} heads x "
+        f"{meta['head_dim']}, fp32, causal, forward + backward, kernel `torch` (CPU flash SDPA); variants per "
+        f"strategy: plain, window {', '.join(map(str, meta['windows']))}, softcap {meta['softcap']:g}, sinks "
+        f"(one logit per head, with its gradient). {meta['repeats']} interleaved rounds after "
+        f"{meta['warmup']} warm-up round(s); times are medians of the slowest rank's wall time; ratios are "
+        f"taken per round (every variant of a strategy runs back to back with plain, under the same load), "
+        f"median (min-max) over rounds; CPU ratio: the same with the busiest rank's thread CPU time.", {
             WINDOW: "Predicted: the work ratio, visible causal (q, k) pairs of the busiest rank with the window / "
                     "without it (query i sees min(i + 1, w) keys; a ring layout's rank holds layout.indices, "
                     "Ulysses' every rank 1/P of the heads of all queries). Goal: time ratio / work ratio "
@@ -181,7 +185,7 @@ def facts(meta) -> dict:
             KERNEL: "One process, one thread, after the rounds: forward + backward of every sub-block the busiest "
                     "position computes (the strategy's blocks without a window; the masked policy's band pieces with "
                     f"one), no merge and no communication; median of {meta.get('kernel_rounds')} runs. Rounds CPU: "
-                    "that rank's median CPU seconds in the rounds above (kernel + merges + the ring loop)."}}
+                    "that rank's median CPU seconds in the rounds above (kernel + merges + the ring loop)."})
 
 
 # -- command line ----------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ the ratio beside the ideal."""
 import argparse
 
 from ds_seqpar.bench.packed import bench_rank, build_parser, facts, resolve, rows
-from ds_seqpar.bench.predict import imbalance_sweep
+from ds_seqpar.bench.packed import imbalance_sweep
 from ds_seqpar.report.render import render
 
 

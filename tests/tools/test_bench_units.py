@@ -83,7 +83,7 @@ def test_presets(preset, cases, breakdown):
 
 def test_bounds_and_the_longest_sequence_search():
     from ds_seqpar.bench.cases import _largest
-    from ds_seqpar.bench.predict import expected_imbalance, speedup_bound
+    from ds_seqpar.cost import expected_imbalance, speedup_bound
     assert speedup_bound("ring", 2, True) == pytest.approx(4 / 3) and speedup_bound("ring", 2, False) == 2.0
     assert speedup_bound("zigzag", 4, True) == 4.0 and expected_imbalance("ring", 4, True) == pytest.approx(7 / 4)
     probed = []

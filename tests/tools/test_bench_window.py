@@ -3,7 +3,7 @@ sequence group): every strategy and variant runs, bytes equal the window-aware c
 1), the work the page divides by is what the masked policy computes, and the page is written."""
 import json
 
-from ds_seqpar.bench.predict import window_work
+from ds_seqpar.bench.window import window_work
 from ds_seqpar.bench.window import BYTES, WINDOW, bench_rank, build_parser, resolve, rows, write
 
 
