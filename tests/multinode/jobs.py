@@ -150,8 +150,17 @@ def records(run: str) -> List[dict]:
 
 def run_info(run_dir: str) -> dict:
     (name,) = os.listdir(run_dir)
-    with open(os.path.join(run_dir, name, "run.json")) as f:
+    return read_json(os.path.join(run_dir, name, "run.json"))
+
+
+def read_json(path: str) -> dict:
+    with open(path) as f:
         return json.load(f)
+
+
+def in_netns(pid: int, name: str) -> bool:
+    """Whether process ``pid`` runs in network namespace ``name`` (ip netns identifies them by inode)."""
+    return os.stat(f"/proc/{pid}/ns/net").st_ino == os.stat(f"/run/netns/{name}").st_ino
 
 
 def rank_pids(run_dir: str) -> Dict[int, int]:
