@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..masks import Mask
 from ..report.rows import Row, load_rows
-from ..strategies.closed_form import Shapes, closed_form_by_kind
+from ..strategies.closed_form import Shapes, closed_form_by_kind, closed_form_bytes
 from ..cost import memory, times
 from ..cost.bytes import rank_bytes
 from ..cost.candidate import Candidate, Features
@@ -122,45 +122,35 @@ def hybrid_rows(hybrid: Run, fit: Dict[str, float]) -> List[Row]:
     layer, sent, p = hybrid.table("One layer"), hybrid.table("Bytes per rank"), hybrid.meta.get("P", 2)
     ops = {fam: r.detail["map CPU s"] - r.detail["plain CPU s"] for (fam, _), r in hybrid.table("The local op").items()}
     rows = []
-    for fam in dict.fromkeys(f for f, _ in layer):
-        if (fam, "single") not in layer or (fam, "halves") not in layer:
+    for (fam, case), r in layer.items():
+        if case not in ("lasp_allgather", "lasp_ring") or (fam, "single") not in layer or (fam, "halves") not in layer:
             continue
-        single, extra = layer[fam, "single"].detail["wall s"], ops.get(fam, 0.0)
-        for case in ("lasp_allgather", "lasp_ring"):
-            if (fam, case) in layer:
-                nbytes = sent[fam, case].value[0]
-                t = layer[fam, "halves"].detail["wall s"] + extra + exchange_s(fit, messages("lasp", p), nbytes)
-                rows.append(Row(SUITE, fam, case, HYBRID, "x", layer[fam, case].value, predicted=single / t,
-                                detail={"map extra s": extra, "bytes/rank": nbytes}))
+        single, extra, nbytes = layer[fam, "single"].detail["wall s"], ops.get(fam, 0.0), sent[fam, case].value[0]
+        t = layer[fam, "halves"].detail["wall s"] + extra + exchange_s(fit, messages("lasp", p), nbytes)
+        rows.append(Row(SUITE, fam, case, HYBRID, "x", r.value, predicted=single / t,
+                        detail={"map extra s": extra, "bytes/rank": nbytes}))
     return rows
-
-
-def predicted_steps(strategy: str, tm: Dict[str, Any], profile):
-    """(shape, P = 1, P = 2): search.predict of cpu_full's training step of ``strategy`` (the project's LM
-    of ``tm``, fp32, ZeRO-2; linear: every layer lasp) on one rank and on two."""
-    from .inputs import own_lm_shape
-    from .search import Cluster, predict
-    cluster = lambda gpus: Cluster(gpus, gpus, profile, "fp32")  # noqa: E731
-    linear = strategy == "lasp"
-    shape = own_lm_shape({"dim": tm["dim"], "n_layers": tm["n_layers"], "n_heads": tm["n_heads"],
-                          "attention": "linear" if linear else "softmax"}, "lm")
-    one = predict(Candidate(strategy if linear else "ulysses", 1, 1, 2, Features()), shape, tm["seq_len"],
-                  cluster(1), own_linear=linear)
-    two = predict(Candidate(strategy, 2, 2 if strategy == "ulysses" else 1, 2, Features()), shape, tm["seq_len"],
-                  cluster(2), own_linear=linear)
-    return shape, one, two
 
 
 def step_rows(full: Run, fit: Dict[str, float], profile) -> Tuple[List[Row], List[Row]]:
     """cpu_full's training step at P = 2 over P = 1: (with the fitted exchange: the measured P = 1 step x
     the plan's compute ratio + every exchange of the step, the layers' closed-form bytes and ZeRO-2's
-    reduce-scatter + all-gather; the plan itself: search.predict with the calibrated profile)."""
+    reduce-scatter + all-gather; the plan itself: search.predict with the calibrated profile). The
+    step is the project's LM of the run's "train_model", fp32, ZeRO-2 (linear: every layer lasp)."""
+    from .inputs import own_lm_shape
+    from .search import Cluster, predict
     tm, fitted, planned = full.meta.get("train_model") or {}, [], []
     for (strategy, _), r in sorted(full.table("Whole training step").items()):
-        shape, one, two = predicted_steps(strategy, tm, profile)
+        linear, layers = strategy == "lasp", tm["n_layers"]
+        shape = own_lm_shape({"dim": tm["dim"], "n_layers": layers, "n_heads": tm["n_heads"],
+                              "attention": "linear" if linear else "softmax"}, "lm")
+        one, two = (predict(Candidate(s, p, u, 2, Features()), shape, tm["seq_len"], Cluster(p, p, profile, "fp32"),
+                            own_linear=linear)
+                    for s, p, u in ((strategy if linear else "ulysses", 1, 1),
+                                    (strategy, 2, 2 if strategy == "ulysses" else 1)))
         if not (one.compute_s and two.compute_s):
             continue
-        one_s, layers = r.detail["1 rank s/step"], tm["n_layers"]
+        one_s = r.detail["1 rank s/step"]
         nbytes = sum(two.comm_bytes.values()) * layers + times.zero_bytes(shape.params(), 2, 2, 4, 4)
         t = one_s * two.compute_s / one.compute_s + exchange_s(fit, messages(strategy, 2) * layers + 2, nbytes)
         fitted.append(Row(SUITE, strategy, f"seq {tm['seq_len']}", STEP_FIT, "x", r.value, predicted=one_s / t,
@@ -211,8 +201,7 @@ def plan_bytes(strategy: str, p: int, ulysses: int, shapes: Shapes, window: Opti
 
 
 def form_bytes(strategy: str, p: int, ulysses: int, shapes: Shapes, window: Optional[int]) -> List[int]:
-    return [sum(closed_form_by_kind(strategy, p, shapes, r, ulysses, causal=True, window=window).values())
-            for r in range(p)]
+    return [closed_form_bytes(strategy, p, shapes, r, ulysses, window=window) for r in range(p)]
 
 
 def window_rows(window: Run, fit: Dict[str, float], blocks: Optional[Dict[str, Any]]) -> Tuple[List[Row], List[Row]]:
@@ -281,15 +270,21 @@ def memory_rows(mem: Run) -> List[Row]:
 
 
 def phase_rows(mem: Run, world: int = 4) -> List[Row]:
-    """Per P = ``world`` variant and phase: the measured bytes per token per rank against the plan's."""
+    """Per P = ``world`` variant and phase (and the step: its largest slope): the measured bytes per token
+    per rank against the plan's, beside the P = 1 variant's ratio (a miss the same at P = 1 is the
+    count's at every P)."""
+    p1 = {(r.case.replace("/P1/", f"/P{world}/"), r.variant): r for r in (phase_rows(mem, 1) if world > 1 else [])}
     rows = []
     for label, _, lengths, slopes, shape, f in memory_variants(mem, world):
         ours, phases = memory.per_token(shape, 4, f, True), ("forward", "loss_backward", "layers_backward")
-        fitted = ", ".join(map(str, lengths))
-        rows += [Row(SUITE, label, ph, P4_MEMORY, "B", slopes[ph], predicted=ours[ph],
-                     detail={"tokens/rank fitted": fitted}) for ph in phases]
-        rows.append(Row(SUITE, label, "step (largest slope)", P4_MEMORY, "B", max(slopes[ph] for ph in phases),
-                        predicted=max(ours[ph] for ph in phases), detail={"tokens/rank fitted": fitted}))
+        measured, predicted = {ph: slopes[ph] for ph in phases}, {ph: ours[ph] for ph in phases}
+        measured["step (largest slope)"], predicted["step (largest slope)"] = (max(d.values()) for d in (measured, predicted))
+        for ph, value in measured.items():
+            detail, o = {"tokens/rank fitted": ", ".join(map(str, lengths))}, p1.get((label, ph))
+            if world > 1:
+                ratio = f"{o.value / o.predicted:.3f} ({o.detail['tokens/rank fitted']})" if o else "-"
+                detail["P=1 measured / predicted"] = ratio
+            rows.append(Row(SUITE, label, ph, P4_MEMORY, "B", value, predicted=predicted[ph], detail=detail))
     return rows
 
 
