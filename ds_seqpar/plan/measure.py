@@ -156,8 +156,9 @@ def cpu_profile(comm: Dict[str, Any], kernels: Dict[str, float]) -> Gpu:
     peaks = dict(memory_gb=mem_gb, bf16_tflops=tflops, tf32_tflops=tflops, hbm_tb_s=0.0, nvlink_gb_s_per_direction=link,
                  inter_node_gb_s_per_gpu=link, pcie_gb_s_per_direction=link, host_memory_gb_per_node=mem_gb)
     assumed = dict(usable_memory_fraction=1.0, runtime_reserve_gb=0.0, matmul_efficiency=1.0, nvlink_efficiency=1.0,
-                   attention_efficiency=kernels["attention_flops_s"] / kernels["matmul_flops_s"], alpha_intra_us=alpha_us,
-                   inter_node_efficiency=1.0, alpha_inter_us=alpha_us, cpu_adam_params_per_s=1e8)
+                   attention_efficiency=kernels["attention_flops_s"] / kernels["matmul_flops_s"],
+                   alpha_intra_us=alpha_us, inter_node_efficiency=1.0, alpha_inter_us=alpha_us,
+                   cpu_adam_params_per_s=1e8)
     return from_dict({"name": "cpu-calibrated", "datasheet_peaks": peaks, "assumed": assumed,
                       "description": f"this machine ({platform.processor() or platform.machine()}), gloo",
                       "sources": {"measured": "ds-seqpar plan --calibrate (all-to-all alpha/beta, matmul and SDPA "

@@ -145,8 +145,9 @@ def predict(c: Candidate, shape: ModelShape, seq: int, cl: Cluster, own_linear: 
     peak_flops = cl.gpu.peaks["bf16_tflops" if e == 2 else "tf32_tflops"] * 1e12
     p.mfu = flops.model_flops_per_token(shape, seq, causal, docs) * seq * dp / p.step_s / (cl.gpus * peak_flops)
     if p.peak_bytes > p.budget_bytes:
-        p.reason = (f"does not fit: {p.peak_bytes / 1e9:.1f} GB per GPU ({p.peak_phase}) > {p.budget_bytes / 1e9:.1f} GB "
-                    f"usable with {headroom:.0%} headroom; longest sequence for it {p.max_seq:,}")
+        p.reason = (f"does not fit: {p.peak_bytes / 1e9:.1f} GB per GPU ({p.peak_phase}) > "
+                    f"{p.budget_bytes / 1e9:.1f} GB usable with {headroom:.0%} headroom; longest sequence for it "
+                    f"{p.max_seq:,}")
     elif p.host_bytes > HOST_USABLE * cl.gpu.host_bytes_per_node:
         p.reason = (f"host memory: {p.host_bytes / 1e9:.0f} GB per node (checkpoints / optimizer offloaded) > "
                     f"{HOST_USABLE * cl.gpu.host_bytes_per_node / 1e9:.0f} GB usable")
