@@ -1,13 +1,10 @@
 """``--calibrate``'s models: what the bench measured here (its rows, report/rows.py; a run's parameters
 in facts["meta"]) predicted by the cost model with this machine's calibration (measure.py), one row per
-measured number. A rank's time is its kernel calls (cost.times.rank_calls: computed pairs at the rate
-of the run's own single-process case, + c_call per call when the timed blocks fit well) plus its
-exchanges, alpha x messages + bytes / beta, not overlapped (on 2 shared cores gloo's copies take the
-core the kernel would use; messages: Ulysses 8 all-to-alls, the ring family 3 (P - 1), LASP 2).
-(alpha, beta) are least squares over cpu_full's softmax rows, each length predicted with the fit of the
-OTHER lengths; LASP, the hybrids' layers, the training step and the windows reuse that fit. P = 4 is not
-timed (2 cores: it would measure the oversubscription): its bytes are held to the closed forms and its
-memory to memory_cpu.
+measured number; MEANING says each table's model. Exchanges are not overlapped with the kernel (on 2
+shared cores gloo's copies take the core the kernel would use): alpha per message (Ulysses 8 all-to-alls,
+the ring family 3 (P - 1), LASP 2) + bytes / beta, fitted on cpu_full's softmax rows and reused by the
+LASP, hybrid, step and window tables. P = 4 is not timed (2 cores: it would measure the oversubscription):
+its bytes are held to the closed forms and its memory to memory_cpu.
 """
 from __future__ import annotations
 
@@ -49,41 +46,41 @@ STEP_PLAN = "Whole training-step speedup at P=2, the plan itself: search.predict
 WITHIN = (FIRST, SOFTMAX_FIT, LASP, HYBRID, STEP_FIT, WINDOW)
 MEANING = {
     CAL: "Measured by this command; the exchange's (alpha, beta) are fitted on cpu_full's softmax rows (below).",
-    FIRST: "Predicted: single-process time from the SDPA rate, the busiest rank's share, plus the all-to-alls or "
-              "the ring's whole exchange (predicted with overlap: only its excess over the compute). It counts "
-              "FLOPs only: it misses the causal squares' masked tile work, the per-call cost, and takes gloo's "
-              "alpha/beta as timed now; the tables below replace those terms.",
-    KERNELS: "Fit t = c_call + t_pair x computed pairs (a causal square of s tokens computes s (s+1)/2 + s x "
-             "{tile}/2: the masked halves of its diagonal key tiles). c_call is used below only when the fit is "
-             "within {trusted:.0%} (a fit timed under load is not).",
+    FIRST: "Predicted: single-process time from the SDPA rate, the busiest rank's share, plus the all-to-alls or the "
+           "ring's whole exchange (predicted with overlap: only its excess over the compute). It counts FLOPs only: it "
+           "misses the causal squares' masked tile work, the per-call cost, and takes gloo's alpha/beta as timed now; "
+           "the tables below replace those terms.",
+    KERNELS: "Fit t = c_call + t_pair x computed pairs (a causal square of s tokens computes s (s+1)/2 + s x {tile}/2: "
+             "the masked halves of its diagonal key tiles). c_call is used below only when the fit is within "
+             "{trusted:.0%} (a fit timed under load is not).",
     SOFTMAX_FIT: "Predicted = single-process time / (the busiest rank's kernel calls at the rate of the run's own "
-                    "single case, + c_call per call + alpha x messages + bytes / beta, no overlap); (alpha, beta) "
-                    "fitted on the OTHER lengths. Kernel only: without the exchange.",
-    LASP: "Nothing fitted on these rows: the linear kernel's time is a + b N (least squares over single_linear), "
-             "a rank runs it on N / 2 tokens, plus 2 messages of the state bytes at the fitted exchange.",
-    HYBRID: "The layer's local time on N / 2 tokens is the run's own 'halves' case, plus the transition map's "
-               "extra time (map - plain of its op, where measured), plus the exchange at the fitted (alpha, beta): "
-               "it checks the exchange and map terms.",
+                 "single case, + c_call per call + alpha x messages + bytes / beta, no overlap); (alpha, beta) fitted "
+                 "on the OTHER lengths. Kernel only: without the exchange.",
+    LASP: "Nothing fitted on these rows: the linear kernel's time is a + b N (least squares over single_linear), a "
+          "rank runs it on N / 2 tokens, plus 2 messages of the state bytes at the fitted exchange.",
+    HYBRID: "The layer's local time on N / 2 tokens is the run's own 'halves' case, plus the transition map's extra "
+            "time (map - plain of its op, where measured), plus the exchange at the fitted (alpha, beta): it checks "
+            "the exchange and map terms.",
     STEP_FIT: "Predicted = measured P=1 step x the plan's compute ratio (busiest rank's FLOPs at P=2 / P=1) + every "
-                 "exchange of the step (the layers' closed-form bytes, ZeRO-2's reduce-scatter and all-gather) at the "
-                 "fitted (alpha, beta), not overlapped.",
-    WINDOW: "Predicted = (the busiest rank's window pieces + exchange) / the measured plain time. The pieces are "
-               "the masked plan's bands cut as the CPU kernel cuts them (per 128 keys a tall causal block and a "
-               "128 x 128 anti square), each at c_call + t_pair x computed pairs with t_pair the window run's own "
-               "plain rate, tall blocks x {tall:.2f}, anti squares x {anti:.2f}. The loop around each call (merge, "
-               "gradient sums) is not priced: window_cpu's rounds exceed its kernel calls alone by 8-16% with a "
-               "window, 2-4% without, so the rows read optimistic.",
+              "exchange of the step (the layers' closed-form bytes, ZeRO-2's reduce-scatter and all-gather) at the "
+              "fitted (alpha, beta), not overlapped.",
+    WINDOW: "Predicted = (the busiest rank's window pieces + exchange) / the measured plain time. The pieces are the "
+            "masked plan's bands cut as the CPU kernel cuts them (per 128 keys a tall causal block and a 128 x 128 "
+            "anti square), each at c_call + t_pair x computed pairs with t_pair the window run's own plain rate, tall "
+            "blocks x {tall:.2f}, anti squares x {anti:.2f}. The loop around each call (merge, gradient sums) is not "
+            "priced: window_cpu's rounds exceed its kernel calls alone by 8-16% with a window, 2-4% without, so the "
+            "rows read optimistic.",
     WINDOW_BYTES: "Measured: window_cpu's CommStats; predicted: the plan's (cost.bytes.rank_bytes); closed form: "
-                     "strategies/closed_form.py.",
-    P4_BYTES: "This machine has 2 cores: a P=4 time measures the oversubscription, so no P=4 time is predicted; "
-                 "bytes and memory do not depend on the cores.",
-    P4_MEMORY: "Off by more than 5%: {miss}. A phase whose P=1 ratio is the same is the count's miss at every P "
-                  "(the forward phase with the features never holds the peak).",
-    STEP_PLAN: "Compute from FLOPs, the exchanges and ZeRO-2's collectives from the gloo alpha/beta. The absolute "
-                  "step times are {factor:.1f}x the measured ones (single-thread rates measured under this machine's "
-                  "load); the ratios cancel most of that.",
-    MEMORY: "The largest phase slope measured against the plan's count (fp32, ZeRO-2, checkpoints on the device); "
-               "with the strategy's comm buffers: an upper bound.",
+                  "strategies/closed_form.py.",
+    P4_BYTES: "This machine has 2 cores: a P=4 time measures the oversubscription, so no P=4 time is predicted; bytes "
+              "and memory do not depend on the cores.",
+    P4_MEMORY: "Off by more than 5%: {miss}. A phase whose P=1 ratio is the same is the count's miss at every P (the "
+               "forward phase with the features never holds the peak).",
+    STEP_PLAN: "Compute from FLOPs, the exchanges and ZeRO-2's collectives from the gloo alpha/beta. The absolute step "
+               "times are {factor:.1f}x the measured ones (single-thread rates measured under this machine's load); "
+               "the ratios cancel most of that.",
+    MEMORY: "The largest phase slope measured against the plan's count (fp32, ZeRO-2, checkpoints on the device); with "
+            "the strategy's comm buffers: an upper bound.",
 }
 
 
