@@ -1,13 +1,10 @@
 """``--calibrate``'s models: what the bench measured here (its rows, report/rows.py; a run's parameters
 in facts["meta"]) predicted by the cost model with this machine's calibration (measure.py), one row per
-measured number. A rank's time is its kernel calls (cost.times.rank_calls: computed pairs at the rate
-of the run's own single-process case, + c_call per call when the timed blocks fit well) plus its
-exchanges, alpha x messages + bytes / beta, not overlapped (on 2 shared cores gloo's copies take the
-core the kernel would use; messages: Ulysses 8 all-to-alls, the ring family 3 (P - 1), LASP 2).
-(alpha, beta) are least squares over cpu_full's softmax rows, each length predicted with the fit of the
-OTHER lengths; LASP, the hybrids' layers, the training step and the windows reuse that fit. P = 4 is not
-timed (2 cores: it would measure the oversubscription): its bytes are held to the closed forms and its
-memory to memory_cpu.
+measured number; MEANING says each table's model. Exchanges are not overlapped with the kernel (on 2
+shared cores gloo's copies take the core the kernel would use): alpha per message (Ulysses 8 all-to-alls,
+the ring family 3 (P - 1), LASP 2) + bytes / beta, fitted on cpu_full's softmax rows and reused by the
+LASP, hybrid, step and window tables. P = 4 is not timed (2 cores: it would measure the oversubscription):
+its bytes are held to the closed forms and its memory to memory_cpu.
 """
 from __future__ import annotations
 
@@ -15,7 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..masks import Mask
 from ..report.rows import Row, load_rows
-from ..strategies.closed_form import Shapes, closed_form_by_kind
+from ..strategies.closed_form import Shapes, closed_form_by_kind, closed_form_bytes
 from ..cost import memory, times
 from ..cost.bytes import rank_bytes
 from ..cost.candidate import Candidate, Features
@@ -28,6 +25,63 @@ SOFTMAX = ("ulysses", "ring", "zigzag", "striped")
 TRUSTED_RESIDUAL = 0.3     # a block fit worse than this was timed under load: its c_call is not used
 P4_LAYOUTS = (("ulysses", 4), ("ring", 1), ("zigzag", 1), ("striped", 1), ("zigzag", 2))
 SUITE = "plan"
+
+
+# The page's tables: each one's title (its rows' metric) and what it means (the text under the title, the
+# model the functions below compute); a table in WITHIN ends with how many of its rows the model predicts
+# within 15%.
+CAL = "Calibration: this machine's rates"
+KERNELS = "Kernel calls timed here (one thread, fp32, 8 heads x 64, fwd + bwd), ms"
+SOFTMAX_FIT = "Attention fwd+bwd speedup at P=2: kernel calls + fitted exchange (cpu_full)"
+FIRST = "Attention fwd+bwd speedup at P=2, first model: FLOPs and gloo's alpha/beta (cpu_full)"
+LASP = "LASP at P=2: lasp2 / lasp1 over the single-process linear kernel (cpu_full)"
+HYBRID = "Hybrids' linear layers under LASP at P=2 (hybrid_cpu)"
+STEP_FIT = "Whole training step at P=2 with the fitted exchange (cpu_full, the project's LM, ZeRO-2)"
+WINDOW = "Sliding windows at P=2: time with the window / without it (window_cpu, N=8192)"
+WINDOW_BYTES = "Sliding windows at P=2: bytes per rank measured against the plan's (window_cpu)"
+P4_BYTES = "P=4: bytes per rank per fwd+bwd, the plan against closed_form_by_kind (N=8192, 8 heads x 64, fp32)"
+P4_MEMORY = "P=4: bytes per token per rank by phase (memory_cpu's P=4 scaling runs)"
+MEMORY = "Bytes per token per rank of a training step (memory_cpu)"
+STEP_PLAN = "Whole training-step speedup at P=2, the plan itself: search.predict with the calibrated profile"
+WITHIN = (FIRST, SOFTMAX_FIT, LASP, HYBRID, STEP_FIT, WINDOW)
+MEANING = {
+    CAL: "Measured by this command; the exchange's (alpha, beta) are fitted on cpu_full's softmax rows (below).",
+    FIRST: "Predicted: single-process time from the SDPA rate, the busiest rank's share, plus the all-to-alls or the "
+           "ring's whole exchange (predicted with overlap: only its excess over the compute). It counts FLOPs only: it "
+           "misses the causal squares' masked tile work, the per-call cost, and takes gloo's alpha/beta as timed now; "
+           "the tables below replace those terms.",
+    KERNELS: "Fit t = c_call + t_pair x computed pairs (a causal square of s tokens computes s (s+1)/2 + s x {tile}/2: "
+             "the masked halves of its diagonal key tiles). c_call is used below only when the fit is within "
+             "{trusted:.0%} (a fit timed under load is not).",
+    SOFTMAX_FIT: "Predicted = single-process time / (the busiest rank's kernel calls at the rate of the run's own "
+                 "single case, + c_call per call + alpha x messages + bytes / beta, no overlap); (alpha, beta) fitted "
+                 "on the OTHER lengths. Kernel only: without the exchange.",
+    LASP: "Nothing fitted on these rows: the linear kernel's time is a + b N (least squares over single_linear), a "
+          "rank runs it on N / 2 tokens, plus 2 messages of the state bytes at the fitted exchange.",
+    HYBRID: "The layer's local time on N / 2 tokens is the run's own 'halves' case, plus the transition map's extra "
+            "time (map - plain of its op, where measured), plus the exchange at the fitted (alpha, beta): it checks "
+            "the exchange and map terms.",
+    STEP_FIT: "Predicted = measured P=1 step x the plan's compute ratio (busiest rank's FLOPs at P=2 / P=1) + every "
+              "exchange of the step (the layers' closed-form bytes, ZeRO-2's reduce-scatter and all-gather) at the "
+              "fitted (alpha, beta), not overlapped.",
+    WINDOW: "Predicted = (the busiest rank's window pieces + exchange) / the measured plain time. The pieces are the "
+            "masked plan's bands cut as the CPU kernel cuts them (per 128 keys a tall causal block and a 128 x 128 "
+            "anti square), each at c_call + t_pair x computed pairs with t_pair the window run's own plain rate, tall "
+            "blocks x {tall:.2f}, anti squares x {anti:.2f}. The loop around each call (merge, gradient sums) is not "
+            "priced: window_cpu's rounds exceed its kernel calls alone by 8-16% with a window, 2-4% without, so the "
+            "rows read optimistic.",
+    WINDOW_BYTES: "Measured: window_cpu's CommStats; predicted: the plan's (cost.bytes.rank_bytes); closed form: "
+                  "strategies/closed_form.py.",
+    P4_BYTES: "This machine has 2 cores: a P=4 time measures the oversubscription, so no P=4 time is predicted; bytes "
+              "and memory do not depend on the cores.",
+    P4_MEMORY: "Off by more than 5%: {miss}. A phase whose P=1 ratio is the same is the count's miss at every P (the "
+               "forward phase with the features never holds the peak).",
+    STEP_PLAN: "Compute from FLOPs, the exchanges and ZeRO-2's collectives from the gloo alpha/beta. The absolute step "
+               "times are {factor:.1f}x the measured ones (single-thread rates measured under this machine's load); "
+               "the ratios cancel most of that.",
+    MEMORY: "The largest phase slope measured against the plan's count (fp32, ZeRO-2, checkpoints on the device); with "
+            "the strategy's comm buffers: an upper bound.",
+}
 
 
 class Run:
@@ -89,14 +143,16 @@ def softmax_fit(full: Run, blocks: Optional[Dict[str, Any]]) -> Tuple[List[Row],
         rate = {"c_call_s": 0.0, "t_pair_s": single / (computed_pairs(n, n, causal) * heads)}
         for s in (s for s in SOFTMAX if s in cases):
             calls = max(len(c) for c in times.rank_calls(s, p, n))
-            pts.append({"n": n, "strategy": s, "kernel_s": times.busiest_kernel_s(s, p, n, heads, rate) + c_call * calls,
-                        "calls": calls, "messages": messages(s, p), "bytes": cases[s]["bytes"],
-                        "measured_s": cases[s]["s"], "single_s": single, "measured": cases[s]["speedup"]})
+            kernel = times.busiest_kernel_s(s, p, n, heads, rate) + c_call * calls
+            pts.append({"n": n, "strategy": s, "kernel_s": kernel, "calls": calls, "messages": messages(s, p),
+                        "bytes": cases[s]["bytes"], "measured_s": cases[s]["s"], "single_s": single,
+                        "measured": cases[s]["speedup"]})
     rows = []
     for r in pts:
         fit = fit_exchange([x for x in pts if x["n"] != r["n"]])
         t = r["kernel_s"] + exchange_s(fit, r["messages"], r["bytes"])
-        rows.append(Row(SUITE, r["strategy"], f"N={r['n']}", SOFTMAX_FIT, "x", r["measured"], predicted=r["single_s"] / t,
+        rows.append(Row(SUITE, r["strategy"], f"N={r['n']}", SOFTMAX_FIT, "x", r["measured"],
+                        predicted=r["single_s"] / t,
                         detail={"kernel only": r["single_s"] / r["kernel_s"], "busiest rank's calls": r["calls"],
                                 "alpha ms (other lengths)": fit["alpha_s"] * 1e3,
                                 "beta GB/s (other lengths)": fit["beta_bytes_s"] / 1e9}))
@@ -104,8 +160,7 @@ def softmax_fit(full: Run, blocks: Optional[Dict[str, Any]]) -> Tuple[List[Row],
 
 
 def lasp_rows(full: Run, fit: Dict[str, float]) -> List[Row]:
-    """cpu_full's LASP cases: a rank runs the single-process linear kernel on N / P tokens (a + b N, least
-    squares over the single_linear rows) and exchanges one state per head, whatever N."""
+    """cpu_full's LASP cases (MEANING[LASP]); the state exchanged is one per head, whatever N."""
     p, cases = full.meta["world"], attention_cases(full)
     points = [(n, c["single_linear"]["s"]) for n, c in cases.items() if "single_linear" in c]
     if len(points) < 2:
@@ -117,50 +172,37 @@ def lasp_rows(full: Run, fit: Dict[str, float]) -> List[Row]:
 
 
 def hybrid_rows(hybrid: Run, fit: Dict[str, float]) -> List[Row]:
-    """hybrid_cpu's real linear layers under LASP: the run's own local time on N / P tokens ("halves") +
-    the transition map's extra cost (its op timed alone: map - plain) + the state exchange."""
+    """hybrid_cpu's real linear layers under LASP (MEANING[HYBRID])."""
     layer, sent, p = hybrid.table("One layer"), hybrid.table("Bytes per rank"), hybrid.meta.get("P", 2)
     ops = {fam: r.detail["map CPU s"] - r.detail["plain CPU s"] for (fam, _), r in hybrid.table("The local op").items()}
     rows = []
-    for fam in dict.fromkeys(f for f, _ in layer):
-        if (fam, "single") not in layer or (fam, "halves") not in layer:
+    for (fam, case), r in layer.items():
+        if case not in ("lasp_allgather", "lasp_ring") or (fam, "single") not in layer or (fam, "halves") not in layer:
             continue
-        single, extra = layer[fam, "single"].detail["wall s"], ops.get(fam, 0.0)
-        for case in ("lasp_allgather", "lasp_ring"):
-            if (fam, case) in layer:
-                nbytes = sent[fam, case].value[0]
-                t = layer[fam, "halves"].detail["wall s"] + extra + exchange_s(fit, messages("lasp", p), nbytes)
-                rows.append(Row(SUITE, fam, case, HYBRID, "x", layer[fam, case].value, predicted=single / t,
-                                detail={"map extra s": extra, "bytes/rank": nbytes}))
+        single, extra, nbytes = layer[fam, "single"].detail["wall s"], ops.get(fam, 0.0), sent[fam, case].value[0]
+        t = layer[fam, "halves"].detail["wall s"] + extra + exchange_s(fit, messages("lasp", p), nbytes)
+        rows.append(Row(SUITE, fam, case, HYBRID, "x", r.value, predicted=single / t,
+                        detail={"map extra s": extra, "bytes/rank": nbytes}))
     return rows
 
 
-def predicted_steps(strategy: str, tm: Dict[str, Any], profile):
-    """(shape, P = 1, P = 2): search.predict of cpu_full's training step of ``strategy`` (the project's LM
-    of ``tm``, fp32, ZeRO-2; linear: every layer lasp) on one rank and on two."""
+def step_rows(full: Run, fit: Dict[str, float], profile) -> Tuple[List[Row], List[Row]]:
+    """cpu_full's training step at P = 2 over P = 1: (MEANING[STEP_FIT], MEANING[STEP_PLAN]). The step is
+    the project's LM of the run's "train_model", fp32, ZeRO-2 (linear: every layer lasp)."""
     from .inputs import own_lm_shape
     from .search import Cluster, predict
-    cluster = lambda gpus: Cluster(gpus, gpus, profile, "fp32")  # noqa: E731
-    linear = strategy == "lasp"
-    shape = own_lm_shape({"dim": tm["dim"], "n_layers": tm["n_layers"], "n_heads": tm["n_heads"],
-                          "attention": "linear" if linear else "softmax"}, "lm")
-    one = predict(Candidate(strategy if linear else "ulysses", 1, 1, 2, Features()), shape, tm["seq_len"],
-                  cluster(1), own_linear=linear)
-    two = predict(Candidate(strategy, 2, 2 if strategy == "ulysses" else 1, 2, Features()), shape, tm["seq_len"],
-                  cluster(2), own_linear=linear)
-    return shape, one, two
-
-
-def step_rows(full: Run, fit: Dict[str, float], profile) -> Tuple[List[Row], List[Row]]:
-    """cpu_full's training step at P = 2 over P = 1: (with the fitted exchange: the measured P = 1 step x
-    the plan's compute ratio + every exchange of the step, the layers' closed-form bytes and ZeRO-2's
-    reduce-scatter + all-gather; the plan itself: search.predict with the calibrated profile)."""
     tm, fitted, planned = full.meta.get("train_model") or {}, [], []
     for (strategy, _), r in sorted(full.table("Whole training step").items()):
-        shape, one, two = predicted_steps(strategy, tm, profile)
+        linear, layers = strategy == "lasp", tm["n_layers"]
+        shape = own_lm_shape({"dim": tm["dim"], "n_layers": layers, "n_heads": tm["n_heads"],
+                              "attention": "linear" if linear else "softmax"}, "lm")
+        one, two = (predict(Candidate(s, p, u, 2, Features()), shape, tm["seq_len"], Cluster(p, p, profile, "fp32"),
+                            own_linear=linear)
+                    for s, p, u in ((strategy if linear else "ulysses", 1, 1),
+                                    (strategy, 2, 2 if strategy == "ulysses" else 1)))
         if not (one.compute_s and two.compute_s):
             continue
-        one_s, layers = r.detail["1 rank s/step"], tm["n_layers"]
+        one_s = r.detail["1 rank s/step"]
         nbytes = sum(two.comm_bytes.values()) * layers + times.zero_bytes(shape.params(), 2, 2, 4, 4)
         t = one_s * two.compute_s / one.compute_s + exchange_s(fit, messages(strategy, 2) * layers + 2, nbytes)
         fitted.append(Row(SUITE, strategy, f"seq {tm['seq_len']}", STEP_FIT, "x", r.value, predicted=one_s / t,
@@ -211,14 +253,12 @@ def plan_bytes(strategy: str, p: int, ulysses: int, shapes: Shapes, window: Opti
 
 
 def form_bytes(strategy: str, p: int, ulysses: int, shapes: Shapes, window: Optional[int]) -> List[int]:
-    return [sum(closed_form_by_kind(strategy, p, shapes, r, ulysses, causal=True, window=window).values())
-            for r in range(p)]
+    return [closed_form_bytes(strategy, p, shapes, r, ulysses, window=window) for r in range(p)]
 
 
 def window_rows(window: Run, fit: Dict[str, float], blocks: Optional[Dict[str, Any]]) -> Tuple[List[Row], List[Row]]:
-    """window_cpu's time ratio window / plain per (strategy, window): (the busiest rank's window pieces at the
-    run's own plain rate + exchange) / the measured plain time; and its bytes per rank: measured, plan,
-    closed form."""
+    """window_cpu's time ratio window / plain per (strategy, window) (MEANING[WINDOW]) and its bytes per
+    rank: measured, plan, closed form."""
     m, base, times_, sent = window.meta, trusted_cost(blocks), window.table("Sliding window"), window.table("Bytes")
     alone = {(s, v.split(",")[0]): r.detail["kernel s"] for (s, v), r in window.table("Kernel calls alone").items()}
     p, n, heads = m["P"], m["seq"], m["heads"]
@@ -234,7 +274,8 @@ def window_rows(window: Run, fit: Dict[str, float], blocks: Optional[Dict[str, A
         for w in m["windows"]:
             calls, ours = times.rank_calls(s, p, n, True, w), plan_bytes(s, p, u, shapes, w)
             kernel, x = times.busiest_calls_s(calls, cost, h), exchange_s(fit, msgs, max(ours))
-            ratios.append(Row(SUITE, s, f"w={w}", WINDOW, "x", times_[s, str(w)].value, predicted=(kernel + x) / plain_s,
+            ratios.append(Row(SUITE, s, f"w={w}", WINDOW, "x", times_[s, str(w)].value,
+                              predicted=(kernel + x) / plain_s,
                               detail={"busiest rank's pieces": max(len(c) for c in calls), "kernel s priced": kernel,
                                       "kernel s timed alone": alone.get((s, str(w))), "exchange s": x}))
             nbytes.append(Row(SUITE, s, f"w={w}", WINDOW_BYTES, "B", sent[s, f"window={w}"].value, predicted=ours,
@@ -258,7 +299,8 @@ def memory_variants(mem: Run, world: Optional[int] = None):
     m, points = mem.meta, mem.table("Every measurement")
     for (model, variant), r in mem.table("Bytes per token of each phase").items():
         p, on = int(variant.split()[0][2:]), variant.endswith(" on")
-        lengths = sorted(int(v.split(", ")[1].split()[0]) for c, v in points if c == model and v.startswith(variant + ","))
+        lengths = sorted(int(v.split(", ")[1].split()[0]) for c, v in points
+                         if c == model and v.startswith(variant + ","))
         if world not in (None, p) or len(lengths) < 2:
             continue
         shape = ModelShape(model, m["hidden"], m["layers"], m["heads"], m["kv_heads"], m["hidden"] // m["heads"],
@@ -269,8 +311,7 @@ def memory_variants(mem: Run, world: Optional[int] = None):
 
 
 def memory_rows(mem: Run) -> List[Row]:
-    """Per variant: the largest phase slope (the bench's bytes per token per rank) against the plan's count,
-    with the strategy's comm buffers (an upper bound) beside it."""
+    """Per variant: the largest phase slope (the bench's bytes per token per rank, MEANING[MEMORY])."""
     rows = []
     for label, p, _, slopes, shape, f in memory_variants(mem):
         lines = memory.phase_lines(shape, mem.meta["strategy"], p, 1, p, 2, "fp32", f, True)
@@ -281,30 +322,25 @@ def memory_rows(mem: Run) -> List[Row]:
 
 
 def phase_rows(mem: Run, world: int = 4) -> List[Row]:
-    """Per P = ``world`` variant and phase: the measured bytes per token per rank against the plan's."""
+    """Per P = ``world`` variant and phase (and the step: its largest slope): the measured bytes per token
+    per rank against the plan's, beside the P = 1 variant's ratio (a miss the same at P = 1 is the
+    count's at every P)."""
+    p1 = {(r.case.replace("/P1/", f"/P{world}/"), r.variant): r for r in (phase_rows(mem, 1) if world > 1 else [])}
     rows = []
     for label, _, lengths, slopes, shape, f in memory_variants(mem, world):
         ours, phases = memory.per_token(shape, 4, f, True), ("forward", "loss_backward", "layers_backward")
-        fitted = ", ".join(map(str, lengths))
-        rows += [Row(SUITE, label, ph, P4_MEMORY, "B", slopes[ph], predicted=ours[ph],
-                     detail={"tokens/rank fitted": fitted}) for ph in phases]
-        rows.append(Row(SUITE, label, "step (largest slope)", P4_MEMORY, "B", max(slopes[ph] for ph in phases),
-                        predicted=max(ours[ph] for ph in phases), detail={"tokens/rank fitted": fitted}))
+        measured, predicted = {ph: slopes[ph] for ph in phases}, {ph: ours[ph] for ph in phases}
+        for d in (measured, predicted):
+            d["step (largest slope)"] = max(d.values())
+        for ph, value in measured.items():
+            detail, o = {"tokens/rank fitted": ", ".join(map(str, lengths))}, p1.get((label, ph))
+            if world > 1:
+                ratio = f"{o.value / o.predicted:.3f} ({o.detail['tokens/rank fitted']})" if o else "-"
+                detail["P=1 measured / predicted"] = ratio
+            rows.append(Row(SUITE, label, ph, P4_MEMORY, "B", value, predicted=predicted[ph], detail=detail))
     return rows
 
 
-SOFTMAX_FIT = "Attention fwd+bwd speedup at P=2: kernel calls + fitted exchange (cpu_full)"
-FIRST = "Attention fwd+bwd speedup at P=2, first model: FLOPs and gloo's alpha/beta (cpu_full)"
-LASP = "LASP at P=2: lasp2 / lasp1 over the single-process linear kernel (cpu_full)"
-HYBRID = "Hybrids' linear layers under LASP at P=2 (hybrid_cpu)"
-STEP_FIT = "Whole training step at P=2 with the fitted exchange (cpu_full, the project's LM, ZeRO-2)"
-WINDOW = "Sliding windows at P=2: time with the window / without it (window_cpu, N=8192)"
-WINDOW_BYTES = "Sliding windows at P=2: bytes per rank measured against the plan's (window_cpu)"
-P4_BYTES = "P=4: bytes per rank per fwd+bwd, the plan against closed_form_by_kind (N=8192, 8 heads x 64, fp32)"
-P4_MEMORY = "P=4: bytes per token per rank by phase (memory_cpu's P=4 scaling runs)"
-MEMORY = "Bytes per token per rank of a training step (memory_cpu)"
-STEP_PLAN = "Whole training-step speedup at P=2, the plan itself: search.predict with the calibrated profile"
-
 __all__ = ["P4_LAYOUTS", "Run", "attention_cases", "exchange_s", "first_model_rows", "fit_exchange", "form_bytes",
-           "hybrid_rows", "lasp_rows", "messages", "plan_bytes", "predict_speedups", "predicted_steps",
+           "hybrid_rows", "lasp_rows", "messages", "plan_bytes", "predict_speedups",
            "softmax_fit", "step_rows", "trusted_cost"]

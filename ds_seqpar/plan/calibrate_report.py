@@ -18,10 +18,6 @@ from ..cost.pairs import KEY_TILE, computed_pairs
 from .hardware import describe
 from .measure import BLOCKS, cpu_profile, measure_blocks, measure_comm, measure_kernels
 
-CAL = "Calibration: this machine's rates"
-KERNELS = "Kernel calls timed here (one thread, fp32, 8 heads x 64, fwd + bwd), ms"
-
-
 def within(rows: List[Row], tol: float = 0.15) -> str:
     """How many rows' predicted / measured lies within ``tol`` of 1 (the goal of every time table)."""
     near = sum(1 for r in rows if abs(r.predicted / r.value - 1) <= tol)
@@ -29,36 +25,37 @@ def within(rows: List[Row], tol: float = 0.15) -> str:
 
 
 def calibration_rows(cal: Dict[str, Any], fit: Optional[Dict[str, float]]) -> List[Row]:
-    k, b = cal["kernels"], cal.get("blocks") or {}
-    rows = [Row(cb.SUITE, "matmul GFLOP/s", "one thread, 1024^3 fp32", CAL, "", k["matmul_flops_s"] / 1e9),
-            Row(cb.SUITE, "causal SDPA fwd+bwd GFLOP/s", "one thread, N=2048, 8 x 64", CAL, "",
-                k["attention_flops_s"] / 1e9)]
+    """The rates measured here, and the exchange fitted on cpu_full: (case, variant, value, detail) each."""
+    k, b, gloo = cal["kernels"], cal.get("blocks") or {}, "2 ranks, gloo, 16 KiB-16 MiB"
+    rows = [("matmul GFLOP/s", "one thread, 1024^3 fp32", k["matmul_flops_s"] / 1e9, {}),
+            ("causal SDPA fwd+bwd GFLOP/s", "one thread, N=2048, 8 x 64", k["attention_flops_s"] / 1e9, {})]
     for kind, c in cal["comm"].items():
         res = {"largest residual": c["max_rel_residual"]}
-        rows += [Row(cb.SUITE, f"{kind} alpha ms", "2 ranks, gloo, 16 KiB-16 MiB", CAL, "", c["alpha_s"] * 1e3, detail=res),
-                 Row(cb.SUITE, f"{kind} beta GB/s", "2 ranks, gloo, 16 KiB-16 MiB", CAL, "", c["beta_bytes_s"] / 1e9,
-                     detail=res)]
+        rows += [(f"{kind} alpha ms", gloo, c["alpha_s"] * 1e3, res),
+                 (f"{kind} beta GB/s", gloo, c["beta_bytes_s"] / 1e9, res)]
     if b:
         fitted = f"kernel calls below (largest residual {b['max_rel_residual']:.0%})"
-        rows += [Row(cb.SUITE, "c_call ms", fitted, CAL, "", b["c_call_s"] * 1e3),
-                 Row(cb.SUITE, "t_pair ns per computed pair and head", fitted, CAL, "", b["t_pair_s"] * 1e9),
-                 Row(cb.SUITE, "tall causal block / the line", "window pieces, not fitted", CAL, "", b["tall_factor"]),
-                 Row(cb.SUITE, "anti square / the line", "window pieces, not fitted", CAL, "", b["anti_factor"])]
+        pieces = "window pieces, not fitted"
+        rows += [("c_call ms", fitted, b["c_call_s"] * 1e3, {}),
+                 ("t_pair ns per computed pair and head", fitted, b["t_pair_s"] * 1e9, {}),
+                 ("tall causal block / the line", pieces, b["tall_factor"], {}),
+                 ("anti square / the line", pieces, b["anti_factor"], {})]
     if fit:
-        rows += [Row(cb.SUITE, "exchange alpha ms per message", "fitted on cpu_full's softmax rows", CAL, "",
-                     fit["alpha_s"] * 1e3),
-                 Row(cb.SUITE, "exchange beta GB/s", "fitted on cpu_full's softmax rows", CAL, "", fit["beta_bytes_s"] / 1e9)]
-    return rows
+        on = "fitted on cpu_full's softmax rows"
+        rows += [("exchange alpha ms per message", on, fit["alpha_s"] * 1e3, {}),
+                 ("exchange beta GB/s", on, fit["beta_bytes_s"] / 1e9, {})]
+    return [Row(cb.SUITE, case, variant, cb.CAL, "", value, detail=detail) for case, variant, value, detail in rows]
 
 
 def block_rows(b: Dict[str, Any]) -> List[Row]:
     """The timed blocks against the fit c_call + t_pair x pairs (window pieces: the line, not fitted)."""
     line = lambda pairs: (b["c_call_s"] + b["t_pair_s"] * pairs) * 1e3  # noqa: E731
-    rows = [Row(cb.SUITE, f"{nq} x {nk}{' causal' if m else ''}", "fitted", KERNELS, "", t * 1e3, predicted=line(pairs),
-                detail={"computed pairs x heads": pairs}) for (nq, nk, m), (pairs, t) in zip(BLOCKS, b["points"])]
+    rows = [Row(cb.SUITE, f"{nq} x {nk}{' causal' if m else ''}", "fitted", cb.KERNELS, "", t * 1e3,
+                predicted=line(pairs), detail={"computed pairs x heads": pairs})
+            for (nq, nk, m), (pairs, t) in zip(BLOCKS, b["points"])]
     for nq, nk, kind, t in b.get("window_points", []):
         pairs = computed_pairs(nq, nk, True) * b["heads"]
-        rows.append(Row(cb.SUITE, f"{nq} x {nk} {kind}", "window piece, not fitted", KERNELS, "", t * 1e3,
+        rows.append(Row(cb.SUITE, f"{nq} x {nk} {kind}", "window piece, not fitted", cb.KERNELS, "", t * 1e3,
                         predicted=line(pairs), detail={"computed pairs x heads": pairs}))
     return rows
 
@@ -73,58 +70,23 @@ def page(cal: Dict[str, Any], reports: str) -> Tuple[List[Row], Dict[str, str]]:
     full, hybrid, window, mem = (_run(reports, n) for n in ("cpu_full", "hybrid_cpu", "window_cpu", "memory_cpu"))
     profile, blocks = cpu_profile(cal["comm"], cal["kernels"]), cal.get("blocks")
     soft, fit = cb.softmax_fit(full, blocks) if full else ([], None)
-    first = cb.first_model_rows(cal, full) if full else []
-    lasp, hyb = (cb.lasp_rows(full, fit) if full else []), (cb.hybrid_rows(hybrid, fit) if hybrid and fit else [])
     step_fit, step_plan = cb.step_rows(full, fit, profile) if full else ([], [])
     ratios, wbytes = cb.window_rows(window, fit, blocks) if window and fit else ([], [])
-    p4_mem = cb.phase_rows(mem) if mem else []
-    p1 = {(r.case.replace("/P1/", "/P4/"), r.variant): r for r in (cb.phase_rows(mem, 1) if mem else [])}
-    for r in p4_mem:
-        o = p1.get((r.case, r.variant))
-        r.detail["P=1 measured / predicted"] = f"{o.value / o.predicted:.3f} ({o.detail['tokens/rank fitted']})" if o else "-"
-    rows = calibration_rows(cal, fit) + first + (block_rows(blocks) if blocks else []) + soft + lasp + hyb + \
-        step_fit + ratios + wbytes + cb.p4_bytes_rows() + p4_mem + step_plan + (cb.memory_rows(mem) if mem else [])
-    cost = cb.trusted_cost(blocks)
-    factor = step_plan[0].detail["P=1 s predicted"] / step_plan[0].detail["P=1 s measured"] if step_plan else 1.0
-    miss = [f"{r.case} {r.variant}" for r in p4_mem if abs(r.predicted / r.value - 1) > 0.05]
-    return rows, {
-        CAL: "Measured by this command; the exchange's (alpha, beta) are fitted on cpu_full's softmax rows (below).",
-        cb.FIRST: "Predicted: single-process time from the SDPA rate, the busiest rank's share, plus the all-to-alls or "
-                  "the ring's whole exchange (predicted with overlap: only its excess over the compute). It counts "
-                  "FLOPs only: it misses the causal squares' masked tile work, the per-call cost, and takes gloo's "
-                  f"alpha/beta as timed now; the tables below replace those terms. {within(first)}",
-        KERNELS: f"Fit t = c_call + t_pair x computed pairs (a causal square of s tokens computes s (s+1)/2 + s x "
-                 f"{KEY_TILE}/2: the masked halves of its diagonal key tiles). c_call is used below only when the fit is "
-                 f"within {cb.TRUSTED_RESIDUAL:.0%} (a fit timed under load is not).",
-        cb.SOFTMAX_FIT: "Predicted = single-process time / (the busiest rank's kernel calls at the rate of the run's own "
-                        "single case, + c_call per call + alpha x messages + bytes / beta, no overlap); (alpha, beta) "
-                        f"fitted on the OTHER lengths. Kernel only: without the exchange. {within(soft)}",
-        cb.LASP: "Nothing fitted on these rows: the linear kernel's time is a + b N (least squares over single_linear), "
-                 f"a rank runs it on N / 2 tokens, plus 2 messages of the state bytes at the fitted exchange. {within(lasp)}",
-        cb.HYBRID: "The layer's local time on N / 2 tokens is the run's own 'halves' case, plus the transition map's "
-                   "extra time (map - plain of its op, where measured), plus the exchange at the fitted (alpha, beta): "
-                   f"it checks the exchange and map terms. {within(hyb)}",
-        cb.STEP_FIT: "Predicted = measured P=1 step x the plan's compute ratio (busiest rank's FLOPs at P=2 / P=1) + every "
-                     "exchange of the step (the layers' closed-form bytes, ZeRO-2's reduce-scatter and all-gather) at the "
-                     f"fitted (alpha, beta), not overlapped. {within(step_fit)}",
-        cb.WINDOW: "Predicted = (the busiest rank's window pieces + exchange) / the measured plain time. The pieces are "
-                   "the masked plan's bands cut as the CPU kernel cuts them (per 128 keys a tall causal block and a "
-                   "128 x 128 anti square), each at c_call + t_pair x computed pairs with t_pair the window run's own "
-                   f"plain rate, tall blocks x {cost['tall_factor']:.2f}, anti squares x {cost['anti_factor']:.2f}. The "
-                   "loop around each call (merge, gradient sums) is not priced: window_cpu's rounds exceed its kernel "
-                   f"calls alone by 8-16% with a window, 2-4% without, so the rows read optimistic. {within(ratios)}",
-        cb.WINDOW_BYTES: "Measured: window_cpu's CommStats; predicted: the plan's (cost.bytes.rank_bytes); closed form: "
-                         "strategies/closed_form.py.",
-        cb.P4_BYTES: "This machine has 2 cores: a P=4 time measures the oversubscription, so no P=4 time is predicted; "
-                     "bytes and memory do not depend on the cores.",
-        cb.P4_MEMORY: f"Off by more than 5%: {', '.join(miss) or 'none'}. A phase whose P=1 ratio is the same is the "
-                      "count's miss at every P (the forward phase with the features never holds the peak).",
-        cb.STEP_PLAN: "Compute from FLOPs, the exchanges and ZeRO-2's collectives from the gloo alpha/beta. The absolute "
-                      f"step times are {factor:.1f}x the measured ones (single-thread rates measured under this "
-                      "machine's load); the ratios cancel most of that.",
-        cb.MEMORY: "The largest phase slope measured against the plan's count (fp32, ZeRO-2, checkpoints on the device); "
-                   "with the strategy's comm buffers: an upper bound.",
-    }
+    tables = {cb.CAL: calibration_rows(cal, fit), cb.FIRST: cb.first_model_rows(cal, full) if full else [],
+              cb.KERNELS: block_rows(blocks) if blocks else [], cb.SOFTMAX_FIT: soft,
+              cb.LASP: cb.lasp_rows(full, fit) if full else [],
+              cb.HYBRID: cb.hybrid_rows(hybrid, fit) if hybrid and fit else [], cb.STEP_FIT: step_fit,
+              cb.WINDOW: ratios, cb.WINDOW_BYTES: wbytes, cb.P4_BYTES: cb.p4_bytes_rows(),
+              cb.P4_MEMORY: cb.phase_rows(mem) if mem else [], cb.STEP_PLAN: step_plan,
+              cb.MEMORY: cb.memory_rows(mem) if mem else []}
+    cost, step = cb.trusted_cost(blocks), step_plan[0].detail if step_plan else {}
+    facts = {"tile": KEY_TILE, "trusted": cb.TRUSTED_RESIDUAL, "tall": cost["tall_factor"], "anti": cost["anti_factor"],
+             "factor": step["P=1 s predicted"] / step["P=1 s measured"] if step else 1.0,
+             "miss": ", ".join(f"{r.case} {r.variant}" for r in tables[cb.P4_MEMORY]
+                               if abs(r.predicted / r.value - 1) > 0.05) or "none"}
+    meaning = {m: cb.MEANING[m].format(**facts) + (f" {within(rows)}" if m in cb.WITHIN else "")
+               for m, rows in tables.items()}
+    return [r for rows in tables.values() for r in rows], meaning
 
 
 def write_page(cal: Dict[str, Any], reports: str, name: str, machine: str) -> str:

@@ -37,10 +37,8 @@ def ds_config(c: Candidate, dtype: str, hybrid: bool) -> Dict[str, Any]:
         "zero_optimization": zero,
         "sequence_parallel": section,
     }
-    if dtype == "bf16":
-        out["bf16"] = {"enabled": True}
-    elif dtype == "fp16":
-        out["fp16"] = {"enabled": True}
+    if dtype != "fp32":
+        out[dtype] = {"enabled": True}
     if c.features.on:
         out["activation_checkpointing"] = {"cpu_checkpointing": bool(c.features.cpu_checkpointing)}
     return out

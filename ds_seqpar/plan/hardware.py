@@ -98,22 +98,22 @@ def from_dict(raw: Mapping[str, Any], where: str) -> Gpu:
 
 def load_gpu(name_or_path: str) -> Gpu:
     """A profile by name (h100, h200, b200, a100) or a custom JSON file with the same keys."""
-    if name_or_path.endswith(".json") or os.sep in name_or_path:
-        if not os.path.exists(name_or_path):
-            raise PlanError(f"--gpu {name_or_path!r}: no such file; pass one of {', '.join(known_gpus())} or a JSON "
-                            f"profile with the keys of ds_seqpar/plan/profiles/h100.json")
-        with open(name_or_path) as f:
-            try:
-                raw = json.load(f)
-            except json.JSONDecodeError as err:
-                raise PlanError(f"--gpu {name_or_path!r} is not valid JSON: {err}") from None
-        return from_dict(raw, name_or_path)
-    name = name_or_path.lower()
-    if name not in known_gpus():
-        raise PlanError(f"--gpu {name_or_path!r} is not a known GPU; choose one of {', '.join(known_gpus())} or pass a "
-                        f"JSON profile (the keys of ds_seqpar/plan/profiles/h100.json)")
-    with open(os.path.join(PROFILE_DIR, f"{name}.json")) as f:
-        return from_dict(json.load(f), name)
+    is_path = name_or_path.endswith(".json") or os.sep in name_or_path
+    path = name_or_path if is_path else os.path.join(PROFILE_DIR, f"{name_or_path.lower()}.json")
+    if not os.path.exists(path):
+        what = "no such file" if is_path else "not a known GPU"
+        raise PlanError(f"--gpu {name_or_path!r}: {what}; choose one of {', '.join(known_gpus())} or pass a JSON "
+                        f"profile with the keys of ds_seqpar/plan/profiles/h100.json")
+    return from_dict(read_json(path, "gpu"), name_or_path if is_path else name_or_path.lower())
+
+
+def read_json(path: str, flag: str) -> Any:
+    """The JSON file given to ``--flag``, or a PlanError naming the flag."""
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as err:
+            raise PlanError(f"--{flag} {path!r} is not valid JSON: {err}") from None
 
 
 def describe(gpu: Gpu) -> Dict[str, Any]:
@@ -121,4 +121,4 @@ def describe(gpu: Gpu) -> Dict[str, Any]:
             "datasheet_peaks": dict(gpu.peaks), "assumed": dict(gpu.assumed)}
 
 
-__all__ = ["Gpu", "Link", "PlanError", "describe", "known_gpus", "load_gpu"]
+__all__ = ["Gpu", "Link", "PlanError", "describe", "known_gpus", "load_gpu", "read_json"]

@@ -2,11 +2,10 @@
 or the project's own LM), packed documents, and the command line's numbers."""
 from __future__ import annotations
 
-import json
 import os
 from typing import Optional, Tuple
 
-from .hardware import PlanError
+from .hardware import PlanError, read_json
 from .model_shape import ModelShape, from_hf_config
 
 OWN_LM = "ds_seqpar_lm"
@@ -40,11 +39,7 @@ def load_model(path: str) -> ModelShape:
         raise PlanError(f"--model {path!r} is a directory without config.json; pass a Hugging Face model directory "
                         f"or a config JSON file (e.g. configs/models/llama_small.json)")
     if path.endswith(".json") and os.path.isfile(path):
-        with open(path) as f:
-            try:
-                raw = json.load(f)
-            except json.JSONDecodeError as err:
-                raise PlanError(f"--model {path!r} is not valid JSON: {err}") from None
+        raw = read_json(path, "model")
         if isinstance(raw, dict) and raw.get("model_type") == OWN_LM:
             return own_lm_shape(raw, os.path.basename(path))
     config = load_config(path)

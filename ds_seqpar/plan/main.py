@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import List, Optional
 
 from ..config import ConfigError
@@ -44,8 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", dest="json_out", help="write every prediction here (machine-readable)")
     p.add_argument("--calibrate", action="store_true", help="measure this machine's alpha/beta (gloo, local ranks) and "
                    "kernel throughput; write the profile and the predicted-vs-measured report (--reports, --name)")
-    p.add_argument("--reports", default="reports", help="--calibrate: where the measured reports are and the report goes")
-    p.add_argument("--name", default="plan_cpu", help="--calibrate: report name (REPORTS/NAME.md, .rows.json, _profile.json)")
+    p.add_argument("--reports", default="reports",
+                   help="--calibrate: where the measured reports are and the report goes")
+    p.add_argument("--name", default="plan_cpu",
+                   help="--calibrate: report name (REPORTS/NAME.md, .rows.json, _profile.json)")
     return p
 
 
@@ -54,17 +56,17 @@ def _gb(x: float) -> str:
 
 
 def render(shape: ModelShape, opts, cluster: Cluster, ok: List[Prediction], rejected: List[Prediction]) -> str:
-    gpu = cluster.gpu
+    gpu, a = cluster.gpu, cluster.gpu.assumed
     lines = [f"model {shape.name}: {shape.params() / 1e9:.2f}B parameters, {shape.layers} layers "
-             f"({', '.join(f'{k} x{shape.count(k)}' for k in dict.fromkeys(shape.layer_kinds))}), hidden {shape.hidden}, "
-             f"heads {shape.heads}/{shape.kv_heads} kv, vocab {shape.vocab}"
+             f"({', '.join(f'{k} x{n}' for k, n in Counter(shape.layer_kinds).items())}), "
+             f"hidden {shape.hidden}, heads {shape.heads}/{shape.kv_heads} kv, vocab {shape.vocab}"
              + "".join(f"; window {w} on {k} layers" for w, k in shape.softmax_windows().items() if w),
              *([f"packed documents of {opts.doc_len:,} tokens"] if getattr(opts, "doc_len", None) else []),
              f"sequence {opts.seq_len:,} tokens; {cluster.gpus} x {gpu.name} ({gpu.description}), "
              f"{cluster.gpus_per_node} per node, {cluster.dtype}; usable memory {_gb(gpu.usable_bytes)} GB per GPU",
-             f"assumed: matmul {gpu.assumed['matmul_efficiency']:.0%} and attention {gpu.assumed['attention_efficiency']:.0%}"
-             f" of the datasheet peak, NVLink {gpu.assumed['nvlink_efficiency']:.0%}, inter-node "
-             f"{gpu.assumed['inter_node_efficiency']:.0%} of theirs (docs/plan.md)", ""]
+             f"assumed: matmul {a['matmul_efficiency']:.0%} and attention {a['attention_efficiency']:.0%} of the "
+             f"datasheet peak, NVLink {a['nvlink_efficiency']:.0%}, inter-node {a['inter_node_efficiency']:.0%} of "
+             f"theirs (docs/plan.md)", ""]
     hdr = ("rank", "strategy", "size", "u", "lin", "dp", "zero", "features", "static GB", "KB/token", "peak GB (phase)",
            "free", "longest seq", "comm MB/layer", "comm s", "compute s", "step s", "tokens/s", "MFU")
     rows = []
@@ -75,8 +77,8 @@ def render(shape: ModelShape, opts, cluster: Cluster, ok: List[Prediction], reje
         rows.append((str(i), c.strategy, str(c.size), str(c.ulysses_size), c.linear_strategy if shape.hybrid else
                      (c.lasp_comm if c.strategy == "lasp" else "-"),
                      str(p.dp), str(c.zero), c.features.label, _gb(p.static_bytes), f"{p.per_token_bytes / KB:.0f}",
-                     f"{_gb(p.peak_bytes)} ({p.peak_phase})", f"{p.free:.0%}", f"{p.max_seq:,}", comm_mb, comm_s, f"{p.compute_s:.2f}", f"{p.step_s:.2f}",
-                     f"{p.tokens_s:,.0f}", f"{p.mfu:.0%}"))
+                     f"{_gb(p.peak_bytes)} ({p.peak_phase})", f"{p.free:.0%}", f"{p.max_seq:,}", comm_mb, comm_s,
+                     f"{p.compute_s:.2f}", f"{p.step_s:.2f}", f"{p.tokens_s:,.0f}", f"{p.mfu:.0%}"))
     lines += _table(hdr, rows) if rows else ["no configuration fits (see the rejections)"]
     if len(ok) > opts.top:
         lines.append(f"... {len(ok) - opts.top} more feasible configurations (--top N)")
@@ -113,8 +115,9 @@ def no_fit_message(shape: ModelShape, opts, cluster: Cluster, own_linear: bool =
 
 def _as_json(p: Prediction) -> dict:
     c = p.candidate
-    return {"strategy": c.strategy, "size": c.size, "ulysses_size": c.ulysses_size, "linear_strategy": c.linear_strategy,
-            "lasp_comm": c.lasp_comm if c.strategy == "lasp" else None, "zero": c.zero, "features": c.features.label,
+    return {"strategy": c.strategy, "size": c.size, "ulysses_size": c.ulysses_size,
+            "linear_strategy": c.linear_strategy, "lasp_comm": c.lasp_comm if c.strategy == "lasp" else None,
+            "zero": c.zero, "features": c.features.label,
             "dp": p.dp, "ok": p.ok, "reason": p.reason,
             "static_bytes": p.static_bytes, "per_token_bytes": p.per_token_bytes, "peak_bytes": p.peak_bytes,
             "peak_phase": p.peak_phase, "host_bytes": p.host_bytes, "comm_bytes_per_layer": p.comm_bytes,
@@ -140,7 +143,8 @@ def run(opts) -> int:
                       for p in ok + rejected if p.bytes_bounded})
     if bounded:
         print(f"note: the ring bytes of windowed / packed layers are the no-mask closed form (an upper bound) for "
-              f"{', '.join(bounded)}: their exact spans cost seconds to minutes at this size; --exact-bytes computes them")
+              f"{', '.join(bounded)}: their exact spans cost seconds to minutes at this size; --exact-bytes computes "
+              f"them")
     if opts.json_out:
         with open(opts.json_out, "w") as f:
             json.dump({"model": shape.name, "seq_len": opts.seq_len, "gpus": opts.gpus, "gpu": hardware.describe(gpu),

@@ -13,6 +13,7 @@ import statistics
 import time
 from typing import Any, Dict, List, Sequence, Tuple
 
+from ..cost.memory import fit_line
 from ..cost.pairs import computed_pairs
 from .hardware import Gpu, from_dict
 
@@ -31,13 +32,11 @@ def lstsq2(xs: Sequence[Sequence[float]], ys: Sequence[float]) -> List[float]:
 
 
 def fit_alpha_beta(points: Sequence[Tuple[int, float]]) -> Dict[str, float]:
-    """Least squares t = alpha + bytes / beta; alpha clipped at 0."""
-    xs, ys = [float(b) for b, _ in points], [t for _, t in points]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    alpha = max(0.0, my - slope * mx)
+    """Least squares t = alpha + bytes / beta (cost.memory.fit_line); alpha clipped at 0."""
+    line = fit_line([float(b) for b, _ in points], [t for _, t in points])
+    alpha, slope = max(0.0, line["a"]), line["b"]
     return {"alpha_s": alpha, "beta_bytes_s": 1.0 / slope if slope > 0 else float("inf"),
-            "max_rel_residual": max(abs(alpha + x * slope - y) / y for x, y in zip(xs, ys))}
+            "max_rel_residual": max(abs(alpha + b * slope - t) / t for b, t in points)}
 
 
 def fit_call_cost(points: Sequence[Tuple[float, float]]) -> Dict[str, float]:
@@ -51,6 +50,18 @@ def fit_call_cost(points: Sequence[Tuple[float, float]]) -> Dict[str, float]:
             "max_rel_residual": max(abs(c_call + slope * p - t) / t for p, t in points)}
 
 
+def _timed(fn, repeats: int, before=lambda: None) -> List[float]:
+    """Seconds of each of ``repeats`` calls of ``fn`` after one untimed (the first call warms up);
+    ``before`` runs untimed ahead of each (a barrier)."""
+    times = []
+    for _ in range(repeats + 1):
+        before()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times[1:]
+
+
 def _comm_worker(sizes, repeats: int) -> Dict[str, List[Tuple[int, float]]]:
     """On every rank: (bytes this rank sends, median seconds) per size, all-to-all and ring."""
     import torch
@@ -60,18 +71,11 @@ def _comm_worker(sizes, repeats: int) -> Dict[str, List[Tuple[int, float]]]:
     out: Dict[str, List[Tuple[int, float]]] = {"all_to_all": [], "ring": []}
     for nbytes in sizes:
         x_pm = torch.ones(p, nbytes // 4 // p)                  # [P, m]: chunk j goes to rank j
-        for kind in out:
-            times = []
-            for i in range(repeats + 1):                        # the first call warms up
-                comm.barrier(group)
-                t0 = time.perf_counter()
-                if kind == "all_to_all":
-                    comm.all_to_all(x_pm, 0, 1, group)
-                else:
-                    comm.ring_send_recv([x_pm], group).wait()
-                times.append(time.perf_counter() - t0)
+        calls = {"all_to_all": lambda: comm.all_to_all(x_pm, 0, 1, group),
+                 "ring": lambda: comm.ring_send_recv([x_pm], group).wait()}
+        for kind, call in calls.items():
             sent = x_pm.numel() * 4 * (p - 1) // p if kind == "all_to_all" else x_pm.numel() * 4
-            out[kind].append((sent, statistics.median(times[1:])))
+            out[kind].append((sent, statistics.median(_timed(call, repeats, lambda: comm.barrier(group)))))
     return out
 
 
@@ -107,35 +111,25 @@ def measure_kernels(repeats: int = 5) -> Dict[str, float]:
 
     def run():
         a = torch.randn(1024, 1024)
-        torch.mm(a, a)
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            torch.mm(a, a)
-        mm = 2 * 1024 ** 3 * repeats / (time.perf_counter() - t0)
+        mm = 2 * 1024 ** 3 * repeats / sum(_timed(lambda: torch.mm(a, a), repeats))
         n, h, d = 2048, 8, 64
         q, k, v = (torch.randn(1, h, n, d, requires_grad=True) for _ in range(3))
-        times = []
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-            times.append(time.perf_counter() - t0)
-        return {"matmul_flops_s": mm, "attention_flops_s": 3 * 2 * (n / 2) * h * (d + d) * n / statistics.median(times[1:])}
+        sdpa = _timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward(), repeats)
+        return {"matmul_flops_s": mm, "attention_flops_s": 3 * 2 * (n / 2) * h * (d + d) * n / statistics.median(sdpa)}
     return _one_thread(run)
 
 
 def _time_block(kernel, scale, nq, nk, heads, head_dim, causal, anti, repeats) -> float:
-    """The fastest of ``repeats`` fwd+bwd of one block after one untimed (the slower ones measure the
-    neighbours on a shared machine)."""
+    """The fastest of ``repeats`` fwd+bwd of one block (the slower ones measure the neighbours on a
+    shared machine)."""
     import torch
     q, dout = torch.randn(1, nq, heads, head_dim), torch.randn(1, nq, heads, head_dim)
     k, v = torch.randn(1, nk, heads, head_dim), torch.randn(1, nk, heads, head_dim)
-    times = []
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
+
+    def call():
         out, lse = kernel.forward_block(q, k, v, causal, anti, scale)
         kernel.backward_block(dout, q, k, v, out, lse, causal, anti, scale)
-        times.append(time.perf_counter() - t0)
-    return min(times[1:])
+    return min(_timed(call, repeats))
 
 
 def measure_blocks(heads: int = 8, head_dim: int = 64, repeats: int = 3) -> Dict[str, Any]:
@@ -144,9 +138,9 @@ def measure_blocks(heads: int = 8, head_dim: int = 64, repeats: int = 3) -> Dict
     from ..kernels import get_kernel
     kernel, scale = get_kernel("torch", "cpu"), head_dim ** -0.5
     timed = lambda nq, nk, c, a: _time_block(kernel, scale, nq, nk, heads, head_dim, c, a, repeats)  # noqa: E731
-    points = _one_thread(lambda: [(computed_pairs(nq, nk, m) * heads, timed(nq, nk, m, False)) for nq, nk, m in BLOCKS])
-    window = _one_thread(lambda: [(nq, nk, kind, timed(nq, nk, kind == "tall", kind == "anti"))
-                                  for nq, nk, kind in WINDOW_BLOCKS])
+    points, window = _one_thread(lambda: (
+        [(computed_pairs(nq, nk, m) * heads, timed(nq, nk, m, False)) for nq, nk, m in BLOCKS],
+        [(nq, nk, kind, timed(nq, nk, kind == "tall", kind == "anti")) for nq, nk, kind in WINDOW_BLOCKS]))
     fit = fit_call_cost(points)
     line = lambda nq, nk: fit["c_call_s"] + fit["t_pair_s"] * computed_pairs(nq, nk, True) * heads  # noqa: E731
     factor = {kind: sum(t for _, _, k, t in window if k == kind) / sum(line(nq, nk) for nq, nk, k, _ in window
@@ -162,8 +156,9 @@ def cpu_profile(comm: Dict[str, Any], kernels: Dict[str, float]) -> Gpu:
     peaks = dict(memory_gb=mem_gb, bf16_tflops=tflops, tf32_tflops=tflops, hbm_tb_s=0.0, nvlink_gb_s_per_direction=link,
                  inter_node_gb_s_per_gpu=link, pcie_gb_s_per_direction=link, host_memory_gb_per_node=mem_gb)
     assumed = dict(usable_memory_fraction=1.0, runtime_reserve_gb=0.0, matmul_efficiency=1.0, nvlink_efficiency=1.0,
-                   attention_efficiency=kernels["attention_flops_s"] / kernels["matmul_flops_s"], alpha_intra_us=alpha_us,
-                   inter_node_efficiency=1.0, alpha_inter_us=alpha_us, cpu_adam_params_per_s=1e8)
+                   attention_efficiency=kernels["attention_flops_s"] / kernels["matmul_flops_s"],
+                   alpha_intra_us=alpha_us, inter_node_efficiency=1.0, alpha_inter_us=alpha_us,
+                   cpu_adam_params_per_s=1e8)
     return from_dict({"name": "cpu-calibrated", "datasheet_peaks": peaks, "assumed": assumed,
                       "description": f"this machine ({platform.processor() or platform.machine()}), gloo",
                       "sources": {"measured": "ds-seqpar plan --calibrate (all-to-all alpha/beta, matmul and SDPA "

@@ -10,10 +10,12 @@ linear: q, k, v, o projections like softmax, a [H, d, d] state per head, sp.line
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from collections import Counter
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
 
 from ..cost.candidate import LINEAR_KINDS, SOFTMAX_KINDS
+
 _KIND_OF = {"full_attention": "attention", "attention": "attention", "sliding_attention": "sliding",
             "chunked_attention": "sliding", "linear_attention": "linear", "mamba": "mamba", "hybrid": "mamba",
             "conv": "linear", "mlp": "mlp", "moe": "mlp"}
@@ -45,7 +47,6 @@ class ModelShape:
     transition: str = "matrix"               # linear layers' state map: matrix (delta rule) | scalar (SSD)
     model_type: str = ""
     hybrid: bool = False                     # transformers hybrid (linear layers through hf/linear_layers)
-    notes: List[str] = field(default_factory=list, compare=False)
 
     @property
     def dv(self) -> int:
@@ -63,11 +64,7 @@ class ModelShape:
 
     def softmax_windows(self) -> Dict[Optional[int], int]:
         """{window: softmax layers with it} (None: full attention)."""
-        out: Dict[Optional[int], int] = {}
-        for k, w in zip(self.layer_kinds, self.layer_windows):
-            if k in SOFTMAX_KINDS:
-                out[w] = out.get(w, 0) + 1
-        return out
+        return Counter(w for k, w in zip(self.layer_kinds, self.layer_windows) if k in SOFTMAX_KINDS)
 
     def count(self, kind: str) -> int:
         return sum(1 for k in self.layer_kinds if k == kind)
@@ -117,12 +114,9 @@ def _get(tc, *names, default=None):
 
 
 def _layer_kinds(tc, layers: int) -> Tuple[str, ...]:
-    types = _get(tc, "layer_types")
+    types = _get(tc, "layer_types") or _get(tc, "layers_block_type")
     if types:
         return tuple(_KIND_OF.get(t, t) for t in types)
-    block = _get(tc, "layers_block_type")
-    if block:
-        return tuple(_KIND_OF.get(t, t) for t in block)
     attn = _get(tc, "attn_layer_indices")
     if attn is not None:
         return tuple("attention" if i in attn else "mamba" for i in range(layers))
@@ -146,7 +140,7 @@ def from_hf_config(config, name: str = "model", hybrid_types=()) -> ModelShape:
         kinds = ("sliding",) * layers                    # Mistral-style: every layer windowed
     experts = int(_get(tc, "num_local_experts", "num_experts", "n_routed_experts", default=0) or 0)
     mamba_heads = _get(tc, "mamba_n_heads")
-    lin = dict(lin_heads=0, lin_dk=0, lin_dv=0, conv_channels=0, conv_width=0, transition="matrix")
+    lin = {}                                             # no linear layers: ModelShape's defaults
     if mamba_heads:
         groups, state = int(_get(tc, "mamba_n_groups", default=1)), int(_get(tc, "mamba_d_state"))
         lin = dict(lin_heads=int(mamba_heads), lin_dk=state, lin_dv=int(_get(tc, "mamba_d_head")),

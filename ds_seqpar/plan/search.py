@@ -10,6 +10,7 @@ and tokens/s.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import product
 from typing import Dict, List, Optional, Tuple
 
 from .. import strategies
@@ -19,12 +20,11 @@ from ..cost import flops, memory, times
 from ..cost.bytes import SPAN_BUDGET
 from ..cost.candidate import Candidate, Features
 from ..cost.pairs import padded_length
-
-HEADROOM = 0.10          # of the usable memory a configuration leaves free by default (--headroom)
-NEAR_TIE = 0.02          # predicted tokens/s closer than this are a tie: the model is not more precise
 from .hardware import Gpu
 from .model_shape import ModelShape
 
+HEADROOM = 0.10          # of the usable memory a configuration leaves free by default (--headroom)
+NEAR_TIE = 0.02          # predicted tokens/s closer than this are a tie: the model is not more precise
 FEATURE_SETS = (Features(on=False), Features(on=True), Features(on=True, offload_optimizer=True))
 HOST_USABLE = 0.9                      # assumed: share of a node's host memory a run may fill
 
@@ -78,28 +78,20 @@ def divisors(n: int) -> List[int]:
 
 
 def candidates(shape: ModelShape, gpus: int, zero: Optional[int], features=FEATURE_SETS, own_linear: bool = False):
-    stages = [zero] if zero else [1, 2, 3]
-    lins = ["lasp", "ulysses"] if shape.hybrid else ["lasp"]
+    """Every layout of each size dividing ``gpus`` (the own LM's linear layers: lasp, with both
+    lasp_comm past one rank), linear_strategy (hybrids), ZeRO stage and features."""
+    stages, lins = [zero] if zero else [1, 2, 3], ["lasp", "ulysses"] if shape.hybrid else ["lasp"]
     for size in divisors(gpus):
-        layouts: List[Tuple[str, int]] = []
         if own_linear:
             layouts = [("lasp", 1)]
-            if size > 1:
-                for z in stages:
-                    for f in features:
-                        yield Candidate("lasp", size, 1, z, f, "lasp", "allgather")
-                        yield Candidate("lasp", size, 1, z, f, "lasp", "ring")
-                continue
         elif size == 1:
             layouts = [("ulysses", 1)]
         else:
             layouts = [("ulysses", size)] + [(s, 1) for s in RING_STRATEGIES]
             layouts += [(s, u) for s in RING_STRATEGIES for u in divisors(size) if 1 < u < size]
-        for strategy, u in layouts:
-            for lin in lins:
-                for z in stages:
-                    for f in features:
-                        yield Candidate(strategy, size, u, z, f, lin)
+        comms = ("allgather", "ring") if own_linear and size > 1 else ("allgather",)
+        for (strategy, u), lin, z, f, comm in product(layouts, lins, stages, features, comms):
+            yield Candidate(strategy, size, u, z, f, lin, comm)
 
 
 def check(c: Candidate, shape: ModelShape, gpus: int, own_linear: bool) -> str:
@@ -153,8 +145,9 @@ def predict(c: Candidate, shape: ModelShape, seq: int, cl: Cluster, own_linear: 
     peak_flops = cl.gpu.peaks["bf16_tflops" if e == 2 else "tf32_tflops"] * 1e12
     p.mfu = flops.model_flops_per_token(shape, seq, causal, docs) * seq * dp / p.step_s / (cl.gpus * peak_flops)
     if p.peak_bytes > p.budget_bytes:
-        p.reason = (f"does not fit: {p.peak_bytes / 1e9:.1f} GB per GPU ({p.peak_phase}) > {p.budget_bytes / 1e9:.1f} GB "
-                    f"usable with {headroom:.0%} headroom; longest sequence for it {p.max_seq:,}")
+        p.reason = (f"does not fit: {p.peak_bytes / 1e9:.1f} GB per GPU ({p.peak_phase}) > "
+                    f"{p.budget_bytes / 1e9:.1f} GB usable with {headroom:.0%} headroom; longest sequence for it "
+                    f"{p.max_seq:,}")
     elif p.host_bytes > HOST_USABLE * cl.gpu.host_bytes_per_node:
         p.reason = (f"host memory: {p.host_bytes / 1e9:.0f} GB per node (checkpoints / optimizer offloaded) > "
                     f"{HOST_USABLE * cl.gpu.host_bytes_per_node / 1e9:.0f} GB usable")
@@ -165,11 +158,10 @@ def predict(c: Candidate, shape: ModelShape, seq: int, cl: Cluster, own_linear: 
 
 def _host_tokens(c: Candidate, shape: ModelShape, cl: Cluster) -> int:
     """Tokens per rank the node's host memory allows (offloaded checkpoints)."""
-    g = min(cl.gpus_per_node, cl.gpus)
-    e = 4 if cl.dtype == "fp32" else 2
-    optim = memory.host_bytes_per_node(shape, 0, g, cl.gpus, cl.dtype, c.features)
+    g, e = min(cl.gpus_per_node, cl.gpus), 4 if cl.dtype == "fp32" else 2
+    free = HOST_USABLE * cl.gpu.host_bytes_per_node - memory.host_bytes_per_node(shape, 0, g, cl.gpus, cl.dtype,
+                                                                                   c.features)
     per_token = g * shape.layers * shape.hidden * e if c.features.on and c.features.cpu_checkpointing else 0
-    free = HOST_USABLE * cl.gpu.host_bytes_per_node - optim
     if free < 0:
         return 0
     return int(free / per_token) if per_token else 1 << 62
