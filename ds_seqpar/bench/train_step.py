@@ -8,7 +8,8 @@ each run trains ``steps`` optimizer steps and the first step of a run is its war
 set-up, first allocations). A run's step time is the median of the rest (``step_s`` in
 metrics.jsonl: the slowest rank's wall time), and the speedup of a round is 1-rank / P-rank.
 The P-rank run's losses must equal the 1-rank run's (rel. 1e-4): a speedup of a different
-computation would mean nothing.
+computation would mean nothing. ``train_records`` (one run's metrics records) is also the trainer
+suite's own loop.
 """
 from __future__ import annotations
 

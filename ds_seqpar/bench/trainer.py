@@ -36,14 +36,15 @@ from .train_step import train_records
 PROG = "ds-seqpar bench trainer"
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 WORLD, ACCUMULATION = 4, 3
-# name -> (runner, sequence_parallel section, micro batch). Plain: 4 replicas of micro batch 1; a size-P case
-# has 4/P replicas of micro batch P, so every optimizer step covers the same 12 samples (the Trainer's
-# sampler permutes indices alike for any batch size). ALST: 2 groups of 2, micro batch 2 per world rank.
+# name -> (sequence_parallel section under SequenceParallelTrainer, or None: DeepSpeed's ALST; micro batch).
+# Plain: 4 replicas of micro batch 1; a size-P case has 4/P replicas of micro batch P, so every optimizer step
+# covers the same 12 samples (the Trainer's sampler permutes indices alike for any batch size). ALST: 2 groups
+# of 2, micro batch 2 per world rank.
 CASES = {
-    "plain": ("mixin", {"strategy": "zigzag", "size": 1}, 1),
-    **{name: ("mixin", strategy_config(name, 2), 2) for name in ("ulysses", "ring", "zigzag", "striped")},
-    "hybrid": ("mixin", strategy_config("hybrid", 4), 4),
-    "deepspeed_alst": ("alst", None, 2),
+    "plain": ({"strategy": "zigzag", "size": 1}, 1),
+    **{name: (strategy_config(name, 2), 2) for name in ("ulysses", "ring", "zigzag", "striped")},
+    "hybrid": (strategy_config("hybrid", 4), 4),
+    "deepspeed_alst": (None, 2),
 }
 WIDTH = 48                       # every batch padded to this many tokens (samples are 20-44 long)
 # the overhead part: the own loop's DeepSpeed config, which the Trainer's arguments match value for value
@@ -119,11 +120,11 @@ def run_case(name: str, steps: int) -> Optional[Dict[str, Any]]:
     """On every rank: one Trainer run of CASES[name] on the example's model and data (see ``fit``)."""
     import transformers as T
     from ..hf import SequenceParallelTrainer
-    runner, section, micro = CASES[name]
-    ex, alst = example(), runner == "alst"
+    section, micro = CASES[name]
+    ex, alst = example(), section is None
     with open(os.path.join(ROOT, "configs", "trainer", "zigzag_zero2.json")) as f:
         ds = {k: v for k, v in json.load(f).items() if k != "sequence_parallel"}
-    if section is not None:
+    if not alst:
         ds["sequence_parallel"] = section
 
     def collate(rows):
@@ -326,7 +327,7 @@ def measure(args, command: str, pool=None) -> Dict[str, Any]:
                 elapsed=time.monotonic() - start, load_before=loads(load_before), load_mid=loads(load_mid),
                 load_during=max(load_mid[0], os.getloadavg()[0]), transformers=transformers.__version__,
                 accelerate=accelerate.__version__, **machine_facts(),
-                cases={k: {"runner": v[0], "sequence_parallel": v[1], "micro": v[2]} for k, v in CASES.items()})
+                cases={k: {"sequence_parallel": section, "micro": micro} for k, (section, micro) in CASES.items()})
     return {"meta": meta, "gloo": gloo, "cases": compare(runs, args.warmup), "overhead": over}
 
 

@@ -17,17 +17,16 @@ GLOO_WHAT = {"variable widths": "ALST's loader adapter all-gathers each rank's b
                                 "`UlyssesSPDataLoaderAdapter.refill`); gloo requires equal sizes",
              "loss backward": "the ALST loss all-gathers per-rank losses with torch's differentiable `all_gather`, "
                               "whose backward on gloo scatters with the group-local index as a global source rank"}
-TRAINER = {"mixin": "SequenceParallelTrainer",
-           "alst": "transformers' Trainer + ParallelismConfig(sp_backend='deepspeed')"}
 
 
 def _case(name: str, r: Dict[str, Any], meta: Dict[str, Any]) -> Row:
     """A case's row: its layout, step time / plain and exactness against plain; or where it failed."""
     c = meta["cases"][name]
-    sp = c["sequence_parallel"] or {"size": 2}                     # ALST: groups of 2
+    sp = c["sequence_parallel"] or {"size": 2}                     # None: ALST, in groups of 2
     extra = f", ulysses_size {sp['ulysses_size']}" if sp.get("ulysses_size", 1) > 1 else ""
     layout = f"dp{meta['world'] // sp['size']} x sp{sp['size']}{extra}, micro {c['micro']}"
-    detail = {"trainer": TRAINER[c["runner"]]}
+    detail = {"trainer": "SequenceParallelTrainer" if c["sequence_parallel"] else
+              "transformers' Trainer + ParallelismConfig(sp_backend='deepspeed')"}
     if "error" in r:
         return Row("trainer", name, layout, CASES, detail=dict(
             detail, failed=f"round {r['round']}, rank {r['rank']}: {r['error']} ({r['at']})"))
