@@ -8,13 +8,13 @@ each run trains ``steps`` optimizer steps and the first step of a run is its war
 set-up, first allocations). A run's step time is the median of the rest (``step_s`` in
 metrics.jsonl: the slowest rank's wall time), and the speedup of a round is 1-rank / P-rank.
 The P-rank run's losses must equal the 1-rank run's (rel. 1e-4): a speedup of a different
-computation would mean nothing.
+computation would mean nothing. ``train_records`` (one run's metrics records) is also the trainer
+suite's own loop.
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
 import tempfile
 from typing import Any, Dict, List, Optional
@@ -27,8 +27,9 @@ TRAIN_PRESETS = {
 LOSS_REL = 1e-4
 
 
-def _train_rank(args: Dict[str, Any]) -> Optional[List[dict]]:
-    """On every rank of a pool: one training run; the writer rank returns its metrics records."""
+def train_records(args: Dict[str, Any]) -> Optional[List[dict]]:
+    """On every rank of a pool: one training run (``train.run_training``'s options); the writer rank returns
+    its metrics records (one per step), the others None."""
     import torch
     # run_training gives a lone rank all cores when OMP_NUM_THREADS is unset; the comparison is
     # one thread per rank at 1 and at P ranks
@@ -43,7 +44,7 @@ def _train_rank(args: Dict[str, Any]) -> Optional[List[dict]]:
 
 
 def _run(pool, args: Dict[str, Any]) -> List[dict]:
-    return next(r for r in pool.run(_train_rank, args, timeout=3600.0) if r is not None)
+    return next(r for r in pool.run(train_records, args, timeout=3600.0) if r is not None)
 
 
 def _median(records: List[dict], key: str) -> float:
@@ -56,11 +57,10 @@ def measure_training(pool_p, pool_1, strategies: List[str], model: Dict[str, Any
     """Per strategy: step times at 1 and P ranks per round, their ratios (and those of the fwd+bwd
     compute alone), tokens/s, loss agreement."""
     p = pool_p.world_size
-    run_root = tempfile.mkdtemp(prefix="ds_seqpar_bench_train_")
-    base = dict(model, zero_stage=2, quiet=True, no_wandb=True, run_dir=run_root, corpus_bytes=1 << 20)
     out = {s: {"one_s": [], "p_s": [], "ratios": [], "compute_ratios": [], "one_tokens_per_s": [],
                "p_tokens_per_s": [], "loss_rel_diff": 0.0, "load_1min": []} for s in strategies}
-    try:
+    with tempfile.TemporaryDirectory(prefix="ds_seqpar_bench_train_") as run_root:
+        base = dict(model, zero_stage=2, quiet=True, no_wandb=True, run_dir=run_root, corpus_bytes=1 << 20)
         for rnd in range(warmup + repeats):
             for s in strategies:
                 one = _run(pool_1, dict(base, strategy=s, sp_size=1))
@@ -77,8 +77,6 @@ def measure_training(pool_p, pool_1, strategies: List[str], model: Dict[str, Any
                 out[s]["one_tokens_per_s"].append(_median(one, "tokens_per_s"))
                 out[s]["p_tokens_per_s"].append(_median(par, "tokens_per_s"))
                 out[s]["load_1min"].append(os.getloadavg()[0])
-    finally:
-        shutil.rmtree(run_root, ignore_errors=True)
     return out
 
 
@@ -91,4 +89,4 @@ def _check_same_losses(strategy: str, one: List[dict], par: List[dict], acc: Dic
                              f"losses {l1} (rel {rel:.1e} > {LOSS_REL}): the speedup would compare different runs")
 
 
-__all__ = ["TRAIN_PRESETS", "measure_training"]
+__all__ = ["TRAIN_PRESETS", "measure_training", "train_records"]

@@ -19,46 +19,40 @@ GLOO_WHAT = {"variable widths": "ALST's loader adapter all-gathers each rank's b
                               "whose backward on gloo scatters with the group-local index as a global source rank"}
 
 
-def _layout(meta, name) -> str:
+def _case(name: str, r: Dict[str, Any], meta: Dict[str, Any]) -> Row:
+    """A case's row: its layout, step time / plain and exactness against plain; or where it failed."""
     c = meta["cases"][name]
-    sp = c["sequence_parallel"] or {"size": 2}
+    sp = c["sequence_parallel"] or {"size": 2}                     # None: ALST, in groups of 2
     extra = f", ulysses_size {sp['ulysses_size']}" if sp.get("ulysses_size", 1) > 1 else ""
-    return f"dp{meta['world'] // sp['size']} x sp{sp['size']}{extra}, micro {c['micro']}"
-
-
-def _trainer(meta, name) -> str:
-    alst = meta["cases"][name]["runner"] == "alst"
-    return "transformers' Trainer + ParallelismConfig(sp_backend='deepspeed')" if alst else "SequenceParallelTrainer"
+    layout = f"dp{meta['world'] // sp['size']} x sp{sp['size']}{extra}, micro {c['micro']}"
+    detail = {"trainer": "SequenceParallelTrainer" if c["sequence_parallel"] else
+              "transformers' Trainer + ParallelismConfig(sp_backend='deepspeed')"}
+    if "error" in r:
+        return Row("trainer", name, layout, CASES, detail=dict(
+            detail, failed=f"round {r['round']}, rank {r['rank']}: {r['error']} ({r['at']})"))
+    v = r["vs_plain"]
+    return Row("trainer", name, layout, CASES, "x", v["median"], tuple(v["range"]), detail={
+        **detail, "loss: max rel. dev.": f"{max(r['loss_dev']):.1e}",
+        "grad_norm: max rel. dev.": f"{max(r['grad_norm_dev']):.1e}",
+        "final params: max abs diff": f"{r['param_dev']:.1e}", "learning rates": "equal" if r["lr_equal"] else "differ",
+        "step s": r["step_s"]["median"]})
 
 
 def rows(res: Dict[str, Any]) -> List[Row]:
-    m, cases, out = res["meta"], res["cases"], []
-    for name, r in cases.items():
-        if "error" in r:
-            out.append(Row("trainer", name, _layout(m, name), CASES, detail={
-                "trainer": _trainer(m, name), "failed": f"round {r['round']}, rank {r['rank']}: {r['error']} "
-                                                        f"({r['at']})"}))
-            continue
-        v = r["vs_plain"]
-        out.append(Row("trainer", name, _layout(m, name), CASES, "x", v["median"], tuple(v["range"]), detail={
-            "trainer": _trainer(m, name), "loss: max rel. dev.": f"{max(r['loss_dev']):.1e}",
-            "grad_norm: max rel. dev.": f"{max(r['grad_norm_dev']):.1e}", "final params: max abs diff":
-            f"{r['param_dev']:.1e}", "learning rates": "equal" if r["lr_equal"] else "differ",
-            "step s": r["step_s"]["median"]}))
+    cases, over = res["cases"], res.get("overhead")
+    out = [_case(name, r, res["meta"]) for name, r in cases.items()]
     ours = [n for n in cases if n not in ("plain", "deepspeed_alst") and "error" not in cases[n]]
-    alst = cases.get("deepspeed_alst", {})
+    alst = cases.get("deepspeed_alst", {}).get("steps")
     for i, w in enumerate(cases["plain"]["steps"]):
-        a = alst["steps"][i] if "steps" in alst else None
+        a = alst and alst[i]
         out.append(Row("trainer", f"step {w['step']}", "", STEPS, "", w["loss"], detail={
             "plain grad_norm": w["grad_norm"],
             "ds_seqpar, worst rel. dev. loss / grad_norm": f"{max(cases[n]['loss_dev'][i] for n in ours):.1e} / "
                                                           f"{max(cases[n]['grad_norm_dev'][i] for n in ours):.1e}"
             if ours else "", "ALST loss": a and a["loss"], "ALST grad_norm": a and a["grad_norm"],
             "ALST grad_norm / plain": a and a["grad_norm"] / w["grad_norm"]}))
-    for rank, g in enumerate(res["gloo"]):
-        out += [Row("trainer", key, f"rank {rank}", GLOO, detail={"raises": f"`{g[key]}`" if g[key] else "nothing"})
-                for key in GLOO_WHAT]
-    over = res.get("overhead")
+    out += [Row("trainer", key, f"rank {rank}", GLOO, detail={"raises": f"`{g[key]}`" if g[key] else "nothing"})
+            for rank, g in enumerate(res["gloo"]) for key in GLOO_WHAT]
     if over:
         out += [Row("trainer", f"round {i}", "", OVERHEAD, "x", r["ratio"], detail={
             "own loop s/step": r["own_s"], "Trainer s/step": r["trainer_s"], "load (1 min)": r["load_1min"]})
@@ -72,6 +66,7 @@ def rows(res: Dict[str, Any]) -> List[Row]:
 
 def facts(res: Dict[str, Any]) -> Dict[str, Any]:
     m, cases = res["meta"], res["cases"]
+    repeatable = all(r.get("repeatable", True) for r in cases.values())
     alst, plain = cases.get("deepspeed_alst", {}), cases["plain"]
     why = ""
     if "steps" in alst:
@@ -95,7 +90,7 @@ def facts(res: Dict[str, Any]) -> Dict[str, Any]:
                    f"{m['warmup']} untimed. Plain: 4 replicas of micro batch 1; a size-P case 4/P replicas of micro "
                    f"batch P, so every optimizer step covers the same samples. Value: step time / plain, per round, "
                    f"median (min-max). Deviations: round 0, per step |x - plain| / |plain|, the largest (every round "
-                   f"logged the same values: {'yes' if all(r.get('repeatable', True) for r in cases.values()) else 'NO'}).",
+                   f"logged the same values: {'yes' if repeatable else 'NO'}).",
             STEPS: "Value: plain's loss." + why,
             GLOO: "; ".join(f"{k}: {v}" for k, v in GLOO_WHAT.items()) + ". So every case pads to one width, and the "
                   "ALST case replaces that one backward by what the NCCL path computes (bench/trainer.py).",
