@@ -14,7 +14,7 @@ import importlib
 import sys
 from typing import List, Optional
 
-SUITES = {"attention": "attention", "packed": "packed", "window": "window", "hybrid": "hybrid",
+SUITES = {"attention": "attention", "packed": "packed", "window": "window", "hybrid": "hybrid", "gpu": "gpu",
           "trainer": "trainer", "memory": "memory", "dynamic": "dynamic"}
 OLD_FLAGS = {"--packed": "packed", "--window": "window", "--hybrid": "hybrid", "--trainer": "trainer"}
 
