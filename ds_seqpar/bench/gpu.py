@@ -46,9 +46,8 @@ KERNELS = "Each local kernel alone: forward + backward, TFLOP/s"
 SCHEDULE = "One rank's share of each strategy, transfers as copies: compiled / eager time"
 BYTES = "Bytes the share copies for its transfers against the closed form"
 MEMORY = "Longest sequence of a 1B-class model in the device's memory (predicted)"
-METRICS = {
-    KERNELS: "FLOPs: the mask's pairs (cost.pairs_total) x 2 H (d + dv) forward, x 3 forward + backward "
-             "(cost/flops.py; flash-attn's own count takes backward as 2.5 x). A row without a value says why.",
+METRICS = {KERNELS: "FLOPs: the mask's pairs (cost.pairs_total) x 2 H (d + dv) forward, x 3 forward + backward "
+                    "(cost/flops.py; flash-attn's own count takes backward as 2.5 x). A row without a value says why.",
     SCHEDULE: "The busiest rank (cost.pairs_per_rank) runs its blocks with the torch kernel and its merges; each "
               "transfer is a copy on the device. Difference: the largest |compiled - eager| / the largest |eager| "
               "over the outputs; allowed: one rounding per merge and per cast.",
@@ -183,7 +182,8 @@ def schedule_rows(args, device) -> List[Row]:
         blocks = (lambda me, src, m=u * n: plain_blocks(0, 0, 1, True, m)) if r == 1 else \
             (lambda me, src, f=REGISTRY[layout].blocks, r=r, m=u * n: f(me, src, r, True, m))
         eager, sent = functools.partial(share, kernel, blocks, u, r, rank // u, q, k, v, dout), [0]
-        want, compiled, start = eager(sent), torch.compile(eager, backend=args.compile_backend), time.perf_counter()
+        want, compiled = eager(sent), torch.compile(eager, backend=args.compile_backend, dynamic=False)
+        start = time.perf_counter()                 # dynamic=False: a recompile would make the ints symbolic
         got, compile_s = compiled([0]), time.perf_counter() - start
         diff = max(float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in zip(got, want))
         t = alone({"eager": lambda: eager([0]), "compiled": lambda: compiled([0])}, args.repeats, "wall", 0, device)
