@@ -141,7 +141,7 @@ def attention_rank(o):
             first[name, mode] = timed(lambda: f(*leaves).backward(x[3]))["wall"]
             got = [f(*leaves)] + [t.grad for t in leaves]
             want = want or got
-            diff[name, mode] = max(float((a - b).abs().max()) for a, b in zip(got, want))
+            diff[name, mode] = max(float((a - b).detach().abs().max()) for a, b in zip(got, want))
             fns[name, mode] = (lambda f=f, x=x: fwd_bwd(f, *x), None)
     return {"rounds": interleaved_rounds(fns, o.warmup, o.repeats), "first": first, "diff": diff,
             "load_1min": os.getloadavg()[0]}
@@ -160,12 +160,15 @@ def attention_main(o, load):
     out = [SECTION, "", f"Command: `{cmd}` (2 gloo ranks, one thread each).", "",
            f"sp.attention(q, k, v, causal=True) (lasp: sp.linear_attention, LASP-2), forward + backward, N={o.seq} "
            f"tokens, batch 1, 4 heads x 32, fp32, P=2 (hybrid: ulysses_size 2 x a ring of 1 at this P). Compiled: "
-           f"torch.compile(fullgraph=True), backends aot_eager and inductor. {o.repeats} rounds after one warm-up, "
+           f"torch.compile(fullgraph=True, dynamic=False), backends aot_eager and inductor (dynamic=False: one "
+           f"lambda serves every strategy, and without it the second SequenceParallel fails, docs/compile.md). {o.repeats} rounds after one warm-up, "
            f"each running every case once after a barrier (bench/harness.py interleaved_rounds); time: the slowest "
            f"rank's wall, median (min-max) over rounds; ratio: per round, then the median. First call: the compiled "
            f"call's first fwd+bwd (dynamo, AOT autograd, codegen), the slower rank. Largest difference: outputs and "
            f"q/k/v gradients against eager, the larger rank. CPU numbers on a shared 2-core machine: 1-minute load "
-           f"average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.", "",
+           f"average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end. The op is one opaque node for the "
+           f"compiler (docs/compile.md): compiled and eager run the same body, so the difference must be 0 and the "
+           f"time ratio near 1; a ratio far from 1 here, with its wide min-max, is the machine's load.", "",
            "| strategy | eager ms | aot_eager ms | aot_eager / eager | inductor ms | inductor / eager | first call s "
            "(aot_eager / inductor) | largest difference (aot_eager / inductor) |", "|---|---|---|---|---|---|---|---|"]
     for name in ATTENTION:
