@@ -1,11 +1,10 @@
 """``ds-seqpar bench gpu``: what one device can tell about the fast path, in one command (not a test).
 
     ds-seqpar bench gpu              # CUDA: N 8K..128K, bf16, 16 heads x 128 -> reports/gpu_<profile>.md
-    ds-seqpar bench gpu --tiny       # tiny sizes, fp32 (taken by itself without CUDA) -> reports/gpu_cpu.md
+    ds-seqpar bench gpu --tiny       # tiny sizes (taken by itself without CUDA; fp32 on CPU) -> reports/gpu_cpu.md
 
-(a) each local kernel alone, fwd+bwd, plain causal / window / softcap / sinks: torch's SDPA backends
-    (plain only: SDPA takes none of the others) and ds_seqpar's kernels through one rank's ring loop
-    (a strategy at size 1), TFLOP/s from the cost model's pairs against the device profile's peak;
+(a) each local kernel alone, fwd+bwd TFLOP/s (the cost model's pairs) against the profile's peak: torch's SDPA
+    backends (plain causal) and ds_seqpar's through one rank's ring loop (plain, window, softcap, sinks);
 (b) the busiest rank's share of each strategy at P ranks: its blocks back to back, every transfer a
     copy of its bytes (held to strategies/closed_form.py), eager against torch.compile (outputs agree);
 (c) the longest sequence of a 1B-class model in the device's memory: cost/memory.py's prediction.
@@ -32,14 +31,13 @@ from ..sharding.layouts import make_layout
 from ..strategies import STRATEGIES as REGISTRY, StrategyContext
 from ..strategies.closed_form import Shapes, closed_form_bytes
 from ..strategies.ring import RingAttention
-from ..strategies.ring_loop import plain_blocks
 from .harness import alone, attention_inputs, command_line, fwd_bwd, loads, suite_main, suite_parser, write_page
 
 PROG = "ds-seqpar bench gpu"
 STRATEGIES = {"ulysses": ("ulysses", 0), "ring": ("ring", 1), "zigzag": ("zigzag", 1), "striped": ("striped", 1),
               "hybrid": ("zigzag", 2)}           # name -> (layout, Ulysses degree; 0: all P ranks)
-PRESETS = {"gpu": dict(seqs=[8192, 16384, 32768, 65536, 131072], heads=16, head_dim=128, window=4096, dtype="bf16"),
-           "tiny": dict(seqs=[256, 512], heads=8, head_dim=16, window=64, dtype="fp32")}
+PRESETS = {"gpu": dict(seqs=[8192, 16384, 32768, 65536, 131072], heads=16, head_dim=128, window=4096),
+           "tiny": dict(seqs=[256, 512], heads=8, head_dim=16, window=64)}
 ONE_B = ModelShape("Llama-3.2-1B shape", hidden=2048, layers=16, heads=32, kv_heads=8, head_dim=64,
                    intermediate=8192, vocab=128256, tied=True)
 KERNELS = "Each local kernel alone: forward + backward, TFLOP/s"
@@ -141,19 +139,19 @@ def a2a(x, u, sent, to_heads=True):
 
 
 def ring_share(kernel, blocks, r, me, q, k, v, dout, sent):
-    """The ring loop's work at position ``me`` of ``r`` (ring_loop.py's walks): K/V hop r-1 times forward
-    and again backward, the fp32 dK/dV of every other block travelling along."""
+    """The ring loop's work at position ``me`` of ``r`` (ring_loop.py's walks, the layout's causal ``blocks``): K/V
+    hop r-1 times forward and again backward, the fp32 dK/dV of every other block travelling along."""
     scale = q.shape[-1] ** -0.5
     (out_acc, lse), kv = empty_accumulators(q, v.shape[-1]), [k, v]
     for step in range(r):
-        for b in blocks(me, (me - step) % r):
+        for b in blocks(me, (me - step) % r, r, True, q.shape[1]):
             merge_(out_acc[:, b.q], lse[:, :, b.q],
                    *kernel.forward_block(q[:, b.q], kv[0][:, b.k], kv[1][:, b.k], b.causal, b.anti, scale))
         kv = hop(kv, sent) if step < r - 1 else kv
     out, dq, kv, away = out_acc.to(q.dtype), torch.zeros_like(out_acc), [k, v], None
     for step in range(r):
         dkv = [torch.zeros(t.shape, dtype=dq.dtype, device=t.device) for t in kv]
-        for b in blocks(me, (me + step) % r):
+        for b in blocks(me, (me + step) % r, r, True, q.shape[1]):
             g = kernel.backward_block(dout[:, b.q], q[:, b.q], kv[0][:, b.k], kv[1][:, b.k], out[:, b.q],
                                       lse[:, :, b.q], b.causal, b.anti, scale)
             for acc, rows, x in zip((dq, *dkv), (b.q, b.k, b.k), g):
@@ -173,14 +171,14 @@ def share(kernel, blocks, u, r, me, q, k, v, dout, sent):
 
 
 def schedule_rows(args, device) -> List[Row]:
+    """Per strategy: the busiest rank's share eager and compiled, their outputs compared, their times, its bytes."""
     kernel, rows, n = get_kernel("torch", device), [], args.sched_seq // args.P
     q, k, v, dout = attention_inputs(n, args.heads, args.head_dim, dtype=args.torch_dtype, device=device)
     for name in args.strategies:
         layout, u = STRATEGIES[name][0], STRATEGIES[name][1] or args.P
         r, work = args.P // u, pairs_per_rank(layout, args.P, u, args.sched_seq, Mask(True))
         rank = work.index(max(work))
-        blocks = (lambda me, src, m=u * n: plain_blocks(0, 0, 1, True, m)) if r == 1 else \
-            (lambda me, src, f=REGISTRY[layout].blocks, r=r, m=u * n: f(me, src, r, True, m))
+        blocks = REGISTRY[layout if r > 1 else "ring"].blocks           # r = 1: one causal block, the ring's
         eager, sent = functools.partial(share, kernel, blocks, u, r, rank // u, q, k, v, dout), [0]
         want, compiled = eager(sent), torch.compile(eager, backend=args.compile_backend, dynamic=False)
         start = time.perf_counter()                 # dynamic=False: a recompile would make the ints symbolic
@@ -218,13 +216,16 @@ def measure(args, argv: List[str]) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for key, value in PRESETS["tiny" if args.tiny or device == "cpu" else "gpu"].items():
         setattr(args, key, getattr(args, key) or value)
+    args.dtype = args.dtype or ("bf16" if device == "cuda" else "fp32")       # CUDA's flash SDPA: 16-bit only
     args.torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     args.sched_seq = args.sched_seq or max(args.seqs)
     args.strategies = [s for s in args.strategies.split(",") if s]
     bad = sorted(set(args.strategies) - set(STRATEGIES))
-    if bad or args.sched_seq % (2 * args.P) or args.heads % args.P or args.P % 2:       # before any work
+    if bad or args.sched_seq % (2 * args.P) or args.heads % args.P or args.P % 2 or (device, args.dtype) == (
+            "cuda", "fp32"):                                                                # before any work
         raise SystemExit(f"{PROG}: --strategies {bad}: choose among {', '.join(STRATEGIES)}; --sched-seq "
-                         f"{args.sched_seq} must be a multiple of 2P, --heads {args.heads} of --P {args.P} (even)")
+                         f"{args.sched_seq} must be a multiple of 2P, --heads {args.heads} of --P {args.P} (even); "
+                         f"--dtype {args.dtype} on {device}: CUDA runs bf16 (its flash SDPA has no fp32)")
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"     # a known profile's name in it, or h100
     gpu = load_gpu(args.gpu or next((g for g in known_gpus() if g in name.lower()), "h100"))
     peak = gpu.peaks["bf16_tflops" if args.dtype == "bf16" else "tf32_tflops"] * 1e12 if device == "cuda" else None
@@ -243,11 +244,10 @@ def measure(args, argv: List[str]) -> int:
 
 
 def build_parser():
-    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     ap = suite_parser(PROG, __doc__, "", repeats=3, P=8, heads=0, head_dim=0, window=0, sched_seq=0)
-    ap.add_argument("--tiny", action="store_true", help="tiny sizes, fp32 (the default without CUDA)")
-    ap.add_argument("--seqs", type=ints, default=None, help="kernel lengths, comma separated")
-    ap.add_argument("--dtype", choices=("bf16", "fp32"), default=None)
+    ap.add_argument("--tiny", action="store_true", help="tiny sizes (the default without CUDA)")
+    ap.add_argument("--seqs", type=lambda s: [int(x) for x in s.split(",") if x], help="kernel lengths, a,b,...")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), help="default: bf16 on CUDA, fp32 on CPU")
     ap.add_argument("--softcap", type=float, default=50.0)
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the shares")
