@@ -234,9 +234,9 @@ def measure(args, argv: List[str]) -> int:
              "setup": f"{device}, {args.dtype}, batch 1, {args.heads} heads x {args.head_dim}, causal; window "
                       f"{args.window}, softcap {args.softcap:g}, sinks one logit per head; {args.repeats} rounds after "
                       f"{args.warmup} warm-up, interleaved (harness.alone), medians (min-max). Shares: P={args.P}, "
-                      f"N={args.sched_seq}, torch.compile backend {args.compile_backend}. Peak: profile {gpu.name}'s "
-                      f"dense {args.dtype} figure{'' if peak else ' (none on CPU)'}. Memory: {ONE_B.name}, "
-                      f"{ONE_B.params() / 1e9:.2f} B parameters.",
+                      f"N={args.sched_seq}, torch.compile backend {args.compile_backend}. Peak: " + (
+                          f"profile {gpu.name}'s dense {args.dtype} figure" if peak else "none on CPU") + f". Memory: "
+                      f"{ONE_B.name}, {ONE_B.params() / 1e9:.2f} B parameters, in profile {gpu.name}'s memory.",
              "command": command_line(PROG, argv), "notes": args.notes, "metrics": METRICS,
              "machine": f"{name}, torch {torch.__version__}, {os.cpu_count()} CPUs, load {loads()}"}
     return write_page(args.out, args.name or f"gpu_{gpu.name if device == 'cuda' else 'cpu'}", found,
