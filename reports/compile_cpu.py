@@ -7,8 +7,8 @@ the first step (the first step holds the compile), compile time = first step - t
 
 ``--attention``: instead, the attention alone per strategy (sp.attention; lasp: sp.linear_attention), fwd+bwd
 at P=2, eager and compiled with fullgraph under aot_eager and inductor, in the bench harness's interleaved
-rounds (each round runs every case once after a barrier); its section replaces the page's "Attention alone"
-section, the rest of the page stays as the training run wrote it.
+rounds (each round runs every case once after a barrier). The page keeps both parts: each run rewrites its own
+(the training table first, the "Attention alone" section last) and leaves the other as it was.
 
     PYTHONPATH=. python reports/compile_cpu.py --attention [--seq 1024] [--repeats 10] [--out reports/compile_cpu.md]
 """
@@ -68,8 +68,17 @@ def main():
                     runs[mode].append(pool.run(one_run, args, timeout=1800))
             rows.append((name, runs))
     pool.close()
-    with open(o.out, "w") as f:
-        f.write(render(rows, o, (load, os.getloadavg()[0])) + "\n")
+    write_parts(o.out, render(rows, o, (load, os.getloadavg()[0])), None)
+
+
+def write_parts(path, training, attention):
+    """The page: the training part, then the attention section; None keeps what the page holds now."""
+    page = open(path).read() if os.path.exists(path) else ""
+    before, _, after = page.partition(SECTION)
+    training = before.rstrip() if training is None else training
+    attention = (SECTION + after).rstrip() if attention is None and after else attention
+    with open(path, "w") as f:
+        f.write(training.rstrip() + "\n" + ("\n" + attention + "\n" if attention else ""))
 
 
 def busiest(run, key):
@@ -181,11 +190,7 @@ def attention_main(o, load):
         firsts = " / ".join(f"{max(r['first'][name, m] for r in per_rank):.1f}" for m in MODES[1:])
         diffs = " / ".join(f"{max(r['diff'][name, m] for r in per_rank):.1e}" for m in MODES[1:])
         out.append(f"| {name} | {' | '.join(cells)} | {firsts} | {diffs} |")
-    page = open(o.out).read() if os.path.exists(o.out) else ""
-    before, _, after = page.partition(SECTION)
-    rest = after.partition("\n## ")[2]
-    with open(o.out, "w") as f:
-        f.write(before.rstrip() + "\n\n" + "\n".join(out) + "\n" + ("\n## " + rest if rest else ""))
+    write_parts(o.out, None, "\n".join(out))
 
 
 if __name__ == "__main__":
