@@ -66,3 +66,24 @@ def test_cuda_calls_trace_on_fake_tensors():
 def test_a2a_round_trip_is_the_identity():
     x = torch.randn(1, 8, 4, 3)
     assert torch.equal(gpu.a2a(gpu.a2a(x, 2, [0]), 2, [0], to_heads=False), x)
+
+
+def test_a_ring_share_computes_what_its_blocks_say():
+    """Ring position 1 of 2 holds its own K/V and (as the copy standing for a transfer) position 0's: its
+    share is attention over [k, k] with the first block fully visible and its own causal; the dK/dV that
+    travelled home add to its own. Float64 against autograd on the dense masked softmax."""
+    from ds_seqpar.kernels import TorchKernel
+    from ds_seqpar.strategies import STRATEGIES
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, 16, 2, 8, generator=g, dtype=torch.float64) for _ in range(4))
+    sent = [0]
+    out, dq, dk, dv = gpu.share(TorchKernel(), STRATEGIES["ring"].blocks, 1, 2, 1, q, k, v, dout, sent)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    qb, kb, vb = (t.transpose(1, 2) for t in leaves)                                  # [b, h, s, d]
+    scores = qb @ torch.cat([kb, kb], 2).transpose(-1, -2) / 8 ** 0.5
+    seen = torch.cat([torch.ones(16, 16, dtype=torch.bool), torch.ones(16, 16, dtype=torch.bool).tril()], 1)
+    want = (scores.masked_fill(~seen, float("-inf")).softmax(-1) @ torch.cat([vb, vb], 2)).transpose(1, 2)
+    want.backward(dout)
+    for got, ref in zip((out, dq, dk, dv), (want, *(t.grad for t in leaves))):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
+    assert sent[0] == 16 * 2 * 8 * 2 * (8 + 8 + 8)      # one hop each: K/V forward and backward, dK/dV (fp64 here)
