@@ -4,6 +4,13 @@ each a fresh job of STEPS steps on a 2-rank pool; the ratio uses the busiest ran
 the first step (the first step holds the compile), compile time = first step - that median.
 
     PYTHONPATH=. python reports/compile_cpu.py [--backend inductor] [--steps 6] [--repeats 2] [--out reports/compile_cpu.md]
+
+``--attention``: instead, the attention alone per strategy (sp.attention; lasp: sp.linear_attention), fwd+bwd
+at P=2, eager and compiled with fullgraph under aot_eager and inductor, in the bench harness's interleaved
+rounds (each round runs every case once after a barrier). The page keeps both parts: each run rewrites its own
+(the training table first, the "Attention alone" section last) and leaves the other as it was.
+
+    PYTHONPATH=. python reports/compile_cpu.py --attention [--seq 1024] [--repeats 10] [--out reports/compile_cpu.md]
 """
 import argparse
 import os
@@ -39,10 +46,14 @@ def main():
     p.add_argument("--backend", default="inductor")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--attention", action="store_true", help="the attention alone per strategy (module doc)")
+    p.add_argument("--seq", type=int, default=1024, help="--attention: global tokens")
     p.add_argument("--out", default=os.path.join(ROOT, "reports", "compile_cpu.md"))
     o = p.parse_args()
     load = os.getloadavg()[0]
     from ds_seqpar.launch.rankpool import RankPool
+    if o.attention:
+        return attention_main(o, load)
     from tests.hf_models import save_tiny
     pool = RankPool(2, timeout_s=1800).start()
     rows = []
@@ -57,8 +68,17 @@ def main():
                     runs[mode].append(pool.run(one_run, args, timeout=1800))
             rows.append((name, runs))
     pool.close()
-    with open(o.out, "w") as f:
-        f.write(render(rows, o, (load, os.getloadavg()[0])) + "\n")
+    write_parts(o.out, render(rows, o, (load, os.getloadavg()[0])), None)
+
+
+def write_parts(path, training, attention):
+    """The page: the training part, then the attention section; None keeps what the page holds now."""
+    page = open(path).read() if os.path.exists(path) else ""
+    before, _, after = page.partition(SECTION)
+    training = before.rstrip() if training is None else training
+    attention = (SECTION + after).rstrip() if attention is None and after else attention
+    with open(path, "w") as f:
+        f.write(training.rstrip() + "\n" + ("\n" + attention + "\n" if attention else ""))
 
 
 def busiest(run, key):
@@ -99,8 +119,78 @@ Graph breaks under torch._dynamo.explain (tests/dist/test_compile_hf.py): applie
 (17 before the integration's checks, the loss's reduction and the attention became opaque ops).
 Hybrids are not there yet: an applied tiny Qwen3-Next or Bamba still breaks in its linear layers
 (hf/linear/ seams, the state exchange's async all-gather); not measured here.
+"""
 
-Not measured here: the attention alone per strategy compiled vs eager."""
+
+# -- the attention alone -----------------------------------------------------------------------------------
+
+ATTENTION = ("ulysses", "ring", "zigzag", "striped", "hybrid", "lasp")
+MODES = ("eager", "aot_eager", "inductor")
+SECTION = "## Attention alone per strategy, compiled vs eager"
+
+
+def attention_rank(o):
+    """Every rank: per strategy one fwd+bwd eager, then under each backend (fullgraph); its first call (the
+    compile) timed alone; the outputs and input gradients against eager's; then the interleaved rounds."""
+    import torch
+    from ds_seqpar.bench.harness import attention_inputs, fwd_bwd, interleaved_rounds, strategy_config, timed
+    from ds_seqpar.sequence_parallel import SequenceParallel
+    q, k, v, dout = attention_inputs(o.seq, 4, 32)
+    torch._dynamo.config.recompile_limit = 64        # one code object (the lambda) x 6 strategies x 2 backends
+    fns, first, diff = {}, {}, {}
+    for name in ATTENTION:
+        sp = SequenceParallel(strategy_config("lasp2" if name == "lasp" else name, 2))
+        x = [sp.shard(t).clone() for t in (q, k, v, dout)]
+        call = (lambda a, b, c, sp=sp: sp.linear_attention(a, b, c)) if name == "lasp" else \
+            (lambda a, b, c, sp=sp: sp.attention(a, b, c, causal=True))
+        want = None
+        for mode in MODES:
+            f = call if mode == "eager" else torch.compile(call, backend=mode, fullgraph=True, dynamic=False)
+            leaves = [t.detach().requires_grad_() for t in x[:3]]
+            first[name, mode] = timed(lambda: f(*leaves).backward(x[3]))["wall"]
+            got = [f(*leaves)] + [t.grad for t in leaves]
+            want = want or got
+            diff[name, mode] = max(float((a - b).detach().abs().max()) for a, b in zip(got, want))
+            fns[name, mode] = (lambda f=f, x=x: fwd_bwd(f, *x), None)
+    return {"rounds": interleaved_rounds(fns, o.warmup, o.repeats), "first": first, "diff": diff,
+            "load_1min": os.getloadavg()[0]}
+
+
+def attention_main(o, load):
+    from ds_seqpar.bench.harness import case_times, versus
+    from ds_seqpar.launch.rankpool import RankPool
+    o.warmup = 1
+    pool = RankPool(2, timeout_s=1800, threads_per_rank=1).start()
+    try:
+        per_rank = pool.run(attention_rank, o, timeout=1800)
+    finally:
+        pool.close()
+    cmd = f"PYTHONPATH=. python reports/compile_cpu.py --attention --seq {o.seq} --repeats {o.repeats}"
+    out = [SECTION, "", f"Command: `{cmd}` (2 gloo ranks, one thread each).", "",
+           f"sp.attention(q, k, v, causal=True) (lasp: sp.linear_attention, LASP-2), forward + backward, N={o.seq} "
+           f"tokens, batch 1, 4 heads x 32, fp32, P=2 (hybrid: ulysses_size 2 x a ring of 1 at this P). Compiled: "
+           f"torch.compile(fullgraph=True, dynamic=False), backends aot_eager and inductor (dynamic=False: one "
+           f"lambda serves every strategy, and without it the second SequenceParallel fails, docs/compile.md). {o.repeats} rounds after one warm-up, "
+           f"each running every case once after a barrier (bench/harness.py interleaved_rounds); time: the slowest "
+           f"rank's wall, median (min-max) over rounds; ratio: per round, then the median. First call: the compiled "
+           f"call's first fwd+bwd (dynamo, AOT autograd, codegen), the slower rank. Largest difference: outputs and "
+           f"q/k/v gradients against eager, the larger rank. CPU numbers on a shared 2-core machine: 1-minute load "
+           f"average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end. The op is one opaque node for the "
+           f"compiler (docs/compile.md): compiled and eager run the same body, so the difference must be 0 and the "
+           f"time ratio near 1; a ratio far from 1 here, with its wide min-max, is the machine's load.", "",
+           "| strategy | eager ms | aot_eager ms | aot_eager / eager | inductor ms | inductor / eager | first call s "
+           "(aot_eager / inductor) | largest difference (aot_eager / inductor) |", "|---|---|---|---|---|---|---|---|"]
+    for name in ATTENTION:
+        t = {m: case_times(per_rank, f"{name}/{m}") for m in MODES}
+        cells = [f"{t['eager']['time'] * 1e3:.2f}"]
+        for m in MODES[1:]:
+            vs = versus(t[m], t["eager"])
+            cells += [f"{t[m]['time'] * 1e3:.2f}", f"{vs['ratio']:.2f} ({vs['ratio_range'][0]:.2f}-"
+                      f"{vs['ratio_range'][1]:.2f})"]
+        firsts = " / ".join(f"{max(r['first'][name, m] for r in per_rank):.1f}" for m in MODES[1:])
+        diffs = " / ".join(f"{max(r['diff'][name, m] for r in per_rank):.1e}" for m in MODES[1:])
+        out.append(f"| {name} | {' | '.join(cells)} | {firsts} | {diffs} |")
+    write_parts(o.out, None, "\n".join(out))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ import importlib
 import sys
 from typing import List, Optional
 
-SUITES = ("attention", "packed", "window", "hybrid", "trainer", "memory", "dynamic")      # = their modules' names
+SUITES = ("attention", "packed", "window", "hybrid", "gpu", "trainer", "memory",
+          "dynamic")      # = their modules' names
 OLD_FLAGS = {f"--{suite}": suite for suite in ("packed", "window", "hybrid", "trainer")}
 
 

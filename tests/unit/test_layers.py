@@ -5,8 +5,8 @@
   scheduler prices documents with and the planner and bench read) imports nothing from models, launch,
   train, bench, report, hf or plan;
 - models, launch and hf import the core only; train the core, models, launch and hf; bench those,
-  train (it times the training step through train.run_training) and report's plotting helper, rows,
-  renderer and targets;
+  train (it times the training step through train.run_training), report's plotting helper, rows,
+  renderer and targets, and plan's hardware profiles and model shapes;
   plan the core, models, hf, launch and report's rows and renderer (--calibrate);
   report the core only (nothing of train, bench or plan);
 - only comm.py talks to torch.distributed (launch/ and train/, which start the world, may too; and
@@ -38,7 +38,8 @@ ALLOWED = {
     "hf": {"core"},
     "train": {"core", "models", "launch", "hf"},
     "bench": {"core", "models", "launch", "hf", "train", "report.plotting", "report.rows", "report.render",
-              "report.targets"},                    # bench writes rows and renders them; report never reads bench
+              "report.targets",                     # bench writes rows and renders them; report never reads bench
+              "plan.hardware", "plan.model_shape"},  # the gpu suite: a device's peak and a model's shape
     "report": {"core"},
     "plan": {"core", "models", "hf", "launch", "report.rows", "report.render"},   # the own LM's ModelConfig; HF
                                             # configs through hf/; --calibrate's ranks, the rows it reads and writes
