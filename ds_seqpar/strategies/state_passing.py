@@ -172,8 +172,9 @@ def check_fragments(frags, width: int, where: str, resets=frozenset()) -> None:
              and start + n in starts and start + n not in resets]
     if short:
         short = min(short)
-        raise ConfigError(f"ds_seqpar: {where} needs every rank's runs of consecutive tokens to be at least "
-                          f"{max(width, 1)} long (the convolution halo and the state come from one neighbour), "
+        raise ConfigError(f"ds_seqpar: {where} needs every run of consecutive tokens whose tail the next run's "
+                          f"halo reads to be at least {max(width, 1)} long (the convolution halo comes from one "
+                          f"neighbour), "
                           f"but this layout gives runs of {short} token(s); use a longer sequence, fewer ranks, "
                           f"or a contiguous / zigzag strategy")
 
