@@ -6,6 +6,8 @@ ranks and an empty micro-batch gives the loss (token-level mean of the batch, fr
 document. Bounds derived as in the other HF tests: K x the float32-vs-float64 error of the unsharded
 model (K = 5 for the dense model, 10 with a floor of 1e-5 of the largest entry for a hybrid, whose
 linear ops compute in float32 whatever the input: tests/hf_hybrids.py)."""
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -84,12 +86,16 @@ def _refusal(runners):
     model = apply_sequence_parallel(build(hybrid_config("qwen3_5_text", linear_num_value_heads=6), torch.float32), dsp)
     docs = _documents(model.config.vocab_size)
     mb = dsp.schedule([int(d.numel()) for d in docs]).for_rank(dsp.global_rank)[-1]
-    try:
-        with dsp.running(mb):
-            model(**dsp.batch(mb, [docs[i] for i in mb.documents]))
-    except ConfigError as err:
-        return mb.group.size, str(err)
-    return mb.group.size, "ran"
+    batch = dsp.batch(mb, [docs[i] for i in mb.documents])
+    said = []
+    for inside in (False, True):               # outside a running block: no group to run on
+        try:
+            with dsp.running(mb) if inside else contextlib.nullcontext():
+                model(**batch)
+            said.append("ran")
+        except ConfigError as err:
+            said.append(str(err))
+    return mb.group.size, said[1], said[0]
 
 
 def _dynamic_hf(cases):
@@ -137,8 +143,13 @@ def dynamic_hf(pool):
 
 def test_linear_heads_a_group_size_cannot_split_are_refused_alike_on_every_rank(dynamic_hf):
     refusals = [r for _, r in dynamic_hf]
-    assert {size for size, _ in refusals} == {1}, f"the last round should run one-rank groups: {refusals}"
-    said = {msg for _, msg in refusals}
+    assert {size for size, _, _ in refusals} == {1}, f"the last round should run one-rank groups: {refusals}"
+    said = {msg for _, msg, _ in refusals}
     assert len(said) == 1, f"ranks said different things: {said}"
     msg = said.pop()
     assert "6 heads" in msg and "group size 4" in msg and "size='dynamic'" in msg and "linear_strategy 'lasp'" in msg, msg
+
+
+def test_a_forward_outside_a_running_micro_batch_is_refused(dynamic_hf):
+    outside = {msg for _, _, msg in (r for _, r in dynamic_hf)}
+    assert len(outside) == 1 and "inside `with dsp.running(mb):`" in outside.pop(), outside
