@@ -70,6 +70,7 @@ class DynamicSequenceParallel:
         self.sizes = tuple(sorted(by_size))
         self.world_size, self.global_rank = comm.world_size(), comm.global_rank()
         self._current = by_size[self.sizes[0]]
+        self._running: Optional[MicroBatch] = None
 
     @classmethod
     def from_ds_config(cls, ds_config, heads: Optional[int] = None, kv_heads: Optional[int] = None,
@@ -135,6 +136,11 @@ class DynamicSequenceParallel:
         """The SequenceParallel of the micro-batch now running (``running``)."""
         return self._current
 
+    @property
+    def running_batch(self) -> Optional[MicroBatch]:
+        """The micro-batch of the innermost ``running`` block, None outside one."""
+        return self._running
+
     def attention(self, *args, **kwargs):
         return self._current.attention(*args, **kwargs)
 
@@ -177,11 +183,12 @@ class DynamicSequenceParallel:
             raise ValueError(f"rank {self.global_rank} runs a micro-batch of group {mb.group}, whose ranks "
                              f"{list(mb.group.ranks)} are not its size-{mb.group.size} group "
                              f"{sp.groups.sp_ranks}; pass schedule.for_rank(this rank)")
-        previous, self._current = self._current, sp
+        previous = self._current, self._running
+        self._current, self._running = sp, mb
         try:
             yield self._current
         finally:
-            self._current = previous
+            self._current, self._running = previous
 
     def batch(self, mb: MicroBatch, documents: Sequence[torch.Tensor]) -> Dict[str, torch.Tensor]:
         """This rank's shard of ``mb``: ``documents`` are the token ids [length] of mb.documents, in
@@ -199,12 +206,12 @@ class DynamicSequenceParallel:
         return sp.shard_batch({"input_ids": ids, "labels": ids, "cu_seqlens": list(mb.cu_seqlens)})
 
     def loss(self, logits_blv: torch.Tensor, labels_bl: torch.Tensor, mb: MicroBatch,
-             grad_scale: Optional[float] = None) -> torch.Tensor:
+             grad_scale: Optional[float] = None, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
         """This rank's share of the global batch's token-level mean: its token-loss sum / the batch's
         target tokens (no communication). Summed over ranks and rounds it is the step's loss
         (``step_loss``). Backward times ``grad_scale``: the world size once DeepSpeed averages the
         gradients over every rank, else 1."""
-        loss_sum, _ = local_loss_sum(logits_blv, labels_bl)
+        loss_sum, _ = local_loss_sum(logits_blv, labels_bl, ignore_index)
         scale = (self.world_size if self.mpu.handed_to_deepspeed else 1.0) if grad_scale is None else grad_scale
         if scale != 1.0:
             loss_sum = _ScaleGrad.apply(loss_sum, float(scale))

@@ -21,6 +21,7 @@ from typing import Dict, List, Optional
 
 import torch.nn as nn
 
+from ..dynamic import DynamicSequenceParallel
 from . import batch_check, hooks
 from .attention import chunked_documents, is_chunked, make_attention_function
 from .checks import UnsupportedModelError, check_config, check_heads, check_hybrid, check_modules
@@ -45,11 +46,12 @@ class SequenceParallelState:
 
     def __init__(self, sp, key: str, layers, previous_attn, previous_loss, linear_layers=(), vision=None,
                  indexed_layers=()):
-        self.sp = sp
+        self.runner = sp                  # what was applied: a SequenceParallel or a DynamicSequenceParallel
         self.vision = vision              # a multimodal model's decoder and its whole-row inputs, or None
         self.indexed = IndexedState(indexed_layers) if indexed_layers else None     # DeepSeek sparse attention
         # hybrids' other layers, over the linear exchange sp resolved
-        self.linear = LinearMixers(sp.linear_exchange, linear_layers) if linear_layers else None
+        self.linear = LinearMixers(lambda: self.sp.linear_exchange, linear_layers,
+                                   sp.sizes if self.dynamic else None) if linear_layers else None
         self.key = key
         self.names: Dict[int, str] = {id(m): f"{n} ({type(m).__name__})" for n, m in layers}
         self._layers = [(n, weakref.ref(m)) for n, m in layers]
@@ -61,6 +63,17 @@ class SequenceParallelState:
         self.shift_labels_given = False
         self.loss_routed = False
         self.handles: List = []
+
+    @property
+    def sp(self):
+        """The SequenceParallel this forward runs on: the applied one, or with dynamic groups the one of
+        the micro-batch running now (DynamicSequenceParallel.running: a handle on the runner, so two
+        models or two steps never see each other's group); None once removed."""
+        return self.runner.current if isinstance(self.runner, DynamicSequenceParallel) else self.runner
+
+    @property
+    def dynamic(self) -> bool:
+        return isinstance(self.runner, DynamicSequenceParallel)
 
     @property
     def layers(self):
@@ -99,7 +112,8 @@ def apply_sequence_parallel(model: nn.Module, sp) -> nn.Module:
     layers = check_modules(decoder)
     indexed = indexed_layers(decoder, layers)
     check_hybrid(model, sp.config, linear)
-    check_heads(model.config, sp.config)
+    for member in _static_configs(sp):
+        check_heads(model.config, member)
     # 2. a key of our own; no "flash" (transformers would load a flash kernel) and no "/" (a hub kernel)
     key = f"ds_seqpar_sp{next(_KEYS)}"
     state = SequenceParallelState(sp, key, layers, _implementations(model, vision), model.loss_function, linear,
@@ -129,10 +143,17 @@ def remove_sequence_parallel(model: nn.Module) -> nn.Module:
         h.remove()
     model.set_attn_implementation(state.previous_attn)
     model.loss_function = state.previous_loss
-    state.sp = None         # the registered function now refuses to run (transformers has no unregister)
+    state.runner = None         # the registered function now refuses to run (transformers has no unregister)
     state.previous_loss = None
     setattr(model, STATE_ATTR, None)
     return model
+
+
+def _static_configs(sp):
+    """The fixed-size configs ``sp`` runs with: its own, or every group size's of a dynamic runner."""
+    if isinstance(sp, DynamicSequenceParallel):
+        return [member.config for member in sp.by_size.values()]
+    return [sp.config]
 
 
 def _implementations(model, vision):
@@ -155,7 +176,7 @@ def _verify_switch(model, decoder, key: str, state: SequenceParallelState) -> No
     if stale:
         if model.config._attn_implementation == key:
             model.set_attn_implementation(state.previous_attn)
-        state.sp = None
+        state.runner = None
         raise UnsupportedModelError(f"ds_seqpar.hf: {', '.join(sorted(set(stale)))} kept attention "
                                     f"implementation {state.previous_attn!r}: its attention does not go through "
                                     f"transformers' AttentionInterface, so sequence parallelism cannot be applied")

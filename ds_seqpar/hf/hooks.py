@@ -102,6 +102,10 @@ def install(model, state) -> list:
 
 def check_call(model, state, call: dict) -> None:
     """Local refusals: the same on every rank (shapes and options, not data)."""
+    if state.dynamic and state.runner.running_batch is None:
+        raise UnsupportedModelError("ds_seqpar.hf: a model applied with sequence_parallel.size='dynamic' runs one "
+                                    "micro-batch of a schedule at a time: call it inside `with dsp.running(mb):` "
+                                    "with dsp.batch(mb, ...)'s batch (docs/dynamic.md)")
     pos = call.get("position_ids")
     if pos is None:
         raise UnsupportedModelError("ds_seqpar.hf: position_ids are required under sequence parallelism: pass "

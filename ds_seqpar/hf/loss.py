@@ -11,7 +11,8 @@ public setter); other models keep the default.
 With ``num_items_in_batch`` (the Trainer's token count of the accumulation window over every rank,
 counted on the shards' shifted targets: hf/trainer.py) the loss is this rank's local sum over that
 count: the Trainer scales it by the world size and DeepSpeed averages over the world, which gives
-plain data parallelism's gradient with no sequence-group collective here.
+plain data parallelism's gradient with no sequence-group collective here. With dynamic groups it is
+``dsp.loss`` of the running micro-batch: this rank's share of the global batch's token-level mean.
 """
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ def make_loss_function(state) -> Callable:
             local = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten().to(logits.device),
                                     ignore_index=ignore_index, reduction="sum")
             return local / num_items_in_batch
+        if state.dynamic:         # this rank's share of the global batch's token-level mean
+            runner = state.runner
+            return runner.loss(logits, targets, runner.running_batch, ignore_index=ignore_index)
         return sp.loss(logits, targets, ignore_index=ignore_index)
 
     return ds_seqpar_loss

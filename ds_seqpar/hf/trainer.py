@@ -263,8 +263,11 @@ def _sequence_parallel(targs) -> Optional[SequenceParallel]:
     cfg = SequenceParallelConfig.from_ds_config(ds)          # no key: size 1
     if cfg.is_dynamic:
         raise ConfigError("ds_seqpar.hf: SequenceParallelTrainer does not run sequence_parallel.size='dynamic' yet; "
-                          "use an integer size here, or dynamic groups in the main job (python -m ds_seqpar.train "
-                          "--lengths FILE --sp_size dynamic) or an own loop (DynamicSequenceParallel, docs/dynamic.md)")
+                          "use an integer size here. The Trainer steps over a fixed number of micro-batches of rows, "
+                          "while dynamic groups run each global batch of documents in rounds the scheduler picks per "
+                          "step. Hugging Face models train with dynamic groups in the main job (python -m "
+                          "ds_seqpar.train --model PATH --lengths FILE --sp_size dynamic) and in an own loop "
+                          "(apply_sequence_parallel(model, DynamicSequenceParallel(...)), docs/dynamic.md)")
     if cfg.size == 1:
         return None
     world = comm.world_size()

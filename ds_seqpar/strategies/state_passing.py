@@ -21,8 +21,9 @@ The convolution halo: a fragment's first K-1 outputs read the K-1 inputs before 
 previous fragment in global order holds. Every fragment's tail is all-gathered (autograd returns
 the halo's gradient to its owner, added to its tail's gradient).
 
-Fragments must be at least K-1 tokens long (the halo comes from one fragment); a striped layout
-(one-token fragments) is refused where the mixers are set up, before any communication.
+A fragment another one takes its halo from must be at least K-1 tokens long unless a document starts it
+(the halo comes from one fragment); a striped layout (one-token fragments) is refused where the mixers
+are set up, before any communication.
 """
 from __future__ import annotations
 
@@ -54,12 +55,12 @@ class LinearExchange:
         n = local_len * self.size
         if n not in self._runs:                  # the layout's runs, per length (documents change per batch)
             self._runs[n] = fragments(self.layout, n)
-        frags = self._runs[n]
-        check_fragments(frags, width, where)
-        if documents is None:
-            return frags, frozenset()
-        docs = [int(b) for b in documents]
-        return cut_at_documents(frags, docs), frozenset(b for b in docs if 0 < b < n)
+        frags, resets = self._runs[n], frozenset()
+        if documents is not None:
+            docs = [int(b) for b in documents]
+            frags, resets = cut_at_documents(frags, docs), frozenset(b for b in docs if 0 < b < n)
+        check_fragments(frags, width, where, resets)
+        return frags, resets
 
     def states_in(self, b_f: Tensor, frags, resets, a_f: Optional[Tensor] = None,
                   decay_h: Optional[Tensor] = None) -> Tensor:
@@ -161,12 +162,19 @@ def _padded(per_fragment: Tensor, frags) -> Tensor:
     return per_fragment.unsqueeze(0).contiguous()
 
 
-def check_fragments(frags, width: int, where: str) -> None:
-    """Every fragment must hold at least ``width`` tokens (the halo and the state come from one)."""
-    short = min(n for fr in frags for _, n, _ in fr)
-    if short < max(width, 1):
-        raise ConfigError(f"ds_seqpar: {where} needs every rank's runs of consecutive tokens to be at least "
-                          f"{max(width, 1)} long (the convolution halo and the state come from one neighbour), "
+def check_fragments(frags, width: int, where: str, resets=frozenset()) -> None:
+    """A fragment whose tail is the next fragment's halo must hold at least ``width`` tokens (the halo
+    comes from one fragment), unless a document starts it (position 0 or one of ``resets``: what
+    lies before is the halo's zeros, which the short tail is padded with). Fragments a document
+    start follows feed no halo, so short documents pack anywhere."""
+    starts = {start for fr in frags for start, _, _ in fr}
+    short = [n for fr in frags for start, n, _ in fr if n < max(width, 1) and start != 0 and start not in resets
+             and start + n in starts and start + n not in resets]
+    if short:
+        short = min(short)
+        raise ConfigError(f"ds_seqpar: {where} needs every run of consecutive tokens whose tail the next run's "
+                          f"halo reads to be at least {max(width, 1)} long (the convolution halo comes from one "
+                          f"neighbour), "
                           f"but this layout gives runs of {short} token(s); use a longer sequence, fewer ranks, "
                           f"or a contiguous / zigzag strategy")
 

@@ -28,9 +28,6 @@ def check_options(opts, sp_cfg, hf_config):
         if opts.tokens_per_step is not None:
             raise TrainConfigError(f"--tokens_per_step={opts.tokens_per_step} goes with --lengths FILE only")
         return None
-    if hf_config is not None:
-        raise TrainConfigError("--lengths with --model is not supported yet; it trains the built-in LM "
-                               "(drop --model)")
     if opts.ignore_frac:
         raise TrainConfigError(f"--ignore_frac={opts.ignore_frac} with --lengths: every target token of a "
                                f"document counts there; use --ignore_frac 0")
@@ -45,9 +42,22 @@ def check_options(opts, sp_cfg, hf_config):
         raise TrainConfigError(str(err)) from None
 
 
-def build_runner(ds_config, sp_cfg, model_cfg) -> DynamicSequenceParallel:
+def build_runner(ds_config, heads, kv_heads) -> DynamicSequenceParallel:
     """size "dynamic": every group size's SequenceParallel, built once (collective)."""
-    return DynamicSequenceParallel.from_ds_config(ds_config, heads=model_cfg.n_heads, kv_heads=model_cfg.n_kv_heads)
+    return DynamicSequenceParallel.from_ds_config(ds_config, heads=heads, kv_heads=kv_heads)
+
+
+def model_shape(model) -> ModelShape:
+    """What the scheduler prices a token and an attention pair with: the own LM's sizes, or a
+    Hugging Face model's from its config (dense projections and MLP; a price, not exactness)."""
+    if hasattr(model.cfg, "n_heads"):
+        return ModelShape.of_lm(model.cfg)
+    c = model.cfg.config
+    c = c.get_text_config() if hasattr(c, "get_text_config") else c
+    d, heads = c.hidden_size, c.num_attention_heads
+    kv, hd = getattr(c, "num_key_value_heads", None) or heads, getattr(c, "head_dim", None) or d // heads
+    per_layer = d * heads * hd * 2 + d * 2 * kv * hd + 3 * d * (getattr(c, "intermediate_size", None) or 4 * d)
+    return ModelShape(c.num_hidden_layers, heads, kv, hd, c.num_hidden_layers * per_layer + d * c.vocab_size)
 
 
 def runner_of(sp, opts) -> DynamicSequenceParallel:
@@ -63,7 +73,7 @@ class DocumentTrainer(Trainer):
         super().__init__(opts, ds_config, sp, model, tokens)
         self.lengths, self.runner = lengths, runner
         self.tokens_per_step = opts.tokens_per_step or runner.world_size * opts.seq_len
-        self.shape = ModelShape.of_lm(model.cfg)         # --lengths trains the own LM (check_options)
+        self.shape = model_shape(model)
         self._say(f"documents: lengths from {opts.lengths} ({lengths.size} lengths), {self.tokens_per_step} tokens "
                   f"per step, cut at {runner.capacity} tokens; group sizes {list(runner.sizes)}, "
                   f"max_tokens_per_rank={runner.max_tokens_per_rank}")

@@ -18,7 +18,7 @@ from .args import TrainConfigError
 
 
 class HFCausalLM(nn.Module):
-    """``forward(input_ids [B, L], position_ids [B, L]) -> logits [B, L, V]``, as models.CausalLM;
+    """``forward(input_ids [B, L], position_ids [B, L], cu_seqlens=None) -> logits [B, L, V]``, as models.CausalLM;
     with ``labels`` the loss instead: sp.loss, or the fused tiled head + loss when
     sequence_parallel.tiled_loss_tokens > 0 (the model then computes one token's logits only)."""
 
@@ -28,9 +28,10 @@ class HFCausalLM(nn.Module):
         self.cfg = HFModelInfo(model.config, path, loaded_weights)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+                labels: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
         if labels is None or self.sp is None or not self.sp.config.tiled_loss_tokens:
-            logits = self.model(input_ids=input_ids, position_ids=position_ids).logits
+            docs = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}      # packed documents (--lengths)
+            logits = self.model(input_ids=input_ids, position_ids=position_ids, **docs).logits
             return logits if labels is None else (self.sp.loss(logits, labels) if self.sp else sequence_loss(
                 logits, labels))
         # the decoder's last (normed) hidden states, through the model's own call and hooks

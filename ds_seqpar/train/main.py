@@ -64,7 +64,7 @@ def run_training(args: Mapping[str, Any], model_factory: Optional[Callable] = No
     _join_world(opts, sp_cfg.timeout_s)
     _warn_placement(sp_cfg)
     # checks size | world before building groups; takes the loss's ZeRO factor from the config
-    sp = documents.build_runner(ds_config, sp_cfg, model_cfg) if sp_cfg.is_dynamic \
+    sp = documents.build_runner(ds_config, *model_heads(model_cfg, hf_config)) if sp_cfg.is_dynamic \
         else SequenceParallel.from_ds_config(ds_config)
     tokens = load_tokens(opts)
     vocab_size = data.vocab_size_of(tokens, opts.vocab_size)
@@ -189,19 +189,30 @@ def check_run(sp_cfg: SequenceParallelConfig, opts, model_cfg: Optional[ModelCon
     same message before joining the world, so none leaves while its peers still build groups. Any
     sequence length works (the layout pads at the end, padding.py)."""
     check_options(opts)
-    if hf_config is not None:
+    if hf_config is not None and not sp_cfg.is_dynamic:
         from ..hf.checks import check_heads
         check_heads(hf_config, sp_cfg)
         return
     try:
         if sp_cfg.is_dynamic:
-            check_dynamic_heads(sp_cfg, model_cfg.n_heads, model_cfg.n_kv_heads)
+            check_dynamic_heads(sp_cfg, *model_heads(model_cfg, hf_config))
         elif model_cfg.attention == "softmax":
             strategies.check_heads(sp_cfg, model_cfg.n_heads, model_cfg.n_kv_heads)
     except ValueError as err:
-        raise TrainConfigError(f"{err} (--seq_len={opts.seq_len}, --n_heads={model_cfg.n_heads}, "
-                               f"--n_kv_heads={model_cfg.n_kv_heads}, strategy={sp_cfg.strategy!r}, "
-                               f"size={sp_cfg.size})") from None
+        heads, kv_heads = model_heads(model_cfg, hf_config)
+        model = (f"--model {opts.model!r}: num_attention_heads={heads}, num_key_value_heads={kv_heads}"
+                 if hf_config is not None else f"--seq_len={opts.seq_len}, --n_heads={heads}, --n_kv_heads={kv_heads}")
+        raise TrainConfigError(f"{err} ({model}, strategy={sp_cfg.strategy!r}, size={sp_cfg.size})") from None
+
+
+def model_heads(model_cfg: Optional[ModelConfig], hf_config):
+    """(query heads, k/v heads) of the own LM or the --model decoder (dynamic ulysses' group sizes)."""
+    if hf_config is None:
+        return model_cfg.n_heads, model_cfg.n_kv_heads
+    from ..hf.checks import text_config
+    tc = text_config(hf_config)
+    heads = tc.num_attention_heads
+    return heads, getattr(tc, "num_key_value_heads", None) or heads
 
 
 def load_tokens(opts):

@@ -35,6 +35,23 @@ def test_static_and_dynamic_print_the_same_losses_on_the_same_documents(pool, tm
         assert rec["loss"] > 0 and "cut_documents" in rec and "attn_comm_bytes" in rec, rec
 
 
+def test_a_hugging_face_model_trains_dynamic_with_the_losses_of_plain_data_parallelism(pool, tmp_path):
+    """--model (a tiny Llama, GQA) with --lengths: plain data parallelism (size 1: every document whole
+    on one rank) and dynamic zigzag groups train on the same documents, with the same losses."""
+    from ..hf_models import save_tiny
+    hf = dict({k: v for k, v in BASE.items() if k not in ("dim", "n_layers", "n_heads")},
+              model=save_tiny(tmp_path / "llama", "llama", vocab_size=256))
+    runs = {mode: pool.run(_train, dict(hf, run_dir=str(tmp_path / mode), **extra))
+            for mode, extra in {"plain": {"sp_size": 1}, "dynamic": MODES["dynamic zigzag"]}.items()}
+    want = runs["plain"][0]
+    for r in runs["dynamic"]:
+        for what in ("losses", "grad_norms"):
+            for got, ref in zip(r[what], want[what]):
+                assert abs(got - ref) <= REL * abs(ref), f"--model dynamic rank {r['rank']}: {what} {r[what]} != {want[what]}"
+    with open(runs["dynamic"][0]["metrics_path"]) as f:
+        assert any(len(json.loads(line)["group_sizes"]) > 1 for line in f), "dynamic should use several group sizes"
+
+
 def test_bad_inputs_stop_the_run_on_every_rank_with_the_same_message(pool, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n")

@@ -46,5 +46,8 @@ def test_the_hf_trainer_refuses_dynamic_groups_at_construction_with_what_works()
     from ds_seqpar.hf.trainer import _sequence_parallel
     ds = {"sequence_parallel": {"strategy": "zigzag", "size": "dynamic", "max_tokens_per_rank": 64}}
     targs = SimpleNamespace(deepspeed="ds.json", hf_deepspeed_config=SimpleNamespace(config=ds))
-    with pytest.raises(ConfigError, match="does not run sequence_parallel.size='dynamic' yet; use an integer size"):
+    with pytest.raises(ConfigError, match="does not run sequence_parallel.size='dynamic' yet; use an integer size") \
+            as err:
         _sequence_parallel(targs)
+    assert "--model PATH --lengths FILE --sp_size dynamic" in str(err.value) \
+        and "apply_sequence_parallel(model, DynamicSequenceParallel" in str(err.value), str(err.value)

@@ -47,7 +47,7 @@ def _opts(**kw):
     return resolve_args(dict({"quiet": True}, **kw))
 
 
-def test_options_that_do_not_go_with_lengths_are_refused():
+def test_options_that_do_not_go_with_lengths_are_refused(tmp_path):
     dynamic = SequenceParallelConfig.parse({"size": "dynamic", "max_tokens_per_rank": 64, "strategy": "zigzag"})
     static = SequenceParallelConfig.parse({"size": 2, "strategy": "zigzag"})
     with pytest.raises(TrainConfigError, match="pass --lengths FILE"):
@@ -56,8 +56,9 @@ def test_options_that_do_not_go_with_lengths_are_refused():
         check_options(_opts(tokens_per_step=64), static, None)
     with pytest.raises(TrainConfigError, match="--ignore_frac=0.25 with --lengths"):
         check_options(_opts(lengths="x.txt", ignore_frac=0.25), static, None)
-    with pytest.raises(TrainConfigError, match="--lengths with --model is not supported yet"):
-        check_options(_opts(lengths="x.txt"), static, object())
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("5\n7\n")
+    assert list(check_options(_opts(lengths=str(lengths)), dynamic, object())) == [5, 7]     # --model too
     assert check_options(_opts(), static, None) is None
 
 

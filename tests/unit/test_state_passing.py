@@ -8,7 +8,7 @@ import torch
 from ds_seqpar.config import ConfigError, SequenceParallelConfig
 from ds_seqpar.sharding.layouts import make_layout
 from ds_seqpar.strategies.state_exchange import Transition
-from ds_seqpar.strategies.state_passing import check_fragments, fragments, global_order
+from ds_seqpar.strategies.state_passing import check_fragments, cut_at_documents, fragments, global_order
 
 
 def test_fragments_are_the_runs_of_consecutive_positions():
@@ -24,6 +24,20 @@ def test_fragments_are_the_runs_of_consecutive_positions():
     with pytest.raises(ConfigError, match="at least 3 long"):
         check_fragments(striped, 3, "a conv")
     check_fragments(fragments(make_layout("contiguous", 4), 16), 3, "a conv")
+
+
+def test_a_short_run_is_refused_only_where_a_halo_reads_it():
+    """A run shorter than the halo is fine where a document starts it (the halo's zeros lie before it)
+    or one starts after it (nothing reads its tail): dynamic groups pack documents of any length."""
+    one_rank = fragments(make_layout("contiguous", 1), 2)
+    check_fragments(one_rank, 3, "a conv")                                   # a 2-token sequence alone
+    ring = cut_at_documents(fragments(make_layout("contiguous", 2), 16), [0, 2, 9, 16])
+    check_fragments(ring, 3, "a conv", frozenset({2, 9}))                   # [0, 2) and [8, 9): a document follows
+    zigzag = fragments(make_layout("zigzag", 4), 16)                        # runs of 2 tokens
+    check_fragments(cut_at_documents(zigzag, [0, 2, 4, 6, 8, 10, 12, 14, 16]), 3, "a conv",
+                    frozenset(range(2, 16, 2)))
+    with pytest.raises(ConfigError, match="runs of 2 token"):               # [6, 8) feeds [8, 10) of its document
+        check_fragments(cut_at_documents(zigzag, [0, 4, 16]), 3, "a conv", frozenset({4}))
 
 
 def test_linear_strategy_is_a_validated_key():

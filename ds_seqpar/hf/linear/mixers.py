@@ -20,10 +20,17 @@ from .ssd import ssd
 
 
 class LinearMixers:
-    def __init__(self, exchange, layers):
-        self.exchange = exchange
+    def __init__(self, exchange_of, layers, dynamic_sizes=None):
+        self._exchange_of = exchange_of     # () -> the running group's exchange (one per group size when dynamic)
+        # with dynamic groups, every size a micro-batch may run on: ranks of different groups must refuse
+        # alike, in the same (first) linear layer of the step, so none is left waiting in a collective
+        self.dynamic_sizes = dynamic_sizes
         self.names = {id(m): f"{n} ({type(m).__name__})" for n, m in layers}
         self.documents = None        # this forward's packed-document bounds (global cu_seqlens), set by the pre-hook
+
+    @property
+    def exchange(self):
+        return self._exchange_of()
 
     def where(self, module) -> str:
         return self.names.get(id(module), type(module).__name__)
@@ -62,10 +69,14 @@ class LinearMixers:
         as Ulysses does for k/v heads, and autograd sums the copies' gradients back."""
         size, heads = self.exchange.size, max(t.shape[2] for t in tensors)
         odd = [t.shape[2] for t in tensors if heads % t.shape[2]]
-        if heads % size or odd:
+        bad = [s for s in self.dynamic_sizes or (size,) if heads % s]
+        if bad or odd:
             raise UnsupportedModelError(f"ds_seqpar.hf: {where} has {heads} {unit}"
                                         + (f" and inputs with {odd[0]} groups that do not divide them" if odd else
-                                           f", not divisible by sequence_parallel.size={size}")
+                                           f", not divisible by sequence_parallel.size={size}"
+                                           if self.dynamic_sizes is None else
+                                           f", not divisible by the group size {bad[0]} of sequence_parallel."
+                                           f"size='dynamic' (group sizes {list(self.dynamic_sizes)})")
                                         + f": linear_strategy 'ulysses' splits the {unit} over ranks; use "
                                         f"linear_strategy 'lasp'")
         tensors = [t.repeat_interleave(kv_replication(heads, t.shape[2], size), dim=2) if t.shape[2] < heads else t
@@ -75,6 +86,8 @@ class LinearMixers:
             out = local(*whole, mine)
         else:                          # packed: each document from the zero state, whole on this rank
             docs = [int(d) for d in self.documents]
+            if docs[-1] < whole[0].shape[1]:   # the layout's end padding: a run of its own, read by no target
+                docs.append(whole[0].shape[1])
             out = torch.cat([local(*(t[:, a:b] for t in whole), mine) for a, b in zip(docs[:-1], docs[1:])], 1)
         return self.exchange.back_to_tokens(out)
 
