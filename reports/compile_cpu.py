@@ -170,7 +170,7 @@ def attention_main(o, load):
            f"sp.attention(q, k, v, causal=True) (lasp: sp.linear_attention, LASP-2), forward + backward, N={o.seq} "
            f"tokens, batch 1, 4 heads x 32, fp32, P=2 (hybrid: ulysses_size 2 x a ring of 1 at this P). Compiled: "
            f"torch.compile(fullgraph=True, dynamic=False), backends aot_eager and inductor (dynamic=False: one "
-           f"lambda serves every strategy, and without it the second SequenceParallel fails, docs/compile.md). {o.repeats} rounds after one warm-up, "
+           f"lambda serves every strategy; its int arguments stay constants). {o.repeats} rounds after one warm-up, "
            f"each running every case once after a barrier (bench/harness.py interleaved_rounds); time: the slowest "
            f"rank's wall, median (min-max) over rounds; ratio: per round, then the median. First call: the compiled "
            f"call's first fwd+bwd (dynamo, AOT autograd, codegen), the slower rank. Largest difference: outputs and "

@@ -46,7 +46,7 @@ def _outputs(tensors: Sequence[Tensor], inputs: Sequence[Optional[Tensor]]) -> L
 
 @torch.library.custom_op("ds_seqpar::attention", mutates_args=(), tags=UNSAFE_FOR_CUDA_GRAPHS)
 def attention_op(q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor], cu_seqlens: Optional[Tensor],
-                 cu_list: Optional[List[int]], sp: int, causal: bool, scale: float, seq_len: Optional[int],
+                 cu_list: Optional[List[int]], sp: str, causal: bool, scale: float, seq_len: Optional[int],
                  window: Optional[int], softcap: Optional[float]) -> List[Tensor]:
     """[out, *saved]: this rank's attention output [b, n, H, dv] and what its backward needs."""
     owner = resolve(sp)
@@ -63,7 +63,7 @@ def _attention_fake(q, k, v, sinks, cu_seqlens, cu_list, sp, causal, scale, seq_
 
 @torch.library.custom_op("ds_seqpar::attention_backward", mutates_args=(), tags=UNSAFE_FOR_CUDA_GRAPHS)
 def attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor], out: Tensor,
-                          saved: List[Tensor], cu_seqlens: Optional[Tensor], cu_list: Optional[List[int]], sp: int,
+                          saved: List[Tensor], cu_seqlens: Optional[Tensor], cu_list: Optional[List[int]], sp: str,
                           causal: bool, scale: float, seq_len: Optional[int], window: Optional[int],
                           softcap: Optional[float]) -> List[Tensor]:
     """[dq, dk, dv] (+ [dsinks] with sinks)."""
@@ -99,7 +99,7 @@ def _backward(ctx, grads):
 torch.library.register_autograd("ds_seqpar::attention", _backward, setup_context=_setup)
 
 
-def attention(sp_handle: int, q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor], cu_seqlens, causal: bool,
+def attention(sp_handle: str, q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor], cu_seqlens, causal: bool,
               scale: float, seq_len: Optional[int], window: Optional[int], softcap: Optional[float]) -> Tensor:
     """The op's output; ``cu_seqlens``: None, a 1-D integer tensor or a list of ints (validated inside)."""
     cu_tensor = cu_seqlens if isinstance(cu_seqlens, Tensor) else None

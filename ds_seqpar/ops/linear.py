@@ -21,7 +21,7 @@ def _documents(owner, q, cu_seqlens, cu_list):
 
 @torch.library.custom_op("ds_seqpar::linear_attention", mutates_args=(), tags=UNSAFE_FOR_CUDA_GRAPHS)
 def linear_attention_op(q: Tensor, k: Tensor, v: Tensor, decay: Optional[Tensor], cu_seqlens: Optional[Tensor],
-                        cu_list: Optional[List[int]], sp: int) -> List[Tensor]:
+                        cu_list: Optional[List[int]], sp: str) -> List[Tensor]:
     """[o, state_in]: this rank's output and the state entering its block (zeros where none does)."""
     owner = resolve(sp)
     o, saved = owner.strategy.linear_forward(q, k, v, decay, _documents(owner, q, cu_seqlens, cu_list))
@@ -37,7 +37,7 @@ def _linear_attention_fake(q, k, v, decay, cu_seqlens, cu_list, sp):
 @torch.library.custom_op("ds_seqpar::linear_attention_backward", mutates_args=(), tags=UNSAFE_FOR_CUDA_GRAPHS)
 def linear_attention_backward_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, saved: List[Tensor],
                                  decay: Optional[Tensor], cu_seqlens: Optional[Tensor],
-                                 cu_list: Optional[List[int]], sp: int) -> List[Tensor]:
+                                 cu_list: Optional[List[int]], sp: str) -> List[Tensor]:
     """[dq, dk, dv]."""
     owner = resolve(sp)
     grads = owner.strategy.linear_backward(do, q, k, v, saved, decay, _documents(owner, q, cu_seqlens, cu_list))
@@ -65,7 +65,7 @@ def _backward(ctx, grads):
 torch.library.register_autograd("ds_seqpar::linear_attention", _backward, setup_context=_setup)
 
 
-def linear_attention(sp_handle: int, q: Tensor, k: Tensor, v: Tensor, decay: Optional[Tensor], cu_seqlens) -> Tensor:
+def linear_attention(sp_handle: str, q: Tensor, k: Tensor, v: Tensor, decay: Optional[Tensor], cu_seqlens) -> Tensor:
     """The op's output; ``cu_seqlens`` as for attention."""
     cu_tensor = cu_seqlens if isinstance(cu_seqlens, Tensor) else None
     cu_list = None if cu_seqlens is None or cu_tensor is not None else list(as_boundaries(cu_seqlens))

@@ -11,13 +11,13 @@ import torch
 from torch import Tensor
 
 from .. import comm
-from .registry import handle, resolve
+from .registry import handle, key_of, resolve
 
-_NO_STATS = 0
+_NO_STATS = ""
 
 
 @torch.library.custom_op("ds_seqpar::all_reduce_sum", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
-def all_reduce_sum_op(x: Tensor, group: int, stats: int, kind: str) -> Tensor:
+def all_reduce_sum_op(x: Tensor, group: str, stats: str, kind: str) -> Tensor:
     return comm.all_reduce(x.clone(), resolve(group), resolve(stats) if stats != _NO_STATS else None, "sum", kind)
 
 
@@ -37,9 +37,9 @@ all_reduce_sum_op.register_autograd(_backward)
 def all_reduce_sum(x: Tensor, group, stats: Optional[comm.CommStats] = None, kind: str = "all_reduce") -> Tensor:
     """comm.all_reduce_sum as the op above."""
     if torch.compiler.is_compiling():
-        # handle() writes a weak dictionary, which tracing cannot follow; a handle is its object's id,
-        # registered by SequenceParallel (its group and stats) or by an earlier eager call
-        handles = id(group), _NO_STATS if stats is None else id(stats)
+        # handle() writes a weak dictionary, which tracing cannot follow; the key is registered by
+        # SequenceParallel (its group and stats) or by an earlier eager call
+        handles = key_of(group), _NO_STATS if stats is None else key_of(stats)
     else:
         handles = handle(group), _NO_STATS if stats is None else handle(stats)
     return all_reduce_sum_op(x, *handles, kind)

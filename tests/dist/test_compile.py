@@ -222,3 +222,23 @@ def _inductor(cfg):
 @pytest.mark.parametrize("cfg", [{"strategy": "ring", "size": 2}, {"strategy": "ulysses", "size": 4}])
 def test_inductor_compiles_both_ops_fullgraph(pool, cfg):
     assert pool.run(_inductor, cfg) == [cfg["strategy"]] * 4
+
+
+def _one_graph_several_sps():
+    """One compiled function called with the SequenceParallel as an argument, several of them in turn (as
+    the dynamic mode's groups, or two models): each call equals its eager call. Dynamo recompiles for a
+    new object; the op must still find it (a changed int handle would turn into a SymInt)."""
+    f = torch.compile(lambda sp, q, k, v: sp.attention(q, k, v, causal=True), backend="aot_eager", fullgraph=True)
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, SEQ, HEADS, HEAD_DIM, generator=g) for _ in range(3))
+    done = []
+    for cfg in ({"strategy": "ring", "size": 2}, {"strategy": "zigzag", "size": 4}, {"strategy": "ulysses", "size": 2}):
+        sp = SequenceParallel(cfg)
+        local = [sp.shard(t) for t in (q, k, v)]
+        assert torch.equal(f(sp, *local), sp.attention(*local, causal=True)), cfg
+        done.append(cfg["strategy"])
+    return done
+
+
+def test_one_compiled_function_serves_several_sequence_parallel_objects(pool):
+    assert pool.run(_one_graph_several_sps) == [["ring", "zigzag", "ulysses"]] * 4
