@@ -55,6 +55,22 @@ def torchrun_on(hosts: Hosts, node: int, port: int, train_args: Sequence[str], n
     return ["ssh", hosts.names[node], f"cd {shlex.quote(ROOT)} && env {exports} {torchrun}"]
 
 
+def slurm_tasks(hosts: Hosts, port: int, train_args: Sequence[str]) -> List[List[str]]:
+    """Each rank started on its host with the environment srun gives a task (no launcher process
+    between: the job step's tasks are the ranks), RANKS_PER_HOST per host, through ssh."""
+    world, cmds = RANKS_PER_HOST * len(hosts.names), []
+    for node, host in enumerate(hosts.names):
+        for local in range(RANKS_PER_HOST):
+            slurm = {"SLURM_PROCID": node * RANKS_PER_HOST + local, "SLURM_LOCALID": local, "SLURM_NODEID": node,
+                     "SLURM_STEP_NUM_TASKS": world, "SLURM_STEP_NUM_NODES": len(hosts.names),
+                     "SLURM_STEP_TASKS_PER_NODE": f"{RANKS_PER_HOST}(x{len(hosts.names)})",
+                     "SLURM_STEP_NODELIST": ",".join(hosts.names)}
+            exports = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in {**REMOTE_ENV, **slurm}.items())
+            run = f"{sys.executable} -m ds_seqpar.train --master_port {port} {' '.join(map(shlex.quote, train_args))}"
+            cmds.append(["ssh", host, f"cd {shlex.quote(ROOT)} && env {exports} {run}"])
+    return cmds
+
+
 def mpirun_hostfile(hosts: Hosts, tmp_path, train_args: Sequence[str], slots: int = 1,
                     extra_hosts: Sequence[str] = ()) -> List[str]:
     """mpirun --hostfile, started on host 0 (the head node: its daemons on the other hosts call back to
@@ -175,7 +191,7 @@ def rank_pids(run_dir: str) -> Dict[int, int]:
                     and "ds_seqpar.train" in argv[1:4] and run_dir in argv):
                 with open(f"/proc/{pid}/environ", "rb") as f:
                     env = dict(kv.split("=", 1) for kv in f.read().decode(errors="replace").split("\0") if "=" in kv)
-                found[int(env["RANK"])] = int(pid)
+                found[int(env["RANK"] if "RANK" in env else env["SLURM_PROCID"])] = int(pid)   # srun sets no RANK
         except (OSError, KeyError, ValueError):
             continue
     return found

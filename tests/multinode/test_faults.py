@@ -1,5 +1,6 @@
-"""A host lost mid-training: its link cut (torchrun on each host, LASP over both hosts: the steps
-before the cut equal one host's), or its rank processes killed (`deepspeed --hostfile` through pdsh, the 2D hybrid). Every
+"""A host lost mid-training: its link cut (ranks started as a Slurm job step's tasks, with srun's
+environment on each host; LASP over both hosts: the steps before the cut equal one host's), or its
+rank processes killed (`deepspeed --hostfile` through pdsh, the 2D hybrid). Every
 surviving rank ends within the bound, naming the ranks and the host it lost, and the launchers exit
 non-zero (pdsh's exit code included). The killed job's checkpoint then resumes on the surviving host
 alone (half the ranks, through the universal checkpoint) and gives the loss the lost job logged for
@@ -41,7 +42,6 @@ def names(line, ranks, host, addr, state):
     return f"rank(s) {listed} {state} [host {host} ({addr}): rank(s) {listed}]" in line
 
 
-@needs("torchrun")
 def test_link_down_mid_training_every_rank_ends_naming_the_other_host(fresh, pool, tmp_path):
     hosts = fresh
     runs = str(tmp_path / "runs")
@@ -49,7 +49,7 @@ def test_link_down_mid_training_every_rank_ends_naming_the_other_host(fresh, poo
     model = ["--deepspeed_config", jobs.ds_config(tmp_path, strategy="lasp", size=4, timeout_s=TIMEOUT_S),
              "--attention", "linear", *jobs.TINY]
     cfg = [*model, "--steps", str(STEPS), "--run_dir", runs]
-    job = jobs.Job([jobs.torchrun_on(hosts, node, 29621, cfg) for node in (0, 1)], hosts.env())
+    job = jobs.Job(jobs.slurm_tasks(hosts, 29621, cfg), hosts.env())         # the tasks of a Slurm job step
     try:
         pids = start_and_wait_for_steps(job, runs)
         hosts.link("dsmn-b", "down")
