@@ -86,16 +86,25 @@ def mpirun_hostfile(hosts: Hosts, tmp_path, train_args: Sequence[str], slots: in
 
 
 def deepspeed_hostfile(hosts: Hosts, tmp_path, launcher: str, port: int, train_args: Sequence[str]) -> List[str]:
-    """deepspeed --hostfile (``launcher`` pdsh or openmpi), run on this machine; the environment
-    the ranks need goes in .deepspeed_env (DS_ENV_FILE), which DeepSpeed exports on every host."""
+    """deepspeed --hostfile (``launcher`` pdsh or openmpi); the environment the ranks need goes in
+    .deepspeed_env (DS_ENV_FILE), which DeepSpeed exports on every host. pdsh runs from this machine;
+    mpirun's daemons call back to it, so the openmpi launcher runs on host 0 (the head node), told the
+    hosts' interface (DeepSpeed's own default for MPI's transport is eth0) and to reach them by ssh."""
     hostfile = os.path.join(str(tmp_path), "hostfile")
     with open(hostfile, "w") as f:
         f.write("".join(f"{h} slots={RANKS_PER_HOST}\n" for h in hosts.names))
-    with open(os.path.join(str(tmp_path), ".deepspeed_env"), "w") as f:
+    env_file = os.path.join(str(tmp_path), ".deepspeed_env")
+    with open(env_file, "w") as f:
         f.write("".join(f"{k}={v}\n" for k, v in REMOTE_ENV.items()))
-    return [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", hostfile, "--launcher", launcher,
-            "--master_addr", hosts.addrs[0], "--master_port", str(port), "--module", "ds_seqpar.train",
-            *train_args]
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", hostfile, "--launcher", launcher,
+           "--master_addr", hosts.addrs[0], "--master_port", str(port), "--module", "ds_seqpar.train", *train_args]
+    if launcher != "openmpi":
+        return cmd
+    mpi = (f"--allow-run-as-root --mca btl_tcp_if_include {IFNAME} --mca plm_rsh_agent ssh "
+           f"--prtemca oob_tcp_if_include {IFNAME}")
+    cmd[cmd.index("--module"):cmd.index("--module")] = ["--launcher_args", mpi]
+    return ["ssh", hosts.names[0], f"cd {shlex.quote(ROOT)} && env DS_ENV_FILE={shlex.quote(env_file)} "
+                                   f"{' '.join(map(shlex.quote, cmd))}"]
 
 
 class Job:

@@ -1,8 +1,8 @@
 """Exact across hosts: the main job's per-step losses at 2 hosts x 2 ranks equal one host x 4 ranks
 (the session's pool), under torchrun on every host (zigzag over a slow link that queues and drops
 packets: a `tc tbf` token bucket on both hosts, this kernel has no `netem`; with --max-restarts, a
-killed host's ranks restart from the latest checkpoint) and under `deepspeed --hostfile` with pdsh
-(the 2D hybrid); run.json says which host each rank ran on."""
+killed host's ranks restart from the latest checkpoint) and under `deepspeed --hostfile` with its
+openmpi launcher (the 2D hybrid; pdsh is test_faults.py's); run.json says which host each rank ran on."""
 import os
 import re
 import signal
@@ -74,14 +74,14 @@ def test_zigzag_over_a_lossy_link_restarted_by_torchrun_equals_one_host(fresh, p
     assert [r["loss"] for r in after] == one_host_losses(pool, tmp_path, cfg)[step:]
 
 
-@needs("pdsh")
-def test_hybrid_deepspeed_hostfile_pdsh_equals_one_host(fresh, pool, tmp_path):
+@needs("mpirun")
+def test_hybrid_deepspeed_hostfile_openmpi_equals_one_host(fresh, pool, tmp_path):
     hosts = fresh
     cfg = ["--deepspeed_config", jobs.ds_config(tmp_path, strategy="zigzag", size=4, ulysses_size=2),
            "--steps", str(STEPS), *jobs.TINY]
     runs = str(tmp_path / "two_hosts")
     env = dict(hosts.env(), DS_ENV_FILE=os.path.join(str(tmp_path), ".deepspeed_env"))
-    job = jobs.Job([jobs.deepspeed_hostfile(hosts, tmp_path, "pdsh", 29613, [*cfg, "--run_dir", runs])], env)
+    job = jobs.Job([jobs.deepspeed_hostfile(hosts, tmp_path, "openmpi", 29613, [*cfg, "--run_dir", runs])], env)
     try:
         assert job.wait(TIMEOUT_S) == [0], job.output[-4000:]
     finally:
