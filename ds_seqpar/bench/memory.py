@@ -32,11 +32,12 @@ from .harness import command_line, machine_facts
 from .memory_rows import PROG, finish
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
-# the scaling points' tokens per rank by P (the parser holds the rest of the preset)
-ON_TOKENS, OFF_TOKENS = {1: [2048, 8192, 16384], 2: [2048, 8192], 4: [2048, 4096]}, {p: [1024, 2048] for p in (1, 2, 4)}
+ON_TOKENS = {1: [2048, 8192, 16384], 2: [2048, 8192], 4: [2048, 4096]}   # the preset's scaling points by P
+OFF_TOKENS = {1: [1024, 2048], 2: [1024, 2048], 4: [1024, 2048]}
 # the per-strategy comparison: a Llama of configs/models/llama_small.json's sizes with configs/long_context.json's
 # features, at P = 1, 2, 4 and equal tokens per rank; zigzag at a short length (the two-point figure's static)
-STRATEGIES, COMPARE_TOKENS, SHORT_TOKENS = "zigzag,ring,striped,ulysses,hybrid", {2: 8192, 4: 4096}, 256
+STRATEGIES = "zigzag,ring,striped,ulysses,hybrid"
+COMPARE_TOKENS, SHORT_TOKENS = {2: 8192, 4: 4096}, 256
 COMPARE = dict(model="llama", features=True, layers=4, tiled_loss_tokens=1024, tiled_mlp_tokens=1024,
                purpose="strategies")
 
@@ -62,7 +63,6 @@ class MemorySpec:
     ulysses_size: int = 1           # > 1: the 2D hybrid
     purpose: str = "scaling"        # scaling: the per-token fits; strategies: the per-strategy comparison
     steps: int = 1                  # measured steps after the first (timing runs: steps per round)
-    seed: int = 0
 
 
 def train_options(spec: MemorySpec, workdir: str) -> Dict[str, Any]:
@@ -78,7 +78,7 @@ def train_options(spec: MemorySpec, workdir: str) -> Dict[str, Any]:
         sp.update(tiled_loss_tokens=spec.tiled_loss_tokens, tiled_mlp_tokens=spec.tiled_mlp_tokens)
         ds["activation_checkpointing"] = {"cpu_checkpointing": True}
     opts = dict(deepspeed_config=ds, sp_size=spec.world, seq_len=spec.tokens_per_rank * spec.world,
-                steps=spec.steps + 1, seed=spec.seed, run_dir=os.path.join(workdir, "runs"), run_name="memory",
+                steps=spec.steps + 1, seed=0, run_dir=os.path.join(workdir, "runs"), run_name="memory",
                 no_wandb=True, quiet=True)
     if spec.model == "lm":
         return dict(opts, dim=spec.hidden, n_layers=spec.layers, n_heads=spec.heads, n_kv_heads=spec.kv_heads,
@@ -125,13 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--budget-gib", type=float, default=2.0, help="per-rank memory budget")
-    ap.add_argument("--timing-tokens", type=int, default=1024,
-                    help="tokens per rank of the step-time comparison (0: skip it)")
+    ap.add_argument("--timing-tokens", type=int, default=1024, help="step-time comparison's tokens per rank (0: skip)")
     ap.add_argument("--timing-rounds", type=int, default=3)
     ap.add_argument("--strategies", default=STRATEGIES, help="the per-strategy comparison of the whole step's peak "
                     "above static ('' to skip); hybrid = ulysses_size 2 at P=4")
-    ap.add_argument("--compare-tokens", type=int, default=None,
-                    help="tokens per rank of the per-strategy comparison (default: 8192 at P=2, 4096 at P=4)")
+    ap.add_argument("--compare-tokens", type=int, help="tokens per rank of the strategy comparison "
+                    "(default: 8192 at P=2, 4096 at P=4)")
     ap.add_argument("--malloc", choices=("mmap", "default"), default="mmap", help="glibc malloc setting of the ranks")
     ap.add_argument("--out", default="reports")
     ap.add_argument("--name", default="memory_cpu")
@@ -175,8 +174,8 @@ def _pool(world: int, malloc: str):
 
 
 def measure_one(spec: MemorySpec, malloc: str) -> Dict[str, Any]:
-    """One point on a fresh pool: its spec, its ranks' records, the largest rank's peak, and per phase the
-    largest peak and the largest peak above the rank's own static."""
+    """One point on a fresh pool: its spec, its ranks' records, the largest rank's peak, per phase the largest
+    peak and the largest peak above the rank's own static."""
     with closing(_pool(spec.world, malloc)) as pool:
         ranks = pool.run(measure_peak, spec, timeout=7200.0)
     top = max(ranks, key=lambda r: r["peak_bytes"])

@@ -43,9 +43,8 @@ def fwd_bwd_above_static(point: Dict[str, Any]) -> float:
 
 
 def variants(res: Dict[str, Any]) -> Dict[Tuple[str, int, bool], Dict[str, Any]]:
-    """The scaling points by (model, P, features): their case and variant on the page, points by length,
-    phase model, its largest slope and that slope's phase, the longest tokens per rank and sequence in
-    the budget (-1, None: unbounded)."""
+    """The scaling points by (model, P, features): case and variant, points by length, phase model, its largest
+    slope and that slope's phase, the longest tokens per rank and sequence in the budget (-1, None: unbounded)."""
     groups: Dict[Tuple[str, int, bool], List[Dict[str, Any]]] = {}
     for m in res["measurements"]:
         if m.get("purpose", "scaling") == "scaling":
@@ -63,9 +62,8 @@ def variants(res: Dict[str, Any]) -> Dict[Tuple[str, int, bool], Dict[str, Any]]
 
 
 def goal_rows(found: Dict[Tuple[str, int, bool], Dict[str, Any]], fl: int) -> List[Row]:
-    """Per model: the features against the plain step and the floor at each P; then, with and without
-    them, P=2 against P=1 at equal tokens per rank (the step's peak, and the forward and backward peak
-    above static, which ZeRO shards over P) and the longest sequence in the budget."""
+    """Per model: the features against the plain step and the floor at each P; with and without them, P=2 / P=1
+    at equal tokens per rank (the step's peak, and its part above static) and the longest sequence in the budget."""
     out = []
     for model in sorted({m for m, _, _ in found}):
         for p in sorted({p for m, p, _ in found if m == model}):
@@ -94,10 +92,9 @@ def goal_rows(found: Dict[Tuple[str, int, bool], Dict[str, Any]], fl: int) -> Li
 
 
 def strategy_rows(measurements: List[Dict[str, Any]]) -> List[Row]:
-    """Each (strategy, P, N) of the per-strategy comparison: its whole step's peak above static (largest
-    rank), phase by phase, over P=1's at the same tokens per rank; and per P the two-point figure (peak at
-    N - peak at a short length) / (N - short), which the optimizer step's fixed transient distorts (it
-    holds the short run's peak, more so at P=1 where ZeRO shards nothing)."""
+    """Each (strategy, P, N): its whole step's peak above static (largest rank), phase by phase, over P=1's at
+    the same N; per P the two-point figure (peak at N - peak at a short length) / (N - short), which the optimizer
+    step's fixed transient distorts (it holds the short run's peak, more so at P=1 where ZeRO shards nothing)."""
     short = min((m["tokens_per_rank"] for m in measurements), default=0)
     long_runs = sorted((m for m in measurements if m["tokens_per_rank"] > short),
                        key=lambda m: (m["world"], -m["tokens_per_rank"], m["strategy"]))
@@ -105,14 +102,13 @@ def strategy_rows(measurements: List[Dict[str, Any]]) -> List[Row]:
     for m in long_runs:
         base, above, u = one.get(m["tokens_per_rank"]), m["phase_above_static_bytes"], m.get("ulysses_size", 1)
         case = m["strategy"] if u == 1 else f"hybrid ({m['strategy']} x Ulysses {u})"
-        out.append(Row("memory", case if m["world"] > 1 else "(none: P=1)",
-                       f"P={m['world']}, {m['tokens_per_rank']} tokens/rank", STRATEGIES, "x",
-                       m["above_static_bytes"] / base["above_static_bytes"] if base else None,
-                       target={2: "memory.strategy_p2", 4: "memory.strategy_p4"}.get(m["world"]) if base else None,
-                       detail=dict({"static MiB": m["resident_bytes"] / MIB, "peak MiB": m["peak_bytes"] / MIB,
-                                    "above static MiB": m["above_static_bytes"] / MIB,
-                                    "peak phase": max(above, key=above.get)},
-                                   **{f"{p} MiB": b / MIB for p, b in above.items()})))
+        detail = {"static MiB": m["resident_bytes"] / MIB, "peak MiB": m["peak_bytes"] / MIB,
+                  "above static MiB": m["above_static_bytes"] / MIB, "peak phase": max(above, key=above.get),
+                  **{f"{p} MiB": b / MIB for p, b in above.items()}}
+        ratio = m["above_static_bytes"] / base["above_static_bytes"] if base else None
+        out.append(Row("memory", case if m["world"] > 1 else "(none: P=1)", f"P={m['world']}, {m['tokens_per_rank']} "
+                       "tokens/rank", STRATEGIES, "x", ratio, detail=detail,
+                       target={2: "memory.strategy_p2", 4: "memory.strategy_p4"}.get(m["world"]) if base else None))
     for world in sorted({m["world"] for m in measurements}):
         pts = sorted((m for m in measurements if m["world"] == world and m["strategy"] == "zigzag"
                       and m.get("ulysses_size", 1) == 1), key=lambda m: m["tokens_per_rank"])
@@ -145,19 +141,6 @@ def timing_rows(timing: Dict[str, Dict[str, Any]], meta: Dict[str, Any]) -> List
     return out
 
 
-def point_row(v: Dict[str, Any], point: Dict[str, Any], prev: Any) -> Row:
-    """One measured length of variant ``v``: the step's peak, what the tokens cost above static, per token
-    on average and from the previous length (``prev``; None for the shortest)."""
-    n, peak, static = point["tokens_per_rank"], point["peak_bytes"], point["resident_bytes"]
-    phases = point["phase_peak_bytes"]
-    marginal = None if prev is None else (peak - prev["peak_bytes"]) / (n - prev["tokens_per_rank"]) / KIB
-    return Row("memory", v["case"], f"{v['variant']}, {n} tokens/rank", POINTS, "MiB", peak / MIB, detail={
-        "static MiB": static / MIB, "peak phase": max(phases, key=phases.get),
-        "fwd+bwd above static MiB": fwd_bwd_above_static(point) / MIB,
-        "above static / token KiB": (peak - static) / n / KIB, "marginal / token KiB": marginal,
-        "step s": point["step_s"][-1]})
-
-
 def rows(res: Dict[str, Any]) -> List[Row]:
     """The page's rows: the goals, the per-strategy comparison, the step time, then every variant's
     slope and longest sequence, its points and its phases' slopes."""
@@ -168,7 +151,15 @@ def rows(res: Dict[str, Any]) -> List[Row]:
         "x floor": v["bytes_per_token"] / fl, "phase": v["phase"], "static MiB": v["points"][0]["resident_bytes"] / MIB,
         "longest tokens/rank": v["max_tokens"], "longest sequence": v["max_seq"],
         "fit residual MiB": max(line["max_residual"] for line in v["lines"].values()) / MIB}) for v in found.values()]
-    out += [point_row(v, pt, prev) for v in found.values() for prev, pt in zip([None] + v["points"], v["points"])]
+    for v in found.values():
+        for prev, pt in zip([None] + v["points"], v["points"]):
+            n, peak, static = pt["tokens_per_rank"], pt["peak_bytes"], pt["resident_bytes"]
+            rise = None if prev is None else (peak - prev["peak_bytes"]) / (n - prev["tokens_per_rank"]) / KIB
+            out.append(Row("memory", v["case"], f"{v['variant']}, {n} tokens/rank", POINTS, "MiB", peak / MIB, detail={
+                "static MiB": static / MIB, "peak phase": max(pt["phase_peak_bytes"], key=pt["phase_peak_bytes"].get),
+                "fwd+bwd above static MiB": fwd_bwd_above_static(pt) / MIB,
+                "above static / token KiB": (peak - static) / n / KIB, "marginal / token KiB": rise,
+                "step s": pt["step_s"][-1]}))
     return out + [Row("memory", v["case"], v["variant"], PHASES, "KiB", v["bytes_per_token"] / KIB,
                       detail={p: line["b"] / KIB for p, line in v["lines"].items()}) for v in found.values()]
 
