@@ -1,18 +1,17 @@
-"""``ds-seqpar bench memory``: peak memory per rank of a full training step (forward, backward,
-optimizer step) at several tokens per rank, with and without the long-context memory features
-(fused tiled loss, tiled MLP, checkpointing of every layer with host offload), at P = 1, 2, 4;
-and the step-time cost of the features at a short sequence.
+"""``ds-seqpar bench memory``: peak memory per rank of a training step (forward, backward, optimizer
+step) at several tokens per rank, with and without the long-context memory features (fused tiled loss,
+tiled MLP, every layer checkpointed to host), at P = 1, 2, 4; every strategy against one rank; and the
+step-time cost of the features at a short sequence.
 
     ds-seqpar bench memory                                   # the preset -> reports/memory_cpu.{md,rows.json,/}
     ds-seqpar bench memory --models lm --P 1,2 --on-tokens 2048,8192 --name mine
     ds-seqpar bench memory --resume                          # keep the points already in the rows file
     ds-seqpar bench memory --render reports/memory_cpu.rows.json   # re-derive page and plots only
 
-Every point runs the main job on a fresh P-rank pool, whose ranks read the kernel's high-water mark
-of their resident set per phase: the real peak of the process, whoever allocated. glibc's malloc
-keeps freed blocks below its dynamic mmap threshold (up to 32 MB) in the heap, inflating the resident
-set by whatever the step freed last; so the pools map every block above 64 KiB
-(MALLOC_MMAP_THRESHOLD_, the resident set then follows live tensors; ``--malloc default``: glibc's).
+Every point runs the main job on fresh ranks, which read the kernel's high-water mark of their resident
+set per phase: the process's real peak, whoever allocated. glibc keeps freed blocks below its dynamic
+mmap threshold (up to 32 MB) in the heap, inflating the resident set by what the step freed last; so the
+ranks map every block above 64 KiB (MALLOC_MMAP_THRESHOLD_; ``--malloc default``: glibc's).
 """
 from __future__ import annotations
 
@@ -33,23 +32,20 @@ from .harness import command_line, machine_facts
 from .memory_rows import PROG, finish
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
-# the per-strategy comparison: the main job on a Llama-architecture config (configs/models/llama_small.json's
-# sizes) with configs/long_context.json's memory features, the same tokens per rank at P = 1, 2, 4; and
-# a short length at P = 1, 2 (what a two-point "slope" from a short run would take as static)
-COMPARE = {"strategies": "zigzag,ring,striped,ulysses,hybrid", "tokens_per_rank": {2: 8192, 4: 4096},
-           "short_tokens": 256, "layers": 4, "tiled_loss_tokens": 1024, "tiled_mlp_tokens": 1024}
-PRESET = {"models": "llama,lm", "P": "1,2,4", "budget_gib": 2.0,
-          "on_tokens": {1: [2048, 8192, 16384], 2: [2048, 8192], 4: [2048, 4096]},
-          "off_tokens": {1: [1024, 2048], 2: [1024, 2048], 4: [1024, 2048]},
-          "timing_tokens": 1024, "timing_rounds": 3, "timing_steps": 2}
-PHASES = ("data", "forward", "loss_backward", "layers_backward", "end_of_backward", "optimizer")
+ON_TOKENS = {1: [2048, 8192, 16384], 2: [2048, 8192], 4: [2048, 4096]}   # the preset's scaling points by P
+OFF_TOKENS = {1: [1024, 2048], 2: [1024, 2048], 4: [1024, 2048]}
+# the per-strategy comparison: a Llama of configs/models/llama_small.json's sizes with configs/long_context.json's
+# features, at P = 1, 2, 4 and equal tokens per rank; zigzag at a short length (the two-point figure's static)
+STRATEGIES = "zigzag,ring,striped,ulysses,hybrid"
+COMPARE_TOKENS, SHORT_TOKENS = {2: 8192, 4: 4096}, 256
+COMPARE = dict(model="llama", features=True, layers=4, tiled_loss_tokens=1024, tiled_mlp_tokens=1024,
+               purpose="strategies")
 
 
 @dataclass(frozen=True)
 class MemorySpec:
-    """One point (picklable: it travels to the ranks). Models: "llama", Hugging Face LlamaForCausalLM
-    from a LlamaConfig given to the main job as ``--model`` (random init, sdpa, ds_seqpar.hf at P > 1),
-    or "lm", the project's LM with the same sizes."""
+    """One point (picklable: it travels to the ranks). "llama": Hugging Face LlamaForCausalLM from a
+    LlamaConfig (random init, sdpa, ds_seqpar.hf at P > 1); "lm": the project's LM of the same sizes."""
 
     model: str                      # llama | lm
     world: int                      # sequence-parallel size P (dp = 1)
@@ -67,11 +63,11 @@ class MemorySpec:
     ulysses_size: int = 1           # > 1: the 2D hybrid
     purpose: str = "scaling"        # scaling: the per-token fits; strategies: the per-strategy comparison
     steps: int = 1                  # measured steps after the first (timing runs: steps per round)
-    seed: int = 0
 
 
-def ds_config(spec: MemorySpec) -> dict:
-    """ZeRO-2, fp32, AdamW, micro batch 1; the features as sequence_parallel keys and host checkpointing."""
+def train_options(spec: MemorySpec, workdir: str) -> Dict[str, Any]:
+    """The main job's options (``python -m ds_seqpar.train``'s, as a dict) for this point: ZeRO-2, fp32,
+    AdamW, micro batch 1; the features as sequence_parallel keys and host checkpointing."""
     sp = {"strategy": spec.strategy, "size": spec.world, "ulysses_size": spec.ulysses_size}
     ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
           "steps_per_print": 1 << 30, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
@@ -81,13 +77,8 @@ def ds_config(spec: MemorySpec) -> dict:
     if spec.features:
         sp.update(tiled_loss_tokens=spec.tiled_loss_tokens, tiled_mlp_tokens=spec.tiled_mlp_tokens)
         ds["activation_checkpointing"] = {"cpu_checkpointing": True}
-    return ds
-
-
-def train_options(spec: MemorySpec, workdir: str) -> Dict[str, Any]:
-    """The main job's options (``python -m ds_seqpar.train``'s, as a dict) for this point."""
-    opts = dict(deepspeed_config=ds_config(spec), sp_size=spec.world, seq_len=spec.tokens_per_rank * spec.world,
-                steps=spec.steps + 1, seed=spec.seed, run_dir=os.path.join(workdir, "runs"), run_name="memory",
+    opts = dict(deepspeed_config=ds, sp_size=spec.world, seq_len=spec.tokens_per_rank * spec.world,
+                steps=spec.steps + 1, seed=0, run_dir=os.path.join(workdir, "runs"), run_name="memory",
                 no_wandb=True, quiet=True)
     if spec.model == "lm":
         return dict(opts, dim=spec.hidden, n_layers=spec.layers, n_heads=spec.heads, n_kv_heads=spec.kv_heads,
@@ -103,9 +94,8 @@ def train_options(spec: MemorySpec, workdir: str) -> Dict[str, Any]:
 
 
 def measure_peak(spec: MemorySpec) -> Dict[str, Any]:
-    """On every rank of a pool: the main job for ``steps + 1`` steps; the last step's static (the
-    resident set just before it), peak and phase peaks. The first step creates what every later step
-    holds (gradient buffers, Adam's moments), so it is not measured."""
+    """On every rank: the main job for ``steps + 1`` steps, the last step's static (the resident set before
+    it), peak and phase peaks; not the first step's, which creates the gradient buffers and Adam's moments."""
     import torch
     from ..train import run_training
     os.environ["OMP_NUM_THREADS"] = "1"             # run_training gives a rank cores / P threads otherwise
@@ -114,8 +104,7 @@ def measure_peak(spec: MemorySpec) -> Dict[str, Any]:
         out = run_training(train_options(spec, tmp))
     if not out["memory"] or out["memory"][-1]["static_bytes"] is None:
         raise RuntimeError(f"{PROG} needs per-phase peaks (Linux /proc/self/clear_refs or CUDA)")
-    records = out["memory"][1:]
-    last = records[-1]
+    records, last = out["memory"][1:], out["memory"][-1]
     return {"resident_bytes": last["static_bytes"], "phase_peak_bytes": last["phases"],
             "peak_bytes": last["peak_bytes"], "peak_phase": last["peak_phase"], "rank": out["rank"],
             "step_s": [r["step_s"] for r in records], "losses": out["losses"][1:]}
@@ -129,21 +118,19 @@ def build_parser() -> argparse.ArgumentParser:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     ap = argparse.ArgumentParser(prog=PROG, description="Peak memory per rank of a full training step with and "
                                  "without the long-context memory features.")
-    ap.add_argument("--models", default=PRESET["models"], help="comma list of llama, lm")
-    ap.add_argument("--P", type=ints, default=ints(PRESET["P"]), help="sequence-parallel sizes (ranks)")
+    ap.add_argument("--models", default="llama,lm", help="comma list of llama, lm")
+    ap.add_argument("--P", type=ints, default=[1, 2, 4], help="sequence-parallel sizes (ranks)")
     ap.add_argument("--on-tokens", type=ints, help="tokens per rank with the features (default: the preset's per P)")
     ap.add_argument("--off-tokens", type=ints, help="tokens per rank without them (default: the preset's per P)")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--budget-gib", type=float, default=PRESET["budget_gib"], help="per-rank memory budget")
-    ap.add_argument("--timing-tokens", type=int, default=PRESET["timing_tokens"],
-                    help="tokens per rank of the step-time comparison (0: skip it)")
-    ap.add_argument("--timing-rounds", type=int, default=PRESET["timing_rounds"])
-    ap.add_argument("--strategies", default=COMPARE["strategies"],
-                    help="the per-strategy comparison of the whole step's peak above static ('' to skip); hybrid = "
-                         "ulysses_size 2 at P=4")
-    ap.add_argument("--compare-tokens", type=int, default=None,
-                    help="tokens per rank of the per-strategy comparison (default: 8192 at P=2, 4096 at P=4)")
+    ap.add_argument("--budget-gib", type=float, default=2.0, help="per-rank memory budget")
+    ap.add_argument("--timing-tokens", type=int, default=1024, help="step-time comparison's tokens per rank (0: skip)")
+    ap.add_argument("--timing-rounds", type=int, default=3)
+    ap.add_argument("--strategies", default=STRATEGIES, help="the per-strategy comparison of the whole step's peak "
+                    "above static ('' to skip); hybrid = ulysses_size 2 at P=4")
+    ap.add_argument("--compare-tokens", type=int, help="tokens per rank of the strategy comparison "
+                    "(default: 8192 at P=2, 4096 at P=4)")
     ap.add_argument("--malloc", choices=("mmap", "default"), default="mmap", help="glibc malloc setting of the ranks")
     ap.add_argument("--out", default="reports")
     ap.add_argument("--name", default="memory_cpu")
@@ -153,31 +140,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def plan(args) -> List[MemorySpec]:
-    """Every point, in a fixed order. First the per-strategy comparison: every strategy at P=2 and 4
-    (hybrid: zigzag x Ulysses 2 at P=4 only), P=1 at each of their tokens per rank (no strategy runs
-    at size 1), zigzag at a short length at P=1 and 2; then per model and P the scaling points,
-    without the features before with, short before long."""
-    names = [s for s in args.strategies.split(",") if s]
-    unknown = sorted(set(names) - set(COMPARE["strategies"].split(",")))
+    """Every point in a fixed order: the per-strategy comparison (P=1 at each of its lengths, every strategy
+    at P=2 and 4, hybrid = zigzag x Ulysses 2 at P=4 only, the short runs), then per model and P the scaling
+    points, without the features before with, short before long."""
+    names, models = [s for s in args.strategies.split(",") if s], args.models.split(",")
+    unknown = sorted(set(names) - set(STRATEGIES.split(",")))
     if unknown:
-        raise MemoryBenchError(f"--strategies: unknown {unknown}; choose from {COMPARE['strategies']}")
-    tokens = {p: args.compare_tokens or n for p, n in COMPARE["tokens_per_rank"].items()}
+        raise MemoryBenchError(f"--strategies: unknown {unknown}; choose from {STRATEGIES}")
+    bad = [m for m in models if m not in ("llama", "lm")]
+    if bad:
+        raise MemoryBenchError(f"--models: unknown model {bad[0]!r}; choose llama, lm")
+    tokens = {p: args.compare_tokens or n for p, n in COMPARE_TOKENS.items()}
     runs = [(1, n, "zigzag", 1) for n in sorted(set(tokens.values()), reverse=True)]
     runs += [(p, n, "zigzag", 2) if s == "hybrid" else (p, n, s, 1)
              for s in names for p, n in tokens.items() if s != "hybrid" or p == 4]
-    runs += [(p, COMPARE["short_tokens"], "zigzag", 1) for p in (1, 2)]
-    specs = [MemorySpec("llama", p, n, True, hidden=args.hidden, layers=COMPARE["layers"], strategy=s, ulysses_size=u,
-                        purpose="strategies", tiled_loss_tokens=COMPARE["tiled_loss_tokens"],
-                        tiled_mlp_tokens=COMPARE["tiled_mlp_tokens"]) for p, n, s, u in runs] if names else []
-    for model in args.models.split(","):
-        if model not in ("llama", "lm"):
-            raise MemoryBenchError(f"--models: unknown model {model!r}; choose llama, lm")
-        for p in args.P:
-            for features, given, table in ((False, args.off_tokens, PRESET["off_tokens"]),
-                                           (True, args.on_tokens, PRESET["on_tokens"])):
-                specs += [MemorySpec(model, p, n, features, hidden=args.hidden, layers=args.layers)
-                          for n in given or table.get(p, table[max(table)])]
-    return specs
+    runs += [(p, SHORT_TOKENS, "zigzag", 1) for p in (1, 2)]
+    specs = [MemorySpec(world=p, tokens_per_rank=n, strategy=s, ulysses_size=u, hidden=args.hidden, **COMPARE)
+             for p, n, s, u in runs] if names else []
+    given = {False: (args.off_tokens, OFF_TOKENS), True: (args.on_tokens, ON_TOKENS)}
+    return specs + [MemorySpec(model, p, n, features, hidden=args.hidden, layers=args.layers)
+                    for model in models for p in args.P for features, (mine, preset) in given.items()
+                    for n in mine or preset.get(p, preset[max(preset)])]
 
 
 def _pool(world: int, malloc: str):
@@ -191,8 +174,8 @@ def _pool(world: int, malloc: str):
 
 
 def measure_one(spec: MemorySpec, malloc: str) -> Dict[str, Any]:
-    """One point: its spec, its ranks' records and the per-rank figures: the largest rank's peak, per
-    phase the largest peak and the largest peak above the rank's own static."""
+    """One point on a fresh pool: its spec, its ranks' records, the largest rank's peak, per phase the largest
+    peak and the largest peak above the rank's own static."""
     with closing(_pool(spec.world, malloc)) as pool:
         ranks = pool.run(measure_peak, spec, timeout=7200.0)
     top = max(ranks, key=lambda r: r["peak_bytes"])
@@ -204,24 +187,20 @@ def measure_one(spec: MemorySpec, malloc: str) -> Dict[str, Any]:
 
 
 def measure_timing(model: str, world: int, args) -> Dict[str, Any]:
-    """Step seconds without and with the features: rounds alternate the two runs of the main job on one
-    pool (load from other processes hits both alike); per round the median of a run's steps after its
-    first, the slowest rank's (a step ends when its slowest rank ends)."""
-    out = {"tokens_per_rank": args.timing_tokens, "off_s": [], "on_s": []}
+    """Step seconds without and with the features, alternating round by round on one pool (load hits both
+    alike); a round's time: the median of its steps after the first, the slowest rank's."""
+    pair = [MemorySpec(model, world, args.timing_tokens, features, hidden=args.hidden, layers=args.layers, steps=2)
+            for features in (False, True)]
     with closing(_pool(world, "default")) as pool:
-        for _ in range(args.timing_rounds):
-            for features in (False, True):
-                spec = MemorySpec(model, world, args.timing_tokens, features, hidden=args.hidden, layers=args.layers,
-                                  steps=PRESET["timing_steps"])
-                ranks = pool.run(measure_peak, spec, timeout=7200.0)
-                out["on_s" if features else "off_s"].append(max(statistics.median(r["step_s"]) for r in ranks))
-    return dict(out, load_1min=os.getloadavg()[0])
+        runs = [pool.run(measure_peak, spec, timeout=7200.0) for spec in pair * args.timing_rounds]
+    seconds = [max(statistics.median(r["step_s"]) for r in ranks) for ranks in runs]
+    return {"tokens_per_rank": args.timing_tokens, "off_s": seconds[0::2], "on_s": seconds[1::2],
+            "load_1min": os.getloadavg()[0]}
 
 
-def run(args, argv: List[str]) -> Dict[str, Any]:
-    """The points ``plan`` lists and the step times, those the saved rows file lacks with --resume. The
-    rows file carries the run's record in its facts; it and the page are rewritten after every point,
-    so a stopped run loses only the point in progress."""
+def run(args, argv: List[str]) -> None:
+    """The points ``plan`` lists and the step times (with --resume those the rows file lacks); the rows file
+    (the record in its facts) and the page are rewritten after every point: a stop loses only that one."""
     path = os.path.join(args.out, f"{args.name}.rows.json")
     res = load_rows(path)[1] if args.resume and os.path.exists(path) else {"measurements": [], "timing": {}}
     sizes = ("vocab", "heads", "kv_heads", "intermediate", "tiled_loss_tokens", "tiled_mlp_tokens", "strategy")
@@ -246,7 +225,6 @@ def run(args, argv: List[str]) -> Dict[str, Any]:
             res["timing"][f"{model}/P{p}"] = measure_timing(model, p, args)
             save()
     save()
-    return res
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -1,21 +1,18 @@
-"""The memory suite's points (bench/memory.py) as rows: bytes per token, the phase model of a step's
-peak (cost/memory.py's fit), the longest sequence in a budget, the per-strategy comparison and the
-recompute's implied step time, held against their goals; the facts and the plots. The run's record
-(meta, measurements, timing, host, elapsed_s) rides in the rows file's facts: --render re-derives
-the page and plots from it, --resume continues it, plan --calibrate reads its meta.
-
-A step's peak is the largest of its phases' peaks, each affine in the tokens per rank N (a fixed part:
-weights, gradients, optimizer state, fixed-size chunks; plus bytes per token times N), so the fit
-peak(N) = max_phase (a_phase + b_phase N) over the measured lengths (cost/memory.py's phase form) gives
-the bytes per token at long sequence (its largest slope) and the longest sequence in a budget (its inverse).
+"""The memory suite's record (bench/memory.py measures it: meta, measurements, timing, host, elapsed_s)
+as rows, facts and plots. The record rides in the rows file's facts: --render re-derives the page and
+plots from it, --resume continues it, plan --calibrate reads its meta. A step's peak is the largest of
+its phases' peaks, each affine in the tokens per rank N: cost/memory.py's phase model fitted to the
+measured lengths gives the bytes per token (its largest slope) and the longest sequence in a budget.
 """
 from __future__ import annotations
 
 import os
 import statistics
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
+from ..cost.flops import step_per_token
 from ..cost.memory import max_tokens, peak as predict_peak, phase_model
+from ..plan.model_shape import ModelShape
 from ..report.plotting import line_figure
 from ..report.rows import Row
 from .harness import median_ratio, ratio_range, write_page
@@ -35,55 +32,69 @@ PHASES = "Bytes per token of each phase (KiB, fitted slope)"
 TIMING = "Step time at a short sequence: with / without the features (predicted: the recompute's implied ratio)"
 
 
-def key(model: str, world: int, features: bool) -> str:
-    return f"{model}/P{world}/{'on' if features else 'off'}"
-
-
 def floor(meta: Dict[str, Any]) -> int:
     """The checkpointed residual stream's bytes per token: layers x hidden x 4 B."""
     return meta["layers"] * meta["hidden"] * 4
 
 
-def summarize_variant(points: List[Dict[str, Any]], floor: int, budget: float, world: int) -> Dict[str, Any]:
-    """Rows per measured length plus the phase model's slope, dominant phase and longest sequence."""
-    points = sorted(points, key=lambda p: p["tokens_per_rank"])
-    model = phase_model(points)
-    dominant = max(model, key=lambda p: model[p]["b"])
-    rows = []
-    for i, pt in enumerate(points):
-        n, peak, static, phases = pt["tokens_per_rank"], pt["peak_bytes"], pt["resident_bytes"], pt["phase_peak_bytes"]
-        prev = points[i - 1] if i else None
-        rows.append({"tokens_per_rank": n, "resident_bytes": static, "peak_bytes": peak,
-                     "activation_bytes": max(v for p, v in phases.items() if p != "optimizer") - static,
-                     "above_static_per_token": (peak - static) / n, "peak_phase": max(phases, key=phases.get),
-                     "marginal_per_token": None if prev is None else
-                     (peak - prev["peak_bytes"]) / (n - prev["tokens_per_rank"]), "step_s": pt["step_s"][-1]})
-    n_max = max_tokens(model, budget, unbounded=-1)
-    return {"rows": rows, "phase_model": model, "bytes_per_token": model[dominant]["b"], "dominant_phase": dominant,
-            "floor_ratio": model[dominant]["b"] / floor,
-            "fit_max_residual": max(m["max_residual"] for m in model.values()),
-            "max_tokens_per_rank": n_max, "max_seq_len": world * n_max if n_max >= 0 else None}
+def fwd_bwd_above_static(point: Dict[str, Any]) -> float:
+    """The highest forward or backward phase's peak above static (not the optimizer step's, which ZeRO shards)."""
+    return max(b for p, b in point["phase_peak_bytes"].items() if p != "optimizer") - point["resident_bytes"]
 
 
-def summarize(measurements: List[Dict[str, Any]], floor: int, budget: float) -> Dict[str, Dict[str, Any]]:
-    """{key: summarize_variant and its model, world, features} of the scaling points, by variant."""
-    groups: Dict[str, List[Dict[str, Any]]] = {}
-    for m in measurements:
-        groups.setdefault(key(m["model"], m["world"], m["features"]), []).append(m)
-    return {k: dict(summarize_variant(pts, floor, budget, pts[0]["world"]), model=pts[0]["model"],
-                    world=pts[0]["world"], features=pts[0]["features"]) for k, pts in sorted(groups.items())}
+def variants(res: Dict[str, Any]) -> Dict[Tuple[str, int, bool], Dict[str, Any]]:
+    """The scaling points by (model, P, features): case and variant, points by length, phase model, its largest
+    slope and that slope's phase, the longest tokens per rank and sequence in the budget (-1, None: unbounded)."""
+    groups: Dict[Tuple[str, int, bool], List[Dict[str, Any]]] = {}
+    for m in res["measurements"]:
+        if m.get("purpose", "scaling") == "scaling":
+            groups.setdefault((m["model"], m["world"], m["features"]), []).append(m)
+    out = {}
+    for (model, world, on), points in sorted(groups.items()):
+        points = sorted(points, key=lambda p: p["tokens_per_rank"])
+        lines = phase_model(points)
+        top = max(lines, key=lambda p: lines[p]["b"])
+        n = max_tokens(lines, res["meta"]["budget_bytes"], unbounded=-1)
+        out[model, world, on] = {"case": model, "variant": f"P={world} {'on' if on else 'off'}", "points": points,
+                                 "lines": lines, "phase": top, "bytes_per_token": lines[top]["b"], "max_tokens": n,
+                                 "max_seq": world * n if n >= 0 else None}
+    return out
 
 
-def variants(res: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
-    scaling = [m for m in res["measurements"] if m.get("purpose", "scaling") == "scaling"]
-    return summarize(scaling, floor(res["meta"]), res["meta"]["budget_bytes"])
+def goal_rows(found: Dict[Tuple[str, int, bool], Dict[str, Any]], fl: int) -> List[Row]:
+    """Per model: the features against the plain step and the floor at each P; with and without them, P=2 / P=1
+    at equal tokens per rank (the step's peak, and its part above static) and the longest sequence in the budget."""
+    out = []
+    for model in sorted({m for m, _, _ in found}):
+        for p in sorted({p for m, p, _ in found if m == model}):
+            on, off = found.get((model, p, True)), found.get((model, p, False))
+            if on and off:
+                out.append(Row("memory", model, f"P={p}", FEATURES, "x", on["bytes_per_token"] / off["bytes_per_token"],
+                               target="memory.features_vs_plain"))
+            if on:
+                out.append(Row("memory", model, f"P={p}", FLOOR, "x", on["bytes_per_token"] / fl,
+                               target="memory.features_vs_floor"))
+        for features, tag in ((True, "with"), (False, "without")):
+            one, two = found.get((model, 1, features)), found.get((model, 2, features))
+            if not (one and two):
+                continue
+            at = {pt["tokens_per_rank"]: pt for pt in one["points"]}
+            for p2, p1 in ((pt, at[pt["tokens_per_rank"]]) for pt in two["points"] if pt["tokens_per_rank"] in at):
+                variant = f"{tag} features, {p2['tokens_per_rank']} tokens/rank"
+                out += [Row("memory", model, variant, PEAK, "x", p2["peak_bytes"] / p1["peak_bytes"],
+                            target="memory.peak_p2_vs_p1"),
+                        Row("memory", model, variant, ABOVE, "x", fwd_bwd_above_static(p2) / fwd_bwd_above_static(p1),
+                            target="memory.p2_vs_p1")]
+            if features and one["max_seq"] and two["max_seq"]:
+                out.append(Row("memory", model, "with features", LONGEST, "x", two["max_seq"] / one["max_seq"],
+                               target="memory.max_seq"))
+    return out
 
 
 def strategy_rows(measurements: List[Dict[str, Any]]) -> List[Row]:
-    """The per-strategy comparison: each (strategy, P, N) with its whole step's peak above static
-    (largest rank), phase by phase, over P=1's at the same tokens per rank; and per P the two-point
-    figure (peak at N - peak at a short length) / (N - short), which the optimizer step's fixed
-    transient distorts (it holds the short run's peak, more so at P=1 where ZeRO shards nothing)."""
+    """Each (strategy, P, N): its whole step's peak above static (largest rank), phase by phase, over P=1's at
+    the same N; per P the two-point figure (peak at N - peak at a short length) / (N - short), which the optimizer
+    step's fixed transient distorts (it holds the short run's peak, more so at P=1 where ZeRO shards nothing)."""
     short = min((m["tokens_per_rank"] for m in measurements), default=0)
     long_runs = sorted((m for m in measurements if m["tokens_per_rank"] > short),
                        key=lambda m: (m["world"], -m["tokens_per_rank"], m["strategy"]))
@@ -91,14 +102,13 @@ def strategy_rows(measurements: List[Dict[str, Any]]) -> List[Row]:
     for m in long_runs:
         base, above, u = one.get(m["tokens_per_rank"]), m["phase_above_static_bytes"], m.get("ulysses_size", 1)
         case = m["strategy"] if u == 1 else f"hybrid ({m['strategy']} x Ulysses {u})"
-        out.append(Row("memory", case if m["world"] > 1 else "(none: P=1)",
-                       f"P={m['world']}, {m['tokens_per_rank']} tokens/rank", STRATEGIES, "x",
-                       m["above_static_bytes"] / base["above_static_bytes"] if base else None,
-                       target={2: "memory.strategy_p2", 4: "memory.strategy_p4"}.get(m["world"]) if base else None,
-                       detail=dict({"static MiB": m["resident_bytes"] / MIB, "peak MiB": m["peak_bytes"] / MIB,
-                                    "above static MiB": m["above_static_bytes"] / MIB,
-                                    "peak phase": max(above, key=above.get)},
-                                   **{f"{p} MiB": b / MIB for p, b in above.items()})))
+        detail = {"static MiB": m["resident_bytes"] / MIB, "peak MiB": m["peak_bytes"] / MIB,
+                  "above static MiB": m["above_static_bytes"] / MIB, "peak phase": max(above, key=above.get),
+                  **{f"{p} MiB": b / MIB for p, b in above.items()}}
+        ratio = m["above_static_bytes"] / base["above_static_bytes"] if base else None
+        out.append(Row("memory", case if m["world"] > 1 else "(none: P=1)", f"P={m['world']}, {m['tokens_per_rank']} "
+                       "tokens/rank", STRATEGIES, "x", ratio, detail=detail,
+                       target={2: "memory.strategy_p2", 4: "memory.strategy_p4"}.get(m["world"]) if base else None))
     for world in sorted({m["world"] for m in measurements}):
         pts = sorted((m for m in measurements if m["world"] == world and m["strategy"] == "zigzag"
                       and m.get("ulysses_size", 1) == 1), key=lambda m: m["tokens_per_rank"])
@@ -114,69 +124,20 @@ def strategy_rows(measurements: List[Dict[str, Any]]) -> List[Row]:
     return out
 
 
-def step_macs_per_token(meta: Dict[str, Any], world: int, tokens_per_rank: int, features: bool) -> float:
-    """Multiply-accumulates per token of one training step's matmuls, backward = 2 x forward: what
-    the features' recompute implies. Plain: every matmul runs forward once, backward once. With the
-    features: the fused loss runs the LM head's forward again per chunk in its backward; a
-    checkpointed layer runs its forward again; its tiled MLP runs once more inside that recompute's
-    backward. Causal attention over the global sequence S = P x N costs hidden x S per token (q.k and
-    p.v over S/2 keys on average, whichever rank holds the token). Elementwise work is not counted."""
-    h, L = meta["hidden"], meta["layers"]
-    kv_dim = h // meta["heads"] * meta["kv_heads"]
-    head = h * meta["vocab"]
-    proj = h * (2 * h + 2 * kv_dim)                   # q, o and the k, v projections
-    attn = h * world * tokens_per_rank
-    mlp = 3 * h * meta["intermediate"]                # gate, up, down
-    if not features:
-        return 3 * (head + L * (proj + attn + mlp))
-    return 4 * head + L * (4 * (proj + attn) + 5 * mlp)
-
-
-def implied_ratio(meta: Dict[str, Any], world: int, tokens_per_rank: int) -> float:
-    """Step time with / without the features if time followed the matmuls' multiply-accumulates."""
-    return (step_macs_per_token(meta, world, tokens_per_rank, True)
-            / step_macs_per_token(meta, world, tokens_per_rank, False))
-
-
 def timing_rows(timing: Dict[str, Dict[str, Any]], meta: Dict[str, Any]) -> List[Row]:
     """Per (model, P): step seconds with / without the features per round (median, min-max) against the
-    ratio the recompute implies (step_macs_per_token)."""
-    return [Row("memory", "step", f"{k}, {t['tokens_per_rank']} tokens/rank", TIMING, "x",
-                median_ratio(t["on_s"], t["off_s"]), ratio_range(t["on_s"], t["off_s"]),
-                predicted=implied_ratio(meta, int(k.rsplit("/P", 1)[1]), t["tokens_per_rank"]),
-                target="memory.time_vs_implied", detail={
-                    "without s": statistics.median(t["off_s"]), "with s": statistics.median(t["on_s"]),
-                    "rounds": len(t["on_s"])}) for k, t in sorted(timing.items())]
-
-
-def goal_rows(variants: Dict[str, Dict[str, Any]]) -> List[Row]:
-    """Per model: the features against the plain step and the floor at each P; then, with and without
-    them, P=2 against P=1 at equal tokens per rank (the step's peak, and what the tokens cost without
-    the static part, which ZeRO shards over P) and the longest sequence in the budget."""
+    ratio of the step's matmul FLOPs over the global sequence P x N with and without them (cost/flops.py)."""
+    shape = ModelShape("memory", meta["hidden"], meta["layers"], meta["heads"], meta["kv_heads"],
+                       meta["hidden"] // meta["heads"], meta["intermediate"], meta["vocab"])
     out = []
-    for model in sorted({v["model"] for v in variants.values()}):
-        for p in sorted({v["world"] for v in variants.values() if v["model"] == model}):
-            on, off = variants.get(key(model, p, True)), variants.get(key(model, p, False))
-            if on and off:
-                out.append(Row("memory", model, f"P={p}", FEATURES, "x",
-                               on["bytes_per_token"] / off["bytes_per_token"], target="memory.features_vs_plain"))
-            if on:
-                out.append(Row("memory", model, f"P={p}", FLOOR, "x", on["floor_ratio"],
-                               target="memory.features_vs_floor"))
-        for features, tag in ((True, "with"), (False, "without")):
-            one, two = variants.get(key(model, 1, features)), variants.get(key(model, 2, features))
-            if not (one and two):
-                continue
-            at = {r["tokens_per_rank"]: r for r in one["rows"]}
-            for r2, r1 in ((r, at[r["tokens_per_rank"]]) for r in two["rows"] if r["tokens_per_rank"] in at):
-                variant = f"{tag} features, {r2['tokens_per_rank']} tokens/rank"
-                out += [Row("memory", model, variant, PEAK, "x", r2["peak_bytes"] / r1["peak_bytes"],
-                            target="memory.peak_p2_vs_p1"),
-                        Row("memory", model, variant, ABOVE, "x", r2["activation_bytes"] / r1["activation_bytes"],
-                            target="memory.p2_vs_p1")]
-            if features and one["max_seq_len"] and two["max_seq_len"]:
-                out.append(Row("memory", model, "with features", LONGEST, "x", two["max_seq_len"] / one["max_seq_len"],
-                               target="memory.max_seq"))
+    for k, t in sorted(timing.items()):
+        seq = int(k.rsplit("/P", 1)[1]) * t["tokens_per_rank"]
+        on, off = (sum(step_per_token(shape, seq, features).values()) for features in (True, False))
+        out.append(Row("memory", "step", f"{k}, {t['tokens_per_rank']} tokens/rank", TIMING, "x",
+                       median_ratio(t["on_s"], t["off_s"]), ratio_range(t["on_s"], t["off_s"]),
+                       predicted=on / off, target="memory.time_vs_implied", detail={
+                           "without s": statistics.median(t["off_s"]), "with s": statistics.median(t["on_s"]),
+                           "rounds": len(t["on_s"])}))
     return out
 
 
@@ -184,51 +145,49 @@ def rows(res: Dict[str, Any]) -> List[Row]:
     """The page's rows: the goals, the per-strategy comparison, the step time, then every variant's
     slope and longest sequence, its points and its phases' slopes."""
     found, fl = variants(res), floor(res["meta"])
-    out = goal_rows(found) + strategy_rows([m for m in res["measurements"] if m.get("purpose") == "strategies"])
+    out = goal_rows(found, fl) + strategy_rows([m for m in res["measurements"] if m.get("purpose") == "strategies"])
     out += timing_rows(res.get("timing") or {}, res["meta"])
-    tagged = [(v, f"P={v['world']} {'on' if v['features'] else 'off'}") for v in found.values()]
-    out += [Row("memory", v["model"], tag, VARIANTS, "KiB", v["bytes_per_token"] / KIB, detail={
-        "x floor": v["bytes_per_token"] / fl, "phase": v["dominant_phase"],
-        "static MiB": v["rows"][0]["resident_bytes"] / MIB, "longest tokens/rank": v["max_tokens_per_rank"],
-        "longest sequence": v["max_seq_len"], "fit residual MiB": v["fit_max_residual"] / MIB}) for v, tag in tagged]
-    out += [Row("memory", v["model"], f"{tag}, {r['tokens_per_rank']} tokens/rank", POINTS, "MiB",
-                r["peak_bytes"] / MIB, detail={
-                    "static MiB": r["resident_bytes"] / MIB, "peak phase": r["peak_phase"],
-                    "fwd+bwd above static MiB": r["activation_bytes"] / MIB,
-                    "above static / token KiB": r["above_static_per_token"] / KIB,
-                    "marginal / token KiB": None if r["marginal_per_token"] is None else r["marginal_per_token"] / KIB,
-                    "step s": r["step_s"]})
-            for v, tag in tagged for r in v["rows"]]
-    return out + [Row("memory", v["model"], tag, PHASES, "KiB", v["bytes_per_token"] / KIB,
-                      detail={p: m["b"] / KIB for p, m in v["phase_model"].items()}) for v, tag in tagged]
+    out += [Row("memory", v["case"], v["variant"], VARIANTS, "KiB", v["bytes_per_token"] / KIB, detail={
+        "x floor": v["bytes_per_token"] / fl, "phase": v["phase"], "static MiB": v["points"][0]["resident_bytes"] / MIB,
+        "longest tokens/rank": v["max_tokens"], "longest sequence": v["max_seq"],
+        "fit residual MiB": max(line["max_residual"] for line in v["lines"].values()) / MIB}) for v in found.values()]
+    for v in found.values():
+        for prev, pt in zip([None] + v["points"], v["points"]):
+            n, peak, static = pt["tokens_per_rank"], pt["peak_bytes"], pt["resident_bytes"]
+            rise = None if prev is None else (peak - prev["peak_bytes"]) / (n - prev["tokens_per_rank"]) / KIB
+            out.append(Row("memory", v["case"], f"{v['variant']}, {n} tokens/rank", POINTS, "MiB", peak / MIB, detail={
+                "static MiB": static / MIB, "peak phase": max(pt["phase_peak_bytes"], key=pt["phase_peak_bytes"].get),
+                "fwd+bwd above static MiB": fwd_bwd_above_static(pt) / MIB,
+                "above static / token KiB": (peak - static) / n / KIB, "marginal / token KiB": rise,
+                "step s": pt["step_s"][-1]}))
+    return out + [Row("memory", v["case"], v["variant"], PHASES, "KiB", v["bytes_per_token"] / KIB,
+                      detail={p: line["b"] / KIB for p, line in v["lines"].items()}) for v in found.values()]
 
 
 def facts(res: Dict[str, Any]) -> Dict[str, Any]:
     """The page's facts around the run's record (which they carry: plan --calibrate reads its meta)."""
     m, host = res["meta"], res["host"]
-    malloc = ("glibc malloc with MALLOC_MMAP_THRESHOLD_=65536 (the resident set follows live tensors)"
-              if m["malloc"] == "mmap" else "glibc malloc defaults")
+    malloc = "MALLOC_MMAP_THRESHOLD_=65536 (the resident set follows live tensors)" if m["malloc"] == "mmap" else \
+        "glibc's defaults"
     return dict(res, **{
         "title": f"Memory of a training step per rank: `{m['name']}`",
         "setup": f"Model: vocab {m['vocab']}, hidden {m['hidden']}, {m['layers']} layers, {m['heads']} heads "
-                 f"({m['kv_heads']} k/v), MLP {m['intermediate']}; `llama` = Hugging Face LlamaForCausalLM from a "
-                 f"LlamaConfig, `lm` = the project's LM with the same sizes. DeepSpeed ZeRO-2, fp32, AdamW, strategy "
-                 f"{m['strategy']}, micro batch 1, one thread per rank, CPU (gloo). With the features: fused tiled "
-                 f"loss ({m['tiled_loss_tokens']} tokens per chunk), tiled MLP ({m['tiled_mlp_tokens']}), "
-                 f"checkpointing of every decoder layer. Each point runs the main job in fresh processes; peak = the "
-                 f"process's resident high-water mark (VmHWM), reset per phase (data, forward, loss backward, layers "
-                 f"backward, end of backward, optimizer step); allocator: {malloc}. *Static* = the resident set just "
-                 f"before the step. Each phase's peak is affine in the tokens per rank N; bytes/token = the largest "
-                 f"slope; the longest sequence in the budget ({m['budget_bytes'] / GIB:.2f} GiB per rank) solves "
-                 f"peak(N) = budget. Floor = layers x hidden x 4 B = {floor(m) / KIB:.0f} KiB per token.",
+                 f"({m['kv_heads']} k/v), MLP {m['intermediate']}; `llama` = Hugging Face LlamaForCausalLM, `lm` = "
+                 f"the project's LM. DeepSpeed ZeRO-2, fp32, AdamW, {m['strategy']}, micro batch 1, one thread per "
+                 f"rank, CPU. Features: tiled loss ({m['tiled_loss_tokens']} tokens per chunk), tiled MLP "
+                 f"({m['tiled_mlp_tokens']}), every layer checkpointed. Peak: the resident high-water mark (VmHWM) "
+                 f"per phase, fresh processes per point, malloc: {malloc}; *static*: the resident set before the "
+                 f"step. Bytes/token: the largest phase slope; longest sequence: peak(N) = "
+                 f"{m['budget_bytes'] / GIB:.2f} GiB per rank. Floor = layers x hidden x 4 B = {floor(m) / KIB:.0f} "
+                 f"KiB per token.",
         "command": m["command"],
         "machine": f"{host['cpu_model']}, {host['cpus']} cores (shared); torch {host['torch']}, deepspeed "
-                   f"{host['deepspeed']}; whole run {res['elapsed_s'] / 60:.0f} min. Memory high-water marks do not "
-                   f"depend on the load; step times do.",
+                   f"{host['deepspeed']}; whole run {res['elapsed_s'] / 60:.0f} min (memory does not depend on the "
+                   f"load, step times do).",
         "metrics": {
-            TIMING: "Both variants alternate round by round in the same processes; per round the median of its steps, "
-                    "the slowest rank's. Implied: the ratio of the step's matmul multiply-accumulates with and without "
-                    "the features (the recompute), elementwise work not counted.",
+            TIMING: "The two variants alternate round by round on one pool; per round the median of a variant's "
+                    "steps, the slowest rank's. Predicted: the step's matmul FLOPs with / without the features (the "
+                    "recompute; elementwise work not counted).",
             POINTS: "above static per token = (peak - static) / N; marginal = the peak's rise per token from the "
                     "previous length; fwd+bwd above static = the highest forward or backward phase minus static."},
         "images": [(p, f"{m['name']}/{p}.png") for p in ("bytes_per_token", "peak_per_rank") if variants(res)]})
@@ -238,16 +197,16 @@ def write_plots(res: Dict[str, Any], out: str) -> None:
     """<out>/<name>/bytes_per_token.png and peak_per_rank.png: per variant the measured points and the
     phase model's line out to the longest sequence in the budget; the floor and the budget drawn."""
     m, fl, per_token, peak = res["meta"], floor(res["meta"]), [], []
-    for v in variants(res).values():
-        label = f"{v['model']} P={v['world']} {'with' if v['features'] else 'without'}"
-        static, xs = v["rows"][0]["resident_bytes"], [r["tokens_per_rank"] for r in v["rows"]]
-        top = max(xs + [v["max_tokens_per_rank"]])
-        grid = [min(xs) * (top / min(xs)) ** (i / 60) for i in range(61)]
-        lines = [(n, predict_peak(v["phase_model"], n)) for n in grid]
-        per_token += [(label, n, r["above_static_per_token"] / KIB, None) for n, r in zip(xs, v["rows"])]
-        per_token += [(f"{label}: phase model", n, (b - static) / n / KIB, None) for n, b in lines]
-        peak += [(label, n, r["peak_bytes"] / MIB, None) for n, r in zip(xs, v["rows"])]
-        peak += [(f"{label}: phase model", n, b / MIB, None) for n, b in lines]
+    for (model, p, on), v in variants(res).items():
+        label, pts = f"{model} P={p} {'with' if on else 'without'}", v["points"]
+        xs = [pt["tokens_per_rank"] for pt in pts]
+        grid = [xs[0] * (max(xs + [v["max_tokens"]]) / xs[0]) ** (i / 60) for i in range(61)]
+        # (label, N, peak, static): measured points with their own static, the model's line with the shortest's
+        for name, n, b, s in ([(label, n, pt["peak_bytes"], pt["resident_bytes"]) for n, pt in zip(xs, pts)] +
+                              [(f"{label}: phase model", n, predict_peak(v["lines"], n), pts[0]["resident_bytes"])
+                               for n in grid]):
+            per_token.append((name, n, (b - s) / n / KIB, None))
+            peak.append((name, n, b / MIB, None))
     if not peak:
         return
     folder = os.path.join(out, m["name"])

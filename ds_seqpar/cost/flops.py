@@ -12,8 +12,8 @@ Forward, per token of a sequence of S tokens:
     LM head        2 V h
 Training: backward = 2 x forward. With the long-context features the fused loss runs the head's
 forward again in its backward, a checkpointed layer runs its forward again, and its tiled MLP once
-more inside that recompute's backward (the same count as the measured-memory benchmark's
-step_macs_per_token, which a test holds this to). Elementwise work is not counted.
+more inside that recompute's backward (a test holds this to a count by hand; ``ds-seqpar bench
+memory`` prices the recompute's step time with it). Elementwise work is not counted.
 """
 from __future__ import annotations
 
@@ -28,9 +28,8 @@ LINEAR_CHUNK = 64
 def keys_per_query(seq: int, causal: bool = True, window: Optional[int] = None,
                    docs: Optional[Tuple[int, ...]] = None) -> float:
     """The keys one query sees on average (the work ratio of the mask times S). No window and one
-    document: S / 2 causal (the measured-memory benchmark's count, which a test holds the step's FLOPs
-    to), S non-causal; else the mask's pairs counted exactly (a non-causal window's edge queries see
-    fewer than 2 w - 1 keys)."""
+    document: S / 2 causal (the count by hand a test holds the step's FLOPs to), S non-causal; else
+    the mask's pairs counted exactly (a non-causal window's edge queries see fewer than 2 w - 1 keys)."""
     if docs is None and (window is None or window >= seq):
         return seq / 2 if causal else float(seq)
     return pairs_total(seq, Mask(causal, window, docs)) / seq

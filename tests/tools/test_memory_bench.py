@@ -6,14 +6,14 @@ import os
 
 import pytest
 
-from ds_seqpar.bench import memory_rows as S
-from ds_seqpar.bench.memory import build_parser, plan
 from ds_seqpar.bench import memory_rows as R
-from ds_seqpar.bench.memory import PHASES, MemorySpec, measure_peak
+from ds_seqpar.bench.memory import MemorySpec, build_parser, measure_peak, plan
+from ds_seqpar.cost.memory import max_tokens
 from ds_seqpar.report.render import result
 
 REPORTS = os.path.join(os.path.dirname(__file__), "..", "..", "reports")
 MIB, KIB = 2 ** 20, 1024
+PHASES = ("data", "forward", "loss_backward", "layers_backward", "end_of_backward", "optimizer")   # the main job's
 
 
 def _measurement(model, world, features, n, lines, resident=500 * MIB):
@@ -23,10 +23,16 @@ def _measurement(model, world, features, n, lines, resident=500 * MIB):
             "phase_peak_bytes": phases, "peak_bytes": max(phases.values()), "step_s": [1.0]}
 
 
-def _goals(variants=None, rows=None):
-    """{(case, variant, metric): row} of the rows that name a goal (the variants' goal rows, or ``rows``);
-    floor = 1 layer x 2048 x 4 B = 8 KiB."""
-    return {(r.case, r.variant, r.metric): r for r in (R.goal_rows(variants) if variants else rows) if r.target}
+def _rows(measurements=(), timing=None, **meta):
+    """The suite's rows of a record of these points: floor = 1 layer x 2048 x 4 B = 8 KiB, budget 1 GiB."""
+    meta = dict(dict(layers=1, hidden=2048, heads=16, kv_heads=4, intermediate=5504, vocab=32000,
+                     budget_bytes=2 ** 30), **meta)
+    return R.rows({"meta": meta, "measurements": list(measurements), "timing": timing or {}})
+
+
+def _goals(rows):
+    """{(case, variant, metric): row} of the rows that name a goal."""
+    return {(r.case, r.variant, r.metric): r for r in rows if r.target}
 
 
 ON = {"forward": (560 * MIB, 10 * KIB), "layers_backward": (540 * MIB, 16 * KIB), "optimizer": (760 * MIB, 0)}
@@ -34,46 +40,51 @@ OFF = {"forward": (560 * MIB, 300 * KIB), "loss_backward": (600 * MIB, 500 * KIB
 
 
 def test_phase_model_recovers_slopes_and_the_longest_sequence():
-    pts = [_measurement("lm", 1, True, n, ON) for n in (2048, 4096, 8192)]
-    v = S.summarize_variant(pts, floor=8 * KIB, budget=2 ** 30, world=1)
-    assert v["dominant_phase"] == "layers_backward" and v["bytes_per_token"] == pytest.approx(16 * KIB)
-    assert v["floor_ratio"] == pytest.approx(2.0) and v["fit_max_residual"] < 1e-3
+    found = _rows(_measurement("lm", 1, True, n, ON) for n in (2048, 4096, 8192))
+    v, = [r for r in found if r.metric == R.VARIANTS]
+    assert v.detail["phase"] == "layers_backward" and v.value == pytest.approx(16)          # KiB per token
+    assert v.detail["x floor"] == pytest.approx(2.0) and v.detail["fit residual MiB"] * MIB < 1e-3
     # the optimizer's fixed peak holds the step's peak at these lengths: no marginal growth yet
-    assert [r["peak_phase"] for r in v["rows"]] == ["optimizer"] * 3 and v["rows"][1]["marginal_per_token"] == 0
+    points = [r.detail for r in found if r.metric == R.POINTS]
+    assert [d["peak phase"] for d in points] == ["optimizer"] * 3 and points[1]["marginal / token KiB"] == 0
     want = int((2 ** 30 - 540 * MIB) / (16 * KIB))
-    assert v["max_tokens_per_rank"] == want and v["max_seq_len"] == want
-    assert S.max_tokens({"optimizer": {"a": 2.0 ** 31, "b": 0.0}}, 2 ** 30) == 0
+    assert v.detail["longest tokens/rank"] == want and v.detail["longest sequence"] == want
+    assert max_tokens({"optimizer": {"a": 2.0 ** 31, "b": 0.0}}, 2 ** 30) == 0
 
 
 def test_checks_compare_features_floor_and_ranks():
     ms = [_measurement("lm", p, f, n, ON if f else OFF, resident=(500 if p == 1 else 450) * MIB)
           for p in (1, 2) for f in (True, False) for n in (1024, 4096)]
-    variants = S.summarize(ms, floor=8 * KIB, budget=2 ** 30)
-    assert set(variants) == {"lm/P1/on", "lm/P1/off", "lm/P2/on", "lm/P2/off"}
-    results = _goals(variants)
+    found = _rows(ms)
+    assert {r.variant for r in found if r.metric == R.VARIANTS} == {"P=1 on", "P=1 off", "P=2 on", "P=2 off"}
+    results = _goals(found)
     ratio = results["lm", "P=1", R.FEATURES]
     assert ratio.value == pytest.approx(16 / 500) and result(ratio) == "PASS"
     assert result(results["lm", "P=1", R.FLOOR]) == "PASS"
     longest = results["lm", "with features", R.LONGEST]
     assert longest.value == pytest.approx(2.0, rel=1e-3) and result(longest) == "PASS"
     fat = {"layers_backward": (540 * MIB, 40 * KIB), "optimizer": (760 * MIB, 0)}
-    bad = S.summarize([_measurement("lm", 1, True, n, fat) for n in (1024, 4096)], 8 * KIB, 2 ** 30)
+    bad = _rows([_measurement("lm", 1, True, n, fat) for n in (1024, 4096)])
     assert [result(r) for r in _goals(bad).values()] == ["SHORT"], "40 KiB per token is 5x the floor"
 
 
 def test_implied_step_time_ratio_counts_the_recompute():
-    # head 4x10 = 40, projections 4 x (8 + 4) = 48, attention 4 x 2 = 8, MLP 3 x 4 x 8 = 96 (per token)
+    # multiply-accumulates per token: head 4x10 = 40, projections 4 x (8 + 4) = 48, attention hidden x P x N,
+    # MLP 3 x 4 x 8 = 96; plain: 3 x forward; with the features the head 4x, the mixers 4x, the MLP 5x
     meta = dict(hidden=4, heads=2, kv_heads=1, vocab=10, intermediate=8, layers=1)
-    assert S.step_macs_per_token(meta, 1, 2, False) == 3 * (40 + 48 + 8 + 96)
-    assert S.step_macs_per_token(meta, 1, 2, True) == 4 * 40 + 4 * (48 + 8) + 5 * 96
-    assert S.implied_ratio(meta, 1, 2) == pytest.approx(864 / 576)
-    assert S.implied_ratio(dict(meta, layers=0), 1, 2) == pytest.approx(4 / 3)     # the fused loss alone
+
+    def timing_rows(timing, **change):
+        return [r for r in _rows(timing=timing, **dict(meta, **change)) if r.metric == R.TIMING]
+
+    once = {"lm/P1": {"tokens_per_rank": 2, "off_s": [1.0], "on_s": [1.0]}}
+    assert timing_rows(once)[0].predicted == pytest.approx((4 * 40 + 4 * (48 + 8) + 5 * 96) / (3 * (40 + 48 + 8 + 96)))
+    assert timing_rows(once, layers=0)[0].predicted == pytest.approx(4 / 3)        # the fused loss alone
     timing = {"lm/P2": {"tokens_per_rank": 2, "off_s": [1.0, 1.0, 1.2], "on_s": [1.5, 1.8, 1.5]}}
-    row, = S.timing_rows(timing, meta)
+    row, = timing_rows(timing)
     assert row.value == pytest.approx(1.5) and row.predicted == pytest.approx(896 / 600)   # attention over P x N = 4 tokens
-    assert [result(r) for r in _goals(rows=[row]).values()] == ["PASS"]
+    assert [result(r) for r in _goals([row]).values()] == ["PASS"]
     slow = dict(timing["lm/P2"], on_s=[1.8, 1.8, 2.16])                                    # 1.8 every round
-    assert [result(r) for r in _goals(rows=S.timing_rows({"lm/P2": slow}, meta)).values()] == ["SHORT"]
+    assert [result(r) for r in _goals(timing_rows({"lm/P2": slow})).values()] == ["SHORT"]
 
 
 def test_plan_follows_the_preset_and_rejects_unknown_models():
@@ -118,7 +129,7 @@ def test_strategy_rows_compare_above_static_and_explain_the_two_point_figure():
           _compared(4, "ulysses", 4096, 210 * MIB), dict(_compared(4, "zigzag", 4096, 200 * MIB), ulysses_size=2),
           # short runs: the optimizer step (200 MiB above static) holds the peak
           _compared(1, "zigzag", 256, 20 * MIB), _compared(2, "zigzag", 256, 20 * MIB)]
-    found = S.strategy_rows(ms)
+    found = _rows(ms)
     comp = [r for r in found if r.metric == R.STRATEGIES]
     assert [(r.case, r.variant) for r in comp] == [
         ("(none: P=1)", f"P=1, {n} tokens/rank"), ("(none: P=1)", "P=1, 4096 tokens/rank"),
@@ -126,7 +137,7 @@ def test_strategy_rows_compare_above_static_and_explain_the_two_point_figure():
         ("hybrid (zigzag x Ulysses 2)", "P=4, 4096 tokens/rank")]
     assert [round(r.value, 4) for r in comp] == [1.0, 1.0, round(310 / 300, 4), 1.2, 1.05, 1.0]
     assert comp[2].detail["peak phase"] == "forward"
-    checks = {f"{case} {variant}": result(r) for (case, variant, _), r in _goals(rows=found).items()}
+    checks = {f"{case} {variant}": result(r) for (case, variant, _), r in _goals(found).items()}
     assert checks == {f"zigzag P=2, {n} tokens/rank": "PASS", f"ring P=4, {n} tokens/rank": "SHORT",   # 1.20 > 1.15
                       "ulysses P=4, 4096 tokens/rank": "PASS", "hybrid (zigzag x Ulysses 2) P=4, 4096 tokens/rank": "PASS"}
     (one, two) = [r for r in found if r.metric == R.TWO_POINT]

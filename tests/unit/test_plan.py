@@ -52,12 +52,26 @@ def test_comm_buffers_per_token_are_transient_bytes(strategy, size, u):
     assert per_tok["forward"] * n == want["forward"] and per_tok["backward"] * n == want["backward"]
 
 
-# -- FLOPs: the benchmark's count ------------------------------------------------------------------
+# -- FLOPs: counted by hand ------------------------------------------------------------------------
+
+def step_macs_per_token(meta, world: int, tokens_per_rank: int, features: bool) -> int:
+    """Multiply-accumulates per token of one training step's matmuls, backward = 2 x forward. Plain: every
+    matmul forward once, backward once; with the features the fused loss runs the LM head's forward again
+    in its backward, a checkpointed layer its forward again, and its tiled MLP once more inside that
+    recompute's backward. Causal attention over S = P x N costs hidden x S per token (q.k and p.v over
+    S/2 keys on average). Elementwise work is not counted."""
+    h, L = meta["hidden"], meta["layers"]
+    kv_dim = h // meta["heads"] * meta["kv_heads"]
+    head, proj, attn = h * meta["vocab"], h * (2 * h + 2 * kv_dim), h * world * tokens_per_rank
+    mlp = 3 * h * meta["intermediate"]                # gate, up, down
+    if not features:
+        return 3 * (head + L * (proj + attn + mlp))
+    return 4 * head + L * (4 * (proj + attn) + 5 * mlp)
+
 
 @pytest.mark.parametrize("features", [False, True])
 @pytest.mark.parametrize("world,n", [(1, 2048), (2, 8192), (4, 4096)])
 def test_step_flops_match_the_memory_benchmark_count(features, world, n):
-    from ds_seqpar.bench.memory_rows import step_macs_per_token
     meta = {"hidden": 256, "layers": 8, "heads": 8, "kv_heads": 2, "intermediate": 688, "vocab": 32000}
     ours = sum(flops.step_per_token(SMALL, world * n, features).values())
     assert ours == pytest.approx(2 * step_macs_per_token(meta, world, n, features), rel=1e-12)
@@ -74,7 +88,7 @@ def test_window_and_causal_work_ratios():
 # -- memory: the measured step ----------------------------------------------------------------------
 
 def _measured_variants():
-    from ds_seqpar.bench.memory_rows import summarize
+    from ds_seqpar.bench.memory_rows import variants
     path = MEMORY_REPORT
     with open(path) as f:
         report = json.load(f)["facts"]          # the bench's record rides in its rows file's facts
@@ -85,7 +99,7 @@ def _measured_variants():
     usable = [m for g in groups.values() if len({x["tokens_per_rank"] for x in g}) >= 2 for m in g]
     if not usable:
         pytest.skip("reports/memory_cpu.rows.json holds no variant measured at two lengths (being re-measured?)")
-    return usable, summarize(usable, floor=1, budget=report["meta"].get("budget_bytes", 2 ** 31))
+    return usable, variants(dict(report, measurements=usable))
 
 
 def test_bytes_per_token_agree_with_the_measured_step():
@@ -95,9 +109,9 @@ def test_bytes_per_token_agree_with_the_measured_step():
     ms, variants = _measured_variants()
     checked = []
     for key, v in variants.items():
-        m = next(x for x in ms if (x["model"], x["world"], x["features"]) == (v["model"], v["world"], v["features"]))
+        m = next(x for x in ms if (x["model"], x["world"], x["features"]) == key)
         shape = _shape_of(m, tied=m["model"] != "llama")
-        f = Features(on=v["features"], cpu_checkpointing=False, tiled_loss_tokens=m["tiled_loss_tokens"],
+        f = Features(on=m["features"], cpu_checkpointing=False, tiled_loss_tokens=m["tiled_loss_tokens"],
                      tiled_mlp_tokens=m["tiled_mlp_tokens"])
         lines = memory.phase_lines(shape, m["strategy"], m["world"], m.get("ulysses_size", 1), m["world"], 2, "fp32", f,
                                    checkpoints_on_device=True)
@@ -106,13 +120,13 @@ def test_bytes_per_token_agree_with_the_measured_step():
         measured = v["bytes_per_token"]
         # a fit that stops at 4096 tokens per rank (P=4: 16K tokens a step) still carries the tiled
         # chunks' steps (1024-token MLP chunks, one checkpointed layer's transients): 15% there
-        longest = max(r["tokens_per_rank"] for r in v["rows"])
+        longest = max(r["tokens_per_rank"] for r in v["points"])
         tol = 0.10 if longest >= 8192 else 0.15
         assert abs(bare / measured - 1) <= tol, f"{key}: predicted {bare:.0f} B/token, measured {measured:.0f}"
-        if not v["features"]:       # the plain step: every phase's slope within 5% (the head would hide the layers)
+        if not m["features"]:       # the plain step: every phase's slope within 5% (the head would hide the layers)
             ours = memory.per_token(shape, 4, f, True)
             for phase in ("forward", "loss_backward", "layers_backward"):
-                got = v["phase_model"][phase]["b"]
+                got = v["lines"][phase]["b"]
                 assert abs(ours[phase] / got - 1) <= 0.05, f"{key} {phase}: predicted {ours[phase]:.0f}, measured {got:.0f}"
         assert measured <= with_comm * 1.05, f"{key}: measured {measured:.0f} above the bound {with_comm:.0f}"
         checked.append(key)
@@ -139,7 +153,7 @@ def test_static_memory_follows_zero2_sharding():
 
 
 def test_max_tokens_is_the_benchmark_inverse():
-    from ds_seqpar.bench.memory_rows import max_tokens, predict_peak
+    from ds_seqpar.cost.memory import max_tokens, peak as predict_peak
     lines = memory.phase_lines(SMALL, "zigzag", 2, 1, 2, 2, "bf16", Features(on=True), checkpoints_on_device=False)
     budget = 8e9
     n = memory.max_tokens(lines, budget)
