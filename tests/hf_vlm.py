@@ -99,7 +99,8 @@ def _gemma4():
                                          hidden_size_per_layer_input=16),
                         vision_config=dict(model_type="gemma4_vision", hidden_size=32, intermediate_size=48,
                                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                                           head_dim=16, patch_size=2, pooling_kernel_size=3, position_embedding_size=16),
+                                           head_dim=16, patch_size=2, pooling_kernel_size=3,
+                                           position_embedding_size=16),
                         image_token_id=120, video_token_id=121, boi_token_id=124, eoi_token_id=125)
 
 
