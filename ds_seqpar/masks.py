@@ -8,9 +8,13 @@ A mask is an intersection of small predicates on GLOBAL positions (gq query, gk 
     real            gq < real_len, gk < real_len end padding belongs to no document
     causal          gk <= gq
     window w        gq - w < gk                 (non-causal: |gq - gk| < w)  transformers' sliding_window
+    block [s, e)    causal or s <= gq, gk < e   bidirectional blocks inside a causal mask (Gemma 3's
+                                                image tokens): transformers' AND(window, OR(causal, block))
 
-so query i of a document [a, b) sees the keys [max(a, i - w + 1), i + 1) (causal) or
+so query i of a document [a, b) sees the keys [max(a, i - w + 1), i + 1) (causal; a query in a block
+[s, e) sees up to e - 1 instead, the window still bounding its first key) or
 [max(a, i - w + 1), min(b, i + w)) (non-causal): one contiguous span per query (``key_spans``).
+Blocks lie inside one document and the real tokens, and only causal masks have them (``check_blocks``).
 
 A window that covers the sequence masks nothing; ``effective_window`` is the one place that says so.
 """
@@ -33,12 +37,14 @@ def effective_window(window: Optional[int], length: int) -> Optional[int]:
 class Mask:
     """One layer's mask: ``causal``; ``window`` (None: none); ``docs`` the packed documents' lengths
     in order (None: one document); ``real_len`` the real tokens before end padding (None: every token
-    of the sequence it is applied to is real, or the documents' sum when ``docs`` is given)."""
+    of the sequence it is applied to is real, or the documents' sum when ``docs`` is given); ``blocks``
+    the bidirectional blocks, global [start, end) in order (None: none)."""
 
     causal: bool = True
     window: Optional[int] = None
     docs: Optional[Tuple[int, ...]] = None
     real_len: Optional[int] = None
+    blocks: Optional[Tuple[Tuple[int, int], ...]] = None
 
     def __hash__(self) -> int:
         return self._hash
@@ -46,16 +52,17 @@ class Mask:
     @cached_property
     def _hash(self) -> int:
         # strategies look their plan up by mask on every layer's call: hash thousands of documents once
-        return hash((self.causal, self.window, self.docs, self.real_len))
+        return hash((self.causal, self.window, self.docs, self.real_len, self.blocks))
 
     @classmethod
     def from_boundaries(cls, bounds: Optional[Sequence[int]], causal: bool = True, window: Optional[int] = None,
-                        real_len: Optional[int] = None) -> "Mask":
-        """From cu_seqlens [0, l1, l1 + l2, ..., N] (global; None: one document)."""
+                        real_len: Optional[int] = None, blocks=None) -> "Mask":
+        """From cu_seqlens [0, l1, l1 + l2, ..., N] (global; None: one document) and checked blocks."""
+        blocks = tuple(blocks) if blocks else None
         if bounds is None:
-            return cls(causal, window, None, real_len)
+            return cls(causal, window, None, real_len, blocks)
         docs = tuple(b - a for a, b in zip(bounds, bounds[1:]))
-        return cls(causal, window, docs if len(docs) > 1 else None, int(bounds[-1]))
+        return cls(causal, window, docs if len(docs) > 1 else None, int(bounds[-1]), blocks)
 
     def with_options(self, causal: bool, window: Optional[int]) -> "Mask":
         """The same documents and real length under another causality and window."""
@@ -68,8 +75,8 @@ class Mask:
         return seq if self.real_len is None else min(self.real_len, seq)
 
     def is_plain(self, seq: int) -> bool:
-        """No document, no window and no padding: nothing but (optionally) causality."""
-        return self.docs is None and self.window is None and self.real(seq) == seq
+        """No document, no window, no block and no padding: nothing but (optionally) causality."""
+        return self.docs is None and self.window is None and self.blocks is None and self.real(seq) == seq
 
     def chunked(self, chunk: int, seq: int) -> "Mask":
         """Chunked attention (Llama 4's chunked layers: a query sees the keys of its own chunk of ``chunk``
@@ -78,9 +85,10 @@ class Mask:
         return replace(self, docs=tuple(b - a for a, b in zip(bounds, bounds[1:])), real_len=bounds[-1])
 
     def for_length(self, seq: int) -> "Mask":
-        """The same mask over ``seq`` tokens: a window that covers them dropped (effective_window) and
-        the documents cut to ``seq`` tokens."""
-        return Mask(self.causal, effective_window(self.window, seq), cut_documents(self.docs, seq))
+        """The same mask over ``seq`` tokens: a window that covers them dropped (effective_window), the
+        documents cut to ``seq`` tokens and the blocks to those inside them."""
+        blocks = tuple(b for b in self.blocks or () if b[1] <= seq) or None
+        return Mask(self.causal, effective_window(self.window, seq), cut_documents(self.docs, seq), blocks=blocks)
 
     def bounds(self, seq: int) -> List[int]:
         """cu_seqlens: [0, l1, l1 + l2, ..., N] (one document of the real tokens without ``docs``)."""
@@ -99,7 +107,7 @@ class Mask:
         start, stop = bounds[doc], bounds[doc + 1]                          # the query's document [start, stop)
         w = self.window or seq + 1
         lo = torch.maximum(start, pos - w + 1)
-        hi = pos + 1 if self.causal else torch.minimum(stop, pos + w)
+        hi = block_ends(self.blocks, pos) if self.causal else torch.minimum(stop, pos + w)
         return lo, torch.where(pos < real, hi, lo)
 
     def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor, seq: int) -> torch.Tensor:
@@ -107,6 +115,60 @@ class Mask:
         lo, hi = self.key_spans(q_pos, seq)
         k = k_pos.to(torch.int64)[None, :]
         return (lo[:, None] <= k) & (k < hi[:, None])
+
+
+def block_ends(blocks, pos: torch.Tensor) -> torch.Tensor:
+    """int64: one past the last key each causal query at ``pos`` sees: its block's end inside a
+    bidirectional block, else pos + 1."""
+    if not blocks:
+        return pos + 1
+    starts, ends = (torch.tensor(c, dtype=torch.int64, device=pos.device) for c in zip(*blocks))
+    idx = torch.searchsorted(starts, pos, right=True) - 1
+    end = ends[idx.clamp(min=0)]
+    return torch.where((idx >= 0) & (pos < end), end, pos + 1)
+
+
+def flat_blocks(blocks) -> Optional[List[int]]:
+    """Bidirectional blocks, (start, end) pairs or an integer tensor [n, 2], as a flat list of ints
+    [s0, e0, s1, e1, ...] (None: no block). ValueError naming ``blocks`` when they are not pairs."""
+    if blocks is None:
+        return None
+    if isinstance(blocks, torch.Tensor):
+        if blocks.is_floating_point() or blocks.dtype == torch.bool or (blocks.numel() and blocks.dim() != 2):
+            raise ValueError(f"blocks must be an integer tensor [n, 2] of global (start, end) pairs, got "
+                             f"{blocks.dtype} of shape {tuple(blocks.shape)}")
+        blocks = blocks.tolist()
+    try:
+        pairs = [(a, b) for a, b in blocks]
+        flat = [int(x) for pair in pairs for x in pair]
+    except (TypeError, ValueError):
+        raise ValueError(f"blocks must be a sequence of global (start, end) pairs or an integer tensor [n, 2], got "
+                         f"{blocks!r}") from None
+    if any(isinstance(x, bool) or int(x) != x for pair in pairs for x in pair):
+        raise ValueError(f"blocks must hold whole token positions, got {blocks!r}")
+    return flat or None
+
+
+def check_blocks(blocks, bounds: Sequence[int], causal: bool) -> Tuple[Tuple[int, int], ...]:
+    """Bidirectional blocks, (start, end) int pairs (flat_blocks), checked against the documents ``bounds``
+    (cu_seqlens: [0, ..., real length]): in order, disjoint, non-empty, each inside one document; causal
+    masks only. ValueError naming ``blocks`` otherwise."""
+    pairs = tuple((int(a), int(b)) for a, b in blocks)
+    if pairs and not causal:
+        raise ValueError(f"blocks {list(pairs)} with causal=False: bidirectional blocks widen a causal mask (a "
+                         f"non-causal query already sees its whole document); pass causal=True or no blocks")
+    prev = 0
+    for a, b in pairs:
+        if not prev <= a < b <= bounds[-1]:
+            raise ValueError(f"blocks {list(pairs)}: ({a}, {b}) is not a non-empty span after the previous block "
+                             f"inside the {bounds[-1]} real tokens; blocks are global [start, end) spans in order, "
+                             f"disjoint")
+        inside = [c for c in bounds[1:-1] if a < c < b]
+        if inside:
+            raise ValueError(f"blocks {list(pairs)}: ({a}, {b}) crosses the document boundary {inside[0]} of "
+                             f"cu_seqlens; a bidirectional block lies inside one document")
+        prev = b
+    return pairs
 
 
 def seen_keys(seq: int, padded: int, mask: Mask) -> torch.Tensor:
@@ -140,4 +202,5 @@ def cut_documents(docs: Optional[Tuple[int, ...]], seq: int) -> Optional[Tuple[i
     return tuple(out) if len(out) > 1 else None
 
 
-__all__ = ["Mask", "chunk_bounds", "cut_documents", "effective_window", "seen_keys"]
+__all__ = ["Mask", "block_ends", "check_blocks", "flat_blocks", "chunk_bounds", "cut_documents", "effective_window",
+           "seen_keys"]

@@ -23,7 +23,7 @@ from .config import ConfigError, SequenceParallelConfig, load_ds_config
 from .kernels import get_kernel
 from .kernels.base import check_head_groups
 from .loss import sequence_loss
-from .masks import Mask
+from .masks import Mask, check_blocks
 from .memory.tiled_loss import sequence_loss_from_hidden
 from .sharding.agreement import check_same_on_ranks
 from .sharding.batch import shard_batch
@@ -150,7 +150,7 @@ class SequenceParallel:
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                   softmax_scale: Optional[float] = None, seq_len: Optional[int] = None,
                   cu_seqlens=None, window: Optional[int] = None, softcap: Optional[float] = None,
-                  sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  sinks: Optional[torch.Tensor] = None, blocks=None) -> torch.Tensor:
         """Exact softmax attention over the whole sequence; q, k, v are this rank's shards [b, s, h, d].
         ``seq_len``: the real global length when shard() padded the sequence; padding keys are then
         excluded (causal attention never sees them anyway, padding.py). ``cu_seqlens``: packed
@@ -160,7 +160,10 @@ class SequenceParallel:
         (non-causal: |i - j| < window), inside each document; blocks outside it are neither computed
         nor sent. ``softcap``: scores become softcap * tanh(scores / softcap). ``sinks`` [heads]: one
         logit per q head added to every row's softmax denominator (gpt-oss), differentiable; its
-        gradient on each rank is that rank's share (sum over the sequence group = the whole)."""
+        gradient on each rank is that rank's share (sum over the sequence group = the whole).
+        ``blocks``: bidirectional blocks inside the causal mask, global (start, end) pairs in order, the
+        same on every rank (Gemma 3's image tokens): a query in [start, end) also sees the block's later
+        keys; each block inside one document, the window still bounding a query's first key (masks.py)."""
         check_qkv(q, k, v)
         check_score_options(q, window, softcap, sinks)
         strategies.check_heads(self.config, q.shape[2], k.shape[2])
@@ -172,22 +175,38 @@ class SequenceParallel:
         wire = self._comm_dtype(q.dtype)
         if wire == q.dtype:
             return ops.attention(self._handle, q, k, v, sinks, cu_seqlens, bool(causal), scale, seq_len, window,
-                                 softcap)
+                                 softcap, blocks)
         out = ops.attention(self._handle, q.to(wire), k.to(wire), v.to(wire), sinks, cu_seqlens, bool(causal), scale,
-                            seq_len, window, softcap)
+                            seq_len, window, softcap, blocks)
         return out.to(q.dtype)
 
-    def _mask(self, q: torch.Tensor, causal: bool, seq_len: Optional[int], cu_seqlens, window) -> Mask:
+    def _mask(self, q: torch.Tensor, causal: bool, seq_len: Optional[int], cu_seqlens, window,
+              blocks: Optional[tuple] = None) -> Mask:
         """This layer's Mask: the first call of a batch with these documents (or shard_batch) checks
         them, every later layer finds its mask by one lookup (sharding/masks.py), and the strategy's
-        plan of it is built once (strategies/mask_plan.py: PlanCache)."""
+        plan of it is built once (strategies/mask_plan.py: PlanCache). ``blocks``: flat (s0, e0, s1, ...)."""
         docs = self._masks.documents(cu_seqlens)
-        key = (q.shape[0], q.shape[1], bool(causal), seq_len, window)
+        key = (q.shape[0], q.shape[1], bool(causal), seq_len, window, blocks)
         mask = docs.masks.get(key)
         if mask is None:
             bounds = None if cu_seqlens is None else self._check_documents(docs, cu_seqlens, q, seq_len)
-            mask = docs.remember(key, Mask.from_boundaries(bounds, bool(causal), window, seq_len))
+            pairs = None if not blocks else self._check_blocks(blocks, bounds, bool(causal), q, seq_len)
+            mask = docs.remember(key, Mask.from_boundaries(bounds, bool(causal), window, seq_len, pairs))
         return mask
+
+    def _check_blocks(self, flat, bounds, causal: bool, q: torch.Tensor, seq_len: Optional[int]):
+        """Bidirectional blocks checked against the documents (masks.check_blocks), then agreed across the
+        ranks by one small all-reduce, as cu_seqlens: every rank raises, none waits in a later collective."""
+        real = seq_len if seq_len is not None else q.shape[1] * self.size
+        pairs, error = None, None
+        try:
+            pairs = check_blocks(list(zip(flat[::2], flat[1::2])), bounds or (0, real), causal)
+        except ValueError as err:
+            error = err
+        check_same_on_ranks(None if pairs is None else [x for p in pairs for x in p], error, self.group,
+                            self.stats, q.device, name="blocks",
+                            holds="the bidirectional blocks' global (start, end) pairs")
+        return pairs
 
     def _check_documents(self, docs, cu_seqlens, q: torch.Tensor, seq_len: Optional[int]):
         """The boundaries of ``cu_seqlens`` checked against shards shaped like ``q``: local checks, then

@@ -77,8 +77,38 @@ def _idefics3(kind="idefics3"):
                                 image_token_id=120, scale_factor=2)
 
 
+def _gemma3():
+    from transformers import Gemma3Config
+    # 12 x 12 images in 2 x 2 patches pooled to 3 x 3: 9 tokens each, every image a bidirectional block
+    # straddling a shard boundary; a window of 6 shorter than a block (the sliding layer's edge inside it)
+    text = {k: v for k, v in LLAMA.items() if k != "max_position_embeddings"}
+    return Gemma3Config(text_config=dict(text, model_type="gemma3_text", sliding_window=6, query_pre_attn_scalar=16,
+                                         layer_types=["sliding_attention", "full_attention"]),
+                        vision_config=dict(TOWER, image_size=12, model_type="siglip_vision_model"),
+                        mm_tokens_per_image=9, image_token_index=120, boi_token_index=124, eoi_token_index=125)
+
+
+def _gemma4():
+    from transformers import Gemma4Config
+    # use_bidirectional_attention="vision": image blocks on the sliding layers only; 9 x 9 patches of 2 x 2
+    # pixels pooled 3 x 3: 9 tokens per image, as Gemma 3's
+    text = {k: v for k, v in LLAMA.items() if k != "max_position_embeddings"}
+    return Gemma4Config(text_config=dict(text, model_type="gemma4_text", sliding_window=6,
+                                         layer_types=["sliding_attention", "full_attention"],
+                                         use_bidirectional_attention="vision", vocab_size_per_layer_input=128,
+                                         hidden_size_per_layer_input=16),
+                        vision_config=dict(model_type="gemma4_vision", hidden_size=32, intermediate_size=48,
+                                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                           head_dim=16, patch_size=2, pooling_kernel_size=3,
+                                           position_embedding_size=16),
+                        image_token_id=120, video_token_id=121, boi_token_id=124, eoi_token_id=125)
+
+
 CONFIGS = {"qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl, "qwen3_vl": _qwen3_vl, "llava": _llava, "llava_next": _llava_next,
-           "mistral3": _mistral3, "idefics3": _idefics3, "smolvlm": lambda: _idefics3("smolvlm")}
+           "mistral3": _mistral3, "idefics3": _idefics3, "smolvlm": lambda: _idefics3("smolvlm"), "gemma3": _gemma3,
+           "gemma4": _gemma4}
+# the [batch, seq] inputs that carry row()'s token types, as each model's forward names them
+TYPE_KEYS = ("mm_token_type_ids", "token_type_ids")
 
 
 def _grid_inputs(cfg, g):
@@ -100,12 +130,18 @@ def _grid_inputs(cfg, g):
 
 
 def _image_inputs(cfg, g, model):
-    """Two 8 x 8 images (LLaVA-NeXT: one, 36 features with its high-resolution tile) in the layout the
-    family's processor gives; their placeholder counts are the rows of the model's own image features."""
+    """Two images of the tower's size (LLaVA-NeXT: one, 36 features with its high-resolution tile; Gemma 3
+    and 4: three) in the layout the family's processor gives; their placeholder counts are the rows of the model's
+    own image features."""
     mt = cfg.model_type
-    count = 1 if mt == "llava_next" else 2
-    pixels = torch.randn(count, 3, 8, 8, generator=g)
-    if mt == "llava_next":
+    count = {"llava_next": 1, "gemma3": 3, "gemma4": 3}.get(mt, 2)
+    size = getattr(cfg.vision_config, "image_size", 8)
+    pixels = torch.randn(count, 3, size, size, generator=g)
+    if mt == "gemma4":                   # 9 x 9 patches of 2 x 2 pixels, flattened, with their (x, y)
+        y, x = torch.meshgrid(torch.arange(9), torch.arange(9), indexing="ij")
+        out = {"pixel_values": torch.randn(count, 81, 12, generator=g),
+               "image_position_ids": torch.stack([x.flatten(), y.flatten()], -1)[None].repeat(count, 1, 1)}
+    elif mt == "llava_next":
         out = {"pixel_values": torch.stack([pixels, pixels.flip(-1)], 1), "image_sizes": torch.tensor([[8, 8]])}
     elif mt == "mistral3":
         out = {"pixel_values": pixels, "image_sizes": torch.tensor([[8, 8]] * count)}
@@ -172,7 +208,7 @@ def unsharded(cfg, state, inputs, dtype):
     ids, labels, types, vision = inputs
     model = build(cfg, dtype, state)
     pos = positions(model, ids, types, vision)
-    extra = {"mm_token_type_ids": types} if "mm_token_type_ids" in inspect.signature(model.forward).parameters else {}
+    extra = {k: types for k in TYPE_KEYS if k in inspect.signature(model.forward).parameters}
     logits = model(input_ids=ids, position_ids=pos, **extra, **_cast(vision, dtype)).logits
     loss = textbook_loss(logits, labels)
     loss.backward()
@@ -185,8 +221,7 @@ def sharded_step(model, sp, inputs):
     the vision inputs (passed whole), then model(**batch); (local logits, loss) after backward."""
     ids, labels, types, vision = inputs
     batch = dict(vision, input_ids=ids, labels=labels, position_ids=positions(model, ids, types, vision))
-    if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
-        batch["mm_token_type_ids"] = types
+    batch.update({k: types for k in TYPE_KEYS if k in inspect.signature(model.forward).parameters})
     batch = sp.shard_batch(batch)
     res = model(**batch)
     res.loss.backward()

@@ -50,15 +50,19 @@ def packed_attention_with_grads(q, k, v, dout, bounds, causal, scale, dtype):
     return tuple(out)
 
 
-def mask_of(n, causal, window=None, bounds=None):
+def mask_of(n, causal, window=None, bounds=None, blocks=None):
     """[n, n] bool: query i may see key j (causal, sliding window, same document; keys and queries
-    past bounds[-1] see nothing)."""
+    past bounds[-1] see nothing); ``blocks`` [(start, end), ...]: bidirectional inside each block,
+    as transformers' AND(window, OR(causal, block)) (the window bounds earlier keys only)."""
     i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
     ok = torch.ones(n, n, dtype=torch.bool)
     if causal:
-        ok &= j <= i
+        same_block = torch.zeros(n, n, dtype=torch.bool)
+        for a, b in blocks or ():
+            same_block |= (a <= i) & (i < b) & (a <= j) & (j < b)
+        ok &= (j <= i) | same_block
     if window is not None:
-        ok &= (i - j < window) & (j - i < window)
+        ok &= (i - j < window) & ((j - i < window) | causal)
     if bounds is not None:
         doc = torch.searchsorted(torch.tensor(bounds), torch.arange(n), right=True)
         real = torch.arange(n) < bounds[-1]
@@ -66,7 +70,7 @@ def mask_of(n, causal, window=None, bounds=None):
     return ok
 
 
-def dense_attention(q, k, v, causal, scale, window=None, softcap=None, sinks=None, bounds=None):
+def dense_attention(q, k, v, causal, scale, window=None, softcap=None, sinks=None, bounds=None, blocks=None):
     """Dense attention written out (differentiable, in the inputs' dtype): GQA by repeating k/v, scores
     capped, the mask applied, sinks as an extra logit column with no value."""
     b, n, h, _ = q.shape
@@ -74,7 +78,7 @@ def dense_attention(q, k, v, causal, scale, window=None, softcap=None, sinks=Non
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(group, 2)) * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    scores = scores.masked_fill(~mask_of(n, causal, window, bounds).to(q.device), float("-inf"))
+    scores = scores.masked_fill(~mask_of(n, causal, window, bounds, blocks).to(q.device), float("-inf"))
     if sinks is not None:
         scores = torch.cat([scores, sinks.view(1, h, 1, 1).expand(b, h, n, 1)], dim=-1)
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
@@ -84,11 +88,11 @@ def dense_attention(q, k, v, causal, scale, window=None, softcap=None, sinks=Non
 
 
 def masked_attention_with_grads(q, k, v, dout, causal, scale, dtype, window=None, softcap=None, sinks=None,
-                                bounds=None):
+                                bounds=None, blocks=None):
     """(out, dq, dk, dv, dsinks) of dense_attention in ``dtype`` (autograd)."""
     q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
     s = None if sinks is None else sinks.detach().to(dtype).requires_grad_()
-    out = dense_attention(q, k, v, causal, scale, window, softcap, s, bounds)
+    out = dense_attention(q, k, v, causal, scale, window, softcap, s, bounds, blocks)
     out.backward(dout.to(dtype))
     return out.detach(), q.grad, k.grad, v.grad, (None if s is None else s.grad)
 

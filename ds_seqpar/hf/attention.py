@@ -55,8 +55,9 @@ def make_attention_function(state) -> Callable:
         q_bshd, k_bshd, v_bshd = (t.transpose(1, 2).contiguous() for t in (query, key, value))
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5     # before any padding
         q_bshd, k_bshd, v_bshd, dv = match_head_dims(q_bshd, k_bshd, v_bshd)
+        blocks = None if state.vision is None else state.vision.layer_blocks(module)    # Gemma 3's images
         out_bshd = sp.attention(q_bshd, k_bshd, v_bshd, causal=causal, softmax_scale=scale, seq_len=seq_len,
-                                cu_seqlens=cu_seqlens, window=window, softcap=softcap, sinks=sinks)
+                                cu_seqlens=cu_seqlens, window=window, softcap=softcap, sinks=sinks, blocks=blocks)
         return out_bshd[..., :dv], None
 
     return ds_seqpar_attention

@@ -59,7 +59,8 @@ def install(model, state) -> list:
             if restarts:
                 kwargs["cu_seqlens"] = documents_from_positions(pos, state.sp)
         if state.vision is not None:
-            kwargs.update(state.vision.whole_row(call, state.sp))
+            packed_row = any(kwargs.get(k, call.get(k)) is not None for k in ("cu_seqlens", "cu_seq_lens_q"))
+            kwargs.update(state.vision.whole_row(call, state.sp, packed_row))
         if state.linear is not None:         # hybrids: the state and the conv restart at every document
             state.linear.documents = linear_documents(kwargs.get("cu_seqlens", call.get("cu_seqlens")),
                                                       call.get("cu_seq_lens_q"), call["position_ids"], module)

@@ -16,6 +16,12 @@ as "embed input_ids, scatter the tower's features at the placeholder tokens, cal
   3. a pre-hook on the decoder (the submodule whose config is the text config) takes this rank's
      tokens of ``inputs_embeds`` and every other per-token tensor of the row with ``sp.shard`` (the layout's own token set: zigzag and striped
      are not contiguous), and of Qwen3-VL's deepstack features (``visual_pos_masks`` picks their rows).
+Bidirectional image blocks (Gemma 3, ShieldGemma 2, Gemma 4 with use_bidirectional_attention="vision"):
+transformers lets the tokens of one image see each other both ways (its block_sequence_ids: one block per
+run of vision tokens, OR'd onto the causal mask, the sliding window still bounding earlier keys). The
+blocks come from the whole row's token types (step 1: every rank the same, as the cu_seqlens of
+sp.shard_batch), and the layers that have them (Gemma 3: all; Gemma 4: its sliding layers) pass them to
+``sp.attention(blocks=...)``, a mask like the others for every strategy (masks.py).
 Gradients: ``sp.shard``'s backward leaves zeros at the other ranks' slots, so each rank's tower and
 embedding gradients are its slots' share and their sum over the sequence group is the unsharded
 gradient, the same contract as every replicated parameter under ``sp.loss``.
@@ -23,7 +29,7 @@ Cost: one [batch, N, hidden] embedding per rank before the decoder (N = the whol
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -36,9 +42,13 @@ WHOLE_ROW = ("input_ids", "mm_token_type_ids", "token_type_ids")
 # (pixels, grid) pairs whose grid rows (t, h, w) count the pixel rows (patches)
 GRIDS = (("pixel_values", "image_grid_thw", "image_token_id"),
          ("pixel_values_videos", "video_grid_thw", "video_token_id"))
-# model types that attend bidirectionally among one image's tokens (token_type_ids == 1): a block mask
-# inside the causal one, which transformers builds only for its own attention keys
-BIDIRECTIONAL_IMAGE_BLOCKS = frozenset({"gemma3", "paligemma", "gemma3n", "gemma4", "shieldgemma2"})
+# model type -> (the [batch, seq] input marking vision tokens, its vision values, the layers whose mask has
+# the blocks: "all" or "sliding"), as each model's get_block_sequence_ids_for_mask / create_masks_for_vision_model
+IMAGE_BLOCKS = {"gemma3": ("token_type_ids", (1,), "all"), "shieldgemma2": ("token_type_ids", (1,), "all"),
+                "gemma4": ("mm_token_type_ids", (1, 2), "sliding")}
+# prefix-LM models: the token_type_ids == 0 prefix attends bidirectionally as one group, in attention layers
+# transformers builds non-causal (the causal suffix comes from the mask alone)
+PREFIX_LM = frozenset({"paligemma"})
 
 
 def _decoder_of(model):
@@ -65,6 +75,11 @@ class VisionLanguage:
         self.decoder_name, self.decoder = decoder_name, decoder
         self.mrope = any(hasattr(m, "get_rope_index") for m in model.modules())
         self.row_len: Optional[int] = None      # the whole (padded) row length of the current call
+        self.blocks: Optional[Tuple[Tuple[int, int], ...]] = None   # the current call's image blocks
+        self.block_rule = IMAGE_BLOCKS.get(self.model_type)
+        if self.model_type == "gemma4" and getattr(model.config.get_text_config(), "use_bidirectional_attention",
+                                                   None) != "vision":
+            self.block_rule = None              # smaller Gemma 4 models: causal masks only
 
     @classmethod
     def of(cls, model) -> Optional["VisionLanguage"]:
@@ -96,19 +111,36 @@ class VisionLanguage:
                              f"has vision inputs: {self.model_type} uses 3-D RoPE (temporal, height, width), "
                              f"whose image positions differ; {fix} ({want} on this rank)")
 
-    def whole_row(self, call: dict, sp) -> dict:
-        """The WHOLE_ROW inputs in global order (every rank the same), after the whole-row checks."""
+    def whole_row(self, call: dict, sp, packed: bool) -> dict:
+        """The WHOLE_ROW inputs in global order (every rank the same), after the whole-row checks; the
+        image blocks of the call (``packed``: the row holds packed documents)."""
         rows = {k: sp.unshard(call[k], dim=1) for k in WHOLE_ROW if torch.is_tensor(call.get(k))}
         self.row_len = rows["input_ids"].shape[1] if "input_ids" in rows else None
         check_grids(call, rows.get("input_ids"), self.config)
         tt = rows.get("token_type_ids")
-        if self.model_type in BIDIRECTIONAL_IMAGE_BLOCKS and tt is not None and bool((tt == 1).any()):
+        if self.model_type in PREFIX_LM and tt is not None:
             raise UnsupportedModelError(
-                f"ds_seqpar.hf: token_type_ids marking image tokens in {self.model_type} cannot be exact under "
-                f"sequence parallelism: the model attends bidirectionally among one image's tokens (blocks inside "
-                f"the causal mask) and sequence-parallel attention expresses causal, window and document masks "
-                f"only; train on text rows (token_type_ids all 0) or without sequence parallelism")
+                f"ds_seqpar.hf: token_type_ids in {self.model_type} (a prefix LM: the token_type_ids == 0 prefix "
+                f"attends bidirectionally as one group, in attention layers built non-causal) are not expressed "
+                f"under sequence parallelism; train without sequence parallelism")
+        self.blocks = None
+        if self.block_rule is not None and torch.is_tensor(rows.get(self.block_rule[0])):
+            self.blocks = image_blocks(rows[self.block_rule[0]], self.block_rule[1], self.model_type)
+            if self.blocks and packed:
+                raise UnsupportedModelError(
+                    f"ds_seqpar.hf: image tokens in packed documents in {self.model_type} cannot be exact under "
+                    f"sequence parallelism: transformers' sliding-window mask looks the image blocks up by "
+                    f"within-document position there, which is not the per-document mask; pack text-only rows or "
+                    f"pass rows with images one per row")
         return rows
+
+    def layer_blocks(self, module) -> Optional[Tuple[Tuple[int, int], ...]]:
+        """The image blocks of this call for ``module``'s mask (None: plain causal)."""
+        if not self.blocks or self.block_rule[2] == "all":
+            return self.blocks
+        config, idx = getattr(module, "config", None), getattr(module, "layer_idx", None)
+        types = getattr(config, "layer_types", None) or ()
+        return self.blocks if idx is not None and idx < len(types) and types[idx] == "sliding_attention" else None
 
     def decoder_inputs(self, kwargs: dict, sp) -> dict:
         """This rank's tokens of the decoder's whole-row inputs (its pre-hook)."""
@@ -131,6 +163,24 @@ class VisionLanguage:
         elif mask is not None:
             kwargs["visual_pos_masks"] = mask
         return kwargs
+
+
+def image_blocks(types: torch.Tensor, values, model_type: str) -> Optional[Tuple[Tuple[int, int], ...]]:
+    """The whole row's bidirectional blocks, global (start, end) pairs: one per run of tokens whose type is
+    one of ``values`` (transformers' block_sequence_ids); None without any. Every row of the batch must
+    have the same (one Mask per batch), else refused."""
+    vision = torch.isin(types, torch.tensor(values, device=types.device)).to(torch.int8).cpu()
+    if not bool(vision.any()):
+        return None
+    edges = torch.diff(vision, dim=1, prepend=vision[:, :1] * 0, append=vision[:, :1] * 0)     # +1 start, -1 end
+    rows = {tuple(torch.nonzero(e != 0).flatten().tolist()) for e in edges}
+    if len(rows) > 1:
+        raise UnsupportedModelError(
+            f"ds_seqpar.hf: the {types.shape[0]} rows of the batch hold image tokens at different positions in "
+            f"{model_type}: its bidirectional image blocks are one mask per batch under sequence parallelism; pass "
+            f"one row per batch (or rows whose images sit at the same positions)")
+    flat = rows.pop()
+    return tuple(zip(flat[::2], flat[1::2]))
 
 
 def rope_positions(model, batch: dict):
@@ -172,4 +222,5 @@ def check_grids(call: dict, ids, config) -> None:
                                  f"per feature")
 
 
-__all__ = ["VisionLanguage", "WHOLE_ROW", "has_vision_inputs", "check_grids", "rope_positions"]
+__all__ = ["VisionLanguage", "WHOLE_ROW", "IMAGE_BLOCKS", "has_vision_inputs", "check_grids", "image_blocks",
+           "rope_positions"]

@@ -16,11 +16,14 @@ import torch
 from .. import comm
 from .documents import fingerprint
 
+DOCUMENTS = ("the GLOBAL document boundaries [0, l1, l1+l2, ..., N] of the whole packed sequence (sp.shard_batch "
+             "returns it so)")
+
 
 def check_same_on_ranks(bounds: Optional[Sequence[int]], local_error: Optional[Exception], group, stats,
-                        device, name: str = "cu_seqlens") -> None:
+                        device, name: str = "cu_seqlens", holds: str = DOCUMENTS) -> None:
     """Raise ``local_error`` (every rank first joins the all-reduce), or a ValueError naming ``name``
-    when another rank's value was invalid or different from this one's."""
+    (what it ``holds``) when another rank's value was invalid or different from this one's."""
     h = fingerprint(bounds) if bounds is not None and local_error is None else 0
     vec = torch.tensor([h, -h, int(local_error is not None)], dtype=torch.int64, device=device)
     if comm.group_size(group) > 1:
@@ -30,11 +33,10 @@ def check_same_on_ranks(bounds: Optional[Sequence[int]], local_error: Optional[E
     top, neg_bottom, bad = (int(x) for x in vec.tolist())
     if bad:
         raise ValueError(f"{name} was invalid on another rank of the sequence group (its error is raised "
-                         f"there); {name} are the global document boundaries, the same on every rank")
+                         f"there); {name} must hold {holds}, the same on every rank")
     if top != -neg_bottom:
-        raise ValueError(f"{name} differs across the ranks of the sequence group: it must hold the GLOBAL "
-                         f"document boundaries [0, l1, l1+l2, ..., N] of the whole packed sequence, the same "
-                         f"on every rank (sp.shard_batch returns it so)")
+        raise ValueError(f"{name} differs across the ranks of the sequence group: it must hold {holds}, the "
+                         f"same on every rank")
 
 
 __all__ = ["check_same_on_ranks"]

@@ -26,7 +26,8 @@ from .padding import pad_to
 
 IGNORE_INDEX = -100          # labels the loss leaves out (Hugging Face's and torch's convention)
 # vision inputs passed whole to every rank (the towers run on whole images), never cut along dim 1
-WHOLE_INPUTS = ("image_sizes", "second_per_grid_ts", "video_second_per_grid", "image_attention_mask")
+WHOLE_INPUTS = ("image_sizes", "second_per_grid_ts", "video_second_per_grid", "image_attention_mask",
+                "image_position_ids", "video_position_ids")
 
 
 def is_vision_input(key: str) -> bool:

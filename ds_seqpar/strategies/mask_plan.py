@@ -22,7 +22,11 @@ Two kinds of plan:
       window, causal    D + s(j - i) >  -w     ->  j - i >= lo = floor((-w - D) / s) + 1
       window, both ways D + s(j - i) <   w     ->  j - i <= hi = ceil((w - D) / s) - 1
 
-  so Q x K is one band (kernels/bands.py), trimmed to the rows that see a key, and the kernel
+      block [b0, b1)    Q's rows and K's keys inside it, D + s(j - i) > 0: a second band of them,
+                        j - i >= floor(-D / s) + 1 (the causal band's far side; pairs disjoint)
+
+  so Q x K is one band (plus one per bidirectional block holding rows and keys of both, folded into
+  the rows' accumulators like any other), trimmed to the rows that see a key, and the kernel
   computes it (``kernel.band``: the default cuts it into full / causal / anti sub-blocks, the torch
   kernel with its CPU tiles and key columns, flash-attn in one call with window_size). K/V go only
   where they are computed on (``direct``; transport.py): ``key_range(me, src)`` is the span a
@@ -104,7 +108,7 @@ def plan_mask(mask: Mask, ring_layout, padded: int, blocks: BlockPolicy) -> Mask
     """The plan of ``mask`` over ``ring_layout``'s positions for a sequence of ``padded`` tokens;
     ``blocks``: the layout's hand-derived bands for plain masks."""
     p, n = ring_layout.size, padded // ring_layout.size
-    if mask.docs is None and mask.window is None:
+    if mask.docs is None and mask.window is None and mask.blocks is None:
         real = mask.real(padded)
         if mask.causal or real == padded:           # causal blocks never see the end padding
             return MaskPlan(p, n, lambda me, src: blocks(me, src, p, mask.causal, n), direct=False)
@@ -130,8 +134,31 @@ def masked_plan(mask: Mask, ring_layout, padded: int) -> MaskPlan:
                                    *diagonal_bounds(qs, ks, mask.causal, mask.window))
                     if band is not None:
                         out.append(band)
+                    out.extend(block_bands(qs, ks, mask.blocks or ()))
         return out
     return MaskPlan(p, n, bands, direct=True)
+
+
+def block_bands(qs: Segment, ks: Segment, blocks: Sequence[Tuple[int, int]]) -> List[Band]:
+    """The pairs of a causal Q x K that bidirectional blocks add (module doc): per block, its rows of
+    ``qs`` against its keys of ``ks`` that come after them (gk > gq; the window bounds only earlier keys)."""
+    out = []
+    for start, end in blocks:
+        (i0, i1), (j0, j1) = _slots(qs, start, end), _slots(ks, start, end)
+        if i1 <= i0 or j1 <= j0:
+            continue
+        lo = (qs.first - ks.first) // qs.stride + 1 - j0 + i0      # j - i >= floor(-D / s) + 1, offsets moved
+        band = trimmed(qs.start + i0, i1 - i0, ks.start + j0, j1 - j0, lo, None)
+        if band is not None:
+            out.append(band)
+    return out
+
+
+def _slots(seg: Segment, start: int, end: int) -> Tuple[int, int]:
+    """The segment's slots [a, b) whose global positions first + stride * i lie in [start, end)."""
+    s = seg.stride
+    a, b = -((seg.first - start) // s), -((seg.first - end) // s)       # ceil((start - first) / s), likewise end
+    return max(a, 0), min(b, seg.length)
 
 
 def diagonal_bounds(qs: Segment, ks: Segment, causal: bool, window: Optional[int]) -> Tuple[Optional[int], Optional[int]]:
@@ -186,5 +213,6 @@ class PlanCache:
         return plan
 
 
-__all__ = ["ALL", "DIAGONAL", "FULL", "SKIP", "BlockPolicy", "MaskPlan", "PlanCache", "diagonal_bounds",
+__all__ = ["ALL", "DIAGONAL", "FULL", "SKIP", "BlockPolicy", "MaskPlan", "PlanCache", "block_bands",
+           "diagonal_bounds",
            "masked_plan", "plain_blocks", "plan_mask"]

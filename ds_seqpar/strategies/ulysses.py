@@ -154,7 +154,7 @@ class UlyssesAttention(Strategy):
     @staticmethod
     def _kernel_alone(mask: Mask, softcap, sinks) -> bool:
         """A plain mask (end padding at most) and no score modifier: one kernel call on the whole sequence."""
-        return mask.docs is None and mask.window is None and softcap is None and sinks is None
+        return mask.docs is None and mask.window is None and mask.blocks is None and softcap is None and sinks is None
 
     @staticmethod
     def _keys(mask: Mask, padded: int) -> int:

@@ -120,7 +120,7 @@ def check_fakes(sp, linear):
         args = (q, k, v) + front + (sp._handle,)
         saved = lambda outs: (q, k, v, outs[1:])              # noqa: E731
     else:
-        options = (cu, None, sp._handle, False, SCALE, None, 5, 3.0)
+        options = (cu, None, sp._handle, False, SCALE, None, 5, 3.0, None)      # ..., window, softcap, blocks
         sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
         fwd, bwd, args = ops.attention, ops.attention_backward, (q, k, v, sinks) + options
         saved = lambda outs: (q, k, v, sinks, outs[0], outs[1:])  # noqa: E731

@@ -1,13 +1,14 @@
 """Vision-language models (tests/hf_vlm.py) on the shared pool: each family trains one step exactly under
 every softmax strategy at P=2 (logits, loss, every gradient incl. the vision tower's), with image and video
-placeholders straddling the shard boundaries; bad vision inputs stop every rank with the input named."""
+placeholders straddling the shard boundaries (Gemma 3's bidirectional image blocks also at P=4 and in the
+2D hybrid); bad vision inputs stop every rank with the input named."""
 import torch
 
-from ..hf_vlm import CONFIGS, STRATEGIES, build, positions, row, sweep, train_vlm
+from ..hf_vlm import CONFIGS, STRATEGIES, build, check_vlm, positions, row, sweep, train_vlm
 from .test_hf_trainer import assert_same_training, ds_config
 
 # smolvlm is idefics3's code under another name (the sweep script covers it)
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "mistral3", "idefics3")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "mistral3", "idefics3", "gemma3", "gemma4")
 
 
 def test_vision_language_models_are_exact_under_every_strategy(pool):
@@ -20,6 +21,21 @@ def test_vision_language_models_are_exact_under_every_strategy(pool):
     for name, r in outcome.items():
         assert sorted(r) == sorted(STRATEGIES)
         assert all(kind == "exact" for kind, _ in r.values()), (name, r)
+
+
+def _gemma3_at_four():
+    from ds_seqpar import SequenceParallel
+    cfgs = {s: {"strategy": s, "size": 4} for s in STRATEGIES}
+    cfgs["zigzag 2x2"] = {"strategy": "zigzag", "size": 4, "ulysses_size": 2}
+    return check_vlm("gemma3", {name: SequenceParallel(cfg) for name, cfg in cfgs.items()})
+
+
+def test_gemma3_image_blocks_are_exact_at_four_ranks(pool):
+    """Each of the three images' 9 bidirectional tokens straddles a boundary of every layout at P=4."""
+    results = pool.run(_gemma3_at_four)
+    assert all(r == results[0] for r in results), "ranks of the group disagree"
+    assert sorted(results[0]) == sorted(STRATEGIES + ("zigzag 2x2",)), results[0]
+    assert all(kind == "exact" for kind, _ in results[0].values()), results[0]
 
 
 def _bad_inputs():
@@ -58,18 +74,25 @@ def _bad_inputs():
 
 
 def _gemma3_image_blocks(sp):
-    """Gemma 3 with token_type_ids marking image tokens on one rank's shard only: every rank refuses."""
+    """Gemma 3 image tokens (token_type_ids) that one mask cannot hold, on one rank's shard only: two rows with
+    images at different positions, and images in packed documents. Every rank refuses each."""
     from ds_seqpar.hf import apply_sequence_parallel
     from ..hf_zoo import tiny_config
     model = apply_sequence_parallel(build(tiny_config("gemma3"), torch.float32), sp)
-    ids = torch.randint(3, 100, (1, 64))
+    ids = torch.randint(3, 100, (2, 64))
     types = torch.zeros_like(ids)
     types[0, 40:44] = 1                      # zigzag at P=2: rank 1 holds 16..47, rank 0 none of them
-    try:
-        model(**sp.shard_batch({"input_ids": ids, "labels": ids, "token_type_ids": types}))
-    except ValueError as err:
-        return str(err)
-    return None
+    types[1, 8:12] = 1
+    packed = torch.cat([torch.arange(36), torch.arange(28)])[None]
+    out = []
+    for batch in ({"input_ids": ids, "labels": ids, "token_type_ids": types},
+                  {"input_ids": ids[:1], "labels": ids[:1], "token_type_ids": types[:1], "position_ids": packed}):
+        try:
+            model(**sp.shard_batch(batch))
+            out.append(None)
+        except ValueError as err:
+            out.append(str(err))
+    return out
 
 
 def test_bad_vision_inputs_stop_every_rank_with_the_input_named(pool):
@@ -81,7 +104,8 @@ def test_bad_vision_inputs_stop_every_rank_with_the_input_named(pool):
     assert "position_ids (1, 32) are 1-D text positions" in errors["text positions"], errors
     assert "position_ids (3, 1, 64) do not fit this rank's input_ids (1, 32)" in errors["unsharded positions"], errors
     assert len({round(r[1], 6) for r in results}) == 1      # a good call after them: the ranks still agree
-    assert all("token_type_ids marking image tokens in gemma3 cannot be exact" in r[2] for r in results), results
+    assert all("rows of the batch hold image tokens at different positions in gemma3" in r[2][0] for r in results)
+    assert all("image tokens in packed documents in gemma3 cannot be exact" in r[2][1] for r in results), results
 
 
 def test_trainer_trains_a_qwen2_5_vl_on_random_images_as_plain_data_parallelism(pool):

@@ -104,14 +104,14 @@ class _Owner:
     def __init__(self, kernel):
         self.strategy = RingAttention(_ctx(kernel))
 
-    def _mask(self, q, causal, seq_len, cu_seqlens, window):
+    def _mask(self, q, causal, seq_len, cu_seqlens, window, blocks=None):
         return Mask(causal, window)
 
 
 def test_the_ops_fakes_keep_cuda_bf16():
     """What the compiler plans with on a GPU: the forward op's out and saved, the backward op's gradients."""
     owner = _Owner(TorchKernel())
-    options = (None, None, handle(owner), True, D ** -0.5, None, 16, 30.0)
+    options = (None, None, handle(owner), True, D ** -0.5, None, 16, 30.0, None)      # ..., softcap, blocks
     with FakeTensorMode():
         q, k, v = _cuda(1, N, HEADS, D), _cuda(1, N, KV_HEADS, D), _cuda(1, N, KV_HEADS, D)
         sinks = _cuda(HEADS, dtype=torch.float32)

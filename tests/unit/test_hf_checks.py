@@ -193,7 +193,8 @@ class _RecordingSP:
         self.calls = []
 
     def attention(self, q, k, v, causal=True, softmax_scale=None, seq_len=None, cu_seqlens=None, window=None,
-                  softcap=None, sinks=None):
+                  softcap=None, sinks=None, blocks=None):
+        assert blocks is None, "a text model's layer passed bidirectional blocks"
         self.calls.append(dict(shapes=(q.shape, k.shape, v.shape), causal=causal, scale=softmax_scale,
                                cu_seqlens=cu_seqlens, window=window, softcap=softcap, sinks=sinks))
         return torch.zeros(q.shape[:-1] + (q.shape[-1],))

@@ -40,6 +40,11 @@ def predicate(mask, layout, padded, me, src):
 LAYOUTS = [("contiguous", 4), ("zigzag", 4), ("striped", 4), ("zigzag", 2), ("contiguous", 1), ("striped", 3)]
 MASKS = [Mask(True), Mask(False), Mask(True, 5), Mask(False, 7), Mask(True, None, (5, 13, 6)),
          Mask(False, 4, (10, 14)), Mask(True, None, None, 21), Mask(False, None, None, 21), Mask(True, 9, (3, 19))]
+# bidirectional blocks (Gemma 3's images): alone, longer than the window, inside documents, up to end padding
+MASKS += [Mask(True, blocks=((3, 9), (14, 20))), Mask(True, 4, blocks=((2, 11), (11, 13))),
+          Mask(True, None, (5, 13, 6), blocks=((1, 4), (6, 15), (19, 23))),
+          Mask(True, 5, (10, 14), blocks=((2, 9), (12, 22))),
+          Mask(True, None, None, 21, blocks=((15, 21),))]
 
 
 @pytest.mark.parametrize("name,p", LAYOUTS)

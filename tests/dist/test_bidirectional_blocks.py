@@ -1,0 +1,87 @@
+"""Bidirectional blocks inside a causal mask (sp.attention's ``blocks``: Gemma 3's image tokens) on the
+4-rank pool: every softmax strategy at 2 and 4 ranks and the 2D hybrid, blocks straddling the shard
+boundaries of every layout, with a sliding window, packed documents and end padding, MHA and GQA, against
+a float64 dense reference with the same mask and the derived tolerance; bad blocks refused on every rank.
+"""
+import pytest
+import torch
+
+from ds_seqpar import SequenceParallel
+
+from ..dist_checks import global_inputs
+from ..reference import assert_derived_close, masked_attention_with_grads
+
+HEAD_DIM = 8
+# (global length, real length or None, window, cu_seqlens, blocks): the P=2 / P=4 boundaries of the
+# contiguous and zigzag layouts are multiples of 8 and 16, striped cuts every block; a block longer than the
+# window; blocks inside packed documents; a block running into the end padding's edge
+CASES = [(64, None, None, None, [(10, 22), (28, 37), (44, 60)]),
+         (64, None, 6, None, [(12, 26), (40, 43)]),
+         (64, None, None, [0, 20, 50, 64], [(3, 18), (24, 41), (52, 60)]),
+         (61, 61, 9, [0, 33, 61], [(5, 12), (40, 61)])]
+HEADS = ((4, 4), (4, 2))
+
+
+def _check_blocks(cfgs):
+    counts = []
+    for cfg in cfgs:
+        sp = SequenceParallel(cfg)
+        n = 0
+        for seq, real, window, bounds, blocks in CASES:
+            for heads, kv_heads in HEADS:
+                q, k, v, dout = global_inputs(seq + kv_heads, 1, seq, heads, kv_heads, HEAD_DIM)
+                scale = HEAD_DIM ** -0.5
+                kw = dict(window=window, bounds=bounds, blocks=blocks)
+                ref64 = masked_attention_with_grads(q, k, v, dout, True, scale, torch.float64, **kw)
+                plain = masked_attention_with_grads(q, k, v, dout, True, scale, torch.float32, **kw)
+                q_l, k_l, v_l = (sp.shard(t).detach().requires_grad_() for t in (q, k, v))
+                out_l = sp.attention(q_l, k_l, v_l, causal=True, softmax_scale=scale, seq_len=real,
+                                     cu_seqlens=bounds, window=window, blocks=blocks)
+                out_l.backward(sp.shard(dout))
+                case = f"{cfg} seq={seq} window={window} cu={bounds} blocks={blocks} heads={heads}/{kv_heads}"
+                for name, g, r, p in zip(("out", "dq", "dk", "dv"), (out_l, q_l.grad, k_l.grad, v_l.grad),
+                                         ref64, plain):
+                    assert g is not None, f"{case}: no gradient for {name}"
+                    assert_derived_close(f"{case} {name} sp_rank={sp.rank}", g.detach(), sp.shard(r), sp.shard(p))
+                n += 1
+        counts.append(n)
+    return counts
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_bidirectional_blocks_match_dense_reference(pool, size):
+    cfgs = [{"strategy": s, "size": size} for s in ("ulysses", "ring", "zigzag", "striped")]
+    if size == 4:
+        cfgs.append({"strategy": "zigzag", "size": 4, "ulysses_size": 2})
+    for counts in pool.run(_check_blocks, cfgs):
+        assert counts == [len(CASES) * len(HEADS)] * len(cfgs), counts
+
+
+def _bad_blocks():
+    sp = SequenceParallel({"strategy": "zigzag", "size": 4})
+    q, k, v, _ = global_inputs(0, 1, 32, 4, 2, HEAD_DIM)
+    q_l, k_l, v_l = (sp.shard(t) for t in (q, k, v))
+    cases = {"non-causal": dict(causal=False, blocks=[(2, 9)]),
+             "across documents": dict(cu_seqlens=[0, 10, 32], blocks=[(4, 14)]),
+             "out of order": dict(blocks=[(12, 20), (2, 9)]),
+             "past the end": dict(blocks=[(20, 40)]),
+             "not pairs": dict(blocks=[(1, 2, 3)]),
+             "one rank differs": dict(blocks=[(2, 9 + (sp.rank == 1))])}
+    out = {}
+    for name, kw in cases.items():
+        try:
+            sp.attention(q_l, k_l, v_l, **kw)
+            out[name] = None
+        except ValueError as err:
+            out[name] = str(err)
+    return out
+
+
+def test_bad_blocks_stop_every_rank_with_blocks_named(pool):
+    results = pool.run(_bad_blocks)
+    for name, needle in (("non-causal", "with causal=False"), ("across documents", "crosses the document boundary 10"),
+                         ("out of order", "(2, 9) is not a non-empty span after the previous block"),
+                         ("past the end", "inside the 32 real tokens"), ("not pairs", "(start, end) pairs"),
+                         ("one rank differs", "blocks differs across the ranks")):
+        for rank, r in enumerate(results):
+            assert r[name] is not None and needle in r[name], (name, rank, r[name])
