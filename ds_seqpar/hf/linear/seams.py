@@ -18,43 +18,60 @@ import sys
 import torch
 
 from ...errors import UnsupportedModelError
-from .families import CONV, FUSED, LAYER_OPS, LIGHTNING, OPTIONAL, SCAN, SSD, calls_per_forward
+from ..batch_check import KWARG
+from .families import FUSED, LAYER_OPS, LIGHTNING, OPTIONAL, calls_per_forward
+from .opaque import compiled_seam, run_seam
 
 _PACKING_KWARGS = frozenset({"cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"})
+# what the compiled model's pre-hook passes its first attention layer (hf/batch_check.py): the attention's alone
+_ATTENTION_KWARGS = _PACKING_KWARGS | {KWARG}
 # (mixers, module, {op: calls}) of the applied layer whose forward is running, or None
 _RUNNING: contextvars.ContextVar = contextvars.ContextVar("ds_seqpar_linear_layer", default=None)
+_TRACED: list = []
 
 
 def _seam(name: str, original):
+    positional, defaults = _parameters(original)
+
     def seam(*args, **kwargs):
-        running = _RUNNING.get()
+        running = _running()
         if running is None:
             return original(*args, **kwargs)
         mixers, module, _ = running
         count(name)
         if name in FUSED:
             return None          # the layer then takes its op path (conv + scan), which has the seams
-        bound = inspect.signature(original).bind(*args, **kwargs)
-        bound.apply_defaults()
-        call = dict(bound.arguments)
-        call.update(call.pop("kwargs", {}))
+        call = dict(defaults, **dict(zip(positional, args)), **kwargs)
         for name_ in ("cu_seqlens", "seq_idx"):     # packed documents: the mixers cut at them themselves
             call.pop(name_, None)
-        if name == CONV:
-            return mixers.conv(original, call)
-        if name == SSD:
-            return mixers.ssd(original, call, mixers.where(module))
-        if name == SCAN:
-            return mixers.selective_scan(original, call, mixers.where(module))
-        return mixers.delta_rule(original, call, mixers.where(module))
+        if torch.compiler.is_compiling():
+            return compiled_seam(mixers, module, name, original, call)
+        return run_seam(mixers, module, name, original, call)
 
     seam._ds_seqpar_original = original
     return seam
 
 
+def _parameters(original):
+    """(the names positional arguments bind to, the defaults): the binding, read once (dynamo cannot
+    trace inspect.signature)."""
+    params = inspect.signature(original).parameters.values()
+    positional = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    return positional, {p.name: p.default for p in params if p.default is not p.empty}
+
+
+def _running():
+    """(mixers, module, {op: calls}) of the applied layer whose forward is running, or None. While
+    dynamo traces, a plain stack stands in for the context variable (which dynamo cannot trace): the
+    traced forward runs on one thread."""
+    if torch.compiler.is_compiling():
+        return _TRACED[-1] if _TRACED else None
+    return _RUNNING.get()
+
+
 def count(name: str) -> None:
     """One call of op ``name`` by the running layer (lightning attention counts its replaced forward)."""
-    calls = _RUNNING.get()[2]
+    calls = _running()[2]
     calls[name] = calls.get(name, 0) + 1
 
 
@@ -93,17 +110,24 @@ def layer_hooks(mixers, module) -> list:
     tokens = []
 
     def pre(module, args, kwargs):
-        refuse_compile(mixers.where(module))
-        tokens.append(_RUNNING.set((mixers, module, {})))
+        if torch.compiler.is_compiling():
+            if LIGHTNING in LAYER_OPS[type(module).__name__]:
+                refuse_compile(mixers.where(module))
+            _TRACED.append((mixers, module, {}))
+        else:
+            tokens.append(_RUNNING.set((mixers, module, {})))
         # the documents reach the mixers through mixers.documents; transformers' layers would pass
         # the call's cu_seqlens on to ops that refuse them (or pass them twice)
-        return args, {k: v for k, v in kwargs.items() if k not in _PACKING_KWARGS}
+        return args, {k: v for k, v in kwargs.items() if k not in _ATTENTION_KWARGS}
 
     def post(module, args, kwargs, output):
         # always_call: also after an exception (a refusal inside the layer), so no stale mark
         # makes another model's op take the sequence-parallel path
-        calls = _RUNNING.get()[2]
-        _RUNNING.reset(tokens.pop())
+        calls = _running()[2]
+        if torch.compiler.is_compiling():
+            _TRACED.pop()
+        else:
+            _RUNNING.reset(tokens.pop())
         if output is None:
             return None
         want = calls_per_forward(module)
