@@ -92,15 +92,17 @@ def install_seams(layers) -> None:
 
 
 def refuse_compile(where: str) -> None:
-    """Raised while torch.compile traces an applied linear layer: its exchange is not an opaque op yet.
-    Under fullgraph=True the compile fails with this message; without it, dynamo runs the layer eagerly
+    """Raised while torch.compile traces an applied MiniMax lightning attention layer: its replaced
+    forward (lightning.py) calls the exchange directly, with no seam to make one opaque op of. Under
+    fullgraph=True the compile fails with this message; without it, dynamo runs the layer eagerly
     between graphs (its own documented fallback)."""
     if torch.compiler.is_compiling():
         raise UnsupportedModelError(
-            f"ds_seqpar.hf: {where} cannot be compiled yet: the sequence-parallel exchange of the hybrids' linear "
-            f"layers (conv halo, recurrent states, heads all-to-all) is not an opaque op (docs/compile.md); what "
-            f"compiles with fullgraph=True: sp.attention under every strategy and sp.linear_attention (lasp). "
-            f"Compile without fullgraph (these layers then run eagerly between graphs) or leave the model eager")
+            f"ds_seqpar.hf: {where} cannot be compiled yet: lightning attention's sequence-parallel exchange runs "
+            f"in its replaced forward, not as an opaque op (docs/compile.md); what compiles with fullgraph=True: "
+            f"sp.attention under every strategy, sp.linear_attention (lasp) and the hybrids' other linear layers "
+            f"(short convolutions, gated DeltaNet, Kimi delta attention, Mamba2 and Mamba-1 scans). Compile "
+            f"without fullgraph (the layer then runs eagerly between graphs) or leave the model eager")
 
 
 def layer_hooks(mixers, module) -> list:
