@@ -7,7 +7,8 @@ layer's forward only, reset by its post-hook): other models in the process, and 
 remove_sequence_parallel, run transformers' code untouched.
 
 Every seam call is counted per layer; a layer that bypassed a seam (another kernel swapped in, a
-fused path) is refused after its forward, before the loss and backward.
+fused path) is refused after its forward, before the loss and backward. Under torch.compile each seam
+call is one opaque op (opaque.py).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ _PACKING_KWARGS = frozenset({"cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k", "ma
 _ATTENTION_KWARGS = _PACKING_KWARGS | {KWARG}
 # (mixers, module, {op: calls}) of the applied layer whose forward is running, or None
 _RUNNING: contextvars.ContextVar = contextvars.ContextVar("ds_seqpar_linear_layer", default=None)
-_TRACED: list = []
+_TRACED: list = []      # the same, while dynamo traces the forward (_running)
 
 
 def _seam(name: str, original):
@@ -113,9 +114,9 @@ def layer_hooks(mixers, module) -> list:
 
     def pre(module, args, kwargs):
         if torch.compiler.is_compiling():
+            _TRACED.append((mixers, module, {}))
             if LIGHTNING in LAYER_OPS[type(module).__name__]:
                 refuse_compile(mixers.where(module))
-            _TRACED.append((mixers, module, {}))
         else:
             tokens.append(_RUNNING.set((mixers, module, {})))
         # the documents reach the mixers through mixers.documents; transformers' layers would pass
