@@ -137,6 +137,10 @@ def linear_documents(cu_seqlens, cu_seq_lens_q, position_ids, module):
     bounds = cu_seqlens if cu_seqlens is not None else cu_seq_lens_q
     if bounds is None:
         return None
+    if torch.compiler.is_compiling():
+        raise UnsupportedModelError(f"ds_seqpar.hf: packed documents (cu_seqlens) in {type(module).__name__}'s linear "
+                                    f"layers cannot be compiled yet: they cut the hybrids' state exchange and conv "
+                                    f"halo on the host; compile rows of one document each, or leave the model eager")
     if position_ids.shape[0] != 1:
         raise UnsupportedModelError(f"ds_seqpar.hf: packed documents with {position_ids.shape[0]} rows in "
                                     f"{type(module).__name__}: the linear layers' documents are one row's; pack "

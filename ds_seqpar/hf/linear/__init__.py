@@ -10,4 +10,5 @@
     ssd.py         Mamba2's chunked scan: the plain call and a width-1 probe of the decays
     selective_scan.py  Mamba-1's scan (no initial state): the call from zero plus the entering state's share
     lightning.py   MiniMax's lightning attention: no op to hook, the forward is replaced
+    opaque.py      under torch.compile, a seam call as one opaque op (its backward reruns the eager path)
 """

@@ -7,7 +7,8 @@ layer's forward only, reset by its post-hook): other models in the process, and 
 remove_sequence_parallel, run transformers' code untouched.
 
 Every seam call is counted per layer; a layer that bypassed a seam (another kernel swapped in, a
-fused path) is refused after its forward, before the loss and backward.
+fused path) is refused after its forward, before the loss and backward. Under torch.compile each seam
+call is one opaque op (opaque.py).
 """
 from __future__ import annotations
 
@@ -18,43 +19,60 @@ import sys
 import torch
 
 from ...errors import UnsupportedModelError
-from .families import CONV, FUSED, LAYER_OPS, LIGHTNING, OPTIONAL, SCAN, SSD, calls_per_forward
+from ..batch_check import KWARG
+from .families import FUSED, LAYER_OPS, LIGHTNING, OPTIONAL, calls_per_forward
+from .opaque import compiled_seam, run_seam
 
 _PACKING_KWARGS = frozenset({"cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"})
+# what the compiled model's pre-hook passes its first attention layer (hf/batch_check.py): the attention's alone
+_ATTENTION_KWARGS = _PACKING_KWARGS | {KWARG}
 # (mixers, module, {op: calls}) of the applied layer whose forward is running, or None
 _RUNNING: contextvars.ContextVar = contextvars.ContextVar("ds_seqpar_linear_layer", default=None)
+_TRACED: list = []      # the same, while dynamo traces the forward (_running)
 
 
 def _seam(name: str, original):
+    positional, defaults = _parameters(original)
+
     def seam(*args, **kwargs):
-        running = _RUNNING.get()
+        running = _running()
         if running is None:
             return original(*args, **kwargs)
         mixers, module, _ = running
         count(name)
         if name in FUSED:
             return None          # the layer then takes its op path (conv + scan), which has the seams
-        bound = inspect.signature(original).bind(*args, **kwargs)
-        bound.apply_defaults()
-        call = dict(bound.arguments)
-        call.update(call.pop("kwargs", {}))
+        call = dict(defaults, **dict(zip(positional, args)), **kwargs)
         for name_ in ("cu_seqlens", "seq_idx"):     # packed documents: the mixers cut at them themselves
             call.pop(name_, None)
-        if name == CONV:
-            return mixers.conv(original, call)
-        if name == SSD:
-            return mixers.ssd(original, call, mixers.where(module))
-        if name == SCAN:
-            return mixers.selective_scan(original, call, mixers.where(module))
-        return mixers.delta_rule(original, call, mixers.where(module))
+        if torch.compiler.is_compiling():
+            return compiled_seam(mixers, module, name, original, call)
+        return run_seam(mixers, module, name, original, call)
 
     seam._ds_seqpar_original = original
     return seam
 
 
+def _parameters(original):
+    """(the names positional arguments bind to, the defaults): the binding, read once (dynamo cannot
+    trace inspect.signature)."""
+    params = inspect.signature(original).parameters.values()
+    positional = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    return positional, {p.name: p.default for p in params if p.default is not p.empty}
+
+
+def _running():
+    """(mixers, module, {op: calls}) of the applied layer whose forward is running, or None. While
+    dynamo traces, a plain stack stands in for the context variable (which dynamo cannot trace): the
+    traced forward runs on one thread."""
+    if torch.compiler.is_compiling():
+        return _TRACED[-1] if _TRACED else None
+    return _RUNNING.get()
+
+
 def count(name: str) -> None:
     """One call of op ``name`` by the running layer (lightning attention counts its replaced forward)."""
-    calls = _RUNNING.get()[2]
+    calls = _running()[2]
     calls[name] = calls.get(name, 0) + 1
 
 
@@ -75,15 +93,17 @@ def install_seams(layers) -> None:
 
 
 def refuse_compile(where: str) -> None:
-    """Raised while torch.compile traces an applied linear layer: its exchange is not an opaque op yet.
-    Under fullgraph=True the compile fails with this message; without it, dynamo runs the layer eagerly
+    """Raised while torch.compile traces an applied MiniMax lightning attention layer: its replaced
+    forward (lightning.py) calls the exchange directly, with no seam to make one opaque op of. Under
+    fullgraph=True the compile fails with this message; without it, dynamo runs the layer eagerly
     between graphs (its own documented fallback)."""
     if torch.compiler.is_compiling():
         raise UnsupportedModelError(
-            f"ds_seqpar.hf: {where} cannot be compiled yet: the sequence-parallel exchange of the hybrids' linear "
-            f"layers (conv halo, recurrent states, heads all-to-all) is not an opaque op (docs/compile.md); what "
-            f"compiles with fullgraph=True: sp.attention under every strategy and sp.linear_attention (lasp). "
-            f"Compile without fullgraph (these layers then run eagerly between graphs) or leave the model eager")
+            f"ds_seqpar.hf: {where} cannot be compiled yet: lightning attention's sequence-parallel exchange runs "
+            f"in its replaced forward, not as an opaque op (docs/compile.md); what compiles with fullgraph=True: "
+            f"sp.attention under every strategy, sp.linear_attention (lasp) and the hybrids' other linear layers "
+            f"(short convolutions, gated DeltaNet, Kimi delta attention, Mamba2 and Mamba-1 scans). Compile "
+            f"without fullgraph (the layer then runs eagerly between graphs) or leave the model eager")
 
 
 def layer_hooks(mixers, module) -> list:
@@ -93,17 +113,24 @@ def layer_hooks(mixers, module) -> list:
     tokens = []
 
     def pre(module, args, kwargs):
-        refuse_compile(mixers.where(module))
-        tokens.append(_RUNNING.set((mixers, module, {})))
+        if torch.compiler.is_compiling():
+            _TRACED.append((mixers, module, {}))
+            if LIGHTNING in LAYER_OPS[type(module).__name__]:
+                refuse_compile(mixers.where(module))
+        else:
+            tokens.append(_RUNNING.set((mixers, module, {})))
         # the documents reach the mixers through mixers.documents; transformers' layers would pass
         # the call's cu_seqlens on to ops that refuse them (or pass them twice)
-        return args, {k: v for k, v in kwargs.items() if k not in _PACKING_KWARGS}
+        return args, {k: v for k, v in kwargs.items() if k not in _ATTENTION_KWARGS}
 
     def post(module, args, kwargs, output):
         # always_call: also after an exception (a refusal inside the layer), so no stale mark
         # makes another model's op take the sequence-parallel path
-        calls = _RUNNING.get()[2]
-        _RUNNING.reset(tokens.pop())
+        calls = _running()[2]
+        if torch.compiler.is_compiling():
+            _TRACED.pop()
+        else:
+            _RUNNING.reset(tokens.pop())
         if output is None:
             return None
         want = calls_per_forward(module)
