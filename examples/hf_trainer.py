@@ -150,6 +150,11 @@ def main():
         with open(os.path.join(opts.output_dir, "steps.json"), "w") as f:
             json.dump(steps, f, indent=1)
         torch.save(params, os.path.join(opts.output_dir, "final.pt"))
+    if torch.distributed.is_initialized():
+        # every rank done before any leaves, then an orderly teardown of the process group rather than
+        # one left to the interpreter's exit (PyTorch's advice for the end of a distributed script)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
