@@ -34,6 +34,13 @@ def assert_derived_close(name, got, ref64, plain, k=K, floor=1e-6):
                           f"(plain {got.dtype} error {max_err(plain, ref64):.3e}, K={k})")
 
 
+def assert_shards_close(case, sp, out, inputs, ref64, plain):
+    """This rank's output and q/k/v gradients against its shards of the float64 and plain references."""
+    for name, g, r, p in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in inputs)), ref64, plain):
+        assert g is not None, f"{case}: no gradient for {name}"
+        assert_derived_close(f"{case} {name}", g.detach(), sp.shard(r), sp.shard(p))
+
+
 def packed_attention_with_grads(q, k, v, dout, bounds, causal, scale, dtype):
     """(out, dq, dk, dv) of attention computed per document separately (batch 1): document d is
     tokens [bounds[d], bounds[d+1]); tokens past bounds[-1] (end padding) get zeros."""

@@ -13,17 +13,20 @@ def needs(tool: str):
     return pytest.mark.skipif(shutil.which(tool) is None, reason=f"{tool} is not on PATH")
 
 
-@pytest.fixture(scope="module")
-def hosts():
-    """One setup per module (it takes a second; the jobs take the time); removed even if a test
-    fails, and an earlier crashed run's leftovers are removed first (Hosts.up)."""
+def hosts_up(n: int):
+    """``n`` hosts for one module (setup takes a second; the jobs take the time); removed even if a
+    test fails, and an earlier crashed run's leftovers are removed first (Hosts.up)."""
     if UNAVAILABLE:
         pytest.skip(f"no network namespaces here: {UNAVAILABLE}")
-    built = netns.Hosts(2)
     try:
-        yield built.up()
+        yield netns.Hosts(n).up()
     finally:
         netns.cleanup()
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    yield from hosts_up(2)
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from . import jobs, netns
-from .conftest import UNAVAILABLE, needs
+from . import jobs
+from .conftest import hosts_up, needs
 
 pytestmark = [pytest.mark.multinode, pytest.mark.launcher]
 TIMEOUT_S = 240
@@ -17,13 +17,7 @@ TIMEOUT_S = 240
 
 @pytest.fixture(scope="module")
 def four():
-    if UNAVAILABLE:
-        pytest.skip(f"no network namespaces here: {UNAVAILABLE}")
-    built = netns.Hosts(4)
-    try:
-        yield built.up()
-    finally:
-        netns.cleanup()
+    yield from hosts_up(4)
 
 
 @needs("mpirun")
