@@ -18,9 +18,9 @@ from ..masks import Mask
 from ..report.rows import Row
 from ..report.targets import TARGETS
 from ..strategies.closed_form import Shapes
-from .harness import (LINEAR, SOFTMAX, alone, attention_inputs, case_times, closed_form, command_line, fwd_bwd,
-                      measure_on_pool, rank_rounds, strategy_config, suite_facts, suite_main, suite_parser, versus,
-                      write_page)
+from .harness import (LINEAR, SOFTMAX, alone, attention_inputs, attention_line, case_times, closed_form, command_line,
+                      fwd_bwd, measure_on_pool, rank_rounds, strategy_config, suite_facts, suite_main, suite_parser,
+                      versus, write_page)
 
 PROG = "ds-seqpar bench packed"
 VARIANTS = ("one", "equal", "mixed")
@@ -225,11 +225,7 @@ def facts(meta) -> dict:
                 f"tokens. Best balanced ring layout for packed data (smallest worst case): **{best}**.")
     return suite_facts(
         meta, f"Packed documents on CPU ranks: {docs} equal documents vs one document of the same length",
-        f"P={meta['P']} ranks x 1 thread (gloo), N={meta['seq']} tokens, batch 1, {meta['heads']} heads x "
-        f"{meta['head_dim']}, fp32, causal, forward + backward, kernel `torch` (CPU flash SDPA); "
-        f"{meta['repeats']} interleaved rounds after {meta['warmup']} warm-up round(s); ratios are taken "
-        f"per round (the variants run back to back, under the same load), median (min-max) over rounds; "
-        f"CPU ratio: the same with the busiest rank's thread CPU time.", {
+        f"{attention_line(meta)}.", {
             _ratio_metric(docs):
                 "Softmax attention: causal work is the sum of squared document lengths, 1/docs of one "
                 "document's (predicted). Linear attention (LASP, single_linear) does O(N) work either way.",
@@ -239,7 +235,7 @@ def facts(meta) -> dict:
             "Random packings: causal work imbalance max/mean": best,
             f"One rank's block (n = {meta['seq'] // meta['P']}): masked / sub-blocks":
                 "Fwd+bwd on one process, the same CPU flash kernel: causal squares per document (what the "
-                "strategies do) against one call over the whole block with an additive mask (attn_mask)."})
+                "strategies do) against one call over the whole block with an additive mask (attn_mask)."}, rounds=True)
 
 
 def write(found: List[Row], meta, out: str) -> int:

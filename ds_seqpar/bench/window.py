@@ -18,8 +18,9 @@ from ..masks import Mask
 from ..report.rows import Row
 from ..report.targets import TARGETS
 from ..strategies.closed_form import Shapes
-from .harness import (alone, attention_inputs, case_times, closed_form, command_line, fwd_bwd, measure_on_pool,
-                      rank_rounds, strategy_config, suite_facts, suite_main, suite_parser, versus, write_page)
+from .harness import (alone, attention_inputs, attention_line, case_times, closed_form, command_line, fwd_bwd,
+                      measure_on_pool, rank_rounds, strategy_config, suite_facts, suite_main, suite_parser, versus,
+                      write_page)
 
 STRATEGIES = ("ring", "zigzag", "striped", "ulysses")
 PROG = "ds-seqpar bench window"
@@ -144,13 +145,8 @@ def rows(per_rank, args, pieces: Optional[List[dict]] = None) -> List[Row]:
 def facts(meta) -> dict:
     return suite_facts(
         meta, "Sliding windows, softcap and sinks on CPU ranks: each against plain causal attention",
-        f"P={meta['P']} ranks x 1 thread (gloo), N={meta['seq']} tokens, batch 1, {meta['heads']} heads x "
-        f"{meta['head_dim']}, fp32, causal, forward + backward, kernel `torch` (CPU flash SDPA); variants per "
-        f"strategy: plain, window {', '.join(map(str, meta['windows']))}, softcap {meta['softcap']:g}, sinks "
-        f"(one logit per head, with its gradient). {meta['repeats']} interleaved rounds after "
-        f"{meta['warmup']} warm-up round(s); times are medians of the slowest rank's wall time; ratios are "
-        f"taken per round (every variant of a strategy runs back to back with plain, under the same load), "
-        f"median (min-max) over rounds; CPU ratio: the same with the busiest rank's thread CPU time.", {
+        f"{attention_line(meta)}; variants per strategy: plain, window {', '.join(map(str, meta['windows']))}, "
+        f"softcap {meta['softcap']:g}, sinks (one logit per head, with its gradient).", {
             WINDOW: "Predicted: the work ratio, visible causal (q, k) pairs of the busiest rank with the window / "
                     "without it (query i sees min(i + 1, w) keys; a ring layout's rank holds layout.indices, "
                     "Ulysses' every rank 1/P of the heads of all queries). Goal: time ratio / work ratio "
@@ -162,7 +158,8 @@ def facts(meta) -> dict:
             KERNEL: "One process, one thread, after the rounds: forward + backward of every sub-block the busiest "
                     "position computes (the strategy's blocks without a window; the masked policy's band pieces with "
                     f"one), no merge and no communication; median of {meta.get('kernel_rounds')} runs. Rounds CPU: "
-                    "that rank's median CPU seconds in the rounds above (kernel + merges + the ring loop)."})
+                    "that rank's median CPU seconds in the rounds above (kernel + merges + the ring loop)."},
+        rounds=True)
 
 
 # -- command line ----------------------------------------------------------------------------------------
