@@ -16,7 +16,6 @@ the rows and the plots (what each metric means is written on the page). Writes
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 import time
@@ -211,17 +210,15 @@ def _measure(args, spec: BenchSpec, pools=None):
     from .cases import run_rank
     if under_launcher():
         return _measure_under_launcher(args, spec)
-    with contextlib.ExitStack() as stack:
-        pool, solo = pools or (stack.enter_context(fresh_pool(args.P)), None)
-        if pool.world_size != args.P:
-            raise BenchError(f"--P {args.P} but the given pool has {pool.world_size} ranks")
+    pool, solo = pools or (None, None)
+    with fresh_pool(args.P, pool) as pool:
         per_rank = pool.run(run_rank, spec, args.seq_lens, args.mem_budget_n, timeout=3600.0)
         train = {}
         if args.train:
             from .train_step import measure_training
             # started only now: its process start and imports would load the attention timings
-            solo = solo or stack.enter_context(fresh_pool(1))
-            train = measure_training(pool, solo, args.train, _train_model(args), args.warmup, args.repeats)
+            with fresh_pool(1, solo) as solo:
+                train = measure_training(pool, solo, args.train, _train_model(args), args.warmup, args.repeats)
     return per_rank, train, "" if args.train else "skipped (--train-strategies none)"
 
 

@@ -202,10 +202,16 @@ def versus(a: dict, b: dict) -> Dict[str, Any]:
 
 
 @contextlib.contextmanager
-def fresh_pool(world: int):
-    """``world`` fresh local CPU ranks (RankPool, one thread each, gloo), closed on the way out."""
+def fresh_pool(world: int, given=None, timeout_s: float = 3600.0):
+    """``world`` fresh local CPU ranks (RankPool, one thread each, gloo), closed on the way out; or ``given``,
+    an already started pool of that size (a test's session pool), left open."""
     from ..launch.rankpool import RankPool
-    pool = RankPool(world, timeout_s=3600.0, threads_per_rank=1).start()
+    if given is not None:
+        if given.world_size != world:
+            raise ValueError(f"needs a pool of {world} ranks, got one of {given.world_size}")
+        yield given
+        return
+    pool = RankPool(world, timeout_s=timeout_s, threads_per_rank=1).start()
     try:
         yield pool
     finally:

@@ -65,30 +65,25 @@ def imbalance_sweep(seq: int, ps=(2, 4, 8), trials: int = 200, seed: int = 0) ->
     return {name: {p: (statistics.mean(v), max(v)) for p, v in per_p.items()} for name, per_p in out.items()}
 
 
-def _single(kind: str, bounds, kernel, scale, decay):
-    """One process: the whole sequence, or one kernel call per document."""
-    import torch
-    from ..kernels import local_attention
-    from ..kernels.linear import linear_attention
-
-    def attend(q, k, v):
-        spans = [(0, q.shape[1])] if bounds is None else list(zip(bounds, bounds[1:]))
-        if kind == "softmax":
-            parts = [local_attention(q[:, a:b], k[:, a:b], v[:, a:b], kernel, True, scale) for a, b in spans]
-        else:
-            parts = [linear_attention(q[:, a:b], k[:, a:b], v[:, a:b], decay) for a, b in spans]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
-    return attend
-
-
 def _case_fns(args, rank):
-    """{(strategy, variant): (run fwd+bwd or None on this rank, stats or None)} in a fixed order."""
+    """{(strategy, variant): (run fwd+bwd or None on this rank, stats or None)} in a fixed order; "single"
+    and "single_linear": one process, the whole sequence, one kernel call per document (rank 0)."""
     import torch
-    from ..kernels import get_kernel
+    from ..kernels import get_kernel, local_attention
+    from ..kernels.linear import linear_attention
+    from ..models.lm import head_decay
     from ..sequence_parallel import SequenceParallel
     q, k, v, dout = attention_inputs(args.seq, args.heads, args.head_dim)
-    decay = 1 - 2.0 ** (-5 - torch.arange(args.heads, dtype=torch.float32))
-    scale, kernel = args.head_dim ** -0.5, get_kernel("torch", "cpu")
+    decay, scale, kernel = head_decay(args.heads), args.head_dim ** -0.5, get_kernel("torch", "cpu")
+
+    def attend(q, k, v, sp, linear, cu):
+        if sp is not None:
+            return sp.linear_attention(q, k, v, decay, cu_seqlens=cu) if linear else \
+                sp.attention(q, k, v, causal=True, cu_seqlens=cu)
+        spans = list(zip(cu, cu[1:])) if cu else [(0, q.shape[1])]
+        parts = [linear_attention(q[:, a:b], k[:, a:b], v[:, a:b], decay) if linear else
+                 local_attention(q[:, a:b], k[:, a:b], v[:, a:b], kernel, True, scale) for a, b in spans]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
     fns = {}
     for name in ("single", "single_linear") + tuple(args.strategies):
         sp = None if name.startswith("single") else SequenceParallel(strategy_config(name, args.P))
@@ -96,14 +91,8 @@ def _case_fns(args, rank):
         linear = name in LINEAR or name == "single_linear"
         for variant in VARIANTS:
             cu = variant_bounds(variant, args.seq, args.docs, tuple(args.mixed))
-            if sp is None:
-                attend = _single("linear" if linear else "softmax", cu, kernel, scale, decay)
-            elif linear:
-                attend = lambda a, b, c, sp=sp, cu=cu: sp.linear_attention(a, b, c, decay, cu_seqlens=cu)  # noqa: E731
-            else:
-                attend = lambda a, b, c, sp=sp, cu=cu: sp.attention(a, b, c, causal=True, cu_seqlens=cu)  # noqa: E731
             run = None if sp is None and rank != 0 else \
-                (lambda attend=attend, x=shards: fwd_bwd(attend, *x))
+                (lambda x=shards, kw=dict(sp=sp, linear=linear, cu=cu): fwd_bwd(lambda *t: attend(*t, **kw), *x))
             fns[name, variant] = (run, None if sp is None else sp.stats)
     return fns
 
