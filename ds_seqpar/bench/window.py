@@ -79,14 +79,15 @@ def kernel_pieces(args) -> List[dict]:
             work = window_work(name, args.P, args.seq, window)
             me = 0 if name == "ulysses" else work.index(max(work))
             calls = rank_calls(name, args.P, args.seq, True, window)[me]
-            # per call: q and dout of its queries, k and v of its keys
-            blocks = [[torch.randn(1, n, heads, d, generator=g) for n in (nq, nk, nk, nq)] + [c, a]
-                      for nq, nk, c, a in calls]
+            # every call on views of one buffer's first rows, as a rank's calls are views of its tokens
+            q, dout = (torch.randn(1, max(c[0] for c in calls), heads, d, generator=g) for _ in range(2))
+            k, v = (torch.randn(1, max(c[1] for c in calls), heads, d, generator=g) for _ in range(2))
 
             def run():
-                for q, k, v, dout, causal, anti in blocks:
-                    out, lse = kernel.forward_block(q, k, v, causal, anti, scale)
-                    kernel.backward_block(dout, q, k, v, out, lse, causal, anti, scale)
+                for nq, nk, causal, anti in calls:
+                    qs, ks, vs, ds = q[:, :nq], k[:, :nk], v[:, :nk], dout[:, :nq]
+                    out, lse = kernel.forward_block(qs, ks, vs, causal, anti, scale)
+                    kernel.backward_block(ds, qs, ks, vs, out, lse, causal, anti, scale)
             cpu = statistics.median(alone({"run": run}, args.kernel_rounds, warmup=1)["run"])
             pairs = sum(visible_pairs(SubBlock(slice(0, nq), slice(0, nk), c, a)) for nq, nk, c, a in calls)
             rows.append({"strategy": name, "window": window, "rank": me, "subblocks": len(calls), "pairs": pairs,
