@@ -62,10 +62,11 @@ MEANING = {
     STEP_FIT: "Predicted = measured P=1 step x the plan's compute ratio (busiest rank's FLOPs at P=2 / P=1) + every "
               "exchange of the step (the layers' closed-form bytes, ZeRO-2's reduce-scatter and all-gather) at the "
               "fitted (alpha, beta), not overlapped.",
-    WINDOW: "Predicted = (the busiest rank's window pieces + exchange) / the measured plain time; a piece (per 128 keys "
-            "a tall causal block and a 128 x 128 anti square, as the CPU kernel cuts the band) costs c_call + t_pair x "
-            "computed pairs at the run's own plain rate, tall x {tall:.2f}, anti x {anti:.2f}. The loop around the "
-            "calls is not priced (window_cpu's rounds exceed its calls alone by 8-16%, 2-4% without a window).",
+    WINDOW: "Predicted = (the busiest rank's window pieces + exchange) / the measured plain time; a piece (per "
+            "128 keys a tall causal block and a 128 x 128 anti square, as the CPU kernel cuts the band) costs "
+            "c_call + t_pair x computed pairs at the run's own plain rate, tall x {tall:.2f}, anti x {anti:.2f}. "
+            "The loop around the calls is not priced (window_cpu's rounds exceed its calls alone by 8-16%, 2-4% "
+            "without a window).",
     WINDOW_BYTES: "Measured: window_cpu's CommStats; predicted: the plan's (cost.bytes.rank_bytes); closed form: "
                   "strategies/closed_form.py.",
     P4_BYTES: "This machine has 2 cores: a P=4 time measures the oversubscription, so no P=4 time is predicted; bytes "
