@@ -16,7 +16,6 @@ the rows and the plots (what each metric means is written on the page). Writes
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 import time
@@ -177,17 +176,16 @@ def run(args: argparse.Namespace, argv: List[str], pools=None) -> Optional[Dict[
     per_rank, train, skipped = _measure(args, spec, pools)
     if per_rank is None:
         return None
-    meta = dict(asdict(spec), name=args.name, cases=args.cases, comm_backend="nccl" if args.device == "cuda" else
-                "gloo", seq_lens=args.seq_lens, mem_budget_n=args.mem_budget_n, preset=args.preset, notes=args.notes,
+    load_by_length = {str(n): per_rank[0]["load_1min"][n] for n in args.seq_lens}
+    # the machine line every suite writes (harness.machine_line): the load before, after, and the highest
+    # 1-minute value seen during the run
+    meta = dict(asdict(spec), **machine_facts(), name=args.name, cases=args.cases, seq_lens=args.seq_lens,
+                comm_backend="nccl" if args.device == "cuda" else "gloo", mem_budget_n=args.mem_budget_n,
+                preset=args.preset, notes=args.notes, load_before=loads(load_before), elapsed=time.monotonic() - start,
+                load_during=max(list(load_by_length.values()) + [x for t in train.values() for x in t["load_1min"]]),
                 command=(f"(each of WORLD_SIZE={os.environ.get('WORLD_SIZE')} ranks of a launcher) "
                          if under_launcher() else "") + command_line("ds-seqpar bench", argv))
-    load_by_length = {str(n): per_rank[0]["load_1min"][n] for n in args.seq_lens}
-    # the load before, after, and the highest 1-minute value seen during the run
-    peak = max([load_before[0], os.getloadavg()[0]] + list(load_by_length.values())
-               + [x for t in train.values() for x in t["load_1min"]])
-    machine = dict(machine_facts(), load_before=loads(load_before), load_peak=peak, loaded=peak > os.cpu_count())
-    res = {"meta": meta, "machine": machine, "elapsed_s": time.monotonic() - start,
-           "train_skipped": skipped, "train_model": _train_model(args), "load_by_length": load_by_length,
+    res = {"meta": meta, "train_skipped": skipped, "train_model": _train_model(args), "load_by_length": load_by_length,
            "raw": {"ranks": per_rank, "train": train}}
     found = write(res, args.out)
     if args.wandb:
@@ -212,17 +210,15 @@ def _measure(args, spec: BenchSpec, pools=None):
     from .cases import run_rank
     if under_launcher():
         return _measure_under_launcher(args, spec)
-    with contextlib.ExitStack() as stack:
-        pool, solo = pools or (stack.enter_context(fresh_pool(args.P)), None)
-        if pool.world_size != args.P:
-            raise BenchError(f"--P {args.P} but the given pool has {pool.world_size} ranks")
+    pool, solo = pools or (None, None)
+    with fresh_pool(args.P, pool) as pool:
         per_rank = pool.run(run_rank, spec, args.seq_lens, args.mem_budget_n, timeout=3600.0)
         train = {}
         if args.train:
             from .train_step import measure_training
             # started only now: its process start and imports would load the attention timings
-            solo = solo or stack.enter_context(fresh_pool(1))
-            train = measure_training(pool, solo, args.train, _train_model(args), args.warmup, args.repeats)
+            with fresh_pool(1, solo) as solo:
+                train = measure_training(pool, solo, args.train, _train_model(args), args.warmup, args.repeats)
     return per_rank, train, "" if args.train else "skipped (--train-strategies none)"
 
 

@@ -20,7 +20,7 @@ from ..report.rows import Row
 from ..report.targets import TARGETS
 from ..strategies.closed_form import Shapes
 from .cases import BASELINE, CASES, DTYPES
-from .harness import case_times, closed_form, spread, versus
+from .harness import case_times, closed_form, machine_line, spread, versus
 
 SPEEDUP = "Attention fwd+bwd speedup over one process"
 BYTES = "Bytes per rank against the closed form"
@@ -48,7 +48,7 @@ def _attention(res, seq: int, last: bool) -> List[Row]:
     """One length's rows: each case against its family's baseline, per round (harness.case_times, versus)."""
     per_rank, m, out = res["raw"]["ranks"], res["meta"], []
     p, variant = m["world"], f"N={seq}"
-    load, cpus = res.get("load_by_length", {}).get(str(seq), 0.0), res.get("machine", {}).get("cpus") or 1
+    load, cpus = res.get("load_by_length", {}).get(str(seq), 0.0), res["meta"]["cpus"]
     times = {case: case_times(per_rank, f"{case}/{seq}") for case in m["cases"]}
     saved = {case: [x for x in (r["saved_bytes"][f"{case}/{seq}"] for r in per_rank) if x is not None]
              for case in m["cases"]}
@@ -126,7 +126,7 @@ def rows(res: Dict[str, Any]) -> List[Row]:
         out += [Row("attention", name, f"N/P={pieces['local_len']}", f"LASP kernel work per rank position (N/P = "
                     f"{pieces['local_len']}, no transfers)", "s", t, detail={"extra": f"{t / base - 1:+.1%}"})
                 for name, t in pieces["cpu_s"].items()]
-    cpus = res.get("machine", {}).get("cpus") or 1
+    cpus = res["meta"]["cpus"]
     for s, t in res["raw"]["train"].items():
         c = statistics.median(t["compute_ratios"])
         short = c < TARGETS["train_step"].threshold(float(m["world"]))
@@ -151,9 +151,9 @@ def step_row(suite: str, case: str, variant: str, metric: str, t: Dict[str, Any]
 
 
 def facts(res: Dict[str, Any]) -> Dict[str, Any]:
-    m, mach, t = res["meta"], res["machine"], res.get("train_model") or {}
-    loaded = (" **The machine was loaded** (1-minute load above its cores at some point): treat wall-clock speedups "
-              "as lower bounds; the CPU ratio is the less load-sensitive number." if mach["loaded"] else "")
+    m, t = res["meta"], res.get("train_model") or {}
+    loaded = " **The machine was loaded** (1-minute load above its cores at some point): treat wall-clock speedups " \
+        "as lower bounds; the CPU ratio is the less load-sensitive number." if m["load_during"] > m["cpus"] else ""
     model = (f"Hugging Face model `{os.path.basename(t['model'])}`" if t.get("model") else
              f"the small LM (dim {t.get('dim')}, {t.get('n_layers')} layers, {t.get('n_heads')} heads)")
     return {
@@ -163,11 +163,7 @@ def facts(res: Dict[str, Any]) -> Dict[str, Any]:
                  f"({m['kv_heads']} k/v), head_dim {m['head_dim']}, kernel `{m['backend']}`, forward + backward; "
                  f"lengths {', '.join(map(str, m['seq_lens']))}; {m['warmup']} warm-up + {m['repeats']} interleaved "
                  f"rounds per length; medians over rounds with (min-max).{loaded}",
-        "command": m["command"], "notes": m.get("notes", ""),
-        "machine": f"{mach['cpu_model']}, {mach['cpus']} cores; load average before {mach['load_before']}, after "
-                   f"{mach['load_after']}, highest 1-minute value seen during the run {mach['load_peak']:.2f}; torch "
-                   f"{mach['torch']}, deepspeed {mach['deepspeed']}, python {mach['python']}; whole run "
-                   f"{res['elapsed_s']:.0f} s.",
+        "command": m["command"], "notes": m.get("notes", ""), "machine": machine_line(m),
         "metrics": {
             SPEEDUP: "Per round, baseline wall time / case wall time (a case's: its slowest rank's; baseline: the "
                      "single-process kernel, `single` for softmax, `single_linear` for LASP). CPU ratio = baseline CPU "

@@ -29,13 +29,13 @@ from ..plan.model_shape import ModelShape
 from ..report.rows import Row
 from ..sharding.layouts import make_layout
 from ..strategies import STRATEGIES as REGISTRY, StrategyContext
-from ..strategies.closed_form import Shapes, closed_form_bytes
+from ..strategies.closed_form import Shapes
 from ..strategies.ring import RingAttention
-from .harness import alone, attention_inputs, command_line, fwd_bwd, loads, suite_main, suite_parser, write_page
+from .harness import (SOFTMAX, alone, attention_inputs, closed_form, command_line, fwd_bwd, loads, strategy_config,
+                      suite_main, suite_parser, write_page)
 
 PROG = "ds-seqpar bench gpu"
-STRATEGIES = {"ulysses": ("ulysses", 0), "ring": ("ring", 1), "zigzag": ("zigzag", 1), "striped": ("striped", 1),
-              "hybrid": ("zigzag", 2)}           # name -> (layout, Ulysses degree; 0: all P ranks)
+STRATEGIES = SOFTMAX + ("hybrid",)              # cases of the vocabulary (harness.SP_KEYS)
 PRESETS = {"gpu": dict(seqs=[8192, 16384, 32768, 65536, 131072], heads=16, head_dim=128, window=4096),
            "tiny": dict(seqs=[256, 512], heads=8, head_dim=16, window=64)}
 ONE_B = ModelShape("Llama-3.2-1B shape", hidden=2048, layers=16, heads=32, kv_heads=8, head_dim=64,
@@ -175,7 +175,9 @@ def schedule_rows(args, device) -> List[Row]:
     kernel, rows, n = get_kernel("torch", device), [], args.sched_seq // args.P
     q, k, v, dout = attention_inputs(n, args.heads, args.head_dim, dtype=args.torch_dtype, device=device)
     for name in args.strategies:
-        layout, u = STRATEGIES[name][0], STRATEGIES[name][1] or args.P
+        cfg = strategy_config(name, args.P)
+        layout = cfg["strategy"]
+        u = args.P if layout == "ulysses" else cfg.get("ulysses_size", 1)     # Ulysses degree
         r, work = args.P // u, pairs_per_rank(layout, args.P, u, args.sched_seq, Mask(True))
         rank = work.index(max(work))
         blocks = REGISTRY[layout if r > 1 else "ring"].blocks           # r = 1: one causal block, the ring's
@@ -193,7 +195,7 @@ def schedule_rows(args, device) -> List[Row]:
                                 "allowed": (r + 2) * torch.finfo(args.torch_dtype).eps}))
         shapes = Shapes(1, args.sched_seq, args.heads, args.heads, args.head_dim, q.element_size())
         rows.append(Row("gpu", name, variant, BYTES, "B", sent[0], target="bytes",
-                        predicted=closed_form_bytes(layout, args.P, shapes, rank, u if name == "hybrid" else 1)))
+                        predicted=closed_form(name, args.P, shapes)[rank]))
     return rows
 
 

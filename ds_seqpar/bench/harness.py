@@ -202,10 +202,16 @@ def versus(a: dict, b: dict) -> Dict[str, Any]:
 
 
 @contextlib.contextmanager
-def fresh_pool(world: int):
-    """``world`` fresh local CPU ranks (RankPool, one thread each, gloo), closed on the way out."""
+def fresh_pool(world: int, given=None, timeout_s: float = 3600.0):
+    """``world`` fresh local CPU ranks (RankPool, one thread each, gloo), closed on the way out; or ``given``,
+    an already started pool of that size (a test's session pool), left open."""
     from ..launch.rankpool import RankPool
-    pool = RankPool(world, timeout_s=3600.0, threads_per_rank=1).start()
+    if given is not None:
+        if given.world_size != world:
+            raise ValueError(f"needs a pool of {world} ranks, got one of {given.world_size}")
+        yield given
+        return
+    pool = RankPool(world, timeout_s=timeout_s, threads_per_rank=1).start()
     try:
         yield pool
     finally:
@@ -282,10 +288,22 @@ def machine_line(meta: Dict[str, Any]) -> str:
             f"run {meta['elapsed']:.0f} s.")
 
 
-def suite_facts(meta: Dict[str, Any], title: str, setup: str, metrics: Dict[str, str]) -> Dict[str, Any]:
+def attention_line(meta: Dict[str, Any]) -> str:
+    """The shapes of a suite that times ``sp.attention`` on P CPU ranks, as its page states them."""
+    return (f"P={meta['P']} ranks x 1 thread (gloo), N={meta['seq']} tokens, batch 1, {meta['heads']} heads x "
+            f"{meta['head_dim']}, fp32, causal, forward + backward, kernel `torch` (CPU flash SDPA)")
+
+
+def suite_facts(meta: Dict[str, Any], title: str, setup: str, metrics: Dict[str, str], rounds: bool = False
+                ) -> Dict[str, Any]:
     """A suite's page facts (report/render.py): its title, setup and what each metric means, with the run's
-    command, machine line and notes from ``meta`` (measure_on_pool's)."""
-    return {"title": title, "setup": setup, "command": meta["command"], "machine": machine_line(meta),
+    command, machine line and notes from ``meta`` (measure_on_pool's); with ``rounds`` the setup ends with how
+    the interleaved rounds ran."""
+    rounds = rounds and (f" {meta['repeats']} interleaved rounds after {meta['warmup']} warm-up round(s); a time is "
+                         f"the median of the slowest rank's wall time; a ratio is taken per round (the cases run back "
+                         f"to back, under the same load), then the median (min-max); CPU ratio: the same with the "
+                         f"busiest rank's thread CPU time.")
+    return {"title": title, "setup": setup + (rounds or ""), "command": meta["command"], "machine": machine_line(meta),
             "notes": meta.get("notes", ""), "metrics": metrics}
 
 

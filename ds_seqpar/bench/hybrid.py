@@ -303,9 +303,7 @@ def facts(meta) -> dict:
         f"P={meta['P']} ranks x 1 thread (gloo), N={meta['seq']} tokens, batch 1, hidden {meta['hidden']}, "
         f"fp32, forward + backward of ONE layer: the model's own mixer module (transformers "
         f"{meta.get('transformers', '?')}, its torch fallbacks), applied by ds_seqpar with softmax strategy "
-        f"ring. {meta['repeats']} interleaved rounds after {meta['warmup']} warm-up round(s); speedup = "
-        f"single / case per round, median (min-max); CPU speedup: the same with the busiest rank's thread "
-        f"CPU time. Families: {listed}.", {
+        f"ring; speedup = single / case. Families: {listed}.", {
             f"One layer, fwd+bwd at N={meta['seq']}, P={meta['P']}":
                 "single: rank 0, the unapplied layer on all N tokens (the baseline). halves: every rank the "
                 "unapplied layer on its N/P tokens, nothing exchanged: the bound no exact split beats here.",
@@ -313,8 +311,9 @@ def facts(meta) -> dict:
                 "What CommStats recorded per rank for one fwd+bwd against strategies/closed_form.py "
                 "(`linear_state_bytes`, `conv_halo_bytes`, `linear_ulysses_bytes`).",
             f"Whole training step at {meta.get('train_seq')} tokens, ZeRO-2":
-                "Through train.run_training: zigzag for the softmax layers, linear_strategy lasp (allgather) for "
-                "the linear ones; rounds alternate the 1-rank and the P-rank run. The Llama has the hybrid's sizes."})
+                "Through train.run_training: zigzag for the softmax layers, linear_strategy lasp (allgather) for the "
+                "linear ones; rounds alternate the 1-rank and the P-rank run. The Llama has the hybrid's sizes."},
+        rounds=True)
 
 
 # -- command line ----------------------------------------------------------------------------------------

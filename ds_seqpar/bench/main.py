@@ -1,12 +1,7 @@
-"""``ds-seqpar bench [SUITE] [options]``: one command over the suites, each a module of bench/ with
-``main(argv) -> int`` (options, measurement, rows; the harness beside them times and writes). A new
-suite is one line in SUITES.
-
-    ds-seqpar bench [attention] --preset full         # bench/attention.py (the default suite)
-    ds-seqpar bench packed | window | hybrid | trainer | memory | dynamic [--help]
-
-The old spellings (``--packed``, ``--window``, ``--hybrid``, ``--trainer`` anywhere on the line) still
-work and print one deprecation line.
+"""``ds-seqpar bench [SUITE] [options]``: one command over the suites (docs/benchmarks.md), each a module of
+bench/ with ``main(argv) -> int``; attention is the default. A new suite is one line in SUITES. The old
+spellings (``--packed``, ``--window``, ``--hybrid``, ``--trainer`` anywhere on the line) still work and
+print one deprecation line.
 """
 from __future__ import annotations
 

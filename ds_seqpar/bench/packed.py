@@ -18,9 +18,9 @@ from ..masks import Mask
 from ..report.rows import Row
 from ..report.targets import TARGETS
 from ..strategies.closed_form import Shapes
-from .harness import (LINEAR, SOFTMAX, alone, attention_inputs, case_times, closed_form, command_line, fwd_bwd,
-                      measure_on_pool, rank_rounds, strategy_config, suite_facts, suite_main, suite_parser, versus,
-                      write_page)
+from .harness import (LINEAR, SOFTMAX, alone, attention_inputs, attention_line, case_times, closed_form, command_line,
+                      fwd_bwd, measure_on_pool, rank_rounds, strategy_config, suite_facts, suite_main, suite_parser,
+                      versus, write_page)
 
 PROG = "ds-seqpar bench packed"
 VARIANTS = ("one", "equal", "mixed")
@@ -65,30 +65,25 @@ def imbalance_sweep(seq: int, ps=(2, 4, 8), trials: int = 200, seed: int = 0) ->
     return {name: {p: (statistics.mean(v), max(v)) for p, v in per_p.items()} for name, per_p in out.items()}
 
 
-def _single(kind: str, bounds, kernel, scale, decay):
-    """One process: the whole sequence, or one kernel call per document."""
-    import torch
-    from ..kernels import local_attention
-    from ..kernels.linear import linear_attention
-
-    def attend(q, k, v):
-        spans = [(0, q.shape[1])] if bounds is None else list(zip(bounds, bounds[1:]))
-        if kind == "softmax":
-            parts = [local_attention(q[:, a:b], k[:, a:b], v[:, a:b], kernel, True, scale) for a, b in spans]
-        else:
-            parts = [linear_attention(q[:, a:b], k[:, a:b], v[:, a:b], decay) for a, b in spans]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
-    return attend
-
-
 def _case_fns(args, rank):
-    """{(strategy, variant): (run fwd+bwd or None on this rank, stats or None)} in a fixed order."""
+    """{(strategy, variant): (run fwd+bwd or None on this rank, stats or None)} in a fixed order; "single"
+    and "single_linear": one process, the whole sequence, one kernel call per document (rank 0)."""
     import torch
-    from ..kernels import get_kernel
+    from ..kernels import get_kernel, local_attention
+    from ..kernels.linear import linear_attention
+    from ..models.lm import head_decay
     from ..sequence_parallel import SequenceParallel
     q, k, v, dout = attention_inputs(args.seq, args.heads, args.head_dim)
-    decay = 1 - 2.0 ** (-5 - torch.arange(args.heads, dtype=torch.float32))
-    scale, kernel = args.head_dim ** -0.5, get_kernel("torch", "cpu")
+    decay, scale, kernel = head_decay(args.heads), args.head_dim ** -0.5, get_kernel("torch", "cpu")
+
+    def attend(q, k, v, sp, linear, cu):
+        if sp is not None:
+            return sp.linear_attention(q, k, v, decay, cu_seqlens=cu) if linear else \
+                sp.attention(q, k, v, causal=True, cu_seqlens=cu)
+        spans = list(zip(cu, cu[1:])) if cu else [(0, q.shape[1])]
+        parts = [linear_attention(q[:, a:b], k[:, a:b], v[:, a:b], decay) if linear else
+                 local_attention(q[:, a:b], k[:, a:b], v[:, a:b], kernel, True, scale) for a, b in spans]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
     fns = {}
     for name in ("single", "single_linear") + tuple(args.strategies):
         sp = None if name.startswith("single") else SequenceParallel(strategy_config(name, args.P))
@@ -96,14 +91,8 @@ def _case_fns(args, rank):
         linear = name in LINEAR or name == "single_linear"
         for variant in VARIANTS:
             cu = variant_bounds(variant, args.seq, args.docs, tuple(args.mixed))
-            if sp is None:
-                attend = _single("linear" if linear else "softmax", cu, kernel, scale, decay)
-            elif linear:
-                attend = lambda a, b, c, sp=sp, cu=cu: sp.linear_attention(a, b, c, decay, cu_seqlens=cu)  # noqa: E731
-            else:
-                attend = lambda a, b, c, sp=sp, cu=cu: sp.attention(a, b, c, causal=True, cu_seqlens=cu)  # noqa: E731
             run = None if sp is None and rank != 0 else \
-                (lambda attend=attend, x=shards: fwd_bwd(attend, *x))
+                (lambda x=shards, kw=dict(sp=sp, linear=linear, cu=cu): fwd_bwd(lambda *t: attend(*t, **kw), *x))
             fns[name, variant] = (run, None if sp is None else sp.stats)
     return fns
 
@@ -225,11 +214,7 @@ def facts(meta) -> dict:
                 f"tokens. Best balanced ring layout for packed data (smallest worst case): **{best}**.")
     return suite_facts(
         meta, f"Packed documents on CPU ranks: {docs} equal documents vs one document of the same length",
-        f"P={meta['P']} ranks x 1 thread (gloo), N={meta['seq']} tokens, batch 1, {meta['heads']} heads x "
-        f"{meta['head_dim']}, fp32, causal, forward + backward, kernel `torch` (CPU flash SDPA); "
-        f"{meta['repeats']} interleaved rounds after {meta['warmup']} warm-up round(s); ratios are taken "
-        f"per round (the variants run back to back, under the same load), median (min-max) over rounds; "
-        f"CPU ratio: the same with the busiest rank's thread CPU time.", {
+        f"{attention_line(meta)}.", {
             _ratio_metric(docs):
                 "Softmax attention: causal work is the sum of squared document lengths, 1/docs of one "
                 "document's (predicted). Linear attention (LASP, single_linear) does O(N) work either way.",
@@ -239,7 +224,7 @@ def facts(meta) -> dict:
             "Random packings: causal work imbalance max/mean": best,
             f"One rank's block (n = {meta['seq'] // meta['P']}): masked / sub-blocks":
                 "Fwd+bwd on one process, the same CPU flash kernel: causal squares per document (what the "
-                "strategies do) against one call over the whole block with an additive mask (attn_mask)."})
+                "strategies do) against one call over the whole block with an additive mask (attn_mask)."}, rounds=True)
 
 
 def write(found: List[Row], meta, out: str) -> int:

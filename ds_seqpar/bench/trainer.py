@@ -27,10 +27,10 @@ import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401  (the differentiable collectives DeepSpeed's path calls)
 
 from .. import comm
-from ..launch.rankpool import RankFailure, RankPool
+from ..launch.rankpool import RankFailure
 from ..sequence_parallel import SequenceParallel
-from .harness import (command_line, loads, machine_facts, median_ratio, ratio_range, spread, strategy_config,
-                      suite_main, suite_parser, write_page)
+from .harness import (command_line, fresh_pool, loads, machine_facts, median_ratio, ratio_range, spread,
+                      strategy_config, suite_main, suite_parser, write_page)
 from .train_step import train_records
 
 PROG = "ds-seqpar bench trainer"
@@ -304,24 +304,16 @@ def measure(args, command: str, pool=None) -> Dict[str, Any]:
     import accelerate
     import transformers
     load_before, start = os.getloadavg(), time.monotonic()
-    own = pool is None
-    pool = pool or RankPool(WORLD, timeout_s=900.0, threads_per_rank=1).start()
-    if pool.world_size != WORLD:
-        raise SystemExit(f"{PROG}: needs a pool of {WORLD} ranks, got {pool.world_size}")
     over, loop = None, (args.model, args.overhead_seq, args.overhead_steps)
-    try:
-        with tempfile.TemporaryDirectory(prefix="ds_seqpar_bench_trainer_") as root:
-            gloo = pool.run(gloo_errors, timeout=120.0)
-            cases = {name: (run_case, name, args.steps) for name in CASES}
-            runs = interleave(pool, cases, args.warmup + args.repeats, args.skip_steps, 300.0)
-            load_mid = os.getloadavg()
-            if args.overhead_rounds:            # rounds alternate own loop / Trainer
-                loops = {"own": (own_loop, *loop, os.path.join(root, "own")), "trainer": (trainer_loop, *loop)}
-                over = overhead(interleave(pool, loops, args.warmup + args.overhead_rounds, args.skip_steps, 900.0),
-                                args.warmup)
-    finally:
-        if own:
-            pool.close()
+    with fresh_pool(WORLD, pool, 900.0) as pool, tempfile.TemporaryDirectory(prefix="ds_seqpar_bench_trainer_") as root:
+        gloo = pool.run(gloo_errors, timeout=120.0)
+        cases = {name: (run_case, name, args.steps) for name in CASES}
+        runs = interleave(pool, cases, args.warmup + args.repeats, args.skip_steps, 300.0)
+        load_mid = os.getloadavg()
+        if args.overhead_rounds:            # rounds alternate own loop / Trainer
+            loops = {"own": (own_loop, *loop, os.path.join(root, "own")), "trainer": (trainer_loop, *loop)}
+            over = overhead(interleave(pool, loops, args.warmup + args.overhead_rounds, args.skip_steps, 900.0),
+                            args.warmup)
     model = os.path.relpath(args.model, ROOT) if os.path.abspath(args.model).startswith(ROOT + os.sep) else args.model
     meta = dict(vars(args), model=model, command=command, world=WORLD, accumulation=ACCUMULATION, width=WIDTH,
                 elapsed=time.monotonic() - start, load_before=loads(load_before), load_mid=loads(load_mid),

@@ -13,12 +13,14 @@ import argparse
 from typing import Dict, List, Optional, Tuple
 
 from ..cost import pairs_per_rank
+from ..cost.times import rank_calls
 from ..masks import Mask
 from ..report.rows import Row
 from ..report.targets import TARGETS
 from ..strategies.closed_form import Shapes
-from .harness import (alone, attention_inputs, case_times, closed_form, command_line, fwd_bwd, measure_on_pool,
-                      rank_rounds, strategy_config, suite_facts, suite_main, suite_parser, versus, write_page)
+from .harness import (alone, attention_inputs, attention_line, case_times, closed_form, command_line, fwd_bwd,
+                      measure_on_pool, rank_rounds, strategy_config, suite_facts, suite_main, suite_parser, versus,
+                      write_page)
 
 STRATEGIES = ("ring", "zigzag", "striped", "ulysses")
 PROG = "ds-seqpar bench window"
@@ -59,59 +61,36 @@ def window_work(name: str, p: int, seq: int, window: Optional[int]) -> List[int]
     return [int(x) for x in pairs_per_rank(name, p, p if name == "ulysses" else 1, seq, Mask(True, window))]
 
 
-def _policies(name: str, args, window: Optional[int]):
-    """(busiest position, sub-blocks of (position, src), positions, local length, heads) of one strategy:
-    the ring family's own blocks without a window, the masked plan's bands cut as the torch kernel's ``band``
-    cuts them (its tiles and key columns) with one; Ulysses one position, the whole sequence, heads / P."""
-    from ..kernels import get_kernel
-    from ..sharding.layouts import make_layout
-    from ..strategies import STRATEGIES, get_strategy
-    from ..strategies.mask_plan import masked_plan
-    from ..strategies.ring_loop import plain_blocks
-    ulysses = name == "ulysses"
-    p, heads = (1, args.heads // args.P) if ulysses else (args.P, args.heads)
-    work, n = window_work(name, args.P, args.seq, window), args.seq // p
-    busiest = 0 if ulysses else work.index(max(work))
-    if window is None:
-        blocks = plain_blocks if ulysses else STRATEGIES[name].blocks
-        return busiest, lambda me, src: blocks(me, src, p, True, n), p, n, heads
-    kernel = get_kernel("torch", "cpu")
-    layout = make_layout("contiguous" if ulysses else get_strategy(name).layout_name, p)
-    plan = masked_plan(Mask(True, window), layout, args.seq)
-    shift = lambda s, a: slice(a + s.start, a + s.stop)  # noqa: E731
-
-    def cut(me, src):          # the plan's bands as the kernel cuts them, in the positions' local slots
-        return [s._replace(q=shift(s.q, b.q.start), k=shift(s.k, b.k.start)) for b in plan.bands(me, src)
-                for s in kernel.pieces(b.q.stop - b.q.start, b.k.stop - b.k.start, b.lo, b.hi, "cpu")]
-    return busiest, cut, p, n, heads
-
-
 def kernel_pieces(args) -> List[dict]:
     """One process, one thread: the kernel calls (fwd+bwd, no merge, no communication) of the busiest
-    position's sub-blocks, per strategy, plain and with each window: the kernel's share of the window's
-    cost, and its time per visible pair (small and diagonal pieces cost more per pair than big blocks)."""
+    position, per strategy, plain and with each window: the calls the cost model prices
+    (cost.times.rank_calls: the ring family's own blocks without a window, the masked plan's bands as the
+    torch kernel's ``band`` cuts them with one; Ulysses one position, heads / P). The kernel's share of the
+    window's cost, and its time per visible pair (small and diagonal pieces cost more than big blocks)."""
     import statistics
+    import torch
     from ..kernels import get_kernel
     from ..kernels.bands import SubBlock, visible_pairs
     kernel, scale, rows = get_kernel("torch", "cpu"), args.head_dim ** -0.5, []
+    g, d = torch.Generator().manual_seed(1), args.head_dim
     for name in args.strategies:
+        heads = args.heads // args.P if name == "ulysses" else args.heads
         for window in [None] + list(args.windows):
-            me, blocks, p, n, heads = _policies(name, args, window)
-            q, k_own, v_own, dout = attention_inputs(n, heads, args.head_dim, seed=1)
-            kv = {True: (k_own, v_own), False: tuple(attention_inputs(n, heads, args.head_dim, seed=2)[1:3])}
-            whole = lambda s: slice(*s.indices(n))  # noqa: E731
-            subs = [(src == me, SubBlock(whole(b.q), whole(b.k), b.causal, b.anti))
-                    for src in range(p) for b in blocks(me, src)]
+            work = window_work(name, args.P, args.seq, window)
+            me = 0 if name == "ulysses" else work.index(max(work))
+            calls = rank_calls(name, args.P, args.seq, True, window)[me]
+            # every call on views of one buffer's first rows, as a rank's calls are views of its tokens
+            q, dout = (torch.randn(1, max(c[0] for c in calls), heads, d, generator=g) for _ in range(2))
+            k, v = (torch.randn(1, max(c[1] for c in calls), heads, d, generator=g) for _ in range(2))
 
             def run():
-                for own, b in subs:
-                    k, v = kv[own]
-                    out, lse = kernel.forward_block(q[:, b.q], k[:, b.k], v[:, b.k], b.causal, b.anti, scale)
-                    kernel.backward_block(dout[:, b.q], q[:, b.q], k[:, b.k], v[:, b.k], out, lse, b.causal, b.anti,
-                                          scale)
+                for nq, nk, causal, anti in calls:
+                    qs, ks, vs, ds = q[:, :nq], k[:, :nk], v[:, :nk], dout[:, :nq]
+                    out, lse = kernel.forward_block(qs, ks, vs, causal, anti, scale)
+                    kernel.backward_block(ds, qs, ks, vs, out, lse, causal, anti, scale)
             cpu = statistics.median(alone({"run": run}, args.kernel_rounds, warmup=1)["run"])
-            pairs = sum(visible_pairs(b) for _, b in subs)
-            rows.append({"strategy": name, "window": window, "rank": me, "subblocks": len(subs), "pairs": pairs,
+            pairs = sum(visible_pairs(SubBlock(slice(0, nq), slice(0, nk), c, a)) for nq, nk, c, a in calls)
+            rows.append({"strategy": name, "window": window, "rank": me, "subblocks": len(calls), "pairs": pairs,
                          "cpu": cpu, "ns_per_pair": cpu / pairs * 1e9})
     return rows
 
@@ -167,13 +146,8 @@ def rows(per_rank, args, pieces: Optional[List[dict]] = None) -> List[Row]:
 def facts(meta) -> dict:
     return suite_facts(
         meta, "Sliding windows, softcap and sinks on CPU ranks: each against plain causal attention",
-        f"P={meta['P']} ranks x 1 thread (gloo), N={meta['seq']} tokens, batch 1, {meta['heads']} heads x "
-        f"{meta['head_dim']}, fp32, causal, forward + backward, kernel `torch` (CPU flash SDPA); variants per "
-        f"strategy: plain, window {', '.join(map(str, meta['windows']))}, softcap {meta['softcap']:g}, sinks "
-        f"(one logit per head, with its gradient). {meta['repeats']} interleaved rounds after "
-        f"{meta['warmup']} warm-up round(s); times are medians of the slowest rank's wall time; ratios are "
-        f"taken per round (every variant of a strategy runs back to back with plain, under the same load), "
-        f"median (min-max) over rounds; CPU ratio: the same with the busiest rank's thread CPU time.", {
+        f"{attention_line(meta)}; variants per strategy: plain, window {', '.join(map(str, meta['windows']))}, "
+        f"softcap {meta['softcap']:g}, sinks (one logit per head, with its gradient).", {
             WINDOW: "Predicted: the work ratio, visible causal (q, k) pairs of the busiest rank with the window / "
                     "without it (query i sees min(i + 1, w) keys; a ring layout's rank holds layout.indices, "
                     "Ulysses' every rank 1/P of the heads of all queries). Goal: time ratio / work ratio "
@@ -185,7 +159,8 @@ def facts(meta) -> dict:
             KERNEL: "One process, one thread, after the rounds: forward + backward of every sub-block the busiest "
                     "position computes (the strategy's blocks without a window; the masked policy's band pieces with "
                     f"one), no merge and no communication; median of {meta.get('kernel_rounds')} runs. Rounds CPU: "
-                    "that rank's median CPU seconds in the rounds above (kernel + merges + the ring loop)."})
+                    "that rank's median CPU seconds in the rounds above (kernel + merges + the ring loop)."},
+        rounds=True)
 
 
 # -- command line ----------------------------------------------------------------------------------------

@@ -46,10 +46,9 @@ STEP_PLAN = "Whole training-step speedup at P=2, the plan itself: search.predict
 WITHIN = (FIRST, SOFTMAX_FIT, LASP, HYBRID, STEP_FIT, WINDOW)
 MEANING = {
     CAL: "Measured by this command; the exchange's (alpha, beta) are fitted on cpu_full's softmax rows (below).",
-    FIRST: "Predicted: single-process time from the SDPA rate, the busiest rank's share, plus the all-to-alls or the "
-           "ring's whole exchange (predicted with overlap: only its excess over the compute). It counts FLOPs only: it "
-           "misses the causal squares' masked tile work, the per-call cost, and takes gloo's alpha/beta as timed now; "
-           "the tables below replace those terms.",
+    FIRST: "FLOPs only: the SDPA rate on the busiest rank's share, plus the all-to-alls or the ring's exchange (with "
+           "overlap: its excess over the compute) at gloo's alpha/beta as timed now. The tables below add what it "
+           "misses: the masked tile work of causal squares and the per-call cost.",
     KERNELS: "Fit t = c_call + t_pair x computed pairs (a causal square of s tokens computes s (s+1)/2 + s x {tile}/2: "
              "the masked halves of its diagonal key tiles). c_call is used below only when the fit is within "
              "{trusted:.0%} (a fit timed under load is not).",
@@ -58,18 +57,16 @@ MEANING = {
                  "on the OTHER lengths. Kernel only: without the exchange.",
     LASP: "Nothing fitted on these rows: the linear kernel's time is a + b N (least squares over single_linear), a "
           "rank runs it on N / 2 tokens, plus 2 messages of the state bytes at the fitted exchange.",
-    HYBRID: "The layer's local time on N / 2 tokens is the run's own 'halves' case, plus the transition map's extra "
-            "time (map - plain of its op, where measured), plus the exchange at the fitted (alpha, beta): it checks "
-            "the exchange and map terms.",
+    HYBRID: "The run's own 'halves' time (the layer on N / 2 tokens) + the map's extra time (map - plain of its op, "
+            "where measured) + the exchange at the fitted (alpha, beta): a check of the exchange and map terms.",
     STEP_FIT: "Predicted = measured P=1 step x the plan's compute ratio (busiest rank's FLOPs at P=2 / P=1) + every "
               "exchange of the step (the layers' closed-form bytes, ZeRO-2's reduce-scatter and all-gather) at the "
               "fitted (alpha, beta), not overlapped.",
-    WINDOW: "Predicted = (the busiest rank's window pieces + exchange) / the measured plain time. The pieces are the "
-            "masked plan's bands cut as the CPU kernel cuts them (per 128 keys a tall causal block and a 128 x 128 "
-            "anti square), each at c_call + t_pair x computed pairs with t_pair the window run's own plain rate, tall "
-            "blocks x {tall:.2f}, anti squares x {anti:.2f}. The loop around each call (merge, gradient sums) is not "
-            "priced: window_cpu's rounds exceed its kernel calls alone by 8-16% with a window, 2-4% without, so the "
-            "rows read optimistic.",
+    WINDOW: "Predicted = (the busiest rank's window pieces + exchange) / the measured plain time; a piece (per "
+            "128 keys a tall causal block and a 128 x 128 anti square, as the CPU kernel cuts the band) costs "
+            "c_call + t_pair x computed pairs at the run's own plain rate, tall x {tall:.2f}, anti x {anti:.2f}. "
+            "The loop around the calls is not priced (window_cpu's rounds exceed its calls alone by 8-16%, 2-4% "
+            "without a window).",
     WINDOW_BYTES: "Measured: window_cpu's CommStats; predicted: the plan's (cost.bytes.rank_bytes); closed form: "
                   "strategies/closed_form.py.",
     P4_BYTES: "This machine has 2 cores: a P=4 time measures the oversubscription, so no P=4 time is predicted; bytes "

@@ -75,7 +75,8 @@ def run_rows(runs: List[Dict[str, Any]], labels: List[str], skip: int) -> List[R
         "loss first -> last": f"{run['steps'][0]['loss']:.4f} -> {run['steps'][-1]['loss']:.4f}",
         "tokens/s": round(med(i, "tokens_per_s")), "vs best": med(i, "tokens_per_s") / best,
         "s/step": med(i, "step_s"), "peak MB": round(max(s["peak_mem_mb"] for s in run["steps"])),
-        "attn comm MiB/step": med(i, "attn_comm_bytes") / MIB, "attn comm s/step": med(i, "attn_comm_s"), "compute imbalance": med(i, "compute_imbalance"),
+        "attn comm MiB/step": med(i, "attn_comm_bytes") / MIB, "attn comm s/step": med(i, "attn_comm_s"),
+        "compute imbalance": med(i, "compute_imbalance"),
         "run directory": f"`{run['path']}` ({run['config'].get('name', os.path.basename(run['path'].rstrip('/')))})"})
         for i, (label, run) in enumerate(zip(labels, runs))]
 
