@@ -166,3 +166,34 @@ def test_dynamic_step_equals_plain_data_parallelism_on_the_same_documents(pool, 
                 _check_bf16(what, r, bf16_refs)
             else:
                 _check_fp32(what, r, run, ref_loss, ref_grads)
+
+
+def _refusals():
+    """Bad dynamic families on every rank: the error, and the groups asked for before it (none)."""
+    import deepspeed
+    from ds_seqpar import comm
+    from ds_seqpar.config import ConfigError
+    from ds_seqpar.dynamic import DynamicSequenceParallel
+    deepspeed.init_distributed(dist_backend="gloo")
+    out, new_group = [], comm.new_group
+    for section, heads in ((dict(strategy="zigzag", max_tokens_per_rank=1), 4),
+                           (dict(strategy="zigzag", max_tokens_per_rank=16, ulysses_size=3), 6),
+                           (dict(strategy="ulysses", max_tokens_per_rank=16), 3)):
+        asked = []
+        comm.new_group = lambda ranks, timeout_s: asked.append(ranks) or new_group(ranks, timeout_s)
+        try:
+            DynamicSequenceParallel(dict(section, size="dynamic"), heads=heads)
+            out.append(("built", asked))
+        except ConfigError as err:
+            out.append((str(err), asked))
+        finally:
+            comm.new_group = new_group
+    return out
+
+
+def test_bad_families_stop_every_rank_before_any_group(pool):
+    words = ["max_tokens_per_rank=1 with strategy='zigzag'", "ulysses_size=3 with size='dynamic' must divide "
+             "the world size 4", "no group size of [1, 2, 4] but 1 divides the 3 heads"]
+    for rank, result in enumerate(pool.run(_refusals)):
+        for (message, asked), want in zip(result, words):
+            assert want in message and not asked, f"rank {rank}: {message!r}, groups asked for {asked}"
