@@ -4,9 +4,9 @@ them run the 2D hybrid, and the process groups (rank lists) built once for all o
 A group of size s is ranks [k*s, (k+1)*s): aligned, neighbouring ranks. With ``ulysses_size`` U > 1
 (a ring strategy, the 2D hybrid) a group whose size U divides runs U x (s/U): the all-to-all inside
 the aligned blocks of U ranks, the ring across them; a smaller group (or one U does not divide)
-runs the ring strategy alone, which splits tokens and needs no head condition. Its ranks lie
-inside one block of U (sizes are powers of two or the world, U divides the world), so its ring
-stays where the all-to-all would have been: inside a node when U ranks are.
+runs the ring strategy alone, which splits tokens and needs no head condition. With U a power of
+two such a group lies inside one block of U ranks, so its ring stays where the all-to-all would
+have been: inside a node when U ranks are.
 
     world 8, sizes (1, 2, 4, 8), U = 2:
     size 2  ranks [0 1] [2 3] ...      all-to-all over each pair (ring of 1)
@@ -18,11 +18,10 @@ from __future__ import annotations
 import math
 from typing import List, Optional, Sequence, Tuple
 
+from ..config import KEY
 from ..errors import ConfigError
 from ..sharding.layouts import make_layout
 from ..strategies import get_strategy
-
-KEY = "sequence_parallel"
 
 
 def group_sizes(world_size: int, heads: Optional[int] = None) -> Tuple[int, ...]:
