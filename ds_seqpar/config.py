@@ -51,7 +51,8 @@ class SequenceParallelConfig(BaseModel):
 
     ulysses_size: int = Field(default=1, ge=1)
     """> 1 with ring/zigzag/striped: 2D hybrid, Ulysses all-to-all inside groups of this many
-    neighbouring ranks and the ring across the groups. Must divide ``size``."""
+    neighbouring ranks and the ring across the groups. Must divide ``size``; with size "dynamic",
+    the groups whose size it divides run the hybrid, smaller ones the ring alone (docs/dynamic.md)."""
 
     backend: str = "auto"
     """Local attention kernel: auto | flash_attn | torch | math. ``auto`` picks flash_attn on CUDA
@@ -183,7 +184,8 @@ def check_sizes(world_size: Optional[int], size: int, ulysses_size: int = 1) -> 
 
 
 def _check_dynamic(cfg: "SequenceParallelConfig") -> None:
-    """size "dynamic" needs max_tokens_per_rank, and that key needs it; the 2D hybrid is not dynamic yet."""
+    """size "dynamic" needs max_tokens_per_rank, and that key needs it; the 2D hybrid takes a ring
+    strategy (which of the groups run it is the world's business: schedule.family)."""
     if not cfg.is_dynamic:
         raise ConfigError(f"{KEY}.max_tokens_per_rank={cfg.max_tokens_per_rank} goes with size={DYNAMIC!r} only "
                           f"(size={cfg.size} splits every sequence over that many ranks); remove it or set "
@@ -191,9 +193,10 @@ def _check_dynamic(cfg: "SequenceParallelConfig") -> None:
     if cfg.max_tokens_per_rank is None:
         raise ConfigError(f"{KEY}.size={DYNAMIC!r} needs {KEY}.max_tokens_per_rank (an integer >= 1: the most "
                           f"tokens one rank holds in a micro-batch, e.g. 4096); it is missing")
-    if cfg.ulysses_size != 1:
-        raise ConfigError(f"{KEY}.ulysses_size={cfg.ulysses_size} with size={DYNAMIC!r}: the 2D hybrid is not "
-                          f"dynamic yet; use ulysses_size=1 (strategies {', '.join(STRATEGY_NAMES)} run dynamic)")
+    if cfg.ulysses_size != 1 and cfg.strategy not in RING_STRATEGIES:
+        raise ConfigError(f"{KEY}.ulysses_size={cfg.ulysses_size} with size={DYNAMIC!r} is the 2D hybrid, which "
+                          f"runs a ring strategy ({', '.join(RING_STRATEGIES)}) across the all-to-all blocks; "
+                          f"strategy={cfg.strategy!r} needs ulysses_size=1")
 
 
 def _with_deepspeed_comm_dtype(section: Mapping[str, Any], ds: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -1,11 +1,12 @@
 """DynamicSequenceParallel: runs the scheduler's rounds (schedule/rounds.py) with the existing
 strategies, ``"sequence_parallel": {"size": "dynamic", "max_tokens_per_rank": T}``.
 
-Groups exist once: one SequenceParallel per size of the family (schedule.group_sizes: powers of
+Groups exist once: one SequenceParallel per size of the family (schedule.family_sizes: powers of
 two dividing the world, and the world), built in ascending order at construction on every rank,
-each with its aligned sequence groups (ranks [k*s, (k+1)*s)) and no data-parallel groups; groups
-with the same ranks are one handle (comm.new_group), so the family is schedule.family_groups. A
-step only selects among them.
+each with its aligned sequence groups (ranks [k*s, (k+1)*s)) and no data-parallel groups; with
+ulysses_size U > 1 the sizes U divides run the 2D hybrid (all-to-all over aligned blocks of U,
+the ring across them), the smaller ones the ring alone. Groups with the same ranks are one handle
+(comm.new_group), so the family is schedule.family_groups. A step only selects among them.
 
 The loss of a step is the mean over all target tokens of the global batch. A micro-batch's loss is
 its ranks' token-loss sum over that count; its backward is scaled by the world size once DeepSpeed
@@ -26,7 +27,8 @@ from . import comm
 from .config import ConfigError, SequenceParallelConfig, load_ds_config
 from .kernels.base import check_head_groups
 from .loss import _ScaleGrad, local_loss_sum
-from .schedule import MicroBatch, ModelShape, Schedule, group_sizes, schedule
+from .schedule import (MicroBatch, ModelShape, Schedule, check_max_tokens, family_sizes, schedule,
+                       ulysses_degree)
 from .sequence_parallel import SequenceParallel
 from .sharding.batch import IGNORE_INDEX
 
@@ -42,14 +44,12 @@ class DynamicSequenceParallel:
         if not comm.is_initialized():
             raise RuntimeError("DynamicSequenceParallel needs torch.distributed: call deepspeed.init_distributed() first")
         self.heads = check_dynamic_heads(config, heads, kv_heads)
-        sizes = group_sizes(comm.world_size(), self.heads if config.strategy == "ulysses" else None)
-        if len(sizes) == 1 and comm.world_size() > 1:
-            raise ConfigError(f"sequence_parallel.strategy='ulysses' with size='dynamic': no group size of "
-                              f"{list(group_sizes(comm.world_size()))} but 1 divides the {self.heads} heads, so "
-                              f"no document could be split; use zigzag, ring or striped (any size)")
+        sizes = family_sizes(config.strategy, comm.world_size(), self.heads, config.ulysses_size)
+        check_max_tokens(config.strategy, sizes, config.max_tokens_per_rank, config.ulysses_size)
         # collective: every rank builds every size's groups, in the same (ascending) order; no
         # data-parallel groups (gradients are reduced over every rank), so the family is the world,
-        # the one-rank groups and each size's sequence groups (schedule.family_groups)
+        # the one-rank groups, each size's sequence groups and the 2D hybrid's all-to-all blocks and
+        # rings (schedule.family_groups)
         self._setup(config, {s: SequenceParallel(static_config(config, s), device, data_groups=False)
                              for s in sizes})
 
@@ -168,7 +168,7 @@ class DynamicSequenceParallel:
         """The step's rounds for this global batch (the same on every rank: pure)."""
         try:
             return schedule(lengths, self.world_size, self.max_tokens_per_rank, self.sizes, self.config.strategy,
-                            shape, loss_tokens)
+                            shape, loss_tokens, self.config.ulysses_size)
         except ValueError as err:
             if self.heads is None or self.sizes[-1] == self.world_size:
                 raise
@@ -256,19 +256,29 @@ def train_step(dsp: DynamicSequenceParallel, engine, documents: Sequence[torch.T
 
 
 def static_config(config: SequenceParallelConfig, size: int) -> SequenceParallelConfig:
-    """The fixed-size section one group family runs with: the dynamic one at ``size``."""
-    return SequenceParallelConfig.parse(dict(config.model_dump(), size=size, max_tokens_per_rank=None))
+    """The fixed-size section one group family runs with: the dynamic one at ``size``, the 2D
+    hybrid where its ulysses_size divides the size, else the ring strategy alone."""
+    return SequenceParallelConfig.parse(dict(config.model_dump(), size=size, max_tokens_per_rank=None,
+                                             ulysses_size=ulysses_degree(size, config.ulysses_size)))
 
 
 def check_dynamic_heads(config: SequenceParallelConfig, heads: Optional[int], kv_heads: Optional[int]):
-    """Ulysses splits heads over a group, so its group sizes follow the heads: they must be known.
-    From the config alone (the same message on every rank, before any collective)."""
+    """Ulysses splits heads over a group, so its group sizes follow the heads: they must be known;
+    the 2D hybrid splits them over its ulysses_size, which must divide them. From the config alone
+    (the same message on every rank, before any collective)."""
+    u = config.ulysses_size
     if heads is None:
-        if config.strategy == "ulysses":
-            raise ConfigError("sequence_parallel.strategy='ulysses' with size='dynamic' needs the model's heads "
-                              "(DynamicSequenceParallel(cfg, heads=...)): group sizes must divide them")
+        if config.strategy == "ulysses" or u > 1:
+            what = "group sizes" if config.strategy == "ulysses" else f"sequence_parallel.ulysses_size={u}"
+            raise ConfigError(f"sequence_parallel.strategy={config.strategy!r} with size='dynamic' and "
+                              f"ulysses_size={u} needs the model's heads (DynamicSequenceParallel(cfg, heads=...)): "
+                              f"{what} must divide them")
         return None
     check_head_groups(heads, kv_heads or heads)
+    if heads % u:
+        valid = [d for d in range(1, heads + 1) if heads % d == 0]
+        raise ConfigError(f"sequence_parallel.ulysses_size={u} with size='dynamic': the 2D hybrid splits the {heads} "
+                          f"heads over {u} ranks; use a ulysses_size dividing {heads} ({', '.join(map(str, valid))})")
     return heads
 
 

@@ -20,6 +20,7 @@ from ..sharding.layouts import make_layout
 from ..sharding.padding import padded_len
 from ..strategies import get_strategy
 from ..strategies.closed_form import Shapes, closed_form_bytes
+from .family import ulysses_degree
 
 FWD_BWD = 3          # a backward costs about twice its forward
 
@@ -46,22 +47,24 @@ class ModelShape:
 
 
 @functools.lru_cache(maxsize=65536)
-def price(length: int, group_size: int, strategy: str, shape: ModelShape = ModelShape()) -> float:
+def price(length: int, group_size: int, strategy: str, shape: ModelShape = ModelShape(), ulysses_size: int = 1) -> float:
     """Forward + backward operations (bytes converted) of the busiest rank when a document of
-    ``length`` tokens runs alone on ``group_size`` ranks with ``strategy``."""
-    layout = make_layout(get_strategy(strategy).layout_name, group_size)
+    ``length`` tokens runs alone on ``group_size`` ranks with ``strategy`` (the 2D hybrid where
+    ``ulysses_size`` divides the group: family.ulysses_degree)."""
+    u = ulysses_degree(group_size, ulysses_size)
+    layout = make_layout(get_strategy(strategy).layout_name, group_size // u, u)
     n = padded_len(layout, length)
     linear = 2 * shape.matmul_params * n // group_size
     if strategy == "lasp":
         # chunked linear attention: a [D, D] state update and read per token and head
         attention = 4 * shape.heads * shape.head_dim ** 2 * n // group_size
     else:
-        pairs = max(pairs_per_rank(strategy, group_size, 1, length, Mask(True)))
+        pairs = max(pairs_per_rank(strategy, group_size, u, length, Mask(True)))
         attention = 4 * shape.heads * shape.head_dim * pairs
     sent = 0
     if group_size > 1:
         dims = Shapes(1, n, shape.heads, shape.kv_heads, shape.head_dim, shape.elem)
-        sent = shape.layers * closed_form_bytes(strategy, group_size, dims)
+        sent = shape.layers * closed_form_bytes(strategy, group_size, dims, ulysses_size=u)
     return float(FWD_BWD * (linear + shape.layers * attention) + shape.flops_per_byte * sent)
 
 

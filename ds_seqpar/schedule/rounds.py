@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .cost import ModelShape, price
+from .family import group_sizes
 
 
 @dataclass(frozen=True)
@@ -107,37 +108,22 @@ class Schedule:
         return max(self.rank_costs) / mean if mean > 0 else 1.0
 
 
-def group_sizes(world_size: int, heads: Optional[int] = None) -> Tuple[int, ...]:
-    """The pre-built family: powers of two that divide the world, and the world itself; with
-    ``heads`` (Ulysses splits heads over a group) only the sizes that divide it."""
-    sizes = {s for s in (2 ** k for k in range(world_size.bit_length())) if world_size % s == 0}
-    sizes.add(world_size)
-    return tuple(sorted(s for s in sizes if heads is None or heads % s == 0))
-
-
-def family_groups(world_size: int, sizes: Sequence[int]) -> List[Tuple[int, ...]]:
-    """The process groups the dynamic runtime builds once, as rank lists, each once: the world (the
-    gradient reduction), the one-rank groups (DeepSpeed's model-parallel group, size 1) and every
-    aligned group of each size between 1 and the world. A rank is a member of the world, its own
-    rank and one group per such size: the communicators it ever uses."""
-    out = [tuple(range(world_size))] + [(r,) for r in range(world_size)]
-    for s in sorted(set(sizes)):
-        if 1 < s < world_size:
-            out += [tuple(range(f, f + s)) for f in range(0, world_size, s)]
-    return out
-
-
 def schedule(lengths: Sequence[int], world_size: int, max_tokens_per_rank: int, sizes: Sequence[int],
              strategy: str = "zigzag", shape: ModelShape = ModelShape(),
-             loss_tokens: Optional[int] = None) -> Schedule:
+             loss_tokens: Optional[int] = None, ulysses_size: int = 1) -> Schedule:
     """Rounds of micro-batches for one global batch of documents (module docstring).
     ``loss_tokens``: target tokens of the global batch, default sum(length - 1) (labels shifted
-    inside each document, every one counted)."""
+    inside each document, every one counted). ``ulysses_size``: the 2D hybrid's U, priced on the
+    groups it runs on (family.ulysses_degree)."""
     lengths = [_check_length(i, n) for i, n in enumerate(lengths)]
     sizes = _check_sizes(sizes, world_size)
     t = max_tokens_per_rank
     need = [_need(i, n, sizes, t) for i, n in enumerate(lengths)]
-    cost = [price(n, s, strategy, shape) for n, s in zip(lengths, need)]
+
+    def pricer(n: int, size: int) -> float:
+        return price(n, size, strategy, shape, ulysses_size)
+
+    cost = [pricer(n, s) for n, s in zip(lengths, need)]
     total = sum(max(n - 1, 0) for n in lengths) if loss_tokens is None else int(loss_tokens)
     load = [0.0] * world_size
     table: List[Dict[int, MicroBatch]] = []          # round -> rank -> micro-batch
@@ -151,7 +137,7 @@ def schedule(lengths: Sequence[int], world_size: int, max_tokens_per_rank: int, 
             table[rnd][r] = mb
             load[r] += mb.cost
     for d in sorted((i for i, s in enumerate(need) if s == 1), key=lambda i: (-cost[i], i)):
-        _place_short(table, d, lengths, strategy, shape, load, world_size, t, total)
+        _place_short(table, d, lengths, pricer, load, world_size, t, total)
     rounds = tuple(_fill_empty(row, world_size, sizes[0], total) for row in table)
     return Schedule(rounds, world_size, t, total, tuple(load))
 
@@ -178,8 +164,7 @@ def _free_block(table, size: int, world_size: int, load) -> Tuple[int, int]:
     return len(table) - 1, min(range(0, world_size, size), key=lambda f: (sum(load[f:f + size]), f))
 
 
-def _place_short(table, d: int, lengths, strategy: str, shape: ModelShape, load, world_size: int, t: int,
-                 total: int) -> None:
+def _place_short(table, d: int, lengths, pricer, load, world_size: int, t: int, total: int) -> None:
     """Document ``d`` (it fits on one rank) where it leaves its busiest rank the least loaded: into a
     one-rank micro-batch with room, a free (round, rank) cell, or the room a multi-rank micro-batch
     leaves under its group's capacity (split over the group, each rank paying the price on that
@@ -190,11 +175,11 @@ def _place_short(table, d: int, lengths, strategy: str, shape: ModelShape, load,
         for r in range(world_size):
             mb = row.get(r)
             if mb is None:
-                option = (load[r] + price(n, 1, strategy, shape), 1, k, r)
+                option = (load[r] + pricer(n, 1), 1, k, r)
             elif mb.tokens + n > mb.group.size * t or (mb.group.size > 1 and r != mb.group.first):
                 continue
             else:
-                added = price(n, mb.group.size, strategy, shape)
+                added = pricer(n, mb.group.size)
                 option = (max(load[x] for x in mb.group.ranks) + added, 0 if mb.group.size == 1 else 2, k, r)
             best = option if best is None or option < best else best
     if best is None:
@@ -205,7 +190,7 @@ def _place_short(table, d: int, lengths, strategy: str, shape: ModelShape, load,
     mb = table[k].get(r)
     docs = tuple(sorted((mb.documents if mb else ()) + (d,)))
     group = mb.group if mb else Group(1, r)
-    added = price(n, group.size, strategy, shape)
+    added = pricer(n, group.size)
     new = MicroBatch(group, docs, tuple(lengths[i] for i in docs), total, (mb.cost if mb else 0.0) + added)
     for x in group.ranks:
         table[k][x] = new
@@ -253,4 +238,4 @@ def _need(i: int, n: int, sizes: Tuple[int, ...], t: int) -> int:
                      f"add ranks, or cut documents to {sizes[-1] * t} tokens (the main job's --lengths does)")
 
 
-__all__ = ["Group", "MicroBatch", "Schedule", "family_groups", "group_sizes", "schedule"]
+__all__ = ["Group", "MicroBatch", "Schedule", "schedule"]

@@ -141,10 +141,13 @@ def _warn_placement(sp_cfg: SequenceParallelConfig) -> None:
     refused: all-to-all across hosts gives the same numbers, and on a fast interconnect it is a
     setup users choose (DeepSpeed's Ulysses over several nodes); only the speed suffers."""
     known = hosts.known()
-    if not known or comm.global_rank() != 0 or sp_cfg.is_dynamic:     # dynamic groups: placed by the schedule
+    if not known or comm.global_rank() != 0:
         return
-    ulysses = sp_cfg.effective_ulysses_size
-    dims = topology.ParallelDims(len(known), sp_cfg.size, ulysses)
+    ulysses = sp_cfg.ulysses_size if sp_cfg.is_dynamic else sp_cfg.effective_ulysses_size
+    if sp_cfg.is_dynamic and (ulysses == 1 or len(known) % ulysses):
+        return          # dynamic groups are placed by the schedule; only the 2D hybrid's blocks are fixed
+    # dynamic: the all-to-all blocks of U ranks are the same at every size, the world's included
+    dims = topology.ParallelDims(len(known), len(known) if sp_cfg.is_dynamic else sp_cfg.size, ulysses)
     key = "sequence_parallel.size" if sp_cfg.strategy == "ulysses" else "sequence_parallel.ulysses_size"
     for problem in topology.placement_problems(dims, known, key):
         sys.stderr.write(f"ds_seqpar.train: warning: {problem}\n")

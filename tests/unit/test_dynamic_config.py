@@ -10,6 +10,9 @@ def test_dynamic_size_with_a_token_budget_is_accepted_for_every_strategy():
     for strategy in ("ulysses", "ring", "zigzag", "striped", "lasp"):
         cfg = SequenceParallelConfig.parse({"strategy": strategy, "size": "dynamic", "max_tokens_per_rank": 512})
         assert cfg.is_dynamic and cfg.max_tokens_per_rank == 512, cfg
+    hybrid = SequenceParallelConfig.parse({"strategy": "zigzag", "size": "dynamic", "max_tokens_per_rank": 64,
+                                           "ulysses_size": 2})
+    assert hybrid.is_dynamic and hybrid.ulysses_size == 2
     static = SequenceParallelConfig.parse({"size": 2})
     assert not static.is_dynamic and static.max_tokens_per_rank is None
 
@@ -21,8 +24,9 @@ def test_dynamic_size_with_a_token_budget_is_accepted_for_every_strategy():
     ({"size": "dynamic", "max_tokens_per_rank": 0}, ["sequence_parallel.max_tokens_per_rank=0", "greater than or equal to 1"]),
     ({"size": "dynamic", "max_tokens_per_rank": "lots"}, ["sequence_parallel.max_tokens_per_rank='lots'"]),
     ({"size": "dyn"}, ["sequence_parallel.size='dyn' is not valid", "an integer >= 1 or 'dynamic'"]),
-    ({"size": "dynamic", "max_tokens_per_rank": 64, "strategy": "zigzag", "ulysses_size": 2},
-     ["ulysses_size=2 with size='dynamic'", "use ulysses_size=1"]),
+    ({"size": "dynamic", "max_tokens_per_rank": 64, "strategy": "lasp", "ulysses_size": 2},
+     ["ulysses_size=2 with size='dynamic' is the 2D hybrid", "ring, zigzag, striped",
+      "strategy='lasp' needs ulysses_size=1"]),
     ({"size": "dynamic", "max_tokens_per_rank": 64, "strategy": "rings"}, ["strategy='rings' is not valid"]),
 ])
 def test_bad_dynamic_settings_name_key_value_and_what_works(section, words):

@@ -20,6 +20,7 @@ def test_lengths_files_plain_and_gzip(tmp_path):
 
 
 @pytest.mark.parametrize("text, words", [("", "is empty"), ("\n\n", "is empty"), ("5\n-2\n", "line 2 is -2"),
+                                         ("5\n0\n", "line 2 is 0; document lengths must be >= 1"),
                                          ("5\nten\n", "'ten' is not an integer")])
 def test_bad_lengths_files_name_the_line_and_what_works(tmp_path, text, words):
     path = tmp_path / "l.txt"

@@ -30,3 +30,17 @@ def test_a_launcher_local_world_that_disagrees_with_the_hosts():
     problems = placement_problems(ParallelDims(4, 4, 1), hosts("a", "a", "b", "b", local=4))
     assert problems[0] == "rank 0: the launcher says 4 ranks share its host 'a', but 2 do (ranks 0, 1)"
     assert len(problems) == 4
+
+
+def test_the_main_job_warns_when_a_dynamic_2d_hybrids_all_to_all_crosses_hosts(monkeypatch, capsys):
+    """size "dynamic": groups move with the schedule, but the 2D hybrid's all-to-all blocks of U
+    ranks are fixed, so rank 0 says when one spans hosts (and nothing without the hybrid)."""
+    from ds_seqpar import SequenceParallelConfig
+    from ds_seqpar.train import main
+    monkeypatch.setattr(main.hosts, "known", lambda: hosts("a", "b", "a", "b", local=2))
+    monkeypatch.setattr(main.comm, "global_rank", lambda: 0)
+    for u, warned in ((2, True), (1, False)):
+        main._warn_placement(SequenceParallelConfig.parse({"strategy": "zigzag", "size": "dynamic",
+                                                           "max_tokens_per_rank": 64, "ulysses_size": u}))
+        err = capsys.readouterr().err
+        assert ("sequence_parallel.ulysses_size=2 puts all-to-all groups across hosts" in err) == warned, err
