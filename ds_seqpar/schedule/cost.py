@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Tuple
 
 from ..masks import Mask
 from ..cost import pairs_per_rank
@@ -46,9 +47,9 @@ class ModelShape:
 
 
 @functools.lru_cache(maxsize=65536)
-def price(length: int, group_size: int, strategy: str, shape: ModelShape = ModelShape()) -> float:
-    """Forward + backward operations (bytes converted) of the busiest rank when a document of
-    ``length`` tokens runs alone on ``group_size`` ranks with ``strategy``."""
+def work(length: int, group_size: int, strategy: str, shape: ModelShape = ModelShape()) -> Tuple[float, float]:
+    """(forward + backward operations, bytes sent) of the busiest rank when a document of ``length``
+    tokens runs alone on ``group_size`` ranks with ``strategy``: the two parts ``price`` adds up."""
     layout = make_layout(get_strategy(strategy).layout_name, group_size)
     n = padded_len(layout, length)
     linear = 2 * shape.matmul_params * n // group_size
@@ -62,7 +63,14 @@ def price(length: int, group_size: int, strategy: str, shape: ModelShape = Model
     if group_size > 1:
         dims = Shapes(1, n, shape.heads, shape.kv_heads, shape.head_dim, shape.elem)
         sent = shape.layers * closed_form_bytes(strategy, group_size, dims)
-    return float(FWD_BWD * (linear + shape.layers * attention) + shape.flops_per_byte * sent)
+    return float(FWD_BWD * (linear + shape.layers * attention)), float(sent)
 
 
-__all__ = ["ModelShape", "price"]
+def price(length: int, group_size: int, strategy: str, shape: ModelShape = ModelShape()) -> float:
+    """Forward + backward operations (bytes converted) of the busiest rank when a document of
+    ``length`` tokens runs alone on ``group_size`` ranks with ``strategy``."""
+    ops, sent = work(length, group_size, strategy, shape)
+    return ops + shape.flops_per_byte * sent
+
+
+__all__ = ["ModelShape", "price", "work"]
