@@ -90,7 +90,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                  command=" ; ".join(f["command"] for f in runs) + f" ; python -m ds_seqpar.bench.dynamic_fit "
                  f"--out {args.out} --name {args.name} " + " ".join(args.rows),
                  machine=" | ".join(f["machine"] for f in runs), notes=" ".join((args.notes, fitted)),
-                 setup=" ".join(f["setup"] for f in runs))
+                 setup=" ".join(f["setup"] for f in runs), meta=dict(runs[0]["meta"], priced_work=work))
     write(args.out, args.name, found, facts, "dynamic_fit")
     return 0
 

@@ -10,7 +10,7 @@ placed by the real scheduler (schedule.schedule) and priced by the cost model (c
 document alone on its group, times.step_time; ZeRO's collectives per round and per step), the step
 being the rounds strung along the ranks (schedule.critical_path_s):
 
-    static:<s>   every configuration the planner searches at size s holding --seq-len tokens over s
+    static:<s>   every configuration the planner searches at size s <= MAX_SPLIT holding --seq-len tokens over s
                  ranks (search.plan), its best for one such sequence; the documents packed into rows
                  of --seq-len tokens, one size (the main job's --lengths with an integer size)
     power-of-two each document on the smallest power-of-two group holding it, short documents never
@@ -35,7 +35,8 @@ from ..schedule import critical_path_s, draw_lengths, group_sizes, read_lengths,
 from .search import Cluster, plan
 
 GPUS = (8, 64, 512)
-MAX_SPLIT = 16          # dynamic cases try T = --seq-len / s up to this s (a smaller T only adds rounds)
+MAX_SPLIT = 16          # sizes tried: T = --seq-len / s >= 8K at 128K (a smaller T only adds rounds; pricing
+                        # every document on hundreds of ring positions takes minutes)
 
 
 def pricer(make: Callable[[int], Candidate], shape, cl: Cluster) -> Callable[[int, int], float]:
@@ -61,11 +62,11 @@ def run_case(lengths: List[int], sizes, t: int, stages: List[Candidate], make, s
                                          c.features.offload_optimizer)
         step = critical_path_s(sched, per_round, barrier or c.zero == 3) + per_step
         if best is None or step < best[0]:
-            best = (step, c)
-    step, c = best
+            best = (step, c, len(sched.rounds) * per_round + per_step)
+    step, c, zero_s = best
     config = c.label() if len(sizes) == 1 else f"{c.strategy} zero={c.zero} features={c.features.label}"
-    return {"config": config, "T": t, "rounds": len(sched.rounds), "step_s": step,
-            "imbalance": sched.imbalance, "sizes": sched.group_sizes}
+    return {"config": config, "T": t, "rounds": len(sched.rounds), "step_s": step, "zero_s": zero_s,
+            "work_s": sum(sched.rank_costs) / cl.gpus, "imbalance": sched.imbalance, "sizes": sched.group_sizes}
 
 
 def _same_but_zero(a: Candidate, b: Candidate) -> bool:
@@ -87,7 +88,7 @@ def predict_cluster(shape, lengths: List[int], cl: Cluster, cap: int) -> Dict[st
             if take and (c.size not in table or _same_but_zero(table[c.size][0], c)):
                 table.setdefault(c.size, []).append(c)
     out: Dict[str, Dict] = {}
-    for s, cs in sorted(best_of.items()):
+    for s, cs in sorted((s, cs) for s, cs in best_of.items() if s <= MAX_SPLIT):
         out[f"static:{s}"] = run_case(lengths, (s,), cap // s, cs, lambda g, c=cs[0]: c, shape, cl)
     if not out:
         raise ValueError(f"no static configuration of {shape.name} holds {cap:,} tokens on {cl.gpus} x {cl.gpu.name}")
@@ -118,24 +119,27 @@ def predict(shape, path: str, gpu, gpus=GPUS, gpus_per_node: int = 8, cap: int =
 
 
 def render(name: str, result: Dict[int, Dict]) -> List[str]:
+    """Markdown: per cluster, one row per case. "work s": the documents' priced seconds per rank on
+    average (compute and exposed communication); "ZeRO s": its per-round and per-step collectives."""
     lines = []
     for g, cases in result.items():
         docs = cases["documents"]
         statics = {k: v for k, v in cases.items() if k.startswith("static:")}
         best = min(statics, key=lambda k: statics[k]["step_s"])
-        lines += [f"{name}, {g} GPUs: {docs['count']:,} documents, {docs['tokens']:,} tokens; best static {best}", "",
-                  "| case | configuration | T (tokens per rank) | rounds | group sizes | priced imbalance | step s | "
-                  "tokens/s | vs best static | vs bound |", "|---|---|---:|---:|---|---:|---:|---:|---:|---:|"]
         bound = cases["bound"]["step_s"]
+        lines += [f"{name}, {g} GPUs: {docs['count']:,} documents, {docs['tokens']:,} tokens; best static {best}", "",
+                  "| case | configuration | T | rounds | group sizes | priced imbalance | work s | ZeRO s | step s | "
+                  "tokens/s | vs best static | vs bound |", "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
         for k, v in cases.items():
             if k == "documents":
                 continue
-            sizes = " / ".join(str(s) for s in v.get("sizes", [])) or "-"
-            lines.append(f"| {k} | {v['config']} | {v.get('T', '-')} | {v.get('rounds', '-')} | {sizes} | "
-                         f"{v['imbalance']:.3f} | " if "imbalance" in v else
-                         f"| {k} | {v['config']} | - | - | - | - | ")
-            lines[-1] += (f"{v['step_s']:.2f} | {docs['tokens'] / v['step_s']:,.0f} | "
-                          f"{statics[best]['step_s'] / v['step_s']:.2f}x | {bound / v['step_s']:.2f} |")
+            cells = [k, v["config"], v.get("T", "-"), v.get("rounds", "-"),
+                     " / ".join(str(s) for s in v.get("sizes", [])) or "-",
+                     f"{v['imbalance']:.3f}" if "imbalance" in v else "-",
+                     f"{v['work_s']:.2f}" if "work_s" in v else "-", f"{v['zero_s']:.2f}" if "zero_s" in v else "-",
+                     f"{v['step_s']:.2f}", f"{docs['tokens'] / v['step_s']:,.0f}",
+                     f"{statics[best]['step_s'] / v['step_s']:.2f}x", f"{bound / v['step_s']:.2f}"]
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
         lines.append("")
     return lines
 
