@@ -1,6 +1,7 @@
 """The cost model against ``ds-seqpar bench dynamic``: each case's critical path predicted from its
-schedule's priced work (schedule.rank_work: every rank's operations and bytes) with rates fitted on
-the OTHER cases (cost.steps.fit_rates: seconds per operation, per byte, per round and per step;
+schedule's priced work (schedule.rank_work: every rank's linear and attention operations and bytes)
+with rates fitted on the OTHER cases (cost.steps.fit_rates: seconds per operation of each kind, per
+byte, per round and per step;
 leave one case out), so no case predicts itself.
 
     python -m ds_seqpar.bench.dynamic_fit --out reports --name dynamic_cpu P2.rows.json P4.rows.json
@@ -19,13 +20,13 @@ from ..cost.steps import StepRates, fit_rates
 from ..report.rows import Row
 
 FIT_ROUNDS = 4          # refits: the busiest rank is chosen with the previous fit's rates
-DEFAULT = StepRates(1.0, 100.0, 0.0, 0.0)     # the scheduler's own weights (flops_per_byte = 100) to start
+DEFAULT = StepRates(1.0, 1.0, 100.0, 0.0, 0.0)     # the scheduler's own weights (flops_per_byte = 100) to start
 
 
 def busiest(step, rates: StepRates):
-    """(operations, bytes, rounds) of one measured step's busiest rank under ``rates``."""
-    ops, sent = max(step["work"], key=lambda w: w[0] * rates.s_per_op + w[1] * rates.s_per_byte)
-    return ops, sent, step["rounds"]
+    """(linear ops, attention ops, bytes, rounds) of one measured step's busiest rank under ``rates``."""
+    ops, attention, sent = max(step["work"], key=lambda w: rates.seconds(*w, 0) - rates.step_s)
+    return ops, attention, sent, step["rounds"]
 
 
 def predict(steps, rates: StepRates) -> float:
@@ -40,7 +41,7 @@ def fit(cases: Sequence[Tuple[list, float]]) -> StepRates:
         points = []
         for steps, seconds in cases:
             feats = [busiest(step, rates) for step in steps]
-            points.append((*(statistics.fmean(f[i] for f in feats) for i in range(3)), seconds))
+            points.append((*(statistics.fmean(f[i] for f in feats) for i in range(4)), seconds))
         rates = fit_rates(points)
     return rates
 
@@ -50,7 +51,7 @@ def with_predictions(rows: List[Row], work: Dict[str, list]) -> Tuple[List[Row],
     cases, and "predicted by the fit over all" in their detail; a sentence giving that fit's rates).
     ``work``: "<case> <variant>" -> its steps (bench dynamic's priced_work)."""
     timed = [i for i, r in enumerate(rows) if r.metric == "critical_cpu_s" and f"{r.case} {r.variant}" in work]
-    if len(timed) < 5:                                  # four rates: fewer cases leave nothing to check
+    if len(timed) < 6:                                  # five rates: fewer cases leave nothing to check
         return rows, ""
     cases = {i: (work[f"{rows[i].case} {rows[i].variant}"], rows[i].value) for i in timed}
     whole = fit(list(cases.values()))
@@ -66,7 +67,8 @@ def with_predictions(rows: List[Row], work: Dict[str, list]) -> Tuple[List[Row],
 
 
 def _describe(rates: StepRates) -> str:
-    return (f"{rates.s_per_op * 1e9:.3f} ns per priced operation, {rates.s_per_byte * 1e9:.3f} ns per byte sent, "
+    return (f"{rates.s_per_op * 1e9:.3f} ns per linear-layer operation, {rates.s_per_attention_op * 1e9:.3f} ns per "
+            f"attention operation, {rates.s_per_byte * 1e9:.3f} ns per byte sent, "
             f"{rates.round_s * 1e3:.1f} ms per round, {rates.step_s * 1e3:.1f} ms per step")
 
 

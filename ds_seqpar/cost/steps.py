@@ -4,7 +4,8 @@ its documents' own work. The one place the per-round, per-step and per-byte term
 A step is rounds of micro-batches (ds_seqpar/schedule); each rank runs one per round, a forward and
 backward of the whole model, whatever its tokens. So a step costs
 
-    its documents' work on their groups                     document_s (GPU), or ops x s_per_op
+    its documents' work on their groups                     document_s (GPU), or linear ops x s_per_op
+                                                            + attention ops x s_per_attention_op
                                                             + bytes x s_per_byte (CPU, fitted)
     + a fixed cost per round, on every rank                 round_s: the pass itself (launches,
                                                             hooks, the per-layer exchanges' latency)
@@ -13,7 +14,7 @@ backward of the whole model, whatever its tokens. So a step costs
 
 On a GPU the documents are priced by times.step_time (compute at the profile's rates, the ring's
 or all-to-all's exposed time) and ZeRO's collectives by zero_times. On CPU ranks nothing is assumed:
-fit_rates finds (s_per_op, s_per_byte, round_s, step_s) from measured steps (``ds-seqpar bench
+fit_rates finds the five rates from measured steps (``ds-seqpar bench
 dynamic``), the operations and bytes being the scheduler's (schedule.cost.work).
 """
 from __future__ import annotations
@@ -29,9 +30,11 @@ from .times import collective_time, step_time
 
 @dataclass(frozen=True)
 class StepRates:
-    """Seconds per operation and per byte of a document's work, per round and per step."""
+    """Seconds per operation (linear layers, attention) and per byte of a document's work, per round and
+    per step."""
 
     s_per_op: float
+    s_per_attention_op: float
     s_per_byte: float
     round_s: float
     step_s: float
@@ -41,24 +44,25 @@ class StepRates:
         """What a byte costs in operations: schedule.cost.ModelShape's ``flops_per_byte``."""
         return self.s_per_byte / self.s_per_op if self.s_per_op > 0 else float("inf")
 
-    def seconds(self, ops: float, sent: float, rounds: int) -> float:
-        return ops * self.s_per_op + sent * self.s_per_byte + rounds * self.round_s + self.step_s
+    def seconds(self, ops: float, attention_ops: float, sent: float, rounds: float) -> float:
+        return (ops * self.s_per_op + attention_ops * self.s_per_attention_op + sent * self.s_per_byte
+                + rounds * self.round_s + self.step_s)
 
 
-def fit_rates(points: Sequence[Tuple[float, float, int, float]]) -> StepRates:
-    """Least squares over measured steps (busiest rank's ops, its bytes, rounds, seconds), in relative
-    error (a short step counts as much as a long one), every rate >= 0: a rate the fit drives below 0
-    is dropped and the rest refitted."""
-    x = np.array([[o, b, r, 1.0] for o, b, r, _ in points], dtype=np.float64)
+def fit_rates(points: Sequence[Tuple[float, float, float, float, float]]) -> StepRates:
+    """Least squares over measured steps (busiest rank's linear ops, attention ops, bytes, rounds,
+    seconds), in relative error (a short step counts as much as a long one), every rate >= 0: a rate
+    the fit drives below 0 is dropped and the rest refitted."""
+    x = np.array([[o, a, b, r, 1.0] for o, a, b, r, _ in points], dtype=np.float64)
     y = np.array([s for *_, s in points], dtype=np.float64)
-    keep = [0, 1, 2, 3]
+    keep = [0, 1, 2, 3, 4]
     while True:
         a = x[:, keep] / y[:, None]
         coef = np.linalg.lstsq(a, np.ones(len(y)), rcond=None)[0]
         if (coef >= 0).all() or len(keep) == 1:
             break
         keep.pop(int(np.argmin(coef)))
-    full = np.zeros(4)
+    full = np.zeros(5)
     full[keep] = np.maximum(coef, 0.0)
     return StepRates(*(float(v) for v in full))
 

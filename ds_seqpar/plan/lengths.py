@@ -101,7 +101,8 @@ def predict_cluster(shape, lengths: List[int], cl: Cluster, cap: int) -> Dict[st
             out[name] = min(tries, key=lambda r: r["step_s"])
     first = _with_size((zigzag_of[min(zigzag_of)] if zigzag_of else next(iter(best_of.values())))[0], 1)
     one = pricer(lambda g: first, shape, cl)
-    out["bound"] = {"config": f"{first.label()}, every document on one rank", "candidate": first,
+    out["bound"] = {"config": f"{first.strategy} features={first.features.label}, every document on one rank: no "
+                              f"communication, rounds or ZeRO", "candidate": first,
                     "step_s": sum(one(n, 1) for n in lengths) / cl.gpus}
     return out
 

@@ -47,9 +47,8 @@ class ModelShape:
 
 
 @functools.lru_cache(maxsize=65536)
-def work(length: int, group_size: int, strategy: str, shape: ModelShape = ModelShape()) -> Tuple[float, float]:
-    """(forward + backward operations, bytes sent) of the busiest rank when a document of ``length``
-    tokens runs alone on ``group_size`` ranks with ``strategy``: the two parts ``price`` adds up."""
+def _parts(length: int, group_size: int, strategy: str, shape: ModelShape) -> Tuple[int, int, int]:
+    """(linear-layer operations, attention operations of one layer, bytes sent) of a forward."""
     layout = make_layout(get_strategy(strategy).layout_name, group_size)
     n = padded_len(layout, length)
     linear = 2 * shape.matmul_params * n // group_size
@@ -63,14 +62,22 @@ def work(length: int, group_size: int, strategy: str, shape: ModelShape = ModelS
     if group_size > 1:
         dims = Shapes(1, n, shape.heads, shape.kv_heads, shape.head_dim, shape.elem)
         sent = shape.layers * closed_form_bytes(strategy, group_size, dims)
-    return float(FWD_BWD * (linear + shape.layers * attention)), float(sent)
+    return linear, attention, sent
+
+
+def work(length: int, group_size: int, strategy: str, shape: ModelShape = ModelShape()) -> Tuple[float, float, float]:
+    """(forward + backward operations of the linear layers, of attention, bytes sent) of the busiest
+    rank when a document of ``length`` tokens runs alone on ``group_size`` ranks with ``strategy``:
+    the parts ``price`` adds up, apart (a machine runs attention and matmuls at different rates)."""
+    linear, attention, sent = _parts(length, group_size, strategy, shape)
+    return float(FWD_BWD * linear), float(FWD_BWD * shape.layers * attention), float(sent)
 
 
 def price(length: int, group_size: int, strategy: str, shape: ModelShape = ModelShape()) -> float:
     """Forward + backward operations (bytes converted) of the busiest rank when a document of
     ``length`` tokens runs alone on ``group_size`` ranks with ``strategy``."""
-    ops, sent = work(length, group_size, strategy, shape)
-    return ops + shape.flops_per_byte * sent
+    linear, attention, sent = _parts(length, group_size, strategy, shape)
+    return float(FWD_BWD * (linear + shape.layers * attention) + shape.flops_per_byte * sent)
 
 
 __all__ = ["ModelShape", "price", "work"]

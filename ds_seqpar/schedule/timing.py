@@ -32,17 +32,17 @@ def critical_path_s(plan: Schedule, round_s: float = 0.0, barrier: bool = False)
     return max(done) if done else 0.0
 
 
-def rank_work(plan: Schedule, strategy: str, shape: ModelShape = ModelShape()) -> List[Tuple[float, float]]:
-    """(operations, bytes sent) of each rank over the step: its micro-batches' documents, each priced on
-    its micro-batch's group (schedule.cost.work, the parts ``price`` adds up)."""
-    out = [[0.0, 0.0] for _ in range(plan.world_size)]
+def rank_work(plan: Schedule, strategy: str, shape: ModelShape = ModelShape()) -> List[Tuple[float, float, float]]:
+    """(linear operations, attention operations, bytes sent) of each rank over the step: its
+    micro-batches' documents, each priced on its micro-batch's group (schedule.cost.work, the parts
+    ``price`` adds up)."""
+    out = [[0.0, 0.0, 0.0] for _ in range(plan.world_size)]
     for row in plan.rounds:
         for r, mb in enumerate(row):
             for n in mb.lengths:
-                ops, sent = work(n, mb.group.size, strategy, shape)
-                out[r][0] += ops
-                out[r][1] += sent
-    return [(a, b) for a, b in out]
+                for i, part in enumerate(work(n, mb.group.size, strategy, shape)):
+                    out[r][i] += part
+    return [(a, b, c) for a, b, c in out]
 
 
 __all__ = ["critical_path_s", "rank_work"]

@@ -82,10 +82,10 @@ def test_rounds_strung_along_their_ranks():
 
 
 def test_step_rates_fitted_from_steps_recover_the_rates_that_made_them():
-    true = StepRates(2e-9, 5e-9, 0.03, 0.1)
-    steps = [(ops, b, r) for ops, b, r in [(1e8, 0, 1), (3e8, 1e7, 2), (5e7, 4e7, 5), (2e8, 2e7, 3), (4e8, 0, 2),
-                                          (1e8, 3e7, 4)]]
-    got = fit_rates([(o, b, r, true.seconds(o, b, r)) for o, b, r in steps])
-    for name in ("s_per_op", "s_per_byte", "round_s", "step_s"):
+    true = StepRates(2e-9, 3e-9, 5e-9, 0.03, 0.1)
+    steps = [(1e8, 1e7, 0, 1), (3e8, 5e7, 1e7, 2), (5e7, 1e8, 4e7, 5), (2e8, 0, 2e7, 3), (4e8, 2e8, 0, 2),
+             (1e8, 3e7, 3e7, 4), (2e8, 4e8, 1e6, 1)]
+    got = fit_rates([(*step, true.seconds(*step)) for step in steps])
+    for name in ("s_per_op", "s_per_attention_op", "s_per_byte", "round_s", "step_s"):
         assert getattr(got, name) == pytest.approx(getattr(true, name), rel=1e-6), name
     assert got.flops_per_byte == pytest.approx(2.5)
