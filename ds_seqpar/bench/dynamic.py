@@ -12,7 +12,9 @@ barrier, in a fixed order. With more ranks than cores the wall clock measures th
 so the primary figure is the critical path: the busiest rank's CPU seconds of the whole step (process
 time: its communication threads included), median over rounds; its bound is the mean over ranks
 (the step's work spread evenly). The cases' losses must agree (the same token-level mean): a
-speed-up of a different computation would mean nothing.
+speed-up of a different computation would mean nothing. Each step's schedule is kept priced
+(schedule.rank_work), and each case's critical path is predicted from the rates the other cases fit
+(dynamic_fit.py: the ``predicted`` column).
 """
 from __future__ import annotations
 
