@@ -146,8 +146,13 @@ def render(name: str, result: Dict[int, Dict]) -> List[str]:
 
 
 def run(opts) -> int:
-    from .hardware import load_gpu
+    from .hardware import PlanError, load_gpu
     from .inputs import load_model
+    if not opts.model:
+        raise PlanError("--lengths needs --model (e.g. configs/plan/llama3_8b.json)")
+    if (opts.seq_len is not None and opts.seq_len < 2) or opts.tokens_per_gpu < 1:
+        raise PlanError(f"--seq-len={opts.seq_len} (the longest document) must be >= 2 and --tokens-per-gpu="
+                        f"{opts.tokens_per_gpu} >= 1")
     paths = opts.lengths.split(",")
     for path in paths:                                   # a bad file stops before the model is loaded
         read_lengths(path)

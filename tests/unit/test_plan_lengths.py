@@ -89,3 +89,11 @@ def test_step_rates_fitted_from_steps_recover_the_rates_that_made_them():
     for name in ("s_per_op", "s_per_attention_op", "s_per_byte", "round_s", "step_s"):
         assert getattr(got, name) == pytest.approx(getattr(true, name), rel=1e-6), name
     assert got.flops_per_byte == pytest.approx(2.5)
+
+
+def test_lengths_without_a_model_or_with_no_tokens_is_refused(capsys):
+    assert main(["--lengths", "data/lengths/wlbllm.txt"]) == 2
+    assert "--lengths needs --model" in capsys.readouterr().err
+    assert main(["--lengths", "data/lengths/wlbllm.txt", "--model", "configs/plan/llama3_8b.json",
+                 "--tokens-per-gpu", "0"]) == 2
+    assert "--tokens-per-gpu=0" in capsys.readouterr().err
