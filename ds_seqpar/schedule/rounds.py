@@ -17,8 +17,9 @@ Rules, in order:
 4. Documents that fit on one rank (when 1 is a size) are placed one by one, costliest first, where
    they leave their busiest rank the least loaded: into a one-rank micro-batch with room (at most
    T tokens), a free (round, rank) cell, or the room a multi-rank micro-batch leaves under its
-   group's capacity (the document is then split over that group). A new round only when none has
-   room: every round is a forward and backward on every rank.
+   group's capacity (the document is then split over that group; not with ``fill_groups=False``,
+   Megatron's power-of-two rule the planner compares with). A new round only when none has room:
+   every round is a forward and backward on every rank. room.py finds the place with arrays.
 5. Every rank runs one micro-batch per round, an empty one (no token, zero loss, on its group of
    the smallest size) where it has nothing: under ZeRO-3 every rank must run the same number of forward and backward passes.
 
