@@ -12,7 +12,8 @@ import numpy as np
 
 def read_lengths(path: str) -> np.ndarray:
     """The lengths of ``path``; an error naming the file and the line for an empty file, a word that
-    is not an integer or a length below 1 (blank lines are skipped, lines counted as in an editor)."""
+    is not an integer or a length below 1 (blank lines are skipped; the line as an editor counts it, and
+    which non-empty line it is)."""
     if not os.path.exists(path):
         raise ValueError(f"--lengths {path!r} does not exist")
     opener = gzip.open if path.endswith(".gz") else open
@@ -28,7 +29,8 @@ def read_lengths(path: str) -> np.ndarray:
                 raise ValueError(f"--lengths {path!r}: line {number}: {word!r} is not an integer; one document "
                                  f"length per line") from None
             if values[-1] < 1:
-                raise ValueError(f"--lengths {path!r}: line {number} is {values[-1]}; document lengths must be >= 1")
+                raise ValueError(f"--lengths {path!r}: line {number}, non-empty line {len(values)} is {values[-1]}; "
+                                 f"document lengths must be >= 1")
     if not values:
         raise ValueError(f"--lengths {path!r} is empty; it needs one document length (an integer >= 1) per line")
     return np.array(values, dtype=np.int64)
