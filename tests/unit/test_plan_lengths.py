@@ -17,7 +17,8 @@ SMALL = ModelShape("small", hidden=256, layers=4, heads=8, kv_heads=2, head_dim=
 CAP = 2048
 
 
-@pytest.mark.parametrize("text, words", [("", "is empty"), ("\n \n", "is empty"), ("5\n\n0\n", "line 3, non-empty line 2 is 0"),
+@pytest.mark.parametrize("text, words", [("", "is empty"), ("\n \n", "is empty"),
+                                         ("5\n\n0\n", "line 3, non-empty line 2 is 0"),
                                          ("7\n-4\n", "line 2 is -4"), ("5\nten\n", "line 2: 'ten' is not an")])
 def test_a_bad_lengths_file_is_refused_naming_the_file_and_line(tmp_path, capsys, text, words):
     path = tmp_path / "bad.txt.gz"

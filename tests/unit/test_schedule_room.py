@@ -12,7 +12,8 @@ class PlainPlacer:
     """Every cell visited: options (busiest load after, kind, round, rank), the least taken."""
 
     def __init__(self, table, load, t, total, pricer, fill_groups):
-        self.table, self.load, self.t, self.total, self.pricer, self.fill = table, list(load), t, total, pricer, fill_groups
+        self.table, self.load, self.t, self.total = table, list(load), t, total
+        self.pricer, self.fill = pricer, fill_groups
 
     def place(self, d, lengths):
         n, best, world = lengths[d], None, len(self.load)
