@@ -12,7 +12,9 @@ barrier, in a fixed order. With more ranks than cores the wall clock measures th
 so the primary figure is the critical path: the busiest rank's CPU seconds of the whole step (process
 time: its communication threads included), median over rounds; its bound is the mean over ranks
 (the step's work spread evenly). The cases' losses must agree (the same token-level mean): a
-speed-up of a different computation would mean nothing.
+speed-up of a different computation would mean nothing. Each step's schedule is kept priced
+(schedule.rank_work), and each case's critical path is predicted from the rates the other cases fit
+(dynamic_fit.py: the ``predicted`` column).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import statistics
 from typing import Any, Dict, List, Optional
 
 from ..report.rows import Row
+from .dynamic_fit import with_predictions
 from .harness import command_line, measure_on_pool, suite_facts, suite_main, suite_parser, write_page
 
 PROG = "ds-seqpar bench dynamic"
@@ -81,7 +84,7 @@ def bench_rank(args) -> Dict[str, Any]:
     import deepspeed
     from .. import comm
     from ..dynamic import train_step
-    from ..schedule import ModelShape
+    from ..schedule import ModelShape, rank_work
     from ..train import data
     deepspeed.init_distributed(dist_backend="gloo")
     table = cases(args.P, args.max_tokens_per_rank)
@@ -106,7 +109,8 @@ def bench_rank(args) -> Dict[str, Any]:
                     sent = sum(b for k, b in runner.stats.bytes.items() if k != "loss")
                     per[c].append({"cpu": cpu, "wall": wall, "loss": res["loss"], "rounds": res["rounds"],
                                    "bytes": sent, "tokens": sum(int(d.numel()) for d in docs), "cut": cut,
-                                   "priced_imbalance": plan.imbalance, "sizes": plan.group_sizes})
+                                   "priced_imbalance": plan.imbalance, "sizes": plan.group_sizes,
+                                   "work": rank_work(plan, args.strategy, shape)})
         out[os.path.basename(path)] = per
     return {"rank": comm.global_rank(), "per": out, "load_1min": os.getloadavg()[0]}
 
@@ -125,7 +129,8 @@ def summarize(per_rank: List[Dict[str, Any]]) -> Dict[str, Dict[str, Dict[str, A
                 "tokens_per_s": [rnd[0]["tokens"] / max(x["wall"] for x in rnd) for rnd in at],
                 "bytes": [max(x["bytes"] for x in rnd) for rnd in at], "rounds": [rnd[0]["rounds"] for rnd in at],
                 "losses": [rnd[0]["loss"] for rnd in at], "sizes": sorted({s for rnd in at for s in rnd[0]["sizes"]}),
-                "priced_imbalance": [rnd[0]["priced_imbalance"] for rnd in at]}
+                "priced_imbalance": [rnd[0]["priced_imbalance"] for rnd in at],
+                "work": [{"rounds": rnd[0]["rounds"], "work": rnd[0]["work"]} for rnd in at]}
     return out
 
 
@@ -163,6 +168,12 @@ def rows(summary, meta) -> List[Row]:
     return out
 
 
+def priced_work(summary, meta) -> Dict[str, Any]:
+    """"<case> <variant>" -> per step: its rounds and every rank's priced (operations, bytes)."""
+    return {f"{case} {name} P={meta['P']} T={meta['max_tokens_per_rank']}": r["work"]
+            for name, by_case in summary.items() for case, r in by_case.items()}
+
+
 def facts(meta) -> Dict[str, Any]:
     return suite_facts(
         meta, f"Dynamic data-sequence groups vs static sizes at P={meta['P']}, T={meta['max_tokens_per_rank']}",
@@ -183,7 +194,10 @@ def measure(args, argv) -> int:
     per_rank, meta = measure_on_pool(bench_rank, args, command_line(PROG, argv), versions=True)
     summary = summarize(per_rank)
     meta["loss_rel"] = check_losses(summary)
-    return write_page(args.out, args.name, rows(summary, meta), facts(meta), PROG)
+    meta["priced_work"] = priced_work(summary, meta)
+    found, fitted = with_predictions(rows(summary, meta), meta["priced_work"])
+    return write_page(args.out, args.name, found, dict(facts(meta), notes=" ".join((meta["notes"], fitted)), meta=meta),
+                      PROG)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

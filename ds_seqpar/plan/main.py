@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "parts, then more free memory")
     p.add_argument("--out", help="write the best configuration's DeepSpeed JSON here")
     p.add_argument("--json", dest="json_out", help="write every prediction here (machine-readable)")
+    p.add_argument("--lengths", help="document-length files (comma list; one integer per line, .gz too): predict "
+                   "the step of the best static configuration, power-of-two and dynamic groups (docs/dynamic.md)")
+    p.add_argument("--tokens-per-gpu", type=int, default=65536, help="--lengths: tokens per GPU in a step")
+    p.add_argument("--seed", type=int, default=0, help="--lengths: which documents are drawn")
     p.add_argument("--calibrate", action="store_true", help="measure this machine's alpha/beta (gloo, local ranks) and "
                    "kernel throughput; write the profile and the predicted-vs-measured report (--reports, --name)")
     p.add_argument("--reports", default="reports",
@@ -129,6 +133,9 @@ def run(opts) -> int:
     if opts.calibrate:
         from .calibrate_report import run as calibrate
         return calibrate(opts)
+    if opts.lengths:
+        from .lengths import run as lengths
+        return lengths(opts)
     check_args(opts)
     gpu = hardware.load_gpu(opts.gpu)
     shape = load_model(opts.model)
@@ -168,7 +175,7 @@ def main(argv: Optional[list] = None) -> int:
     opts = build_parser().parse_args(argv)
     try:
         return run(opts)
-    except (ConfigError, OSError) as err:
+    except (ConfigError, OSError, ValueError) as err:
         print(f"ds-seqpar plan: error: {err}", file=sys.stderr)
         return 2
 

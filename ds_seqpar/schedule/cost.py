@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Tuple
 
 from ..masks import Mask
 from ..cost import pairs_per_rank
@@ -47,10 +48,9 @@ class ModelShape:
 
 
 @functools.lru_cache(maxsize=65536)
-def price(length: int, group_size: int, strategy: str, shape: ModelShape = ModelShape(), ulysses_size: int = 1) -> float:
-    """Forward + backward operations (bytes converted) of the busiest rank when a document of
-    ``length`` tokens runs alone on ``group_size`` ranks with ``strategy`` (the 2D hybrid where
-    ``ulysses_size`` divides the group: family.ulysses_degree)."""
+def _parts(length: int, group_size: int, strategy: str, shape: ModelShape, ulysses_size: int) -> Tuple[int, int, int]:
+    """(linear-layer operations, attention operations of one layer, bytes sent) of a forward (the 2D
+    hybrid where ``ulysses_size`` divides the group: family.ulysses_degree)."""
     u = ulysses_degree(group_size, ulysses_size)
     layout = make_layout(get_strategy(strategy).layout_name, group_size // u, u)
     n = padded_len(layout, length)
@@ -65,7 +65,24 @@ def price(length: int, group_size: int, strategy: str, shape: ModelShape = Model
     if group_size > 1:
         dims = Shapes(1, n, shape.heads, shape.kv_heads, shape.head_dim, shape.elem)
         sent = shape.layers * closed_form_bytes(strategy, group_size, dims, ulysses_size=u)
+    return linear, attention, sent
+
+
+def work(length: int, group_size: int, strategy: str, shape: ModelShape = ModelShape(),
+         ulysses_size: int = 1) -> Tuple[float, float, float]:
+    """(forward + backward operations of the linear layers, of attention, bytes sent) of the busiest
+    rank when a document of ``length`` tokens runs alone on ``group_size`` ranks with ``strategy``:
+    the parts ``price`` adds up, apart (a machine runs attention and matmuls at different rates)."""
+    linear, attention, sent = _parts(length, group_size, strategy, shape, ulysses_size)
+    return float(FWD_BWD * linear), float(FWD_BWD * shape.layers * attention), float(sent)
+
+
+def price(length: int, group_size: int, strategy: str, shape: ModelShape = ModelShape(),
+          ulysses_size: int = 1) -> float:
+    """Forward + backward operations (bytes converted) of the busiest rank when a document of
+    ``length`` tokens runs alone on ``group_size`` ranks with ``strategy``."""
+    linear, attention, sent = _parts(length, group_size, strategy, shape, ulysses_size)
     return float(FWD_BWD * (linear + shape.layers * attention) + shape.flops_per_byte * sent)
 
 
-__all__ = ["ModelShape", "price"]
+__all__ = ["ModelShape", "price", "work"]

@@ -17,8 +17,9 @@ Rules, in order:
 4. Documents that fit on one rank (when 1 is a size) are placed one by one, costliest first, where
    they leave their busiest rank the least loaded: into a one-rank micro-batch with room (at most
    T tokens), a free (round, rank) cell, or the room a multi-rank micro-batch leaves under its
-   group's capacity (the document is then split over that group). A new round only when none has
-   room: every round is a forward and backward on every rank.
+   group's capacity (the document is then split over that group; not with ``fill_groups=False``,
+   Megatron's power-of-two rule the planner compares with). A new round only when none has room:
+   every round is a forward and backward on every rank. room.py finds the place with arrays.
 5. Every rank runs one micro-batch per round, an empty one (no token, zero loss, on its group of
    the smallest size) where it has nothing: under ZeRO-3 every rank must run the same number of forward and backward passes.
 
@@ -31,54 +32,14 @@ carries that count (``loss_tokens``) as the divisor of its token-loss sum.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
+
+from .batch import Group, MicroBatch
 from .cost import ModelShape, price
 from .family import group_sizes
-
-
-@dataclass(frozen=True)
-class Group:
-    """Ranks [first, first + size) of the pre-built aligned family of this size."""
-
-    size: int
-    first: int
-
-    @property
-    def ranks(self) -> Tuple[int, ...]:
-        return tuple(range(self.first, self.first + self.size))
-
-    @property
-    def index(self) -> int:
-        """Which group of its size this is (the runtime's family is indexed the same way)."""
-        return self.first // self.size
-
-
-@dataclass(frozen=True)
-class MicroBatch:
-    """One forward + backward on ``group``: documents packed in order, ``cu_seqlens`` their
-    boundaries [0, l1, l1+l2, ..., tokens]; ``loss_tokens`` the divisor of the global batch's mean."""
-
-    group: Group
-    documents: Tuple[int, ...]
-    lengths: Tuple[int, ...]
-    loss_tokens: int
-    cost: float = 0.0
-
-    @property
-    def tokens(self) -> int:
-        return sum(self.lengths)
-
-    @property
-    def cu_seqlens(self) -> Tuple[int, ...]:
-        out = [0]
-        for n in self.lengths:
-            out.append(out[-1] + n)
-        return tuple(out)
-
-    @property
-    def empty(self) -> bool:
-        return not self.lengths
+from .room import ShortPlacer
 
 
 @dataclass(frozen=True)
@@ -110,19 +71,20 @@ class Schedule:
 
 def schedule(lengths: Sequence[int], world_size: int, max_tokens_per_rank: int, sizes: Sequence[int],
              strategy: str = "zigzag", shape: ModelShape = ModelShape(),
-             loss_tokens: Optional[int] = None, ulysses_size: int = 1) -> Schedule:
+             loss_tokens: Optional[int] = None, ulysses_size: int = 1,
+             pricer: Optional[Callable[[int, int], float]] = None, fill_groups: bool = True) -> Schedule:
     """Rounds of micro-batches for one global batch of documents (module docstring).
     ``loss_tokens``: target tokens of the global batch, default sum(length - 1) (labels shifted
     inside each document, every one counted). ``ulysses_size``: the 2D hybrid's U, priced on the
-    groups it runs on (family.ulysses_degree)."""
+    groups it runs on (family.ulysses_degree). ``pricer(length, group size)``: what a document costs
+    (default ``price`` with ``strategy``, ``shape`` and ``ulysses_size``; the planner passes the cost
+    model's seconds on a GPU). ``fill_groups`` False: short documents never fill the room of
+    multi-rank micro-batches (Megatron's power-of-two rule, which the planner compares with)."""
+    pricer = pricer or (lambda n, g: price(n, g, strategy, shape, ulysses_size))
     lengths = [_check_length(i, n) for i, n in enumerate(lengths)]
     sizes = _check_sizes(sizes, world_size)
     t = max_tokens_per_rank
     need = [_need(i, n, sizes, t) for i, n in enumerate(lengths)]
-
-    def pricer(n: int, size: int) -> float:
-        return price(n, size, strategy, shape, ulysses_size)
-
     cost = [pricer(n, s) for n, s in zip(lengths, need)]
     total = sum(max(n - 1, 0) for n in lengths) if loss_tokens is None else int(loss_tokens)
     load = [0.0] * world_size
@@ -136,10 +98,11 @@ def schedule(lengths: Sequence[int], world_size: int, max_tokens_per_rank: int, 
         for r in mb.group.ranks:
             table[rnd][r] = mb
             load[r] += mb.cost
+    placer = ShortPlacer(table, np.array(load, dtype=np.float64), t, total, pricer, fill_groups)
     for d in sorted((i for i, s in enumerate(need) if s == 1), key=lambda i: (-cost[i], i)):
-        _place_short(table, d, lengths, pricer, load, world_size, t, total)
+        placer.place(d, lengths)
     rounds = tuple(_fill_empty(row, world_size, sizes[0], total) for row in table)
-    return Schedule(rounds, world_size, t, total, tuple(load))
+    return Schedule(rounds, world_size, t, total, tuple(float(x) for x in placer.load))
 
 
 def _fill_empty(row: Dict[int, MicroBatch], world_size: int, smallest: int, total: int) -> Tuple[MicroBatch, ...]:
@@ -162,39 +125,6 @@ def _free_block(table, size: int, world_size: int, load) -> Tuple[int, int]:
             return k, min(blocks, key=lambda f: (sum(load[f:f + size]), f))
     table.append({})
     return len(table) - 1, min(range(0, world_size, size), key=lambda f: (sum(load[f:f + size]), f))
-
-
-def _place_short(table, d: int, lengths, pricer, load, world_size: int, t: int, total: int) -> None:
-    """Document ``d`` (it fits on one rank) where it leaves its busiest rank the least loaded: into a
-    one-rank micro-batch with room, a free (round, rank) cell, or the room a multi-rank micro-batch
-    leaves under its group's capacity (split over the group, each rank paying the price on that
-    group). A new round only when nothing has room: every round is a forward and backward on every
-    rank (an empty one where a rank has nothing), so rounds are not free."""
-    n, best = lengths[d], None
-    for k, row in enumerate(table):
-        for r in range(world_size):
-            mb = row.get(r)
-            if mb is None:
-                option = (load[r] + pricer(n, 1), 1, k, r)
-            elif mb.tokens + n > mb.group.size * t or (mb.group.size > 1 and r != mb.group.first):
-                continue
-            else:
-                added = pricer(n, mb.group.size)
-                option = (max(load[x] for x in mb.group.ranks) + added, 0 if mb.group.size == 1 else 2, k, r)
-            best = option if best is None or option < best else best
-    if best is None:
-        table.append({})
-        r = min(range(world_size), key=lambda x: (load[x], x))
-        best = (0.0, 1, len(table) - 1, r)
-    _, _, k, r = best
-    mb = table[k].get(r)
-    docs = tuple(sorted((mb.documents if mb else ()) + (d,)))
-    group = mb.group if mb else Group(1, r)
-    added = pricer(n, group.size)
-    new = MicroBatch(group, docs, tuple(lengths[i] for i in docs), total, (mb.cost if mb else 0.0) + added)
-    for x in group.ranks:
-        table[k][x] = new
-        load[x] += added
 
 
 def _pack(docs: List[int], lengths, capacity: int) -> List[List[int]]:

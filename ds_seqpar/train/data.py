@@ -9,7 +9,6 @@ Legend: B = micro batch, N = global sequence length, L = local tokens (N / sp si
 """
 from __future__ import annotations
 
-import gzip
 import hashlib
 import os
 import sysconfig
@@ -18,6 +17,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from ..schedule.lengths import read_lengths
 from ..sharding.batch import IGNORE_INDEX
 
 CORPUS_BYTES = 4 << 20        # fixed subset size: identical corpus on every rank and every run
@@ -93,26 +93,6 @@ def batch_for_step(tokens: np.ndarray, step: int, micro_step: int, dp_rank: int,
         drop = rng.random((dp_size * micro_batch, seq_len))[dp_rank * micro_batch:(dp_rank + 1) * micro_batch]
         labels_bn[torch.from_numpy(drop < ignore_frac)] = IGNORE_INDEX
     return {"input_ids": ids_bn, "labels": labels_bn}
-
-
-def read_lengths(path: str) -> np.ndarray:
-    """--lengths FILE: one positive integer per line (gzip when the name ends in .gz)."""
-    if not os.path.exists(path):
-        raise ValueError(f"--lengths {path!r} does not exist")
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        lines = [line.strip() for line in f if line.strip()]
-    if not lines:
-        raise ValueError(f"--lengths {path!r} is empty; it needs one document length (an integer >= 1) per line")
-    try:
-        lengths = np.array([int(x) for x in lines], dtype=np.int64)
-    except ValueError:
-        bad = next(x for x in lines if not x.lstrip("-").isdigit())
-        raise ValueError(f"--lengths {path!r}: {bad!r} is not an integer; one document length per line") from None
-    if (lengths < 1).any():
-        i = int(np.argmax(lengths < 1))
-        raise ValueError(f"--lengths {path!r}: non-empty line {i + 1} is {lengths[i]}; document lengths must be >= 1")
-    return lengths
 
 
 def documents_for_step(tokens: np.ndarray, lengths: np.ndarray, step: int, tokens_per_step: int, cap: int,

@@ -21,3 +21,16 @@ def test_the_committed_page_is_its_rows_rendered():
         assert render(rows, facts) == f.read()
     names = {(r.case, r.metric) for r in rows}
     assert {("dynamic", "critical_cpu_s"), ("static:4", "tokens_per_s")} <= names
+
+
+def test_the_predicted_page_is_its_rows_and_each_prediction_comes_from_the_other_cases_fit():
+    import dataclasses
+    from ds_seqpar.bench.dynamic_fit import with_predictions
+    rows, facts = load_rows(os.path.join(REPORTS, "dynamic_cpu_predicted.rows.json"))
+    with open(os.path.join(REPORTS, "dynamic_cpu_predicted.md")) as f:
+        assert render(rows, facts) == f.read()
+    bare = [dataclasses.replace(r, predicted=None) for r in rows]
+    again, _ = with_predictions(bare, facts["meta"]["priced_work"])
+    timed = [(r, a) for r, a in zip(rows, again) if r.metric == "critical_cpu_s"]
+    assert len(timed) == 16 and all(r.predicted == a.predicted for r, a in timed)
+    assert {r.variant.split()[1] for r, _ in timed} == {"P=2", "P=4"}
