@@ -104,9 +104,24 @@ def _gemma4():
                         image_token_id=120, video_token_id=121, boi_token_id=124, eoi_token_id=125)
 
 
+def _llama4():
+    from transformers import Llama4Config
+    # layer 0: RoPE, chunks of 8 tokens (the images straddle chunk edges too); layer 1: NoPE, full, with the
+    # attention temperature stepping every 4 positions (floor_scale), so it differs between the shards; both
+    # MoE. An 8 x 8 image in 2 x 2 patches, pixel-shuffled (ratio 1/2) to 4 tokens: its channels
+    # (hidden / ratio^2 = 128) are the adapter MLP's input, the tower's intermediate size
+    text = dict(LLAMA, attention_chunk_size=8, floor_scale=4, attn_scale=0.1, no_rope_layers=[1, 0],
+                layer_types=["chunked_attention", "full_attention"], num_local_experts=4, num_experts_per_tok=1,
+                intermediate_size_mlp=96, interleave_moe_layer_step=1)
+    return Llama4Config(text_config=text, vision_config=dict(
+        image_size=8, patch_size=2, hidden_size=32, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=2, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32),
+        image_token_index=120, boi_token_index=124, eoi_token_index=125)
+
+
 CONFIGS = {"qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl, "qwen3_vl": _qwen3_vl, "llava": _llava, "llava_next": _llava_next,
            "mistral3": _mistral3, "idefics3": _idefics3, "smolvlm": lambda: _idefics3("smolvlm"), "gemma3": _gemma3,
-           "gemma4": _gemma4}
+           "gemma4": _gemma4, "llama4": _llama4}
 # the [batch, seq] inputs that carry row()'s token types, as each model's forward names them
 TYPE_KEYS = ("mm_token_type_ids", "token_type_ids")
 
@@ -149,11 +164,12 @@ def _image_inputs(cfg, g, model):
         out = {"pixel_values": pixels[None]}
     else:
         out = {"pixel_values": pixels}
-    accepted = inspect.signature(model.model.get_image_features).parameters
+    owner = getattr(model, "model", model)        # Llama 4: the top model embeds the images
+    accepted = inspect.signature(owner.get_image_features).parameters
     with torch.no_grad():
-        feats = model.model.get_image_features(**{k: v for k, v in out.items() if k in accepted}, return_dict=True)
+        feats = owner.get_image_features(**{k: v for k, v in out.items() if k in accepted}, return_dict=True)
     pooled = feats.pooler_output if getattr(feats, "pooler_output", None) is not None else feats.last_hidden_state
-    per_image = [t.numel() // cfg.get_text_config().hidden_size for t in
+    per_image = [t.numel() // t.shape[-1] for t in
                  (pooled if isinstance(pooled, (list, tuple)) else pooled.reshape(count, -1, pooled.shape[-1]))]
     return out, [(n, cfg.image_token_id, 1) for n in per_image]
 
@@ -188,7 +204,13 @@ def build(cfg, dtype, state=None):
         model = T.AutoModelForImageTextToText.from_config(cfg, attn_implementation="eager")
     if state is not None:
         model.load_state_dict(state)
-    return model.to(dtype).train()
+    # Module.to(float dtype) casts a complex buffer to real (Llama 4's vision RoPE): keep it complex
+    rotations = {n: b for n, b in model.named_buffers() if b.is_complex()}
+    model.to(dtype)
+    for name, b in rotations.items():
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, b.to(torch.complex128 if dtype == torch.float64 else torch.complex64))
+    return model.train()
 
 
 def _cast(vision, dtype):

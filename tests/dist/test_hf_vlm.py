@@ -1,14 +1,15 @@
 """Vision-language models (tests/hf_vlm.py) on the shared pool: each family trains one step exactly under
 every softmax strategy at P=2 (logits, loss, every gradient incl. the vision tower's), with image and video
 placeholders straddling the shard boundaries (Gemma 3's bidirectional image blocks also at P=4 and in the
-2D hybrid); bad vision inputs stop every rank with the input named."""
+2D hybrid; Llama 4's chunked layer and NoPE layer with temperature tuning from global positions); bad vision inputs stop every rank with the input named."""
 import torch
 
 from ..hf_vlm import CONFIGS, STRATEGIES, build, check_vlm, positions, row, sweep, train_vlm
 from .test_hf_trainer import assert_same_training, ds_config
 
 # smolvlm is idefics3's code under another name (the sweep script covers it)
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "mistral3", "idefics3", "gemma3", "gemma4")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "mistral3", "idefics3", "gemma3", "gemma4",
+            "llama4")
 
 
 def test_vision_language_models_are_exact_under_every_strategy(pool):
