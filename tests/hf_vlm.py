@@ -11,6 +11,8 @@ import inspect
 
 import torch
 
+from ds_seqpar.hf.vision import VIDEO_AS_IMAGE_TOKENS
+
 from .hf_zoo import STRATEGIES, _worst, verdict
 
 SEQ = 64
@@ -25,6 +27,28 @@ VIDEO_GRID = (2, 4, 4)                         # 8 placeholders
 # an 8 x 8 image in 2 x 2 patches, one layer: the towers of the LLaVA / Idefics families
 TOWER = dict(image_size=8, patch_size=2, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
              num_attention_heads=2, attention_dropout=0.0)
+
+
+def fit_mrope(cfg):
+    """The config's 3-D RoPE sections (``mrope_section``: temporal, height, width frequencies) scaled to the
+    tiny head's frequency count, which the defaults (sized for 128-wide heads, in the config or the modeling
+    code) overrun; in place."""
+    import transformers as T
+    with torch.device("meta"):           # shapes only: the rotary module's inv_freq holds one entry per frequency
+        model = T.AutoModelForImageTextToText.from_config(cfg)
+    rotary = next((m for m in model.modules() if getattr(m, "mrope_section", None) and hasattr(m, "inv_freq")), None)
+    tc = cfg.get_text_config(decoder=True)
+    if rotary is None or not isinstance(getattr(tc, "rope_parameters", None), dict):
+        return cfg
+    section, freqs = list(rotary.mrope_section), rotary.inv_freq.shape[-1]
+    if sum(section) == freqs:
+        return cfg
+    exact = [freqs * v / sum(section) for v in section]
+    fitted = [max(1, int(v)) for v in exact]
+    for i in sorted(range(len(exact)), key=lambda i: int(exact[i]) - exact[i])[:freqs - sum(fitted)]:
+        fitted[i] += 1                  # the largest remainders take what rounding down left
+    tc.rope_parameters["mrope_section"] = fitted
+    return cfg
 
 
 def _qwen2_vl():
@@ -119,9 +143,38 @@ def _llama4():
         image_token_index=120, boi_token_index=124, eoi_token_index=125)
 
 
+GLM_TOKENS = dict(image_token_id=120, video_token_id=121, image_start_token_id=122, image_end_token_id=123,
+                  video_start_token_id=124, video_end_token_id=125)
+
+
+def _glm4v(kind="glm4v", **text):
+    from transformers import CONFIG_MAPPING
+    # the video as frames (GLM's get_rope_index splits its grid per frame, as Qwen3-VL's timestamps)
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    cfg = CONFIG_MAPPING[kind](text_config=dict(LLAMA, rope_parameters=rope, **text), vision_config=dict(
+        PATCH, depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, image_size=8),
+        **GLM_TOKENS)
+    return fit_mrope(cfg)
+
+
+def _qwen3_vl_moe():
+    from transformers import Qwen3VLMoeConfig
+    base = _qwen3_vl().to_dict()
+    text = dict(base["text_config"], model_type="qwen3_vl_moe_text", num_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=32, decoder_sparse_step=1)
+    return Qwen3VLMoeConfig(text_config=text, vision_config=dict(base["vision_config"], model_type="qwen3_vl_moe"),
+                            **TOKENS)
+
+
 CONFIGS = {"qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl, "qwen3_vl": _qwen3_vl, "llava": _llava, "llava_next": _llava_next,
            "mistral3": _mistral3, "idefics3": _idefics3, "smolvlm": lambda: _idefics3("smolvlm"), "gemma3": _gemma3,
-           "gemma4": _gemma4, "llama4": _llama4}
+           "gemma4": _gemma4, "llama4": _llama4,
+           "glm4v": _glm4v, "glm46v": lambda: _glm4v("glm46v"), "glm_ocr": lambda: _glm4v("glm_ocr"),
+           "glm4v_moe": lambda: _glm4v("glm4v_moe", n_routed_experts=4, num_experts_per_tok=2,
+                                       moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1),
+           "qwen3_vl_moe": _qwen3_vl_moe}
+# Qwen3-VL and GLM-4V: a video's frames are separate spans (timestamps / frame tokens between them)
+FRAME_SPANS = ("qwen3_vl", "qwen3_vl_moe", "glm4v", "glm46v", "glm_ocr", "glm4v_moe")
 # the [batch, seq] inputs that carry row()'s token types, as each model's forward names them
 TYPE_KEYS = ("mm_token_type_ids", "token_type_ids")
 
@@ -139,7 +192,13 @@ def _grid_inputs(cfg, g):
     merge = v.spatial_merge_size ** 2
     spans = [(t * h * w // merge, cfg.image_token_id, 1) for t, h, w in IMAGE_GRIDS]
     t, h, w = VIDEO_GRID
-    if cfg.model_type == "qwen3_vl":         # one span per frame, timestamps (text) between them
+    if cfg.model_type in VIDEO_AS_IMAGE_TOKENS:
+        # GLM-4V reads a video's frames at image placeholders, so a row holds images or a video: two images
+        # (glm4v, glm4v_moe) or one video (glm46v, glm_ocr)
+        if cfg.model_type in ("glm4v", "glm4v_moe"):
+            return {k: out[k] for k in ("pixel_values", "image_grid_thw")}, spans
+        return {k: out[k] for k in ("pixel_values_videos", "video_grid_thw")}, [(h * w // merge, cfg.image_token_id, 2)] * t
+    if cfg.model_type in FRAME_SPANS:         # one span per frame, timestamps (text) between them
         return out, spans + [(h * w // merge, cfg.video_token_id, 2)] * t
     return out, spans + [(t * h * w // merge, cfg.video_token_id, 2)]
 

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from .hf_vlm import CONFIGS, SEQ, STRATEGIES, check, check_vlm
+from .hf_vlm import CONFIGS, SEQ, STRATEGIES, check, check_vlm, fit_mrope
 
 MARKER = "## Vision-language models"
 
@@ -31,28 +31,6 @@ def _text_row(cfg):
         labels[torch.rand(1, SEQ, generator=g) < 0.2] = -100
         return ids, labels, torch.zeros_like(ids), {}
     return make
-
-
-def fit_mrope(cfg):
-    """The tiny config's 3-D RoPE sections (``mrope_section``: temporal, height, width frequencies) scaled to
-    the tiny head's frequency count, which the defaults (sized for 128-wide heads, in the config or the
-    modeling code) overrun; in place."""
-    import transformers as T
-    with torch.device("meta"):           # shapes only: the rotary module's inv_freq holds one entry per frequency
-        model = T.AutoModelForImageTextToText.from_config(cfg)
-    rotary = next((m for m in model.modules() if getattr(m, "mrope_section", None) and hasattr(m, "inv_freq")), None)
-    tc = cfg.get_text_config(decoder=True)
-    if rotary is None or not isinstance(getattr(tc, "rope_parameters", None), dict):
-        return cfg
-    section, freqs = list(rotary.mrope_section), rotary.inv_freq.shape[-1]
-    if sum(section) == freqs:
-        return cfg
-    exact = [freqs * v / sum(section) for v in section]
-    fitted = [max(1, int(v)) for v in exact]
-    for i in sorted(range(len(exact)), key=lambda i: int(exact[i]) - exact[i])[:freqs - sum(fitted)]:
-        fitted[i] += 1                  # the largest remainders take what rounding down left
-    tc.rope_parameters["mrope_section"] = fitted
-    return cfg
 
 
 def _param_count(cfg):
