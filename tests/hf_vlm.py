@@ -166,13 +166,34 @@ def _qwen3_vl_moe():
                             **TOKENS)
 
 
+def _vipllava():
+    from transformers import VipLlavaConfig
+    # the projector concatenates two of the tower's hidden states (the embeddings' and the layer's)
+    return VipLlavaConfig(vision_config=dict(TOWER, model_type="clip_vision_model"),
+                          text_config=dict(LLAMA, model_type="llama"), image_token_index=120, vision_feature_layer=[0, 1])
+
+
+def _aya_vision():
+    from transformers import AyaVisionConfig
+    # a SigLIP tower, its 4 x 4 patches pixel-shuffled (factor 2) to 4 tokens per image
+    return AyaVisionConfig(vision_config=dict(TOWER, model_type="siglip_vision_model"),
+                           text_config=dict(LLAMA, model_type="llama"), image_token_index=120, downsample_factor=2)
+
+
+def _internvl():
+    from transformers import InternVLConfig
+    # an 8 x 8 image in 2 x 2 patches, pixel-shuffled (ratio 1/2) to 4 tokens
+    return InternVLConfig(vision_config=dict(TOWER, image_size=[8, 8], patch_size=[2, 2]),
+                          text_config=dict(LLAMA, model_type="qwen2"), image_token_id=120, image_seq_length=4)
+
+
 CONFIGS = {"qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl, "qwen3_vl": _qwen3_vl, "llava": _llava, "llava_next": _llava_next,
            "mistral3": _mistral3, "idefics3": _idefics3, "smolvlm": lambda: _idefics3("smolvlm"), "gemma3": _gemma3,
            "gemma4": _gemma4, "llama4": _llama4,
            "glm4v": _glm4v, "glm46v": lambda: _glm4v("glm46v"), "glm_ocr": lambda: _glm4v("glm_ocr"),
            "glm4v_moe": lambda: _glm4v("glm4v_moe", n_routed_experts=4, num_experts_per_tok=2,
                                        moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1),
-           "qwen3_vl_moe": _qwen3_vl_moe}
+           "qwen3_vl_moe": _qwen3_vl_moe, "vipllava": _vipllava, "aya_vision": _aya_vision, "internvl": _internvl}
 # Qwen3-VL and GLM-4V: a video's frames are separate spans (timestamps / frame tokens between them)
 FRAME_SPANS = ("qwen3_vl", "qwen3_vl_moe", "glm4v", "glm46v", "glm_ocr", "glm4v_moe")
 # the [batch, seq] inputs that carry row()'s token types, as each model's forward names them
@@ -210,6 +231,7 @@ def _image_inputs(cfg, g, model):
     mt = cfg.model_type
     count = {"llava_next": 1, "gemma3": 3, "gemma4": 3}.get(mt, 2)
     size = getattr(cfg.vision_config, "image_size", 8)
+    size = size[0] if isinstance(size, (list, tuple)) else size
     pixels = torch.randn(count, 3, size, size, generator=g)
     if mt == "gemma4":                   # 9 x 9 patches of 2 x 2 pixels, flattened, with their (x, y)
         y, x = torch.meshgrid(torch.arange(9), torch.arange(9), indexing="ij")
