@@ -187,13 +187,20 @@ def _internvl():
                           text_config=dict(LLAMA, model_type="qwen2"), image_token_id=120, image_seq_length=4)
 
 
+def _lighton_ocr():
+    from transformers import LightOnOcrConfig
+    return LightOnOcrConfig(vision_config=dict(TOWER, model_type="pixtral", head_dim=16),
+                            text_config=dict(LLAMA, model_type="qwen3"), image_token_id=120, spatial_merge_size=2)
+
+
 CONFIGS = {"qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl, "qwen3_vl": _qwen3_vl, "llava": _llava, "llava_next": _llava_next,
            "mistral3": _mistral3, "idefics3": _idefics3, "smolvlm": lambda: _idefics3("smolvlm"), "gemma3": _gemma3,
            "gemma4": _gemma4, "llama4": _llama4,
            "glm4v": _glm4v, "glm46v": lambda: _glm4v("glm46v"), "glm_ocr": lambda: _glm4v("glm_ocr"),
            "glm4v_moe": lambda: _glm4v("glm4v_moe", n_routed_experts=4, num_experts_per_tok=2,
                                        moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1),
-           "qwen3_vl_moe": _qwen3_vl_moe, "vipllava": _vipllava, "aya_vision": _aya_vision, "internvl": _internvl}
+           "qwen3_vl_moe": _qwen3_vl_moe, "vipllava": _vipllava, "aya_vision": _aya_vision, "internvl": _internvl,
+           "lighton_ocr": _lighton_ocr}
 # Qwen3-VL and GLM-4V: a video's frames are separate spans (timestamps / frame tokens between them)
 FRAME_SPANS = ("qwen3_vl", "qwen3_vl_moe", "glm4v", "glm46v", "glm_ocr", "glm4v_moe")
 # the [batch, seq] inputs that carry row()'s token types, as each model's forward names them
@@ -239,7 +246,7 @@ def _image_inputs(cfg, g, model):
                "image_position_ids": torch.stack([x.flatten(), y.flatten()], -1)[None].repeat(count, 1, 1)}
     elif mt == "llava_next":
         out = {"pixel_values": torch.stack([pixels, pixels.flip(-1)], 1), "image_sizes": torch.tensor([[8, 8]])}
-    elif mt == "mistral3":
+    elif mt in ("mistral3", "lighton_ocr"):
         out = {"pixel_values": pixels, "image_sizes": torch.tensor([[8, 8]] * count)}
     elif mt in ("idefics3", "smolvlm"):
         out = {"pixel_values": pixels[None]}
