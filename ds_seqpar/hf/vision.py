@@ -228,5 +228,5 @@ def check_grids(call: dict, ids, config) -> None:
                              f"per feature")
 
 
-__all__ = ["VisionLanguage", "WHOLE_ROW", "IMAGE_BLOCKS", "VIDEO_AS_IMAGE_TOKENS", "has_vision_inputs", "check_grids", "image_blocks",
-           "rope_positions"]
+__all__ = ["VisionLanguage", "WHOLE_ROW", "IMAGE_BLOCKS", "VIDEO_AS_IMAGE_TOKENS", "has_vision_inputs", "check_grids",
+           "image_blocks", "rope_positions"]

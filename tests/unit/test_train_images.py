@@ -36,7 +36,8 @@ def test_images_take_their_slots_and_a_row_draws_the_same_pixels_in_any_replica_
         slots[centre - 2:centre + 2] = True
     assert (both["input_ids"][:, slots] == 260).all() and not (both["input_ids"][:, ~slots] == 260).any()
     assert (both["labels"][:, slots] == data.IGNORE_INDEX).all() and (both["mm_token_type_ids"] == slots).all()
-    assert both["pixel_values"].shape == (2 * 3 * 16, 3 * 2 * 2 * 2) and both["image_grid_thw"].tolist() == [[1, 4, 4]] * 6
+    assert both["pixel_values"].shape == (2 * 3 * 16, 3 * 2 * 2 * 2)          # rows x images x patches, C x tp x p x p
+    assert both["image_grid_thw"].tolist() == [[1, 4, 4]] * 6
     pos = both["position_ids"]
     assert pos.shape == (3, 2, SEQ) and not torch.equal(pos[1], pos[2]), "image tokens get 2-D positions"
     # global row 1 alone (a replica of micro batch 1) draws what row 1 of the pair drew
