@@ -66,11 +66,18 @@ class RandomImages:
         self.model = None
 
     @classmethod
-    def of(cls, opts, config, data_vocab: int) -> Optional["RandomImages"]:
+    def of(cls, opts, config, data_vocab: int, tiled_loss_tokens: int = 0) -> Optional["RandomImages"]:
         if not opts.images:
             return None
+        if tiled_loss_tokens:
+            raise TrainConfigError(f"--images={opts.images} with sequence_parallel.tiled_loss_tokens={tiled_loss_tokens}"
+                                   f": the tiled loss of a vision-language model is not built (not verified exact); "
+                                   f"set tiled_loss_tokens to 0")
         if opts.images < 0:
             raise TrainConfigError(f"--images={opts.images} must be >= 0")
+        if opts.compile:
+            raise TrainConfigError(f"--images={opts.images} with --compile: vision-language models under torch.compile "
+                                   f"are not built (not verified exact); train them eagerly (no --compile)")
         return cls(config, opts.images, parse_grid(opts.image_grid), opts.seq_len, data_vocab)
 
     def attach(self, model) -> "RandomImages":

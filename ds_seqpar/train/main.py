@@ -72,7 +72,8 @@ def run_training(args: Mapping[str, Any], model_factory: Optional[Callable] = No
     images = None
     if hf_config is not None:
         hf_model.check_run(sp, opts, hf_config, vocab_size)
-        images = RandomImages.of(opts, hf_config, vocab_size)     # --images: placeholders, pixels, 3-D positions
+        # --images: placeholders, pixels, 3-D positions
+        images = RandomImages.of(opts, hf_config, vocab_size, sp.config.tiled_loss_tokens)
     _check_same_data(tokens, sp.groups.seq_data_group)
     torch.manual_seed(opts.seed)                       # same init everywhere; DeepSpeed broadcasts anyway
     if model_factory is not None:

@@ -67,6 +67,10 @@ def test_images_options_that_do_not_go_together_are_refused():
     from transformers import LlamaConfig
     with pytest.raises(TrainConfigError, match="llama is not a vision-language model; use --images 0"):
         hf_model.check_run(None, resolve_args({"images": 2, "model": "m"}), LlamaConfig(vocab_size=300), 256)
+    with pytest.raises(TrainConfigError, match="--images=1 with --compile: vision-language models under torch.compile"):
+        RandomImages.of(resolve_args({"images": 1, "compile": "eager"}), _qwen(), 256)
+    with pytest.raises(TrainConfigError, match="--images=1 with sequence_parallel.tiled_loss_tokens=512: the tiled"):
+        RandomImages.of(resolve_args({"images": 1}), _qwen(), 256, tiled_loss_tokens=512)
     with pytest.raises(TrainConfigError, match="--image_grid='1,8' must be three positive integers"):
         RandomImages.of(resolve_args({"images": 1, "image_grid": "1,8"}), _qwen(), 256)
 
