@@ -11,102 +11,15 @@ import inspect
 
 import torch
 
+from ds_seqpar.hf.vision import VIDEO_AS_IMAGE_TOKENS
+
+from .hf_vlm_configs import CONFIGS, FRAME_SPANS, fit_mrope  # noqa: F401 - CONFIGS, fit_mrope: the tests' names
 from .hf_zoo import STRATEGIES, _worst, verdict
 
+
 SEQ = 64
-TOKENS = dict(image_token_id=120, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123)
-LLAMA = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             vocab_size=128, max_position_embeddings=512, attention_dropout=0.0, use_cache=False,
-             bos_token_id=1, eos_token_id=2, pad_token_id=0, head_dim=16)
-TEXT = dict(LLAMA, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
-PATCH = dict(patch_size=2, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
 IMAGE_GRIDS = ((1, 4, 4), (1, 4, 8))           # Qwen-VL: 4 and 8 placeholders (merge 2 x 2)
 VIDEO_GRID = (2, 4, 4)                         # 8 placeholders
-# an 8 x 8 image in 2 x 2 patches, one layer: the towers of the LLaVA / Idefics families
-TOWER = dict(image_size=8, patch_size=2, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-             num_attention_heads=2, attention_dropout=0.0)
-
-
-def _qwen2_vl():
-    from transformers import Qwen2VLConfig
-    return Qwen2VLConfig(text_config=dict(TEXT), vision_config=dict(PATCH, depth=1, embed_dim=32, hidden_size=64,
-                                                                        num_heads=2, mlp_ratio=2), **TOKENS)
-
-
-def _qwen2_5_vl():
-    from transformers import Qwen2_5_VLConfig
-    # a window of 8 pixels = 2 x 2 merged patches, so the tower's windowed and full blocks both run
-    return Qwen2_5_VLConfig(text_config=dict(TEXT), vision_config=dict(
-        PATCH, depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, window_size=8,
-        fullatt_block_indexes=[1], tokens_per_second=2), **TOKENS)
-
-
-def _qwen3_vl():
-    from transformers import Qwen3VLConfig
-    # deepstack: the tower's first block also feeds the decoder's first layer
-    return Qwen3VLConfig(text_config=dict(TEXT, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                                 "mrope_section": [4, 2, 2], "mrope_interleaved": True}),
-                         vision_config=dict(PATCH, depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
-                                            out_hidden_size=64, num_position_embeddings=16,
-                                            deepstack_visual_indexes=[0]), **TOKENS)
-
-
-def _llava():
-    from transformers import LlavaConfig
-    return LlavaConfig(vision_config=dict(TOWER, model_type="clip_vision_model"), text_config=dict(LLAMA, model_type="llama"),
-                       image_token_id=120, vision_feature_layer=-1)
-
-
-def _llava_next():
-    from transformers import LlavaNextConfig
-    return LlavaNextConfig(vision_config=dict(TOWER, model_type="clip_vision_model"),
-                           text_config=dict(LLAMA, model_type="llama"), image_token_id=120, vision_feature_layer=-1,
-                           image_grid_pinpoints=[[8, 8], [8, 16]])
-
-
-def _mistral3():
-    from transformers import Mistral3Config
-    return Mistral3Config(vision_config=dict(TOWER, model_type="pixtral", head_dim=16),
-                          text_config=dict(LLAMA, model_type="mistral", sliding_window=None), image_token_id=120,
-                          spatial_merge_size=2, vision_feature_layer=-1)
-
-
-def _idefics3(kind="idefics3"):
-    from transformers import CONFIG_MAPPING
-    return CONFIG_MAPPING[kind](vision_config=dict(TOWER), text_config=dict(LLAMA, model_type="llama"),
-                                image_token_id=120, scale_factor=2)
-
-
-def _gemma3():
-    from transformers import Gemma3Config
-    # 12 x 12 images in 2 x 2 patches pooled to 3 x 3: 9 tokens each, every image a bidirectional block
-    # straddling a shard boundary; a window of 6 shorter than a block (the sliding layer's edge inside it)
-    text = {k: v for k, v in LLAMA.items() if k != "max_position_embeddings"}
-    return Gemma3Config(text_config=dict(text, model_type="gemma3_text", sliding_window=6, query_pre_attn_scalar=16,
-                                         layer_types=["sliding_attention", "full_attention"]),
-                        vision_config=dict(TOWER, image_size=12, model_type="siglip_vision_model"),
-                        mm_tokens_per_image=9, image_token_index=120, boi_token_index=124, eoi_token_index=125)
-
-
-def _gemma4():
-    from transformers import Gemma4Config
-    # use_bidirectional_attention="vision": image blocks on the sliding layers only; 9 x 9 patches of 2 x 2
-    # pixels pooled 3 x 3: 9 tokens per image, as Gemma 3's
-    text = {k: v for k, v in LLAMA.items() if k != "max_position_embeddings"}
-    return Gemma4Config(text_config=dict(text, model_type="gemma4_text", sliding_window=6,
-                                         layer_types=["sliding_attention", "full_attention"],
-                                         use_bidirectional_attention="vision", vocab_size_per_layer_input=128,
-                                         hidden_size_per_layer_input=16),
-                        vision_config=dict(model_type="gemma4_vision", hidden_size=32, intermediate_size=48,
-                                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                                           head_dim=16, patch_size=2, pooling_kernel_size=3,
-                                           position_embedding_size=16),
-                        image_token_id=120, video_token_id=121, boi_token_id=124, eoi_token_id=125)
-
-
-CONFIGS = {"qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl, "qwen3_vl": _qwen3_vl, "llava": _llava, "llava_next": _llava_next,
-           "mistral3": _mistral3, "idefics3": _idefics3, "smolvlm": lambda: _idefics3("smolvlm"), "gemma3": _gemma3,
-           "gemma4": _gemma4}
 # the [batch, seq] inputs that carry row()'s token types, as each model's forward names them
 TYPE_KEYS = ("mm_token_type_ids", "token_type_ids")
 
@@ -124,7 +37,14 @@ def _grid_inputs(cfg, g):
     merge = v.spatial_merge_size ** 2
     spans = [(t * h * w // merge, cfg.image_token_id, 1) for t, h, w in IMAGE_GRIDS]
     t, h, w = VIDEO_GRID
-    if cfg.model_type == "qwen3_vl":         # one span per frame, timestamps (text) between them
+    if cfg.model_type in VIDEO_AS_IMAGE_TOKENS:
+        # GLM-4V reads a video's frames at image placeholders, so a row holds images or a video: two images
+        # (glm4v, glm4v_moe) or one video (glm46v, glm_ocr)
+        if cfg.model_type in ("glm4v", "glm4v_moe"):
+            return {k: out[k] for k in ("pixel_values", "image_grid_thw")}, spans
+        frames = [(h * w // merge, cfg.image_token_id, 2)] * t
+        return {k: out[k] for k in ("pixel_values_videos", "video_grid_thw")}, frames
+    if cfg.model_type in FRAME_SPANS:         # one span per frame, timestamps (text) between them
         return out, spans + [(h * w // merge, cfg.video_token_id, 2)] * t
     return out, spans + [(t * h * w // merge, cfg.video_token_id, 2)]
 
@@ -136,6 +56,7 @@ def _image_inputs(cfg, g, model):
     mt = cfg.model_type
     count = {"llava_next": 1, "gemma3": 3, "gemma4": 3}.get(mt, 2)
     size = getattr(cfg.vision_config, "image_size", 8)
+    size = size[0] if isinstance(size, (list, tuple)) else size
     pixels = torch.randn(count, 3, size, size, generator=g)
     if mt == "gemma4":                   # 9 x 9 patches of 2 x 2 pixels, flattened, with their (x, y)
         y, x = torch.meshgrid(torch.arange(9), torch.arange(9), indexing="ij")
@@ -143,17 +64,18 @@ def _image_inputs(cfg, g, model):
                "image_position_ids": torch.stack([x.flatten(), y.flatten()], -1)[None].repeat(count, 1, 1)}
     elif mt == "llava_next":
         out = {"pixel_values": torch.stack([pixels, pixels.flip(-1)], 1), "image_sizes": torch.tensor([[8, 8]])}
-    elif mt == "mistral3":
+    elif mt in ("mistral3", "lighton_ocr"):
         out = {"pixel_values": pixels, "image_sizes": torch.tensor([[8, 8]] * count)}
     elif mt in ("idefics3", "smolvlm"):
         out = {"pixel_values": pixels[None]}
     else:
         out = {"pixel_values": pixels}
-    accepted = inspect.signature(model.model.get_image_features).parameters
+    owner = getattr(model, "model", model)        # Llama 4: the top model embeds the images
+    accepted = inspect.signature(owner.get_image_features).parameters
     with torch.no_grad():
-        feats = model.model.get_image_features(**{k: v for k, v in out.items() if k in accepted}, return_dict=True)
+        feats = owner.get_image_features(**{k: v for k, v in out.items() if k in accepted}, return_dict=True)
     pooled = feats.pooler_output if getattr(feats, "pooler_output", None) is not None else feats.last_hidden_state
-    per_image = [t.numel() // cfg.get_text_config().hidden_size for t in
+    per_image = [t.numel() // t.shape[-1] for t in
                  (pooled if isinstance(pooled, (list, tuple)) else pooled.reshape(count, -1, pooled.shape[-1]))]
     return out, [(n, cfg.image_token_id, 1) for n in per_image]
 
@@ -188,7 +110,13 @@ def build(cfg, dtype, state=None):
         model = T.AutoModelForImageTextToText.from_config(cfg, attn_implementation="eager")
     if state is not None:
         model.load_state_dict(state)
-    return model.to(dtype).train()
+    # Module.to(float dtype) casts a complex buffer to real (Llama 4's vision RoPE): keep it complex
+    rotations = {n: b for n, b in model.named_buffers() if b.is_complex()}
+    model.to(dtype)
+    for name, b in rotations.items():
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, b.to(torch.complex128 if dtype == torch.float64 else torch.complex64))
+    return model.train()
 
 
 def _cast(vision, dtype):

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from .hf_vlm import CONFIGS, SEQ, STRATEGIES, check, check_vlm
+from .hf_vlm import CONFIGS, SEQ, STRATEGIES, check, check_vlm, fit_mrope
 
 MARKER = "## Vision-language models"
 
@@ -44,7 +44,7 @@ def verdicts(model_type, sps):
     from .hf_zoo import MAX_PARAMS, tiny_config
     image = check_vlm(model_type, sps) if model_type in CONFIGS else None
     try:
-        cfg = tiny_config(model_type)
+        cfg = fit_mrope(tiny_config(model_type))
         n = _param_count(cfg)
         if n > MAX_PARAMS:
             raise ValueError(f"the tiny config still has {n / 1e6:.0f}M parameters (size keys the sweep does not "

@@ -19,12 +19,14 @@ from ds_seqpar import SequenceParallelConfig
 from ds_seqpar.train import data
 from ds_seqpar.train.main import build_ds_config, build_model, load_hf_config, load_tokens, model_config
 from ds_seqpar.train.args import resolve_args
+from ds_seqpar.train.images import RandomImages
 
 
 def plain_loss(model, batch):
+    """``batch``: input_ids and labels, and with --images the vision inputs, token types and 3-D positions."""
     ids = batch["input_ids"]
-    pos = torch.arange(ids.shape[1]).expand_as(ids)
-    logits = model(ids, pos)
+    pos = batch.get("position_ids", torch.arange(ids.shape[1]).expand_as(ids))
+    logits = model(ids, pos, **{k: v for k, v in batch.items() if k not in ("input_ids", "labels", "position_ids")})
     logits = logits if logits.dtype == torch.float64 else logits.float()     # float64: the exact reference
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch["labels"][:, 1:].reshape(-1),
                            ignore_index=data.IGNORE_INDEX)
@@ -42,7 +44,9 @@ def reference_losses(args, dp_size, dtype=torch.float32):
     cfg = None if hf_config is not None else model_config(opts, sp_cfg)
     tokens = load_tokens(opts)
     torch.manual_seed(opts.seed)
-    model = build_model(opts, cfg, hf_config, data.vocab_size_of(tokens, opts.vocab_size), sp=None)  # fp32 master
+    vocab = data.vocab_size_of(tokens, opts.vocab_size)
+    model = build_model(opts, cfg, hf_config, vocab, sp=None)  # fp32 master
+    images = RandomImages.of(opts, hf_config, vocab) if hf_config is not None else None    # --images
     if dtype == torch.float64:
         model = model.to(dtype)         # the float64 reference of derived tolerances: no fp32 master
     work = copy.deepcopy(model).to(dtype) if dtype in (torch.bfloat16, torch.float16) else model
@@ -61,6 +65,8 @@ def reference_losses(args, dp_size, dtype=torch.float32):
             for m in range(accum):
                 batch = data.batch_for_step(tokens, step, m, d, dp_size, micro, opts.seq_len, opts.seed,
                                             opts.ignore_frac)
+                if images is not None:
+                    batch = images.attach(model.model).batch(batch, opts.seed, step, m, d * micro)
                 loss = plain_loss(work, batch)
                 (loss / (dp_size * accum)).backward()
                 step_loss += loss.item() / accum

@@ -43,17 +43,29 @@ def load_config(path: str):
         raise ModelLoadError(f"--model {path!r}: {err}") from None
 
 
+def auto_class(config):
+    """The causal LM auto class, or the image-text one for a vision-language config it does not map
+    (Qwen-VL, LLaVA, ...: their language model is trained with the towers, docs/hf.md)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+    model_type = getattr(config, "model_type", "")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def load_causal_lm(path: str, dtype: torch.dtype = torch.float32, config=None):
     """(model, loaded_weights): from_pretrained when ``path`` holds weights, else from_config."""
-    from transformers import AutoModelForCausalLM
     config = config if config is not None else load_config(path)
+    auto = auto_class(config)
     try:
         if has_weights(path):
-            return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, local_files_only=True,
-                                                        attn_implementation="sdpa"), True
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa"), False
+            return auto.from_pretrained(path, config=config, dtype=dtype, local_files_only=True,
+                                        attn_implementation="sdpa"), True
+        return auto.from_config(config, dtype=dtype, attn_implementation="sdpa"), False
     except (OSError, ValueError, KeyError) as err:
         raise ModelLoadError(f"--model {path!r}: transformers could not build a causal LM from it: {err}") from None
 
 
-__all__ = ["ModelLoadError", "has_weights", "load_config", "load_causal_lm"]
+__all__ = ["ModelLoadError", "auto_class", "has_weights", "load_config", "load_causal_lm"]

@@ -42,6 +42,8 @@ WHOLE_ROW = ("input_ids", "mm_token_type_ids", "token_type_ids")
 # (pixels, grid) pairs whose grid rows (t, h, w) count the pixel rows (patches)
 GRIDS = (("pixel_values", "image_grid_thw", "image_token_id"),
          ("pixel_values_videos", "video_grid_thw", "video_token_id"))
+# GLM-4.1V / 4.5V / 4.6V / OCR: transformers' merge reads a video's frames at image_token_id placeholders
+VIDEO_AS_IMAGE_TOKENS = frozenset({"glm4v", "glm4v_moe", "glm46v", "glm_ocr"})
 # model type -> (the [batch, seq] input marking vision tokens, its vision values, the layers whose mask has
 # the blocks: "all" or "sliding"), as each model's get_block_sequence_ids_for_mask / create_masks_for_vision_model
 IMAGE_BLOCKS = {"gemma3": ("token_type_ids", (1,), "all"), "shieldgemma2": ("token_type_ids", (1,), "all"),
@@ -205,6 +207,7 @@ def check_grids(call: dict, ids, config) -> None:
     placeholder counts are checked by transformers' merge on the whole row, on every rank alike."""
     vision = getattr(config, "vision_config", None)
     merge = getattr(vision, "spatial_merge_size", 1) or 1
+    wanted = {}                      # placeholder token key -> (features, the grids that give them)
     for pixels_key, grid_key, token_key in GRIDS:
         pixels, grid = call.get(pixels_key), call.get(grid_key)
         if not (torch.is_tensor(pixels) and torch.is_tensor(grid)):
@@ -213,14 +216,17 @@ def check_grids(call: dict, ids, config) -> None:
             raise ValueError(f"ds_seqpar.hf: {grid_key} {grid.tolist()} does not match {pixels_key} "
                              f"{tuple(pixels.shape)}: the grid rows (t, h, w) must multiply to the number of "
                              f"patch rows ({pixels.shape[0]})")
+        if getattr(config, "model_type", "") in VIDEO_AS_IMAGE_TOKENS:
+            token_key = "image_token_id"
+        features, grids = wanted.get(token_key, (0, []))
+        wanted[token_key] = (features + int(grid.prod(-1).sum()) // merge ** 2, grids + [f"{grid_key} {grid.tolist()}"])
+    for token_key, (features, grids) in wanted.items():
         token = getattr(config, token_key, None)
-        if ids is not None and token is not None:
-            placeholders, features = int((ids == token).sum()), int(grid.prod(-1).sum()) // merge ** 2
-            if placeholders != features:
-                raise ValueError(f"ds_seqpar.hf: input_ids hold {placeholders} {token_key} placeholders (whole "
-                                 f"row) but {grid_key} {grid.tolist()} gives {features} features: one placeholder "
-                                 f"per feature")
+        if ids is not None and token is not None and int((ids == token).sum()) != features:
+            raise ValueError(f"ds_seqpar.hf: input_ids hold {int((ids == token).sum())} {token_key} placeholders "
+                             f"(whole row) but {' and '.join(grids)} gives {features} features: one placeholder "
+                             f"per feature")
 
 
-__all__ = ["VisionLanguage", "WHOLE_ROW", "IMAGE_BLOCKS", "has_vision_inputs", "check_grids", "image_blocks",
-           "rope_positions"]
+__all__ = ["VisionLanguage", "WHOLE_ROW", "IMAGE_BLOCKS", "VIDEO_AS_IMAGE_TOKENS", "has_vision_inputs", "check_grids",
+           "image_blocks", "rope_positions"]

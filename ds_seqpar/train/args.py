@@ -82,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "--tokens_per_step; the loss is the token-level mean of the step's documents (docs/dynamic.md)")
     d.add_argument("--tokens_per_step", type=int, default=None, help="with --lengths: tokens per optimizer step "
                    "(default: --seq_len x replicas)")
+    d.add_argument("--images", type=int, default=0, metavar="N", help="a vision-language --model (Qwen-VL-style "
+                   "grid models): N random images per row, their placeholders at evenly spaced places "
+                   "(docs/hf.md)")
+    d.add_argument("--image_grid", default="1,8,8", metavar="T,H,W", help="with --images: each image's grid in "
+                   "patches (t*h*w / spatial_merge_size^2 placeholders)")
     lg = p.add_argument_group("logging and checkpoints")
     lg.add_argument("--run_dir", default="runs", help="runs/<name>/metrics.jsonl, run.json, wandb/")
     lg.add_argument("--run_name", default=None)

@@ -28,6 +28,9 @@ def check_options(opts, sp_cfg, hf_config):
         if opts.tokens_per_step is not None:
             raise TrainConfigError(f"--tokens_per_step={opts.tokens_per_step} goes with --lengths FILE only")
         return None
+    if opts.images:
+        raise TrainConfigError(f"--images={opts.images} with --lengths: packed documents with images (and their "
+                               f"3-D positions) are not built; train vision-language rows without --lengths")
     if opts.ignore_frac:
         raise TrainConfigError(f"--ignore_frac={opts.ignore_frac} with --lengths: every target token of a "
                                f"document counts there; use --ignore_frac 0")

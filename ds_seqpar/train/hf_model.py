@@ -28,14 +28,17 @@ class HFCausalLM(nn.Module):
         self.cfg = HFModelInfo(model.config, path, loaded_weights)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                labels: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+                labels: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None,
+                **inputs: torch.Tensor) -> torch.Tensor:
+        """``inputs``: a vision-language model's vision inputs and token types (--images, images.py)."""
         if labels is None or self.sp is None or not self.sp.config.tiled_loss_tokens:
             docs = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}      # packed documents (--lengths)
-            logits = self.model(input_ids=input_ids, position_ids=position_ids, **docs).logits
+            logits = self.model(input_ids=input_ids, position_ids=position_ids, **docs, **inputs).logits
             return logits if labels is None else (self.sp.loss(logits, labels) if self.sp else sequence_loss(
                 logits, labels))
         # the decoder's last (normed) hidden states, through the model's own call and hooks
-        out = self.model(input_ids=input_ids, position_ids=position_ids, output_hidden_states=True, logits_to_keep=1)
+        out = self.model(input_ids=input_ids, position_ids=position_ids, output_hidden_states=True, logits_to_keep=1,
+                         **inputs)
         return self.sp.loss_from_hidden(out.hidden_states[-1], self.model.get_output_embeddings(), labels)
 
     def num_params(self) -> int:
@@ -78,12 +81,25 @@ def check_run(sp, opts, config, vocab_size: int) -> None:
     from ..hf.checks import check_config, text_config
     from ..hf.linear_layers import HYBRID_MODEL_TYPES
     hybrid = getattr(text_config(config), "model_type", None) in HYBRID_MODEL_TYPES
-    check_config(config, training=True, linear_ok=hybrid)   # heads: main.check_run
+    vision = is_vision_language(config)       # its decoder alone turns sequence-parallel (hf/vision.py)
+    check_config(config, training=True, linear_ok=hybrid, vision_ok=vision)   # heads: main.check_run
+    if opts.images and not vision:
+        raise TrainConfigError(f"--images={opts.images} with --model {opts.model!r}: "
+                               f"{getattr(config, 'model_type', '?')} is not a vision-language model; use --images 0")
     model_vocab = getattr(text_config(config), "vocab_size", None)
     if model_vocab is None or model_vocab < vocab_size:
         raise TrainConfigError(f"--model {opts.model!r} has vocab_size={model_vocab}, smaller than the training "
                                f"data's vocabulary ({vocab_size} token ids); use a model with vocab_size >= "
                                f"{vocab_size} or a token file (--data) with ids below {model_vocab}")
+
+
+def is_vision_language(config) -> bool:
+    """A multimodal config whose language model is built from its text sub-config."""
+    from ..hf.model_io import auto_class
+    from transformers import AutoModelForImageTextToText
+    return auto_class(config) is AutoModelForImageTextToText or (
+        hasattr(config, "get_text_config") and config.get_text_config(decoder=True) is not config
+        and bool(getattr(config, "vision_config", None)))
 
 
 def build(opts, config, sp=None) -> HFCausalLM:
@@ -102,4 +118,4 @@ def build(opts, config, sp=None) -> HFCausalLM:
     return HFCausalLM(model, opts.model, loaded, sp)
 
 
-__all__ = ["HFCausalLM", "build", "check_options", "check_run", "load_config"]
+__all__ = ["HFCausalLM", "build", "check_options", "check_run", "is_vision_language", "load_config"]

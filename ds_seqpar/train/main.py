@@ -40,6 +40,7 @@ from ..models import CausalLM, ModelConfig
 from ..sequence_parallel import SequenceParallel
 from . import data, documents, hf_model, preflight
 from .args import TrainConfigError, build_parser, resolve_args
+from .images import RandomImages
 from .preflight import build_ds_config, check_options, reports_errors
 from .trainer import Trainer
 
@@ -68,8 +69,11 @@ def run_training(args: Mapping[str, Any], model_factory: Optional[Callable] = No
         else SequenceParallel.from_ds_config(ds_config)
     tokens = load_tokens(opts)
     vocab_size = data.vocab_size_of(tokens, opts.vocab_size)
+    images = None
     if hf_config is not None:
         hf_model.check_run(sp, opts, hf_config, vocab_size)
+        # --images: placeholders, pixels, 3-D positions
+        images = RandomImages.of(opts, hf_config, vocab_size, sp.config.tiled_loss_tokens)
     _check_same_data(tokens, sp.groups.seq_data_group)
     torch.manual_seed(opts.seed)                       # same init everywhere; DeepSpeed broadcasts anyway
     if model_factory is not None:
@@ -79,8 +83,10 @@ def run_training(args: Mapping[str, Any], model_factory: Optional[Callable] = No
         # built whole on every rank; under ZeRO-3 deepspeed.initialize partitions it over sp.mpu's
         # data-parallel group, which is every rank (topology.py)
         model = build_model(opts, model_cfg, hf_config, vocab_size, sp).to(sp.device)
+    if images is not None:
+        images.attach(model.model)
     features = apply_memory_features(model.model if hf_config is not None else model, memory)
-    trainer = Trainer(opts, ds_config, sp, model, tokens) if lengths is None else \
+    trainer = Trainer(opts, ds_config, sp, model, tokens, images) if lengths is None else \
         documents.DocumentTrainer(opts, ds_config, sp, model, tokens, lengths, documents.runner_of(sp, opts))
     try:
         return dict(trainer.train(), memory_features=features)
@@ -157,6 +163,9 @@ def load_hf_config(opts, sp_cfg: SequenceParallelConfig, ds_config):
     """--model PATH: the Hugging Face config (None without --model), after the options that do not
     go with it are refused."""
     if not opts.model:
+        if opts.images:
+            raise TrainConfigError(f"--images={opts.images} needs a vision-language --model (e.g. "
+                                   f"configs/models/vision/qwen2_5_vl_small.json); the built-in LM reads text only")
         return None
     hf_model.check_options(opts, sp_cfg.strategy)
     return hf_model.load_config(opts)

@@ -17,9 +17,9 @@ from .metrics import StepMetrics
 
 
 class Trainer:
-    def __init__(self, opts, ds_config: dict, sp, model, tokens):
+    def __init__(self, opts, ds_config: dict, sp, model, tokens, images=None):
         import deepspeed
-        self.opts, self.sp, self.tokens = opts, sp, tokens
+        self.opts, self.sp, self.tokens, self.images = opts, sp, tokens, images
         self.rank = comm.global_rank()
         self.is_writer = self.rank == 0
         self.model_name = runlog.model_name(opts)
@@ -113,11 +113,14 @@ class Trainer:
             mem.mark("data")
             batch = data.batch_for_step(self.tokens, step, micro, sp.dp_rank, sp.dp_size, self.micro_batch,
                                         o.seq_len, o.seed, o.ignore_frac)
+            if self.images is not None:         # --images: the whole rows' vision inputs and 3-D positions
+                batch = self.images.batch(batch, o.seed, step, micro, sp.dp_rank * self.micro_batch)
             local = {k: v.to(eng.device) for k, v in sp.shard_batch(batch).items()}
+            ids, pos, labels = local.pop("input_ids"), local.pop("position_ids"), local.pop("labels")
             c0 = m.clock()
             mem.mark("forward")
             # the model computes the loss: sp.loss, or the fused tiled head + loss (tiled_loss_tokens)
-            loss = eng(local["input_ids"], local["position_ids"], labels=local["labels"])
+            loss = eng(ids, pos, labels=labels, **local)
             mem.mark("loss_backward")       # until the last layer's output gradient (memory_watch_points)
             eng.backward(loss)
             compute_s += m.clock() - c0

@@ -1,14 +1,17 @@
 """Vision-language models (tests/hf_vlm.py) on the shared pool: each family trains one step exactly under
 every softmax strategy at P=2 (logits, loss, every gradient incl. the vision tower's), with image and video
 placeholders straddling the shard boundaries (Gemma 3's bidirectional image blocks also at P=4 and in the
-2D hybrid); bad vision inputs stop every rank with the input named."""
+2D hybrid; Llama 4's chunked layer and NoPE layer with temperature tuning from global positions; GLM-4.6V's
+video frames at image placeholders); bad vision inputs stop every rank with the input named."""
 import torch
 
 from ..hf_vlm import CONFIGS, STRATEGIES, build, check_vlm, positions, row, sweep, train_vlm
 from .test_hf_trainer import assert_same_training, ds_config
 
-# smolvlm is idefics3's code under another name (the sweep script covers it)
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "mistral3", "idefics3", "gemma3", "gemma4")
+# smolvlm is idefics3's code under another name; glm4v, glm_ocr, glm4v_moe and qwen3_vl_moe share the vision
+# path of glm46v and qwen3_vl (the sweep script, tests/hf_vlm_zoo.py, covers them)
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "mistral3", "idefics3", "gemma3", "gemma4",
+            "llama4", "glm46v")
 
 
 def test_vision_language_models_are_exact_under_every_strategy(pool):
@@ -70,7 +73,23 @@ def _bad_inputs():
         except ValueError as err:
             out[name] = str(err)
     good = call(pos=sp.shard(pos, dim=-1))
+    out["placeholders (llava)"] = _llava_placeholders(sp)
     return out, float(good.loss.detach()), _gemma3_image_blocks(sp)
+
+
+def _llava_placeholders(sp):
+    """A model without grids: transformers' own count check, on the whole row every rank gathers alike."""
+    from ds_seqpar.hf import apply_sequence_parallel
+    cfg = CONFIGS["llava"]()
+    model = apply_sequence_parallel(build(cfg, torch.float32), sp)
+    ids, labels, _, vision = row(cfg, model)
+    ids = ids.clone()
+    ids[0, (ids[0] == cfg.image_token_id).nonzero()[0]] = 5          # one placeholder short
+    try:
+        model(**sp.shard_batch(dict(vision, input_ids=ids, labels=labels)))
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def _gemma3_image_blocks(sp):
@@ -103,6 +122,7 @@ def test_bad_vision_inputs_stop_every_rank_with_the_input_named(pool):
     assert "input_ids hold 0 image_token_id placeholders" in errors["placeholders"], errors
     assert "position_ids (1, 32) are 1-D text positions" in errors["text positions"], errors
     assert "position_ids (3, 1, 64) do not fit this rank's input_ids (1, 32)" in errors["unsharded positions"], errors
+    assert "Image features and image tokens do not match" in errors["placeholders (llava)"], errors
     assert len({round(r[1], 6) for r in results}) == 1      # a good call after them: the ranks still agree
     assert all("rows of the batch hold image tokens at different positions in gemma3" in r[2][0] for r in results)
     assert all("image tokens in packed documents in gemma3 cannot be exact" in r[2][1] for r in results), results

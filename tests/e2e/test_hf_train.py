@@ -7,6 +7,7 @@ import pytest
 
 from ..hf_hybrids import hybrid_config
 from ..hf_models import save_tiny
+from ..hf_vlm import CONFIGS as VLM_CONFIGS
 from ..train_reference import reference_losses
 from .test_train_e2e import (CONFIGS, NORM_REL, TINY, _train, assert_close_losses, assert_refused_before_training,
                              config_error_of, shipped_config)
@@ -20,8 +21,13 @@ def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_models")
     hybrid = root / "qwen3_5"            # gated DeltaNet + conv layer next to a softmax layer (docs/hybrids.md)
     hybrid_config("qwen3_5_text", vocab_size=300).save_pretrained(hybrid)
+    vlm = root / "qwen2_5_vl"            # tests/hf_vlm.py's tiny Qwen2.5-VL, its image token above the byte corpus
+    vlm_config = VLM_CONFIGS["qwen2_5_vl"]()
+    vlm_config.text_config.vocab_size, vlm_config.image_token_id = 300, 260
+    vlm_config.save_pretrained(vlm)
     return {"weights": save_tiny(root / "llama", "llama", seed=5, vocab_size=256),
-            "config": save_tiny(root / "qwen2", "qwen2", weights=False, vocab_size=300), "hybrid": str(hybrid)}
+            "config": save_tiny(root / "qwen2", "qwen2", weights=False, vocab_size=300), "hybrid": str(hybrid),
+            "vlm": str(vlm)}
 
 
 @pytest.mark.parametrize("kind,stage,name", [("weights", 2, "zigzag"), ("config", 1, "ulysses"),
@@ -45,6 +51,21 @@ def test_hf_model_training_matches_plain_data_parallel(pool, tmp_path, model_dir
         assert_close_losses(r["losses"], ref[r["dp_rank"]], what)
         assert_close_losses(r["grad_norms"], ref_norms, what, NORM_REL, "gradient norm")
         assert ("checkpointing" in r["memory_features"]) == (kind == "hybrid"), (what, r["memory_features"])
+
+
+def test_vision_language_training_on_random_images_matches_plain_data_parallel(pool, tmp_path, model_dirs):
+    """--images 3: every row of a tiny Qwen2.5-VL holds three random images whose 4 placeholders each are
+    centred on 16, 32 and 48 (every zigzag boundary at P=2); dp 2 x sp 2, ZeRO-2: the losses and gradient
+    norms of plain data parallelism over the unsharded model (the same images, the model's own 3-D
+    positions), step for step."""
+    args = dict(HF_TINY, model=model_dirs["vlm"], deepspeed_config=shipped_config("zigzag"), images=3,
+                image_grid="1,4,4")
+    results = pool.run(_train, dict(args, run_dir=str(tmp_path)))
+    ref, ref_norms = reference_losses(args, 2)
+    for r in results:
+        what = f"--model qwen2_5_vl --images 3 rank {r['rank']} (dp_rank {r['dp_rank']})"
+        assert_close_losses(r["losses"], ref[r["dp_rank"]], what)
+        assert_close_losses(r["grad_norms"], ref_norms, what, NORM_REL, "gradient norm")
 
 
 def test_hf_checkpoint_resume_reproduces_losses(pool, tmp_path, model_dirs):
