@@ -132,19 +132,18 @@ def check_call(model, state, call: dict) -> None:
 
 
 def linear_documents(cu_seqlens, cu_seq_lens_q, position_ids, module):
-    """The global document bounds the linear layers cut at, or None; the same on every rank (the
-    bounds are global). Packed rows must be batch 1, as for the attention layers."""
+    """The global document bounds the linear layers cut at (a list; under compile a tensor stays one),
+    or None; the same on every rank (the bounds are global). Packed rows must be batch 1, as for the
+    attention layers."""
     bounds = cu_seqlens if cu_seqlens is not None else cu_seq_lens_q
     if bounds is None:
         return None
-    if torch.compiler.is_compiling():
-        raise UnsupportedModelError(f"ds_seqpar.hf: packed documents (cu_seqlens) in {type(module).__name__}'s linear "
-                                    f"layers cannot be compiled yet: they cut the hybrids' state exchange and conv "
-                                    f"halo on the host; compile rows of one document each, or leave the model eager")
     if position_ids.shape[0] != 1:
         raise UnsupportedModelError(f"ds_seqpar.hf: packed documents with {position_ids.shape[0]} rows in "
                                     f"{type(module).__name__}: the linear layers' documents are one row's; pack "
                                     f"into batch size 1")
+    if torch.compiler.is_compiling():     # an input of the layers' ops, read on the host in their bodies (opaque.py)
+        return bounds if torch.is_tensor(bounds) else list(bounds)
     return bounds.tolist() if torch.is_tensor(bounds) else list(bounds)
 
 

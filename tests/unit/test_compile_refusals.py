@@ -33,14 +33,18 @@ def test_lightning_attention_refuses_fullgraph_compile_by_name():
             h.remove()
 
 
-def test_hybrids_packed_documents_refuse_compile_by_name():
-    """The linear layers cut their exchange at the documents on the host: refused at the first compiled call."""
+def test_hybrids_packed_documents_compile_as_an_input_and_refuse_several_rows_by_name():
+    """Under compile the documents stay the model's tensor (an input of the linear layers' op, cut at on
+    the host in its body); packed rows of batch > 1 are refused by name, compiled as eager."""
     layer = nn.Linear(4, 4)
 
     def documents(cu_seqlens, position_ids):
-        return linear_documents(cu_seqlens, None, position_ids, layer)
+        return linear_documents(cu_seqlens, None, position_ids, layer) * 2
 
-    with pytest.raises(Exception) as err:
-        torch.compile(documents, backend="eager", fullgraph=True)(torch.tensor([0, 3, 8]), torch.zeros(1, 8))
-    assert "packed documents (cu_seqlens)" in str(err.value) and "cannot be compiled yet" in str(err.value)
-    assert linear_documents(torch.tensor([0, 3, 8]), None, torch.zeros(1, 8), layer) == [0, 3, 8]
+    bounds = torch.tensor([0, 3, 8])
+    assert torch.equal(torch.compile(documents, backend="eager", fullgraph=True)(bounds, torch.zeros(1, 8)), bounds * 2)
+    assert linear_documents(bounds, None, torch.zeros(1, 8), layer) == [0, 3, 8]
+    for run in (documents, torch.compile(documents, backend="eager", fullgraph=True)):
+        with pytest.raises(Exception) as err:
+            run(bounds, torch.zeros(2, 8))
+        assert "packed documents with 2 rows" in str(err.value) and "batch size 1" in str(err.value)

@@ -9,9 +9,16 @@ exchange: sp.stats counts it twice under compile).
 What is not a tensor (the op's options, which layer, which sequence-parallel setup) is named by a
 string key, a constant of the graph, registered while dynamo traces the seam (``key`` runs then,
 once per compiled graph, not inside it); the fake runs transformers' own op on the local shard,
-whose output has the shape the sequence-parallel path returns."""
+whose output has the shape the sequence-parallel path returns.
+
+Packed documents: the layers cut the exchange and the conv halo at the documents on the host
+(mixers.documents, a list of ints). Under compile the bounds arrive as the model's cu_seqlens tensor,
+an input of the op like the activations, and the op's body (forward and backward) reads its host copy
+into mixers.documents for its run: a new packing is new data, not a new graph. Bounds given as a list
+are constants of the graph, as for sp.attention."""
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Dict, List, Optional
 
@@ -24,6 +31,7 @@ from .families import CONV, SCAN, SSD
 
 _ENTRIES: Dict[str, tuple] = {}       # key -> (mixers handle, module ref, op name, original, tensor names, constants)
 _SINGLE = frozenset({CONV, SSD, SCAN})   # the ops that return one tensor; the delta rules return (out, None)
+DOCUMENTS = "ds_seqpar_documents"         # the packed-document bounds' entry in the op's call (no op has one)
 
 
 def run_seam(mixers, module, name: str, original, call: dict):
@@ -47,6 +55,9 @@ def key(mixers, module, name: str, original, names: tuple, constants: tuple) -> 
 
 def compiled_seam(mixers, module, name: str, original, call: dict):
     """The seam's result under compile, through the op."""
+    if mixers.documents is not None:     # a tensor (an input of the op) or a list (constants)
+        docs = mixers.documents
+        call = dict(call, **{DOCUMENTS: docs if isinstance(docs, Tensor) else tuple(int(d) for d in docs)})
     names = tuple(k for k, v in call.items() if isinstance(v, Tensor))
     constants = tuple((k, v) for k, v in call.items() if not isinstance(v, Tensor))
     out = linear_layer_op([call[k] for k in names], key(mixers, module, name, original, names, constants))
@@ -54,14 +65,28 @@ def compiled_seam(mixers, module, name: str, original, call: dict):
 
 
 def _call(key_: str, tensors):
+    """(mixers, module, op name, transformers' op, its call, the documents or None)."""
     mixers_key, module, name, original, names, constants = _ENTRIES[key_]
-    return resolve(mixers_key), module(), name, original, dict(constants, **dict(zip(names, tensors)))
+    call = dict(constants, **dict(zip(names, tensors)))
+    return resolve(mixers_key), module(), name, original, call, call.pop(DOCUMENTS, None)
 
 
 def _run(key_: str, tensors) -> Tensor:
-    mixers, module, name, original, call = _call(key_, tensors)
-    out = run_seam(mixers, module, name, original, call)
+    mixers, module, name, original, call, docs = _call(key_, tensors)
+    with _documents(mixers, docs):
+        out = run_seam(mixers, module, name, original, call)
     return out if name in _SINGLE else out[0]
+
+
+@contextlib.contextmanager
+def _documents(mixers, docs):
+    """The op's documents as mixers.documents for its run (a list on the host, as the eager pre-hook sets)."""
+    before = mixers.documents
+    mixers.documents = None if docs is None else docs.tolist() if isinstance(docs, Tensor) else list(docs)
+    try:
+        yield
+    finally:
+        mixers.documents = before
 
 
 @torch.library.custom_op("ds_seqpar::linear_layer", mutates_args=(), tags=UNSAFE_FOR_CUDA_GRAPHS)
@@ -71,9 +96,9 @@ def linear_layer_op(tensors: List[Optional[Tensor]], key: str) -> Tensor:
 
 @linear_layer_op.register_fake
 def _linear_layer_fake(tensors, key):
-    _, _, name, original, call = _call(key, tensors)
+    _, _, name, original, call, _ = _call(key, tensors)
     out = original(**call)
-    return out if name in _SINGLE else out[0]
+    return (out if name in _SINGLE else out[0]).contiguous()      # the real op's outputs are (_outputs)
 
 
 @torch.library.custom_op("ds_seqpar::linear_layer_backward", mutates_args=(), tags=UNSAFE_FOR_CUDA_GRAPHS)
@@ -104,7 +129,9 @@ def _gradient(t: Tensor, g: Optional[Tensor]) -> Tensor:
 
 @linear_layer_backward_op.register_fake
 def _linear_layer_backward_fake(grad, tensors, key):
-    return [torch.empty(0, device=grad.device) if t is None else torch.empty_like(t) for t in tensors]
+    contiguous = torch.contiguous_format                     # as _outputs makes the real gradients
+    return [torch.empty(0, device=grad.device) if t is None else torch.empty_like(t, memory_format=contiguous)
+            for t in tensors]
 
 
 def _setup(ctx, inputs, output):
