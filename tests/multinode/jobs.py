@@ -223,9 +223,10 @@ def wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def watch_ends(pids: Dict[int, int], timeout: float) -> Dict[int, Optional[float]]:
-    """Seconds until each rank process is gone (None: still there at the timeout)."""
-    start, ends = time.time(), {r: None for r in pids}
+def watch_ends(pids: Dict[int, int], timeout: float, since: Optional[float] = None) -> Dict[int, Optional[float]]:
+    """Seconds from ``since`` (a time.time(); default now) until each rank process is gone (None: still
+    there ``timeout`` s after it). A process already gone counts as ending now: an upper bound."""
+    start, ends = time.time() if since is None else since, {r: None for r in pids}
     while time.time() - start < timeout and any(v is None for v in ends.values()):
         for r, pid in pids.items():
             if ends[r] is None and not os.path.exists(f"/proc/{pid}"):

@@ -53,7 +53,10 @@ def test_link_down_mid_training_every_rank_ends_naming_the_other_host(fresh, poo
     try:
         pids = start_and_wait_for_steps(job, runs)
         hosts.link("dsmn-b", "down")
-        ends = jobs.watch_ends(pids, TIMEOUT_S + 30)
+        cut = time.time()
+        # the one-host reference trains while the job's ranks wait out timeout_s (blocked, not computing)
+        one_host = jobs.losses(jobs.train_on_pool(pool, [*model, "--steps", "2"], str(tmp_path / "one_host")))
+        ends = jobs.watch_ends(pids, TIMEOUT_S + 30, since=cut)
         codes = job.wait(30)
     finally:
         job.close()
@@ -68,8 +71,7 @@ def test_link_down_mid_training_every_rank_ends_naming_the_other_host(fresh, poo
     for r in (2, 3):
         assert all(names(line, [0, 1], "dsmn-a", "10.77.0.1", "unreachable") for line in said[r]), said
     assert said[0] + said[1] and said[2] + said[3], f"a host's ranks said nothing:\n{out[-6000:]}"
-    before = jobs.losses(runs)[:2]
-    assert before == jobs.losses(jobs.train_on_pool(pool, [*model, "--steps", "2"], str(tmp_path / "one_host")))
+    assert jobs.losses(runs)[:2] == one_host
 
 
 @needs("pdsh")
@@ -81,37 +83,37 @@ def test_killed_host_every_survivor_ends_naming_it_and_pdsh_fails(fresh, tmp_pat
     cfg = ["--deepspeed_config", ds_json, "--steps", str(STEPS), *jobs.TINY, "--run_dir", runs,
            "--save_dir", saved, "--save_interval", "1"]
     env = dict(hosts.env(), DS_ENV_FILE=os.path.join(str(tmp_path), ".deepspeed_env"))
+    # step 1's checkpoint is complete once step 2 is logged (it was saved before): host a alone resumes it
+    # at 2 ranks (zigzag over both, 1 data replica as before: the same global batch), started as soon as
+    # host b is killed, while the survivors wait out their census of the lost ranks (idle seconds)
+    resumed_runs = str(tmp_path / "resumed")
+    again = ["--deepspeed_config", ds_json, "--sp_size", "2", "--ulysses_size", "1", "--steps", "2", *jobs.TINY,
+             "--run_dir", resumed_runs, "--save_dir", saved, "--resume_universal", "--resume_tag", "step1"]
     job = jobs.Job([jobs.deepspeed_hostfile(hosts, tmp_path, "pdsh", 29622, cfg)], env)
+    resume = None
     try:
         pids = start_and_wait_for_steps(job, runs)
         for r in (2, 3):
             os.kill(pids[r], signal.SIGKILL)
         killed = time.time()
-        ends = jobs.watch_ends({r: pids[r] for r in (0, 1)}, 60)
+        resume = jobs.Job([jobs.torchrun_on(hosts, 0, 29623, again, nnodes=1)], hosts.env())
+        ends = jobs.watch_ends({r: pids[r] for r in (0, 1)}, 60, since=killed)
         codes = job.wait(60 - (time.time() - killed))
+        out = job.output
+        print(f"host b killed: ranks 0, 1 ended after {ends} s; deepspeed (pdsh) exited {codes}")
+        assert all(t is not None for t in ends.values()), f"survivors still running 60s after the kill: {ends}\n{out[-6000:]}"
+        assert codes[0] not in (0, None), f"deepspeed/pdsh exit code {codes}\n{out[-6000:]}"
+        said = failure_lines(out, (0, 1))
+        assert said[0] + said[1], f"no survivor said what failed:\n{out[-6000:]}"
+        for line in said[0] + said[1]:
+            assert names(line, [2, 3], "dsmn-b", "10.77.0.2", "stopped responding"), line
+            assert not re.search(r"own error is above", line), line
+        # its step 2 is the lost job's step 2
+        lost = jobs.losses(runs)
+        assert resume.wait(STARTUP_S) == [0], resume.output[-4000:]
     finally:
         job.close()
-    out = job.output
-    print(f"host b killed: ranks 0, 1 ended after {ends} s; deepspeed (pdsh) exited {codes}")
-    assert all(t is not None for t in ends.values()), f"survivors still running 60s after the kill: {ends}\n{out[-6000:]}"
-    assert codes[0] not in (0, None), f"deepspeed/pdsh exit code {codes}\n{out[-6000:]}"
-    said = failure_lines(out, (0, 1))
-    assert said[0] + said[1], f"no survivor said what failed:\n{out[-6000:]}"
-    for line in said[0] + said[1]:
-        assert names(line, [2, 3], "dsmn-b", "10.77.0.2", "stopped responding"), line
-        assert not re.search(r"own error is above", line), line
-    # step 1's checkpoint is complete (step 2 was logged after it was saved): host a alone resumes it
-    # at 2 ranks (zigzag over both, 1 data replica as before: the same global batch) and its step 2
-    # is the lost job's step 2
-    lost = jobs.losses(runs)
-    resumed_runs = str(tmp_path / "resumed")
-    again = ["--deepspeed_config", ds_json, "--sp_size", "2", "--ulysses_size", "1", "--steps", "2", *jobs.TINY,
-             "--run_dir", resumed_runs, "--save_dir", saved, "--resume_universal", "--resume_tag", "step1"]
-    job = jobs.Job([jobs.torchrun_on(hosts, 0, 29623, again, nnodes=1)], hosts.env())
-    try:
-        assert job.wait(STARTUP_S) == [0], job.output[-4000:]
-    finally:
-        job.close()
+        if resume is not None:
+            resume.close()
     (step2,) = jobs.losses(resumed_runs)
     assert abs(step2 - lost[1]) <= 1e-5 * lost[1], f"resumed on one host: step 2 loss {step2} vs the lost job's {lost[1]}"
-
