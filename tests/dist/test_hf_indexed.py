@@ -1,8 +1,10 @@
-"""DeepSeek sparse attention (hf/indexed.py) at P=2 under every softmax strategy (and packed documents
-under striped): logits, loss and every parameter gradient equal the unsharded model's (the indexer's
-weights get none in either: transformers runs the indexer under no_grad), every query's top-k set is
-the unsharded model's, and the bytes are closed_form.indexed_attention_bytes; an indexer top-k longer
-than the sequence is refused on every rank before any collective."""
+"""DeepSeek sparse attention (hf/indexed.py) at P=2 and P=4 under every softmax strategy (and packed
+documents under striped): logits, loss and every parameter gradient equal the unsharded model's (the
+indexer's weights get none in either: transformers runs the indexer under no_grad), every query's top-k
+set is the unsharded model's (ties included: the first queries see fewer keys than the top-k keeps, so
+their rows pick among tied -inf scores; every P cuts those rows' keys differently), and the bytes are
+closed_form.indexed_attention_bytes; an indexer top-k longer than the sequence is refused on every rank
+before any collective."""
 import torch
 
 from ds_seqpar import SequenceParallel
@@ -11,7 +13,7 @@ from ds_seqpar.strategies.closed_form import indexed_attention_bytes
 from ..hf_models import tiny_model, unsharded_run
 from .test_hf import BATCH, SEQ, _batch, _compare, _summed_grads
 
-CASES = [{"strategy": s, "size": 2} for s in ("ulysses", "ring", "zigzag", "striped")]
+CASES = [{"strategy": s, "size": p} for p in (2, 4) for s in ("ulysses", "ring", "zigzag", "striped")]
 KINDS = ("dsa_latent", "dsa_index_keys")
 
 
@@ -44,10 +46,11 @@ def check_indexed(cases):
     plain, ref_topk = _unsharded_fp32(state, ids, labels)
     assert not any("indexer" in n for n in ref[2]), "transformers' indexer runs without gradient"
     cfg = tiny_model("deepseek_v32").config
-    layer = indexed_attention_bytes(2, BATCH, SEQ, cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.index_head_dim, 4)
     checked = []
     for case in cases:
         sp = SequenceParallel(case)
+        layer = indexed_attention_bytes(sp.size, BATCH, SEQ, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                                        cfg.index_head_dim, 4)
         what = f"deepseek_v32 {case} sp_rank={sp.rank}"
         model = apply_sequence_parallel(tiny_model("deepseek_v32", state_dict=state), sp)
         topk = _recorded_topk(model)
