@@ -43,8 +43,9 @@ def exact_spans(strategy: str, size: int, ulysses: int, shapes: Shapes, mask: Ma
 
 
 @functools.lru_cache(maxsize=64)
-def _ranges(layout_name: str, r: int, bounds: Tuple[int, ...], padded: int, causal: bool, window: Optional[int]):
-    return ring_key_ranges(list(bounds), make_layout(layout_name, r), padded, causal, window)
+def _ranges(layout_name: str, r: int, bounds: Tuple[int, ...], padded: int, causal: bool, window: Optional[int],
+            blocks: Optional[Tuple[Tuple[int, int], ...]]):
+    return ring_key_ranges(list(bounds), make_layout(layout_name, r), padded, causal, window, blocks)
 
 
 def _spans(strategy: str, size: int, ulysses: int, shapes: Shapes, mask: Mask, span_budget: float):
@@ -54,7 +55,7 @@ def _spans(strategy: str, size: int, ulysses: int, shapes: Shapes, mask: Mask, s
         return None
     r, real, mask = masked
     return _ranges(get_strategy(strategy).layout_name, r, tuple(mask.bounds(real)), shapes.seq, mask.causal,
-                   mask.window)
+                   mask.window, mask.blocks)
 
 
 def rank_bytes(strategy: str, size: int, ulysses: int, shapes: Shapes, mask: Mask,

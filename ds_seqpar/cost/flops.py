@@ -26,13 +26,14 @@ LINEAR_CHUNK = 64
 
 
 def keys_per_query(seq: int, causal: bool = True, window: Optional[int] = None,
-                   docs: Optional[Tuple[int, ...]] = None) -> float:
+                   docs: Optional[Tuple[int, ...]] = None, blocks=None) -> float:
     """The keys one query sees on average (the work ratio of the mask times S). No window and one
     document: S / 2 causal (the count by hand a test holds the step's FLOPs to), S non-causal; else
-    the mask's pairs counted exactly (a non-causal window's edge queries see fewer than 2 w - 1 keys)."""
-    if docs is None and (window is None or window >= seq):
+    the mask's pairs counted exactly (a non-causal window's edge queries see fewer than 2 w - 1 keys;
+    ``blocks``, bidirectional (start, end) pairs, add their later keys)."""
+    if docs is None and not blocks and (window is None or window >= seq):
         return seq / 2 if causal else float(seq)
-    return pairs_total(seq, Mask(causal, window, docs)) / seq
+    return pairs_total(seq, Mask(causal, window, docs, blocks=tuple(blocks) if blocks else None)) / seq
 
 
 def forward_per_token(shape, seq: int, causal: bool = True, docs: Optional[Tuple[int, ...]] = None,

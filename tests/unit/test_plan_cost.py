@@ -80,6 +80,39 @@ def test_masked_ring_bytes_are_the_oracles_spans(strategy, u, causal, window, do
         assert ring(got[rank]) == want == ring(form), f"rank {rank}"
 
 
+# causal masks with bidirectional blocks (Gemma 3's images: masks.Mask.blocks), (window, docs, blocks): blocks
+# across every P=4 layout's boundaries, longer than the window, inside packed documents, at a document's end
+BLOCKED = [(None, None, ((10, 22), (28, 37), (44, 60))), (6, None, ((12, 26), (40, 43))),
+           (None, (20, 30, 46), ((3, 18), (24, 41), (52, 60))), (9, (33, 63), ((5, 12), (40, 96)))]
+
+
+@pytest.mark.parametrize("window,docs,blocks", BLOCKED)
+def test_bidirectional_blocks_pairs_and_bytes_are_the_oracles(window, docs, blocks):
+    """Pairs (whole, per rank of every layout), keys per query and ring bytes of a blocked mask: the
+    cost model's and the closed form's against the oracle's enumeration of the dense mask."""
+    mask, bounds = Mask(True, window, docs, blocks=blocks), _bounds(docs, SEQ)
+    whole = pairs_per_query_set(SEQ, True, window, bounds, [range(SEQ)], blocks)[0]
+    assert pairs.pairs_total(SEQ, mask) == whole
+    assert flops.keys_per_query(SEQ, True, window, docs, blocks) == whole / SEQ
+    sh = Shapes(1, SEQ, 4, 2, 8, 2)
+    for strategy, size, u in [("ring", 4, 1), ("zigzag", 4, 1), ("striped", 4, 1), ("zigzag", 4, 2), ("ulysses", 4, 4)]:
+        got = pairs.pairs_per_rank(strategy, size, u, SEQ, mask)
+        if strategy == "ulysses":
+            assert got == [whole / size] * size
+            continue
+        positions = _positions(strategy, size // u, SEQ)
+        per_pos = pairs_per_query_set(SEQ, True, window, bounds, positions, blocks)
+        assert got == [per_pos[rank // u] / u for rank in range(size)], (strategy, u)
+        spans = key_spans(SEQ, True, window, bounds, positions, blocks)
+        cost = cost_bytes.rank_bytes(strategy, size, u, sh, mask)
+        for rank in range(size):
+            want = {k: v for k, v in ring_bytes_from_spans(spans, rank // u, sh.kv_heads * (sh.head_dim + sh.dv) // u,
+                                                           sh.elem).items() if v}
+            form = closed_form_by_kind(strategy, size, sh, rank, u, cu_seqlens=bounds, window=window, blocks=blocks)
+            ring = lambda d: {k: v for k, v in d.items() if k != "all_to_all"}    # noqa: E731
+            assert ring(cost[rank]) == want == ring(form), (strategy, u, rank)
+
+
 @pytest.mark.parametrize("strategy", ["ring", "zigzag", "striped", "ulysses"])
 @pytest.mark.parametrize("p", [2, 4, 8])
 @pytest.mark.parametrize("causal", [True, False])
