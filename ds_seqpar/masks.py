@@ -213,5 +213,6 @@ def cut_documents(docs: Optional[Tuple[int, ...]], seq: int) -> Optional[Tuple[i
     return tuple(out) if len(out) > 1 else None
 
 
-__all__ = ["Mask", "block_ends", "block_starts", "check_blocks", "flat_blocks", "chunk_bounds", "cut_documents", "effective_window",
+__all__ = ["Mask", "block_ends", "block_starts", "check_blocks", "flat_blocks", "chunk_bounds", "cut_documents",
+           "effective_window",
            "seen_keys"]

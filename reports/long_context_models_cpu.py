@@ -86,8 +86,8 @@ def _vlm(args):
     g = torch.Generator().manual_seed(1)
     v = cfg.vision_config
     grid = torch.tensor([VIDEO_GRID])
-    vision = {"pixel_values_videos": torch.randn(int(grid.prod()), v.in_channels * v.temporal_patch_size * v.patch_size ** 2,
-                                                 generator=g), "video_grid_thw": grid,
+    width = v.in_channels * v.temporal_patch_size * v.patch_size ** 2          # one patch's pixels, flattened
+    vision = {"pixel_values_videos": torch.randn(int(grid.prod()), width, generator=g), "video_grid_thw": grid,
               "second_per_grid_ts": torch.tensor([1.0])}
     ids = torch.randint(3, 2000, (1, args.seq), generator=g)
     types = torch.zeros_like(ids)
