@@ -138,7 +138,7 @@ def _mamba1(tc, h: int, kinds: Tuple[str, ...], layers: int) -> Optional[dict]:
     """ModelShape fields of Mamba-1 selective-scan layers (Mamba and Falcon-Mamba: every layer; Jamba:
     its mamba layers, which its layer_types call linear_attention), None for any other config: channels,
     d_state, the conv over the channels, the step's rank ("auto": ceil(h / 16), as transformers reads it)."""
-    pure = _get(tc, "state_size") is not None
+    pure = getattr(tc, "model_type", "") in ("mamba", "falcon_mamba")      # (Mamba2's config has state_size too)
     if not pure and (_get(tc, "mamba_d_state") is None or _get(tc, "mamba_n_heads") is not None
                      or _get(tc, "mamba_dt_rank") is None):
         return None
