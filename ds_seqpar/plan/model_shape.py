@@ -7,9 +7,9 @@ window), "linear" (a linear-attention / delta-rule layer: a [H_lin, dk, dv] stat
 (Mamba2 SSD: a [heads, d_head, d_state] state, transition "scalar"; Mamba-1's selective scan: a
 [channels, d_state] state, transition "diagonal", heads = channels, dv = 1), "indexed" (DeepSeek
 sparse attention: MLA whose latents and indexer keys travel, hf/indexed.py; "indexed_shared" reuses an
-earlier layer's selection: no indexer keys), "lasp" (the project's own
-LM with --attention linear: q, k, v, o projections like softmax, a [H, d, d] state per head,
-sp.linear_attention), "mlp" (a layer without a token mixer).
+earlier layer's selection: no indexer keys), "lasp" (the project's own LM with --attention linear: q,
+k, v, o projections like softmax, a [H, d, d] state per head, sp.linear_attention), "mlp" (a layer
+without a token mixer).
 """
 from __future__ import annotations
 
