@@ -128,6 +128,17 @@ def block_ends(blocks, pos: torch.Tensor) -> torch.Tensor:
     return torch.where((idx >= 0) & (pos < end), end, pos + 1)
 
 
+def block_starts(blocks, pos: torch.Tensor) -> torch.Tensor:
+    """int64: the first query that sees each causal key at ``pos``: its block's start inside a
+    bidirectional block (every query of the block sees the block's keys), else pos."""
+    if not blocks:
+        return pos.clone()
+    starts, ends = (torch.tensor(c, dtype=torch.int64, device=pos.device) for c in zip(*blocks))
+    idx = torch.searchsorted(starts, pos, right=True) - 1
+    start = starts[idx.clamp(min=0)]
+    return torch.where((idx >= 0) & (pos < ends[idx.clamp(min=0)]), start, pos)
+
+
 def flat_blocks(blocks) -> Optional[List[int]]:
     """Bidirectional blocks, (start, end) pairs or an integer tensor [n, 2], as a flat list of ints
     [s0, e0, s1, e1, ...] (None: no block). ValueError naming ``blocks`` when they are not pairs."""
@@ -202,5 +213,6 @@ def cut_documents(docs: Optional[Tuple[int, ...]], seq: int) -> Optional[Tuple[i
     return tuple(out) if len(out) > 1 else None
 
 
-__all__ = ["Mask", "block_ends", "check_blocks", "flat_blocks", "chunk_bounds", "cut_documents", "effective_window",
+__all__ = ["Mask", "block_ends", "block_starts", "check_blocks", "flat_blocks", "chunk_bounds", "cut_documents",
+           "effective_window",
            "seen_keys"]

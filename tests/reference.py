@@ -107,18 +107,19 @@ def masked_attention_with_grads(q, k, v, dout, causal, scale, dtype, window=None
 # -- the cost oracle: what cost/ and strategies/closed_form.py count, by enumeration ------------
 
 
-def pairs_per_query_set(n, causal, window, bounds, query_sets):
+def pairs_per_query_set(n, causal, window, bounds, query_sets, bidirectional=None):
     """The visible (q, k) pairs of each set of global query positions, counted pair by pair on the
-    dense mask (one head)."""
-    seen = mask_of(n, causal, window, bounds).sum(dim=1)
+    dense mask (one head; ``bidirectional``: mask_of's blocks)."""
+    seen = mask_of(n, causal, window, bounds, bidirectional).sum(dim=1)
     return [int(seen[torch.as_tensor(q, dtype=torch.long)].sum()) for q in query_sets]
 
 
-def key_spans(n, causal, window, bounds, blocks):
+def key_spans(n, causal, window, bounds, blocks, bidirectional=None):
     """spans[me][src] (me != src): the local slots [a, b) of block ``src``'s keys that some query of
-    block ``me`` sees, or None; ``blocks`` the global positions of each ring position in its local order.
-    Found by enumerating every (query, key) of every pair of blocks on the dense mask."""
-    mask = mask_of(n, causal, window, bounds)
+    block ``me`` sees, or None; ``blocks`` the global positions of each ring position in its local order;
+    ``bidirectional``: mask_of's blocks. Found by enumerating every (query, key) of every pair of blocks
+    on the dense mask."""
+    mask = mask_of(n, causal, window, bounds, bidirectional)
     p = len(blocks)
     out = [[None] * p for _ in range(p)]
     for me in range(p):

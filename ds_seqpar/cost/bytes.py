@@ -17,8 +17,9 @@ from typing import Dict, List, Optional, Tuple
 from ..masks import Mask
 from ..sharding.layouts import make_layout
 from ..strategies import get_strategy
-from ..strategies.closed_form import (Shapes, closed_form_by_kind, conv_halo_bytes, linear_state_bytes,
-                                       linear_ulysses_bytes, masked_ring_by_kind, ring_key_ranges)
+from ..strategies.closed_form import (Shapes, closed_form_by_kind, conv_halo_bytes, indexed_attention_bytes,
+                                       linear_state_bytes, linear_ulysses_bytes, masked_ring_by_kind, ring_key_ranges)
+from ..strategies.lasp_chain import fragments
 from .candidate import SOFTMAX_KINDS
 from .pairs import ring_of
 
@@ -43,8 +44,9 @@ def exact_spans(strategy: str, size: int, ulysses: int, shapes: Shapes, mask: Ma
 
 
 @functools.lru_cache(maxsize=64)
-def _ranges(layout_name: str, r: int, bounds: Tuple[int, ...], padded: int, causal: bool, window: Optional[int]):
-    return ring_key_ranges(list(bounds), make_layout(layout_name, r), padded, causal, window)
+def _ranges(layout_name: str, r: int, bounds: Tuple[int, ...], padded: int, causal: bool, window: Optional[int],
+            blocks: Optional[Tuple[Tuple[int, int], ...]]):
+    return ring_key_ranges(list(bounds), make_layout(layout_name, r), padded, causal, window, blocks)
 
 
 def _spans(strategy: str, size: int, ulysses: int, shapes: Shapes, mask: Mask, span_budget: float):
@@ -54,7 +56,7 @@ def _spans(strategy: str, size: int, ulysses: int, shapes: Shapes, mask: Mask, s
         return None
     r, real, mask = masked
     return _ranges(get_strategy(strategy).layout_name, r, tuple(mask.bounds(real)), shapes.seq, mask.causal,
-                   mask.window)
+                   mask.window, mask.blocks)
 
 
 def rank_bytes(strategy: str, size: int, ulysses: int, shapes: Shapes, mask: Mask,
@@ -85,16 +87,33 @@ def busiest_bytes(strategy: str, size: int, ulysses: int, shapes: Shapes, mask: 
 
 
 def _runs(strategy: str, size: int) -> list:
-    """state_passing-style runs per rank: zigzag holds two, every other layout one (Ulysses: the
-    linear layers see the contiguous layout)."""
-    if strategy == "zigzag":
-        return [[(r, r + 1), (2 * size - 1 - r, 2 * size - r)] for r in range(size)]
-    return [[(r, r + 1)] for r in range(size)]
+    """The runs per rank (lasp_chain.fragments, what the state exchange and the conv halo run on) of the
+    strategy's layout over 2 x size tokens, one per zigzag chunk: the same runs at every length (zigzag's
+    rank 0 holds two, its middle rank's two chunks are adjacent, one run; Ulysses: contiguous)."""
+    return fragments(make_layout(get_strategy(strategy).layout_name, size), 2 * size)
 
 
 def layer_mask(shape, kind: str, causal: bool, docs) -> Mask:
     """The mask of a softmax layer kind of ``shape``: sliding layers have the model's window."""
     return Mask(causal, shape.window if kind == "sliding" else None, docs)
+
+
+def linear_layer_bytes(c, shape, kind: str, n: int, e: int) -> Dict[str, int]:
+    """{CommStats kind: bytes} one "linear" / "mamba" layer of ``shape`` sends per rank, forward + backward,
+    under candidate ``c`` at ``n`` tokens per rank (batch 1): the conv halo, then under linear_strategy
+    ulysses the op's inputs and output all-to-all (Mamba-1: x, dt, z and the output per channel, B and
+    C, one group, whole on every rank), under lasp the states (LASP-2). The transition is the shape's
+    (Mamba2: scalar)."""
+    runs = _runs(c.strategy, c.size)
+    out = dict(conv_halo_bytes(runs, 1, shape.conv_channels, max(shape.conv_width - 1, 0), e))
+    if c.linear_strategy == "ulysses" and shape.transition == "diagonal":
+        out.update(linear_ulysses_bytes(c.size, [n * shape.lin_heads] * 4 + [n * c.size * shape.lin_dk] * 2, e))
+    elif c.linear_strategy == "ulysses":
+        out.update(linear_ulysses_bytes(c.size, [n * shape.lin_heads * (2 * shape.lin_dk + 2 * shape.lin_dv)], e))
+    else:
+        transition = "scalar" if kind == "mamba" and shape.transition != "diagonal" else shape.transition
+        out.update(linear_state_bytes(runs, 0, 1, shape.lin_heads, shape.lin_dk, shape.lin_dv, "allgather", transition))
+    return {k: v for k, v in out.items() if v}
 
 
 def comm_per_layer(c, shape, n: int, e: int, causal: bool = True, docs: Optional[Tuple[int, ...]] = None,
@@ -117,22 +136,17 @@ def comm_per_layer(c, shape, n: int, e: int, causal: bool = True, docs: Optional
             if peers is not None:
                 peers[kind] = talks_to
     for kind in ("linear", "mamba"):
-        if not shape.count(kind):
-            continue
-        if c.linear_strategy == "ulysses":
-            width = shape.lin_heads * (2 * shape.lin_dk + 2 * shape.lin_dv)
-            out[kind] = dict(linear_ulysses_bytes(c.size, [n * width], e))
-        else:
-            runs = _runs(c.strategy, c.size)
-            b = dict(linear_state_bytes(runs, 0, 1, shape.lin_heads, shape.lin_dk, shape.lin_dv, "allgather",
-                                        shape.transition if kind == "linear" else "scalar"))
-            b.update(conv_halo_bytes(runs, 1, shape.conv_channels, max(shape.conv_width - 1, 0), e))
-            out[kind] = b
+        if shape.count(kind):
+            out[kind] = linear_layer_bytes(c, shape, kind, n, e)
+    for kind in ("indexed", "indexed_shared"):
+        if shape.count(kind):
+            out[kind] = dict(indexed_attention_bytes(c.size, 1, c.size * n, shape.latent_dim,
+                                                     shape.index_dim if kind == "indexed" else 0, e))
     if shape.count("lasp"):
         state = Shapes(1, c.size * n, shape.heads, shape.kv_heads, shape.head_dim, e)
         out["lasp"] = dict(closed_form_by_kind("lasp", c.size, state, 0, lasp_comm=c.lasp_comm))
     return out
 
 
-__all__ = ["SPAN_BUDGET", "busiest_bytes", "comm_per_layer", "exact_spans", "layer_mask",
+__all__ = ["SPAN_BUDGET", "busiest_bytes", "comm_per_layer", "exact_spans", "layer_mask", "linear_layer_bytes",
            "rank_bytes"]

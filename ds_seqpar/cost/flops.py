@@ -8,6 +8,8 @@ Forward, per token of a sequence of S tokens:
                    documents sum(L (L+1) / 2) / S); each layer its own window (sliding layers:
                    the config's sliding_window)
     linear / SSD   projections 2 params; chunked scan with chunk C: 2 H_lin (2 dk dv + C (dk + dv))
+    Mamba-1        projections 2 params; the selective scan runs token by token, linear in tokens: per
+                   channel c and state entry, decay, input and readout, 3 multiply-adds: 6 c d_state
     MLP            2 x (gate, up, down) of the dense MLP, or of the active experts + shared + router
     LM head        2 V h
 Training: backward = 2 x forward. With the long-context features the fused loss runs the head's
@@ -26,13 +28,14 @@ LINEAR_CHUNK = 64
 
 
 def keys_per_query(seq: int, causal: bool = True, window: Optional[int] = None,
-                   docs: Optional[Tuple[int, ...]] = None) -> float:
+                   docs: Optional[Tuple[int, ...]] = None, blocks=None) -> float:
     """The keys one query sees on average (the work ratio of the mask times S). No window and one
     document: S / 2 causal (the count by hand a test holds the step's FLOPs to), S non-causal; else
-    the mask's pairs counted exactly (a non-causal window's edge queries see fewer than 2 w - 1 keys)."""
-    if docs is None and (window is None or window >= seq):
+    the mask's pairs counted exactly (a non-causal window's edge queries see fewer than 2 w - 1 keys;
+    ``blocks``, bidirectional (start, end) pairs, add their later keys)."""
+    if docs is None and not blocks and (window is None or window >= seq):
         return seq / 2 if causal else float(seq)
-    return pairs_total(seq, Mask(causal, window, docs)) / seq
+    return pairs_total(seq, Mask(causal, window, docs, blocks=tuple(blocks) if blocks else None)) / seq
 
 
 def forward_per_token(shape, seq: int, causal: bool = True, docs: Optional[Tuple[int, ...]] = None,
@@ -47,6 +50,8 @@ def forward_per_token(shape, seq: int, causal: bool = True, docs: Optional[Tuple
         if kind in ("attention", "sliding"):
             seen = keys[window] if keys is not None else keys_per_query(seq, causal, window, docs)
             out["attention"] += 2.0 * seen * shape.heads * (shape.head_dim + shape.dv)
+        elif kind == "mamba" and shape.transition == "diagonal":
+            out["linear_scan"] += 6.0 * shape.lin_heads * shape.lin_dk
         elif kind in ("linear", "mamba", "lasp"):
             h = shape.lin_heads
             out["linear_scan"] += 2.0 * h * (2 * shape.lin_dk * shape.lin_dv + LINEAR_CHUNK * (shape.lin_dk + shape.lin_dv))

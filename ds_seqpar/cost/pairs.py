@@ -27,7 +27,8 @@ def pairs_total(seq: int, mask: Mask) -> int:
     """Visible (q, k) pairs of the whole sequence (one head). Per document of L tokens (a window
     w < L): causal w (w + 1) / 2 + (L - w) w (the first w queries see their prefix, the rest w keys),
     non-causal L^2 - (L - w)(L - w + 1) (all pairs less those |i - j| >= w); no window: L (L + 1) / 2
-    and L^2. Equal documents are counted once; end padding (the mask's real length) sees nothing."""
+    and L^2. Equal documents are counted once; end padding (the mask's real length) sees nothing. A
+    bidirectional block of B tokens adds its B (B - 1) / 2 later keys (the window bounds earlier keys only)."""
     real = mask.real(seq)
     mask = mask.for_length(real)
     total = 0
@@ -38,7 +39,7 @@ def pairs_total(seq: int, mask: Mask) -> int:
         else:
             one = length * length - (length - w) * (length - w + 1)
         total += count * one
-    return total
+    return total + sum((e - s) * (e - s - 1) // 2 for s, e in mask.blocks or ())
 
 
 def ring_of(strategy: str, size: int, ulysses: int) -> int:

@@ -33,7 +33,7 @@ def load_model(path: str) -> ModelShape:
     """The HF config through the project's loader, checked as the main job checks it; or the
     project's own LM (own_lm_shape)."""
     from ..hf.checks import check_config, text_config
-    from ..hf.linear_layers import HYBRID_MODEL_TYPES, MAMBA1_MODEL_TYPES
+    from ..hf.linear_layers import HYBRID_MODEL_TYPES
     from ..hf.model_io import load_config
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
         raise PlanError(f"--model {path!r} is a directory without config.json; pass a Hugging Face model directory "
@@ -45,11 +45,17 @@ def load_model(path: str) -> ModelShape:
     config = load_config(path)
     model_type = getattr(text_config(config), "model_type", None)
     check_config(config, training=True, linear_ok=model_type in HYBRID_MODEL_TYPES)
-    if model_type in MAMBA1_MODEL_TYPES:
-        raise PlanError(f"--model {path!r}: model_type={model_type!r} has Mamba-1 selective scans, which train "
-                        f"sequence-parallel (docs/hybrids.md) but have no cost model in ds-seqpar plan yet; plan a "
-                        f"Mamba2 or softmax model of the same sizes")
-    return from_hf_config(config, os.path.basename(path.rstrip("/")), HYBRID_MODEL_TYPES)
+    if model_type == "zamba":
+        raise PlanError(f"--model {path!r}: model_type='zamba' (multi-head Mamba-1 mixers beside a shared attention "
+                        f"block) trains sequence-parallel (docs/hybrids.md) but has no cost model in ds-seqpar plan "
+                        f"yet; plan a Jamba or Mamba model of the same sizes")
+    shape = from_hf_config(config, os.path.basename(path.rstrip("/")), HYBRID_MODEL_TYPES)
+    if shape.count("indexed") or shape.count("indexed_shared"):
+        raise PlanError(f"--model {path!r}: model_type={model_type!r} has DeepSeek sparse attention "
+                        f"(indexed_attention layers), which trains sequence-parallel (docs/hf.md) but whose FLOPs "
+                        f"and memory ds-seqpar plan does not model yet (only its bytes, cost/bytes.py); plan a "
+                        f"softmax model of the same sizes")
+    return shape
 
 
 def equal_documents(seq: int, doc_len: Optional[int]) -> Optional[Tuple[int, ...]]:

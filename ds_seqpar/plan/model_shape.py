@@ -4,9 +4,12 @@ the config's attributes; nothing is built, no weights are read).
 Legend: h hidden size, L layers, H / H_kv query / key-value heads, d head dim, I MLP width,
 V vocabulary. Layer kinds: "attention" (softmax over the whole sequence), "sliding" (softmax in a
 window), "linear" (a linear-attention / delta-rule layer: a [H_lin, dk, dv] state), "mamba"
-(Mamba2 SSD: a [heads, d_head, d_state] state), "lasp" (the project's own LM with --attention
-linear: q, k, v, o projections like softmax, a [H, d, d] state per head, sp.linear_attention),
-"mlp" (a layer without a token mixer).
+(Mamba2 SSD: a [heads, d_head, d_state] state, transition "scalar"; Mamba-1's selective scan: a
+[channels, d_state] state, transition "diagonal", heads = channels, dv = 1), "indexed" (DeepSeek
+sparse attention: MLA whose latents and indexer keys travel, hf/indexed.py; "indexed_shared" reuses an
+earlier layer's selection: no indexer keys), "lasp" (the project's own LM with --attention linear: q,
+k, v, o projections like softmax, a [H, d, d] state per head, sp.linear_attention), "mlp" (a layer
+without a token mixer).
 """
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ from typing import Dict, Optional, Tuple
 from ..cost.candidate import LINEAR_KINDS, SOFTMAX_KINDS
 
 _KIND_OF = {"full_attention": "attention", "attention": "attention", "sliding_attention": "sliding",
-            "chunked_attention": "sliding", "linear_attention": "linear", "mamba": "mamba", "hybrid": "mamba",
+            "chunked_attention": "sliding", "indexed_attention": "indexed", "linear_attention": "linear",
+            "mamba": "mamba", "hybrid": "mamba",
             "conv": "linear", "mlp": "mlp", "moe": "mlp"}
 
 
@@ -45,6 +49,10 @@ class ModelShape:
     conv_channels: int = 0
     conv_width: int = 0
     transition: str = "matrix"               # linear layers' state map: matrix (delta rule) | scalar (SSD)
+    #                                          | diagonal (Mamba-1)
+    dt_rank: int = 0                         # Mamba-1: the rank of the step's projection
+    latent_dim: int = 0                      # indexed layers: MLA latents per token (kv_lora_rank + rope dim)
+    index_dim: int = 0                       # indexed layers: the indexer key per token (0: a shared selection)
     model_type: str = ""
     hybrid: bool = False                     # transformers hybrid (linear layers through hf/linear_layers)
 
@@ -85,6 +93,9 @@ class ModelShape:
             return h * self.q_dim + 2 * h * self.kv_dim + self.heads * self.dv * h
         if kind == "linear":                 # q, k (dk), v (dv), gates ~ z (dv), out
             return h * self.lin_heads * (2 * self.lin_dk + 2 * self.lin_dv) + self.lin_heads * self.lin_dv * h
+        if kind == "mamba" and self.transition == "diagonal":    # in_proj (x, z), x_proj (dt, B, C), dt_proj, out_proj
+            c, r = self.lin_heads, self.dt_rank
+            return 2 * h * c + c * (r + 2 * self.lin_dk) + r * c + c * h
         if kind == "mamba":                  # in_proj (x, z, B, C, dt) and out_proj
             inner = self.lin_heads * self.lin_dv
             return h * (2 * inner + 2 * self.conv_channels + self.lin_heads) + inner * h
@@ -123,12 +134,32 @@ def _layer_kinds(tc, layers: int) -> Tuple[str, ...]:
     return ()
 
 
+def _mamba1(tc, h: int, kinds: Tuple[str, ...], layers: int) -> Optional[dict]:
+    """ModelShape fields of Mamba-1 selective-scan layers (Mamba and Falcon-Mamba: every layer; Jamba:
+    its mamba layers, which its layer_types call linear_attention), None for any other config: channels,
+    d_state, the conv over the channels, the step's rank ("auto": ceil(h / 16), as transformers reads it)."""
+    pure = getattr(tc, "model_type", "") in ("mamba", "falcon_mamba")      # (Mamba2's config has state_size too)
+    if not pure and (_get(tc, "mamba_d_state") is None or _get(tc, "mamba_n_heads") is not None
+                     or _get(tc, "mamba_dt_rank") is None):
+        return None
+    channels = int(tc.intermediate_size) if pure else int(_get(tc, "mamba_expand")) * h
+    rank = _get(tc, "time_step_rank", "mamba_dt_rank")
+    out = dict(lin_heads=channels, lin_dk=int(_get(tc, "state_size", "mamba_d_state")), lin_dv=1,
+               conv_channels=channels, conv_width=int(_get(tc, "conv_kernel", "mamba_d_conv", default=4)),
+               transition="diagonal", dt_rank=-(-h // 16) if rank == "auto" else int(rank))
+    if pure:                            # mixer-only blocks: no MLP, no attention
+        out.update(kinds=("mamba",) * layers, intermediate=0)
+    else:
+        out.update(kinds=tuple("mamba" if k == "linear" else k for k in kinds))
+    return out
+
+
 def from_hf_config(config, name: str = "model", hybrid_types=()) -> ModelShape:
     """ModelShape of a transformers config (its text config for a multimodal one)."""
     getter = getattr(config, "get_text_config", None)
     tc = getter(decoder=True) if getter else config
     h, layers = int(tc.hidden_size), int(tc.num_hidden_layers)
-    heads = int(_get(tc, "num_attention_heads"))
+    heads = int(_get(tc, "num_attention_heads", default=1))      # (Mamba: none; no softmax layer reads it)
     kv = int(_get(tc, "num_key_value_heads", default=heads))
     head_dim = int(_get(tc, "head_dim", default=h // heads))
     kinds = _layer_kinds(tc, layers)
@@ -141,7 +172,10 @@ def from_hf_config(config, name: str = "model", hybrid_types=()) -> ModelShape:
     experts = int(_get(tc, "num_local_experts", "num_experts", "n_routed_experts", default=0) or 0)
     mamba_heads = _get(tc, "mamba_n_heads")
     lin = {}                                             # no linear layers: ModelShape's defaults
-    if mamba_heads:
+    mamba1 = _mamba1(tc, h, kinds, layers)
+    if mamba1:
+        lin = mamba1
+    elif mamba_heads:
         groups, state = int(_get(tc, "mamba_n_groups", default=1)), int(_get(tc, "mamba_d_state"))
         lin = dict(lin_heads=int(mamba_heads), lin_dk=state, lin_dv=int(_get(tc, "mamba_d_head")),
                    conv_channels=groups * state, conv_width=int(_get(tc, "mamba_d_conv", default=4)),
@@ -152,10 +186,14 @@ def from_hf_config(config, name: str = "model", hybrid_types=()) -> ModelShape:
                    conv_channels=int(tc.linear_num_key_heads) * int(tc.linear_key_head_dim) * 2
                    + int(tc.linear_num_value_heads) * int(tc.linear_value_head_dim),
                    conv_width=int(_get(tc, "linear_conv_kernel_dim", default=4)), transition="matrix")
+    shared = [i for i, t in enumerate(_get(tc, "indexer_types") or ()) if t == "shared"]
+    kinds = tuple("indexed_shared" if k == "indexed" and i in shared else k for i, k in enumerate(kinds))
+    if "indexed" in kinds:
+        lin.update(latent_dim=int(tc.kv_lora_rank) + int(tc.qk_rope_head_dim), index_dim=int(tc.index_head_dim))
+    lin = dict(dict(intermediate=int(_get(tc, "intermediate_size", default=4 * h)), kinds=kinds), **lin)
     return ModelShape(
-        name=name, hidden=h, layers=layers, heads=heads, kv_heads=kv, head_dim=head_dim,
-        intermediate=int(_get(tc, "intermediate_size", default=4 * h)), vocab=int(tc.vocab_size),
-        tied=bool(_get(tc, "tie_word_embeddings", default=False)), kinds=kinds,
+        name=name, hidden=h, layers=layers, heads=heads, kv_heads=kv, head_dim=head_dim, vocab=int(tc.vocab_size),
+        tied=bool(_get(tc, "tie_word_embeddings", default=False)),
         window=None if window is None else int(window), v_head_dim=_get(tc, "v_head_dim"),
         experts=experts, active_experts=int(_get(tc, "num_experts_per_tok", default=0) or 0),
         expert_intermediate=int(_get(tc, "moe_intermediate_size", default=_get(tc, "intermediate_size")) or 0),

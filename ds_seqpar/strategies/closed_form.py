@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..masks import block_starts
 from ..sharding.documents import Documents
 from . import RING_STRATEGIES
 from .lasp_chain import LaspChain, StatePlan
@@ -176,12 +177,13 @@ def indexed_attention_bytes(p: int, batch: int, seq: int, latent_dim: int, index
 
 
 def ring_key_ranges(bounds: Sequence[int], ring_layout, padded: int, causal: bool,
-                    window: Optional[int] = None) -> List[List[Optional[Tuple[int, int]]]]:
+                    window: Optional[int] = None, blocks=None) -> List[List[Optional[Tuple[int, int]]]]:
     """ranges[me][src] (me != src): the local slots [a, b) of src's block spanned by the keys some
-    query of ring position me can see (same document; causal: key <= query; window w: query - w <
-    key, non-causal |query - key| < w), or None. Computed key by key from the mask on global
-    positions (each key's visible queries are an interval; does me hold one?), independently of the
-    bands of the plan (mask_plan.py)."""
+    query of ring position me can see (same document; causal: key <= query, or both in one of the
+    bidirectional ``blocks`` (global (start, end) pairs); window w: query - w < key, non-causal
+    |query - key| < w), or None. Computed key by key from the mask on global positions (each key's
+    visible queries are an interval, from the key, or its block's start, on; does me hold one?),
+    independently of the bands of the plan (mask_plan.py)."""
     p, real = ring_layout.size, bounds[-1]
     cu = torch.tensor(bounds)
     big = padded + (window or padded)
@@ -195,7 +197,7 @@ def ring_key_ranges(bounds: Sequence[int], ring_layout, padded: int, causal: boo
         doc = torch.searchsorted(cu, gk.clamp(max=real - 1), right=True) - 1
         start, stop = cu[doc], cu[doc + 1] - 1                      # the key's document [start, stop]
         w = window or big
-        lo = gk if causal else torch.maximum(start, gk - w + 1)
+        lo = block_starts(blocks, gk) if causal else torch.maximum(start, gk - w + 1)
         hi = torch.minimum(stop, gk + w - 1)
         for me in range(p):
             if me == src:
@@ -223,7 +225,7 @@ def ring_masked_bytes(ranges, me: int, token_elems: int, elem: int) -> Dict[str,
 
 
 def _masked_by_kind(strategy: str, p: int, sh: Shapes, rank: int, ulysses_size: int, lasp_comm: str,
-                    cu_seqlens: Sequence[int], causal: bool, window: Optional[int]) -> Dict[str, int]:
+                    cu_seqlens: Sequence[int], causal: bool, window: Optional[int], blocks) -> Dict[str, int]:
     from ..sharding.layouts import make_layout
     from . import get_strategy
     if strategy == "ulysses":
@@ -231,7 +233,8 @@ def _masked_by_kind(strategy: str, p: int, sh: Shapes, rank: int, ulysses_size: 
     if strategy == "lasp":
         return lasp_bytes(p, sh, rank, lasp_comm, cu_seqlens)
     ring = make_layout(get_strategy(strategy).layout_name, p // ulysses_size)
-    return masked_ring_by_kind(ring_key_ranges(cu_seqlens, ring, sh.seq, causal, window), p, sh, rank, ulysses_size)
+    return masked_ring_by_kind(ring_key_ranges(cu_seqlens, ring, sh.seq, causal, window, blocks), p, sh, rank,
+                               ulysses_size)
 
 
 def masked_ring_by_kind(ranges, p: int, sh: Shapes, rank: int, ulysses_size: int) -> Dict[str, int]:
@@ -249,21 +252,23 @@ def masked_ring_by_kind(ranges, p: int, sh: Shapes, rank: int, ulysses_size: int
 
 def closed_form_by_kind(strategy: str, p: int, shapes: Shapes, rank: int = 0, ulysses_size: int = 1,
                         lasp_comm: str = "allgather", cu_seqlens: Optional[Sequence[int]] = None,
-                        causal: bool = True, window: Optional[int] = None) -> Dict[str, int]:
+                        causal: bool = True, window: Optional[int] = None, blocks=None) -> Dict[str, int]:
     """{CommStats kind: bytes} rank ``rank`` of a sequence group of ``p`` ranks sends for one
     fwd+bwd of one attention call over ``shapes`` (global length); kinds that send nothing are left
     out. ``ulysses_size`` > 1 with a ring strategy is the 2D hybrid, as in the config key;
     ``lasp_comm`` picks LASP-1 (ring) or LASP-2 (allgather). ``cu_seqlens``: packed documents over
     shapes.seq tokens (the padded length; ``causal`` matters to the ring family then); ``window``: a
-    sliding window (the ring family sends only the keys it reaches; Ulysses' bytes are unchanged)."""
+    sliding window (the ring family sends only the keys it reaches; Ulysses' bytes are unchanged);
+    ``blocks``: bidirectional blocks, global (start, end) pairs (a block's keys also reach its earlier
+    queries' positions)."""
     if strategy not in ("lasp", "ulysses") + RING_STRATEGIES:
         raise ValueError(f"no closed form for strategy {strategy!r}; known: lasp, ulysses, "
                          f"{', '.join(RING_STRATEGIES)}")
     if p == 1:
         return {}
-    if cu_seqlens is not None or (window is not None and strategy != "lasp"):
+    if cu_seqlens is not None or ((window is not None or blocks) and strategy != "lasp"):
         bounds = list(cu_seqlens) if cu_seqlens is not None else [0, shapes.seq]
-        out = _masked_by_kind(strategy, p, shapes, rank, ulysses_size, lasp_comm, bounds, causal, window)
+        out = _masked_by_kind(strategy, p, shapes, rank, ulysses_size, lasp_comm, bounds, causal, window, blocks)
     elif strategy == "lasp":
         out = lasp_bytes(p, shapes, rank, lasp_comm)
     elif strategy == "ulysses":
@@ -275,11 +280,11 @@ def closed_form_by_kind(strategy: str, p: int, shapes: Shapes, rank: int = 0, ul
 
 def closed_form_bytes(strategy: str, p: int, shapes: Shapes, rank: int = 0, ulysses_size: int = 1,
                       lasp_comm: str = "allgather", cu_seqlens: Optional[Sequence[int]] = None,
-                      causal: bool = True, window: Optional[int] = None) -> int:
+                      causal: bool = True, window: Optional[int] = None, blocks=None) -> int:
     """The total of ``closed_form_by_kind``: what CommStats.total_bytes must read (with packed
-    documents, less the "cu_seqlens_check" all-reduce of three int64 per call)."""
+    documents or blocks, less the "cu_seqlens_check" all-reduce of three int64 per call)."""
     return sum(closed_form_by_kind(strategy, p, shapes, rank, ulysses_size, lasp_comm, cu_seqlens, causal,
-                                   window).values())
+                                   window, blocks).values())
 
 
 def transient_bytes(strategy: str, p: int, shapes: Shapes, ulysses_size: int = 1) -> Dict[str, int]:

@@ -1,12 +1,14 @@
 """Bidirectional blocks inside a causal mask (sp.attention's ``blocks``: Gemma 3's image tokens) on the
 4-rank pool: every softmax strategy at 2 and 4 ranks and the 2D hybrid, blocks straddling the shard
 boundaries of every layout, with a sliding window, packed documents and end padding, MHA and GQA, against
-a float64 dense reference with the same mask and the derived tolerance; bad blocks refused on every rank.
+a float64 dense reference with the same mask and the derived tolerance, and the bytes each rank sends
+against the closed form (closed_form_by_kind's blocks); bad blocks refused on every rank.
 """
 import pytest
 import torch
 
 from ds_seqpar import SequenceParallel
+from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind
 
 from ..dist_checks import global_inputs
 from ..reference import assert_shards_close, masked_attention_with_grads
@@ -35,12 +37,18 @@ def _check_blocks(cfgs):
                 ref64 = masked_attention_with_grads(q, k, v, dout, True, scale, torch.float64, **kw)
                 plain = masked_attention_with_grads(q, k, v, dout, True, scale, torch.float32, **kw)
                 q_l, k_l, v_l = (sp.shard(t).detach().requires_grad_() for t in (q, k, v))
+                sp.stats.reset()
                 out_l = sp.attention(q_l, k_l, v_l, causal=True, softmax_scale=scale, seq_len=real,
                                      cu_seqlens=bounds, window=window, blocks=blocks)
                 out_l.backward(sp.shard(dout))
                 case = (f"{cfg} seq={seq} window={window} cu={bounds} blocks={blocks} heads={heads}/{kv_heads} "
                         f"sp_rank={sp.rank}")
                 assert_shards_close(case, sp, out_l, (q_l, k_l, v_l), ref64, plain)
+                sent = {kd: b for kd, b in sp.stats.bytes.items() if b and kd != "cu_seqlens_check"}
+                shapes = Shapes(1, q_l.shape[1] * sp.size, heads, kv_heads, HEAD_DIM, 4)
+                want = closed_form_by_kind(sp.config.strategy, sp.size, shapes, sp.rank, sp.config.ulysses_size,
+                                           cu_seqlens=bounds, window=window, blocks=blocks)
+                assert sent == want, f"{case}: bytes {sent} != closed form {want}"
                 n += 1
         counts.append(n)
     return counts

@@ -242,7 +242,20 @@ def _bytes(setting, model_type="qwen3_5_text"):
         want = linear_state_bytes(frags, sp.rank, rows, *state, sp.config.lasp_comm, kind)
     if halo:
         want.update(conv_halo_bytes(frags, rows, halo[0], halo[1], 4))
-    return {k: sp.stats.bytes.get(k, 0) for k in want}, want
+    got = {k: sp.stats.bytes.get(k, 0) for k in want}
+    if model_type == "mamba" and sp.config.lasp_comm == "allgather":     # the cost model prices LASP-2 and ulysses
+        _check_cost_model(sp, cfg, seq, rows, got)
+    return got, want
+
+
+def _check_cost_model(sp, cfg, seq, rows, got):
+    """The plan's cost model (cost/bytes.py on the shape read from the config) against the measured bytes."""
+    from ds_seqpar.cost.bytes import comm_per_layer
+    from ds_seqpar.cost.candidate import Candidate, Features
+    from ds_seqpar.plan.model_shape import from_hf_config
+    c = Candidate(sp.config.strategy, sp.size, 1, 0, Features(), sp.config.linear_strategy)
+    priced = comm_per_layer(c, from_hf_config(cfg), seq // sp.size, 4)["mamba"]
+    assert got == {k: rows * v for k, v in priced.items()}, (sp.config, got, priced)
 
 
 @pytest.mark.parametrize("model_type,setting", [

@@ -1,17 +1,22 @@
-"""DeepSeek sparse attention (hf/indexed.py) at P=2 under every softmax strategy (and packed documents
-under striped): logits, loss and every parameter gradient equal the unsharded model's (the indexer's
-weights get none in either: transformers runs the indexer under no_grad), every query's top-k set is
-the unsharded model's, and the bytes are closed_form.indexed_attention_bytes; an indexer top-k longer
-than the sequence is refused on every rank before any collective."""
+"""DeepSeek sparse attention (hf/indexed.py) at P=2 and P=4 under every softmax strategy (and packed
+documents under striped): logits, loss and every parameter gradient equal the unsharded model's (the
+indexer's weights get none in either: transformers runs the indexer under no_grad), every query's top-k
+set is the unsharded model's (ties included: the first queries see fewer keys than the top-k keeps, so
+their rows pick among tied -inf scores; every P cuts those rows' keys differently), and the bytes are
+closed_form.indexed_attention_bytes and the cost model's (cost/bytes.py); an indexer top-k longer than
+the sequence is refused on every rank before any collective."""
 import torch
 
 from ds_seqpar import SequenceParallel
+from ds_seqpar.cost.bytes import comm_per_layer
+from ds_seqpar.cost.candidate import Candidate, Features
+from ds_seqpar.plan.model_shape import from_hf_config
 from ds_seqpar.strategies.closed_form import indexed_attention_bytes
 
 from ..hf_models import tiny_model, unsharded_run
 from .test_hf import BATCH, SEQ, _batch, _compare, _summed_grads
 
-CASES = [{"strategy": s, "size": 2} for s in ("ulysses", "ring", "zigzag", "striped")]
+CASES = [{"strategy": s, "size": p} for p in (2, 4) for s in ("ulysses", "ring", "zigzag", "striped")]
 KINDS = ("dsa_latent", "dsa_index_keys")
 
 
@@ -44,10 +49,12 @@ def check_indexed(cases):
     plain, ref_topk = _unsharded_fp32(state, ids, labels)
     assert not any("indexer" in n for n in ref[2]), "transformers' indexer runs without gradient"
     cfg = tiny_model("deepseek_v32").config
-    layer = indexed_attention_bytes(2, BATCH, SEQ, cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.index_head_dim, 4)
+    shape = from_hf_config(cfg)                       # the plan's cost model prices the same bytes (batch 1)
     checked = []
     for case in cases:
         sp = SequenceParallel(case)
+        layer = indexed_attention_bytes(sp.size, BATCH, SEQ, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                                        cfg.index_head_dim, 4)
         what = f"deepseek_v32 {case} sp_rank={sp.rank}"
         model = apply_sequence_parallel(tiny_model("deepseek_v32", state_dict=state), sp)
         topk = _recorded_topk(model)
@@ -57,6 +64,8 @@ def check_indexed(cases):
         out.loss.backward()
         sent = {k: sp.stats.bytes[k] for k in KINDS}
         assert sent == {k: cfg.num_hidden_layers * n for k, n in layer.items()}, f"{what}: bytes {sent} vs {layer}"
+        priced = comm_per_layer(Candidate(case["strategy"], sp.size, 1, 0, Features()), shape, SEQ // sp.size, 4)
+        assert sent == {k: cfg.num_hidden_layers * BATCH * n for k, n in priced["indexed"].items()}, (what, priced)
         for i, (mine, theirs) in enumerate(zip(topk, ref_topk)):
             whole = sp.unshard(mine, dim=1)                   # this rank's rows -> [b, N, k] global positions
             assert torch.equal(whole.sort(-1).values, theirs.sort(-1).values), f"{what}: layer {i} top-k sets differ"

@@ -39,8 +39,6 @@ HYBRID_MODEL_TYPES = frozenset({
     "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear",
     "bailing_hybrid", "lfm2", "lfm2_moe", "lfm3", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1", "zamba2",
     "mamba2", "minimax", "mamba", "falcon_mamba", "jamba", "zamba"})
-# the HYBRID_MODEL_TYPES whose linear layers are Mamba-1 scans (ds-seqpar plan has no cost model for them yet)
-MAMBA1_MODEL_TYPES = frozenset({"mamba", "falcon_mamba", "jamba", "zamba"})
 # layer types that hold an adapted mixer (checks.check_modules verifies each does); "hybrid":
 # Falcon-H1's attention and Mamba2 side by side
 LINEAR_LAYER_TYPES = ("linear_attention", "conv", "mamba", "hybrid")
@@ -69,5 +67,5 @@ def linear_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if type(m).__name__ in LAYER_OPS]
 
 
-__all__ = ["LAYER_OPS", "HYBRID_MODEL_TYPES", "MAMBA1_MODEL_TYPES", "LINEAR_LAYER_TYPES", "CONV", "SSD", "SCAN",
+__all__ = ["LAYER_OPS", "HYBRID_MODEL_TYPES", "LINEAR_LAYER_TYPES", "CONV", "SSD", "SCAN",
            "FUSED", "OPTIONAL", "LIGHTNING", "calls_per_forward", "family", "linear_modules"]
