@@ -27,10 +27,10 @@ from torch import Tensor
 
 from ...ops.attention import UNSAFE_FOR_CUDA_GRAPHS, _outputs
 from ...ops.registry import handle, resolve
-from .families import CONV, SCAN, SSD
+from .families import CONV, LIGHTNING, SCAN, SSD
 
 _ENTRIES: Dict[str, tuple] = {}       # key -> (mixers handle, module ref, op name, original, tensor names, constants)
-_SINGLE = frozenset({CONV, SSD, SCAN})   # the ops that return one tensor; the delta rules return (out, None)
+_SINGLE = frozenset({CONV, SSD, SCAN, LIGHTNING})   # the ops that return one tensor; the delta rules return (out, None)
 DOCUMENTS = "ds_seqpar_documents"         # the packed-document bounds' entry in the op's call (no op has one)
 
 
@@ -42,6 +42,8 @@ def run_seam(mixers, module, name: str, original, call: dict):
         return mixers.ssd(original, call, mixers.where(module))
     if name == SCAN:
         return mixers.selective_scan(original, call, mixers.where(module))
+    if name == LIGHTNING:
+        return mixers.lightning(module, call, mixers.where(module))
     return mixers.delta_rule(original, call, mixers.where(module))
 
 
