@@ -8,8 +8,9 @@ exchange: sp.stats counts it twice under compile).
 
 What is not a tensor (the op's options, which layer, which sequence-parallel setup) is named by a
 string key, a constant of the graph, registered while dynamo traces the seam (``key`` runs then,
-once per compiled graph, not inside it); the fake runs transformers' own op on the local shard,
-whose output has the shape the sequence-parallel path returns.
+once per compiled graph, not inside it); the fake runs the seam's original on the local shard
+(transformers' own op; for lightning attention, which has none, a shape function), whose output has
+the shape the sequence-parallel path returns.
 
 Packed documents: the layers cut the exchange and the conv halo at the documents on the host
 (mixers.documents, a list of ints). Under compile the bounds arrive as the model's cu_seqlens tensor,
