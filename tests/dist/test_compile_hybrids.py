@@ -1,7 +1,7 @@
 """torch.compile over applied Hugging Face hybrids (docs/compile.md, "Hugging Face hybrids"): a gated DeltaNet
-model (Qwen3.5: short convolution + delta rule) and a Mamba2 one (Bamba: short convolution + SSD scan) compile
-with fullgraph=True (so no graph break; the plain models have none under torch._dynamo.explain) and give the
-eager run's logits, loss and every parameter's gradient: under aot_eager with packed documents, under
+model (Qwen3.5: short convolution + delta rule), a Mamba2 one (Bamba: short convolution + SSD scan) and MiniMax's
+lightning attention (its replaced forward calls the same op) compile with fullgraph=True (so no graph break;
+the plain Qwen3.5 and Bamba have none under torch._dynamo.explain) and give the eager run's logits, loss and every parameter's gradient: under aot_eager with packed documents, under
 inductor on rows of one document; ``ds_seqpar::linear_layer`` passes torch.library.opcheck.
 
 Tolerance under aot_eager: the compiled graph runs the same operations (the linear layers' op bodies are the
@@ -18,7 +18,15 @@ SEQ = 64
 # (SSD, P=2) here, with packed documents; lasp_comm ring (SSD, P=4) under inductor below. At P=2 the world's
 # two sequence groups run one family each (compiling is the cost: one per round)
 ROUNDS = [[("qwen3_5_text", dict(size=2, strategy="ring")),
-           ("bamba", dict(size=2, strategy="zigzag", linear_strategy="ulysses"))]]
+           ("bamba", dict(size=2, strategy="zigzag", linear_strategy="ulysses"))],
+          # lightning attention (its replaced forward calls the same op), both exchanges
+          [("minimax", dict(size=2, strategy="ring")),
+           ("minimax", dict(size=2, strategy="zigzag", linear_strategy="ulysses"))]]
+# one linear layer and no softmax attention where the round is about the linear layer alone (compiling is the cost)
+LAYERS = {"minimax": dict(layer_types=["linear_attention"], num_hidden_layers=1)}
+# transformers' eager experts loop over the experts a batch hits (data-dependent: a graph break in the plain
+# model too); batched_mm gathers each token's experts, the same operations eager and compiled
+BATCHED_EXPERTS = {"minimax"}
 # documents that cross the ranks' shards (32 tokens a rank) and start inside a chunk: the linear layers' op
 # takes them as a tensor input and cuts at them on the host in its body
 PACKED_BOUNDS = [0, 11, 40, 64]
@@ -30,7 +38,10 @@ def _step(model_type, setting, state, backend=None, seq=SEQ, dtype=torch.float32
     from ds_seqpar.hf import apply_sequence_parallel
     cfg = hybrid_config(model_type, **(layers or {}))
     sp = SequenceParallel(setting)
-    model = apply_sequence_parallel(build(cfg, dtype, state), sp)
+    plain = build(cfg, dtype, state)
+    if model_type in BATCHED_EXPERTS:
+        plain.set_experts_implementation("batched_mm")
+    model = apply_sequence_parallel(plain, sp)
     ids, labels = batch(cfg.vocab_size, rows=1, seq=seq)
     run = model
     if backend is not None:
@@ -67,12 +78,14 @@ def compiled_vs_eager(rounds, bounds=None):
     kind, compiled calls per kind)] on this rank: of each round, its sequence group's case; ``bounds``:
     packed documents (cu_seqlens, one row)."""
     from ds_seqpar import comm
+    from ds_seqpar.hf.linear.families import linear_modules
     out = []
     for cases in rounds:
         model_type, setting = cases[comm.global_rank() // setting_size(cases) % len(cases)]
-        state = build(hybrid_config(model_type), torch.float32).state_dict()
-        eager = _step(model_type, setting, state, bounds=bounds)
-        got = _step(model_type, setting, state, "aot_eager", bounds=bounds)
+        layers = LAYERS.get(model_type)
+        plain = build(hybrid_config(model_type, **(layers or {})), torch.float32)
+        eager = _step(model_type, setting, plain.state_dict(), bounds=bounds, layers=layers)
+        got = _step(model_type, setting, plain.state_dict(), "aot_eager", bounds=bounds, layers=layers)
         assert set(got[2]) == set(eager[2]), set(got[2]) ^ set(eager[2])
         ratios = {"logits": _worst(got[0], eager[0]), "loss": _worst(got[1], eager[1])}
         ratios.update({f"grad {n}": _worst(g, eager[2][n]) for n, g in got[2].items()})
@@ -80,8 +93,10 @@ def compiled_vs_eager(rounds, bounds=None):
             assert got[4][1] == 0, f"{model_type}: {got[4][1]} graph(s) compiled for a new packing"
             ratios["loss, repacked"] = _worst(got[4][0], eager[4][0])
         worst = max(ratios, key=ratios.get)
-        # the linear layers' own parameters (conv, decays, dt bias) get their gradient through the op's backward
-        linear = [n for n, g in got[2].items() if ("linear_attn" in n or "mamba" in n) and g.abs().max() > 0]
+        # the linear layers' own parameters (conv, decays, dt bias, projections) get their gradient through the
+        # op's backward
+        prefixes = tuple(f"{n}." for n, _ in linear_modules(plain))
+        linear = [n for n, g in got[2].items() if n.startswith(prefixes) and g.abs().max() > 0]
         out.append((model_type, setting, ratios[worst], worst, len(linear), eager[3], got[3]))
     return out
 

@@ -1,7 +1,8 @@
 """MiniMax's lightning attention: causal linear attention with a fixed decay per head, lambda = exp(-slope).
 transformers runs it as an inline block loop, no op to hook, so the layer's forward is replaced on the
 instance (keeping transformers' projections, norm and gate); its transition is the fixed lambda^n,
-the one the own LM's LASP uses, so no A travels."""
+the one the own LM's LASP uses, so no A travels. The replaced forward calls the sequence-parallel
+attention as the hooked families' seams call their ops: under torch.compile, one opaque op (opaque.py)."""
 from __future__ import annotations
 
 import torch
@@ -10,7 +11,20 @@ from ...kernels.linear import linear_attention
 from ...errors import UnsupportedModelError
 from .families import LIGHTNING
 from .fold import fold
+from .opaque import compiled_seam, run_seam
 from .seams import count
+
+
+def output_like(q, k, v):
+    """The op's output under compile without running it (opaque.py's fake runs a seam's original op on the
+    local shard; transformers has none here): a value vector per token and head, in q's dtype."""
+    return q.new_empty(v.shape)
+
+
+def decay(module):
+    """lambda per head. Read by the op's body from the layer, not passed in: a fixed input of the kernel,
+    which the op's backward would otherwise make a leaf to differentiate."""
+    return torch.exp(-module.slope_rate.reshape(module.num_attention_heads))
 
 
 def lightning(mixers, q, k, v, decay_h, where: str):
@@ -57,7 +71,9 @@ def lightning_forward(mixers, module, hidden_states, position_embeddings=None, a
     heads, d = module.num_attention_heads, module.head_dim
     qkv = module.act_fn(module.qkv_proj(hidden_states)).reshape(b, n, heads, 3 * d)
     q, k, v = torch.split(qkv, d, dim=3)
-    out = lightning(mixers, q, k, v, torch.exp(-module.slope_rate.reshape(heads)), where)
+    call = dict(q=q, k=k, v=v)
+    seam = compiled_seam if torch.compiler.is_compiling() else run_seam
+    out = seam(mixers, module, LIGHTNING, output_like, call)
     out = module.norm(out.reshape(b, n, heads * d))
     out = torch.sigmoid(module.output_gate(hidden_states)) * out
     return module.out_proj(out), None

@@ -13,7 +13,7 @@ from ...strategies.ulysses import kv_replication
 from .conv import conv
 from .delta_rule import delta_rule
 from .families import LAYER_OPS, LIGHTNING
-from .lightning import InstanceForward, lightning_forward
+from .lightning import InstanceForward, decay, lightning, lightning_forward
 from .seams import layer_hooks
 from .selective_scan import selective_scan
 from .ssd import ssd
@@ -60,6 +60,9 @@ class LinearMixers:
 
     def selective_scan(self, original, call: dict, where: str):
         return selective_scan(self, original, call, where)
+
+    def lightning(self, module, call: dict, where: str):
+        return lightning(self, decay_h=decay(module), where=where, **call)
 
     def heads_parallel(self, local, tensors, where: str, unit: str = "heads"):
         """linear_strategy ulysses for a mixer whose tensors all have the heads on dim 2: whole

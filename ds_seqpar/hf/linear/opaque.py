@@ -8,8 +8,9 @@ exchange: sp.stats counts it twice under compile).
 
 What is not a tensor (the op's options, which layer, which sequence-parallel setup) is named by a
 string key, a constant of the graph, registered while dynamo traces the seam (``key`` runs then,
-once per compiled graph, not inside it); the fake runs transformers' own op on the local shard,
-whose output has the shape the sequence-parallel path returns.
+once per compiled graph, not inside it); the fake runs the seam's original on the local shard
+(transformers' own op; for lightning attention, which has none, a shape function), whose output has
+the shape the sequence-parallel path returns.
 
 Packed documents: the layers cut the exchange and the conv halo at the documents on the host
 (mixers.documents, a list of ints). Under compile the bounds arrive as the model's cu_seqlens tensor,
@@ -27,10 +28,10 @@ from torch import Tensor
 
 from ...ops.attention import UNSAFE_FOR_CUDA_GRAPHS, _outputs
 from ...ops.registry import handle, resolve
-from .families import CONV, SCAN, SSD
+from .families import CONV, LIGHTNING, SCAN, SSD
 
 _ENTRIES: Dict[str, tuple] = {}       # key -> (mixers handle, module ref, op name, original, tensor names, constants)
-_SINGLE = frozenset({CONV, SSD, SCAN})   # the ops that return one tensor; the delta rules return (out, None)
+_SINGLE = frozenset({CONV, SSD, SCAN, LIGHTNING})   # the ops that return one tensor; the delta rules return (out, None)
 DOCUMENTS = "ds_seqpar_documents"         # the packed-document bounds' entry in the op's call (no op has one)
 
 
@@ -42,6 +43,8 @@ def run_seam(mixers, module, name: str, original, call: dict):
         return mixers.ssd(original, call, mixers.where(module))
     if name == SCAN:
         return mixers.selective_scan(original, call, mixers.where(module))
+    if name == LIGHTNING:
+        return mixers.lightning(module, call, mixers.where(module))
     return mixers.delta_rule(original, call, mixers.where(module))
 
 

@@ -92,20 +92,6 @@ def install_seams(layers) -> None:
                 setattr(module, name, _seam(name, fn))
 
 
-def refuse_compile(where: str) -> None:
-    """Raised while torch.compile traces an applied MiniMax lightning attention layer: its replaced
-    forward (lightning.py) calls the exchange directly, with no seam to make one opaque op of. Under
-    fullgraph=True the compile fails with this message; without it, dynamo runs the layer eagerly
-    between graphs (its own documented fallback)."""
-    if torch.compiler.is_compiling():
-        raise UnsupportedModelError(
-            f"ds_seqpar.hf: {where} cannot be compiled yet: lightning attention's sequence-parallel exchange runs "
-            f"in its replaced forward, not as an opaque op (docs/compile.md); what compiles with fullgraph=True: "
-            f"sp.attention under every strategy, sp.linear_attention (lasp) and the hybrids' other linear layers "
-            f"(short convolutions, gated DeltaNet, Kimi delta attention, Mamba2 and Mamba-1 scans). Compile "
-            f"without fullgraph (the layer then runs eagerly between graphs) or leave the model eager")
-
-
 def layer_hooks(mixers, module) -> list:
     """The pre-hook that marks ``module`` running (and keeps the packing kwargs from its ops) and the
     post-hook that unmarks it and refuses a layer that did not call each of its ops as often as its
@@ -115,8 +101,6 @@ def layer_hooks(mixers, module) -> list:
     def pre(module, args, kwargs):
         if torch.compiler.is_compiling():
             _TRACED.append((mixers, module, {}))
-            if LIGHTNING in LAYER_OPS[type(module).__name__]:
-                refuse_compile(mixers.where(module))
         else:
             tokens.append(_RUNNING.set((mixers, module, {})))
         # the documents reach the mixers through mixers.documents; transformers' layers would pass
