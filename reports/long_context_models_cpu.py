@@ -45,20 +45,27 @@ VLM_TOKENS = dict(image_token_id=2040, video_token_id=2041, vision_start_token_i
 VIDEO_GRID = (8, 32, 32)             # (t, h, w) in patches: t * h * w / 4 placeholders after the 2 x 2 merge
 
 
+def _models(auto, cfg, args):
+    """The unsharded model and an equal copy with sequence parallelism applied, and its SequenceParallel."""
+    import torch
+    from ds_seqpar import SequenceParallel
+    from ds_seqpar.hf import apply_sequence_parallel
+    torch.manual_seed(0)
+    plain = auto.from_config(cfg, attn_implementation="sdpa").train()
+    sharded = auto.from_config(copy.deepcopy(cfg), attn_implementation="sdpa").train()
+    sharded.load_state_dict(plain.state_dict())
+    sp = SequenceParallel({"strategy": args.strategy, "size": args.P})
+    apply_sequence_parallel(sharded, sp)
+    return plain, sharded, sp
+
+
 def _dsa(args):
     """(unsharded model, its inputs, applied model, its sharded batch, sp). Each model its own config:
     applying sequence parallelism changes the attention implementation its config names."""
     import torch
     import transformers as T
-    from ds_seqpar import SequenceParallel
-    from ds_seqpar.hf import apply_sequence_parallel
     cfg = T.DeepseekV32Config(**dict(DSA, max_position_embeddings=args.seq))
-    torch.manual_seed(0)
-    plain = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").train()
-    sharded = T.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="sdpa").train()
-    sharded.load_state_dict(plain.state_dict())
-    sp = SequenceParallel({"strategy": args.strategy, "size": args.P})
-    apply_sequence_parallel(sharded, sp)
+    plain, sharded, sp = _models(T.AutoModelForCausalLM, cfg, args)
     ids = torch.randint(0, cfg.vocab_size, (1, args.seq), generator=torch.Generator().manual_seed(1))
     whole = dict(input_ids=ids, labels=ids, position_ids=torch.arange(args.seq)[None])
     return plain, whole, sharded, sp.shard_batch({"input_ids": ids, "labels": ids}), sp
@@ -74,15 +81,8 @@ def _vlm(args):
     """As _dsa: a row of text with one video's placeholders after its first eighth."""
     import torch
     import transformers as T
-    from ds_seqpar import SequenceParallel
-    from ds_seqpar.hf import apply_sequence_parallel
     cfg = vlm_config()
-    torch.manual_seed(0)
-    plain = T.AutoModelForImageTextToText.from_config(cfg, attn_implementation="sdpa").train()
-    sharded = T.AutoModelForImageTextToText.from_config(copy.deepcopy(cfg), attn_implementation="sdpa").train()
-    sharded.load_state_dict(plain.state_dict())
-    sp = SequenceParallel({"strategy": args.strategy, "size": args.P})
-    apply_sequence_parallel(sharded, sp)
+    plain, sharded, sp = _models(T.AutoModelForImageTextToText, cfg, args)
     g = torch.Generator().manual_seed(1)
     v = cfg.vision_config
     grid = torch.tensor([VIDEO_GRID])
