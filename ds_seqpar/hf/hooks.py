@@ -142,9 +142,10 @@ def linear_documents(cu_seqlens, cu_seq_lens_q, position_ids, module):
         raise UnsupportedModelError(f"ds_seqpar.hf: packed documents with {position_ids.shape[0]} rows in "
                                     f"{type(module).__name__}: the linear layers' documents are one row's; pack "
                                     f"into batch size 1")
-    if torch.compiler.is_compiling():     # an input of the layers' ops, read on the host in their bodies (opaque.py)
-        return bounds if torch.is_tensor(bounds) else list(bounds)
-    return bounds.tolist() if torch.is_tensor(bounds) else list(bounds)
+    if torch.is_tensor(bounds):
+        # under compile an input of the layers' ops, read on the host in their bodies (opaque.py)
+        return bounds if torch.compiler.is_compiling() else bounds.tolist()
+    return list(bounds)
 
 
 def documents_from_positions(position_ids, sp):
