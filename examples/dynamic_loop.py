@@ -74,5 +74,6 @@ if __name__ == "__main__":
     from ds_seqpar.launch.spawn import spawn_command, under_launcher
     if under_launcher():
         main()
+        torch.distributed.destroy_process_group()   # before exit: a live gloo group can abort shutdown
     else:                   # no launcher: 4 local ranks of this script
         sys.exit(spawn_command([sys.executable, __file__], nprocs=4))

@@ -269,8 +269,11 @@ def main(argv: Optional[list] = None) -> int:
         return spawn_local("ds_seqpar.train", argv, opts.nprocs)
     if opts.quiet or not opts.verbose:
         _quiet_deepspeed()
+    owns_world = not comm.is_initialized()
     try:
         run_training(vars(opts))
+        if owns_world:
+            _leave_world()
     except (TrainConfigError, ConfigError) as err:
         # every rank raises the same message before training, without a traceback. Before joining
         # the world it came from the options, the config and the model's files, which every rank
@@ -286,6 +289,17 @@ def main(argv: Optional[list] = None) -> int:
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - say which rank failed, then end the job
         return _fail_rank(err)
     return 0
+
+
+def _leave_world() -> None:
+    """End this process's part of the world after training. A process that exits with a live gloo
+    group can abort in interpreter shutdown ("terminate called without an active exception": gloo's
+    worker threads still hold work while Python is torn down), which the launcher reports as the
+    job's failure after a run that trained to the end. The barrier keeps a rank from tearing down
+    its links while a peer still finishes its last step's collectives."""
+    if comm.is_initialized():
+        comm.barrier()
+        comm.destroy()
 
 
 def _fail_rank(err: BaseException) -> int:
