@@ -159,3 +159,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+    if torch.distributed.is_initialized():     # a live gloo group can abort interpreter shutdown
+        torch.distributed.destroy_process_group()
