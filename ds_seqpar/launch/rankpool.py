@@ -7,6 +7,7 @@ killed after a grace period and the pool restarts on its next use, so nothing ha
 """
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import os
 import queue
@@ -38,6 +39,11 @@ def _worker(rank: int, world: int, port: int, timeout_s: float, threads: int, ta
         except BaseException:  # noqa: BLE001 - any failure must reach the parent with its traceback
             results.put((rank, "error", traceback.format_exc()))
     comm.destroy()
+    # multiprocessing flushes the queues and runs its own exit work when this returns; the exit
+    # handler registered last runs first and ends the process there, without the interpreter's
+    # teardown of a long-lived heap (seconds after a test session's many models, more than close()
+    # waits)
+    atexit.register(os._exit, 0)
 
 
 class RankPool:

@@ -6,6 +6,6 @@ from .preflight import check
 # the options and the config first: a bad one is said before torch and DeepSpeed load
 code = check(build_parser().parse_args(sys.argv[1:]))
 if code is None:
-    from .main import main
-    code = main()
+    from .main import exit_process, main
+    exit_process(main())
 sys.exit(code)

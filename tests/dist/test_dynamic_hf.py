@@ -21,8 +21,10 @@ T = 16
 LENGTHS = [50, 30, 17, 10, 13, 2, 2, 14]
 BOUND = {"llama": dict(k=5.0, floor=1e-6), "qwen3_5_text": dict(k=10.0, floor=1e-5)}
 # (model, sequence_parallel keys, ZeRO stage): the dense model on a token-splitting and a head-splitting
-# strategy; the hybrid (gated DeltaNet beside attention) with each linear_strategy
+# strategy and the 2D hybrid (2 x 2 on the 4-rank group, Ulysses alone on 2-rank groups); the hybrid
+# (gated DeltaNet beside attention) with each linear_strategy
 CASES = [("llama", dict(strategy="zigzag"), 0), ("llama", dict(strategy="ulysses"), 3),
+         ("llama", dict(strategy="zigzag", ulysses_size=2), 2),
          ("qwen3_5_text", dict(strategy="ring", linear_strategy="ulysses"), 0),
          ("qwen3_5_text", dict(strategy="zigzag", lasp_comm="ring"), 3)]
 
@@ -122,7 +124,7 @@ def _dynamic_hf(cases):
         ratios.update({f"grad {n}": _worst(g, ref[1][n], plain[1][n], **BOUND[name]) for n, g in grads.items()})
         worst = max(ratios, key=ratios.get)
         out.append({"case": (name, keys, stage), "worst": worst, "ratio": ratios[worst], "sizes": sizes,
-                    "rounds": rounds})
+                    "rounds": rounds, "ulysses": {s: sp.dims.ulysses_size for s, sp in dsp.by_size.items()}})
     return out, _refusal(runners)
 
 
@@ -133,6 +135,8 @@ def test_dynamic_hf_step_equals_plain_data_parallelism(dynamic_hf, index):
         what = f"{r['case']} rank {rank}"
         assert r["sizes"] == [1, 2, 4], f"{what}: the batch should use groups of 1, 2 and 4, used {r['sizes']}"
         assert r["rounds"] == dynamic_hf[0][0][index]["rounds"], f"{what}: ranks ran different numbers of passes"
+        hybrid = r["case"][1].get("ulysses_size", 1) > 1
+        assert not hybrid or r["ulysses"] == {1: 1, 2: 2, 4: 2}, f"{what}: ulysses degree per group size {r['ulysses']}"
         assert r["ratio"] <= 1.0, f"{what}: {r['worst']} is {r['ratio']:.3g}x the derived bound"
 
 
