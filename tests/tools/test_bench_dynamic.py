@@ -1,6 +1,8 @@
 """ds-seqpar bench dynamic without ranks: its cases and the committed report, which is its rows
-rendered again (ds-seqpar bench dynamic --render reports/dynamic_cpu.rows.json)."""
+rendered again (ds-seqpar bench dynamic --render reports/dynamic_cpu_p4_16k.rows.json)."""
 import os
+
+import pytest
 
 from ds_seqpar.bench.dynamic import cases
 from ds_seqpar.report.render import render
@@ -15,12 +17,13 @@ def test_every_static_size_and_dynamic_at_the_tokens_per_rank_each_holds():
                    "dynamic:T=1024": ("dynamic", 1024)}
 
 
-def test_the_committed_page_is_its_rows_rendered():
-    rows, facts = load_rows(os.path.join(REPORTS, "dynamic_cpu.rows.json"))
-    with open(os.path.join(REPORTS, "dynamic_cpu.md")) as f:
+@pytest.mark.parametrize("name", ["dynamic_cpu_p2", "dynamic_cpu_p4", "dynamic_cpu_p2_16k", "dynamic_cpu_p4_16k"])
+def test_the_committed_page_is_its_rows_rendered(name):
+    rows, facts = load_rows(os.path.join(REPORTS, f"{name}.rows.json"))
+    with open(os.path.join(REPORTS, f"{name}.md")) as f:
         assert render(rows, facts) == f.read()
     names = {(r.case, r.metric) for r in rows}
-    assert {("dynamic", "critical_cpu_s"), ("static:4", "tokens_per_s")} <= names
+    assert {("dynamic", "critical_cpu_s"), ("static:2", "tokens_per_s")} <= names
 
 
 def test_the_predicted_page_is_its_rows_and_each_prediction_comes_from_the_other_cases_fit():
