@@ -6,7 +6,10 @@ into a one-rank micro-batch with room (at most T tokens), a free (round, rank) c
 multi-rank micro-batch leaves under its group's capacity (split over that group, each rank paying
 the document's price on that group); ties go to a one-rank micro-batch, then a free cell, then a
 group, then the earliest round, then the lowest rank. A new round only when nothing has room:
-every round is a forward and backward on every rank, so rounds are not free.
+every round is a forward and backward on every rank, so rounds are not free. With a
+``round_price`` (what a round costs, in the pricer's units) a round is also added when every cell is
+taken and the best place with room would leave its rank more than that above the least-loaded rank:
+with rounds nearly full of tokens, room alone would decide where the costly documents go.
 
 Arrays, [rounds, ranks]: ``free`` (the cell has no micro-batch), ``room`` (tokens a one-rank
 micro-batch can still take; -1 where none); per multi-rank micro-batch its round, first rank, size
@@ -25,8 +28,9 @@ class ShortPlacer:
     """Places short documents into ``table`` (round -> rank -> MicroBatch), adding to ``load``."""
 
     def __init__(self, table: List[Dict[int, MicroBatch]], load: np.ndarray, t: int, total: int,
-                 pricer: Callable[[int, int], float], fill_groups: bool):
+                 pricer: Callable[[int, int], float], fill_groups: bool, round_price: Optional[float] = None):
         self.table, self.load, self.t, self.total, self.pricer = table, load, t, total, pricer
+        self.round_price = round_price
         world = load.size
         self.free = np.array([[r not in row for r in range(world)] for row in table], dtype=bool).reshape(-1, world)
         self.room = np.full(self.free.shape, -1, dtype=np.int64)
@@ -40,6 +44,12 @@ class ShortPlacer:
     def place(self, d: int, lengths) -> None:
         n = lengths[d]
         best = _min(self._one_rank(n), self._in_group(n))
+        if best is not None and self.round_price is not None and not self.free.any():
+            # every cell is taken and the places with room would leave their rank busier than a
+            # fresh round's least-loaded rank by more than a round costs: when the rounds are nearly
+            # full of tokens, room (not cost) decides the placement, and a round buys the balance back
+            if best[0] - (float(self.load.min()) + self.pricer(n, 1)) > self.round_price:
+                best = None
         if best is None:
             self._new_round()
             r = int(np.argmin(self.load))                    # the least loaded rank, the lowest on a tie

@@ -19,7 +19,9 @@ Rules, in order:
    T tokens), a free (round, rank) cell, or the room a multi-rank micro-batch leaves under its
    group's capacity (the document is then split over that group; not with ``fill_groups=False``,
    Megatron's power-of-two rule the planner compares with). A new round only when none has room:
-   every round is a forward and backward on every rank. room.py finds the place with arrays.
+   every round is a forward and backward on every rank (or, given ``round_price``, when every cell
+   is taken and a fresh round balances the ranks by more than a round costs). room.py finds the place
+   with arrays.
 5. Every rank runs one micro-batch per round, an empty one (no token, zero loss, on its group of
    the smallest size) where it has nothing: under ZeRO-3 every rank must run the same number of forward and backward passes.
 
@@ -72,14 +74,17 @@ class Schedule:
 def schedule(lengths: Sequence[int], world_size: int, max_tokens_per_rank: int, sizes: Sequence[int],
              strategy: str = "zigzag", shape: ModelShape = ModelShape(),
              loss_tokens: Optional[int] = None, ulysses_size: int = 1,
-             pricer: Optional[Callable[[int, int], float]] = None, fill_groups: bool = True) -> Schedule:
+             pricer: Optional[Callable[[int, int], float]] = None, fill_groups: bool = True,
+             round_price: Optional[float] = None) -> Schedule:
     """Rounds of micro-batches for one global batch of documents (module docstring).
     ``loss_tokens``: target tokens of the global batch, default sum(length - 1) (labels shifted
     inside each document, every one counted). ``ulysses_size``: the 2D hybrid's U, priced on the
     groups it runs on (family.ulysses_degree). ``pricer(length, group size)``: what a document costs
     (default ``price`` with ``strategy``, ``shape`` and ``ulysses_size``; the planner passes the cost
     model's seconds on a GPU). ``fill_groups`` False: short documents never fill the room of
-    multi-rank micro-batches (Megatron's power-of-two rule, which the planner compares with)."""
+    multi-rank micro-batches (Megatron's power-of-two rule, which the planner compares with).
+    ``round_price``: what one more round costs in the pricer's units; given, a round is added for
+    balance too, not only for room (room.py). None: a round only when nothing has room."""
     pricer = pricer or (lambda n, g: price(n, g, strategy, shape, ulysses_size))
     lengths = [_check_length(i, n) for i, n in enumerate(lengths)]
     sizes = _check_sizes(sizes, world_size)
@@ -98,7 +103,7 @@ def schedule(lengths: Sequence[int], world_size: int, max_tokens_per_rank: int, 
         for r in mb.group.ranks:
             table[rnd][r] = mb
             load[r] += mb.cost
-    placer = ShortPlacer(table, np.array(load, dtype=np.float64), t, total, pricer, fill_groups)
+    placer = ShortPlacer(table, np.array(load, dtype=np.float64), t, total, pricer, fill_groups, round_price)
     for d in sorted((i for i, s in enumerate(need) if s == 1), key=lambda i: (-cost[i], i)):
         placer.place(d, lengths)
     rounds = tuple(_fill_empty(row, world_size, sizes[0], total) for row in table)

@@ -11,9 +11,9 @@ from ds_seqpar.schedule import rounds
 class PlainPlacer:
     """Every cell visited: options (busiest load after, kind, round, rank), the least taken."""
 
-    def __init__(self, table, load, t, total, pricer, fill_groups):
+    def __init__(self, table, load, t, total, pricer, fill_groups, round_price=None):
         self.table, self.load, self.t, self.total = table, list(load), t, total
-        self.pricer, self.fill = pricer, fill_groups
+        self.pricer, self.fill, self.round_price = pricer, fill_groups, round_price
 
     def place(self, d, lengths):
         n, best, world = lengths[d], None, len(self.load)
@@ -30,6 +30,10 @@ class PlainPlacer:
                 else:
                     option = (max(self.load[x] for x in mb.group.ranks) + self.pricer(n, mb.group.size), 2, k, r)
                 best = option if best is None or option < best else best
+        full = all(len(row) == world for row in self.table)
+        if best is not None and self.round_price is not None and full and \
+                best[0] - (min(self.load) + self.pricer(n, 1)) > self.round_price:
+            best = None                     # a fresh round balances by more than it costs
         if best is None:
             self.table.append({})
             best = (0.0, 1, len(self.table) - 1, min(range(world), key=lambda x: (self.load[x], x)))
@@ -48,8 +52,8 @@ def _key(s):
     return [[(mb.group.size, mb.group.first, mb.documents, mb.cost) for mb in row] for row in s.rounds], s.rank_costs
 
 
-@pytest.mark.parametrize("fill", [True, False])
-def test_the_arrays_place_short_documents_as_the_plain_visit_does(monkeypatch, fill):
+@pytest.mark.parametrize("fill, round_price", [(True, None), (False, None), (True, 0.0), (True, 50.0)])
+def test_the_arrays_place_short_documents_as_the_plain_visit_does(monkeypatch, fill, round_price):
     rng, cases = random.Random(7), 0
     for _ in range(120):
         world, t = rng.choice([1, 2, 4, 8, 16]), rng.choice([16, 64, 100, 400])
@@ -57,10 +61,23 @@ def test_the_arrays_place_short_documents_as_the_plain_visit_does(monkeypatch, f
         sizes = rng.choice([group_sizes(world), (1,), group_sizes(world)[:2]])
         if max(lengths) > max(sizes) * t:
             continue
-        fast = schedule(lengths, world, t, sizes, fill_groups=fill)
+        fast = schedule(lengths, world, t, sizes, fill_groups=fill, round_price=round_price)
         with monkeypatch.context() as m:
             m.setattr(rounds, "ShortPlacer", PlainPlacer)
-            plain = schedule(lengths, world, t, sizes, fill_groups=fill)
+            plain = schedule(lengths, world, t, sizes, fill_groups=fill, round_price=round_price)
         assert _key(fast) == _key(plain), (world, t, sizes, lengths)
         cases += 1
     assert cases > 60
+
+
+def test_a_round_for_balance_when_room_alone_would_overload_a_rank():
+    """2 ranks, T = 10, attention-like prices (n^2): 7 goes to rank 0, the 4s fill rank 1 (8 tokens),
+    and 3 fits only beside the 7. Room alone puts it there (58 against 32); with round_price=0 a second
+    round takes it on rank 1 (49 against 41); a round dearer than that gain (9) is not bought."""
+    price = lambda n, g: float(n * n) / g        # noqa: E731
+    lengths = [4, 3, 4, 7]
+    packed = schedule(lengths, 2, 10, (1,), pricer=price)
+    assert (len(packed.rounds), packed.rank_costs) == (1, (58.0, 32.0))
+    balanced = schedule(lengths, 2, 10, (1,), pricer=price, round_price=0.0)
+    assert (len(balanced.rounds), balanced.rank_costs) == (2, (49.0, 41.0))
+    assert schedule(lengths, 2, 10, (1,), pricer=price, round_price=17.0).rank_costs == (58.0, 32.0)
