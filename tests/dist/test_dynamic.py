@@ -3,7 +3,8 @@ global batch of documents that uses groups of 1, 2 and 4 ranks gives the loss (t
 of the batch) and every parameter gradient of a single process over the same documents, for
 zigzag, ulysses and lasp without ZeRO and under ZeRO-3, ring and striped without ZeRO, zigzag under
 ZeRO-1 and ZeRO-2 with gradient clipping, and the 2D hybrid (zigzag, ulysses_size 2: groups of 4
-run 2 x 2, groups of 2 an all-to-all of 2) without ZeRO and in bf16 under ZeRO-2; the groups built
+run 2 x 2, groups of 2 an all-to-all of 2) without ZeRO and in bf16 under ZeRO-2, and zigzag in bf16
+under ZeRO-3; the groups built
 are the family (schedule.family_groups), nothing more. SGD with lr = 1, so the parameters' change
 is exactly minus the (clipped) gradient.
 
@@ -136,7 +137,7 @@ def _check_bf16(what, r, refs):
 
 
 @pytest.mark.parametrize("section, runs", [
-    (dict(strategy="zigzag"), (Run(0), Run(3), Run(1, clip=True), Run(2, clip=True))),
+    (dict(strategy="zigzag"), (Run(0), Run(3), Run(1, clip=True), Run(2, clip=True), Run(3, bf16=True))),
     (dict(strategy="ulysses"), (Run(0), Run(3))), (dict(strategy="lasp"), (Run(0), Run(3))),
     (dict(strategy="ring"), (Run(0),)), (dict(strategy="striped"), (Run(0),)),
     (dict(strategy="zigzag", ulysses_size=2), (Run(0), Run(2, bf16=True)))],
