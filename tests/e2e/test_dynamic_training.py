@@ -1,5 +1,5 @@
-"""The main job with --lengths on the 4-rank pool: static zigzag of 2 ranks and dynamic zigzag
-train on the same documents (cut at the same 256 tokens) and print the same losses and gradient
+"""The main job with --lengths on the 4-rank pool: static zigzag of 2 ranks, dynamic zigzag and
+dynamic zigzag under the 2D hybrid (--ulysses_size 2) train on the same documents (cut at the same 256 tokens) and print the same losses and gradient
 norms (the token-level mean of each step's documents); metrics.jsonl
 says what each step did. And the bad inputs that stop such a run, on every rank."""
 import json
@@ -12,7 +12,9 @@ BASE = {"dim": 32, "n_layers": 2, "n_heads": 4, "seq_len": 256, "steps": 2, "cor
         "quiet": True, "no_wandb": True, "lengths": LENGTHS, "tokens_per_step": 1024, "strategy": "zigzag",
         "ignore_frac": 0.0}
 MODES = {"static zigzag x2": {"sp_size": 2},
-         "dynamic zigzag": {"sp_size": "dynamic", "max_tokens_per_rank": 64}}
+         "dynamic zigzag": {"sp_size": "dynamic", "max_tokens_per_rank": 64},
+         # the 2D hybrid: groups of 4 run 2 x 2 (the all-to-all inside neighbouring pairs), groups of 2 Ulysses
+         "dynamic zigzag 2d": {"sp_size": "dynamic", "max_tokens_per_rank": 64, "ulysses_size": 2}}
 REL = 1e-5
 
 
@@ -26,8 +28,13 @@ def test_static_and_dynamic_print_the_same_losses_on_the_same_documents(pool, tm
             for what in ("losses", "grad_norms"):
                 for got, ref in zip(r[what], want[what]):
                     assert abs(got - ref) <= REL * abs(ref), f"{mode} rank {r['rank']}: {what} {r[what]} != {want[what]}"
+    with open(runs["dynamic zigzag 2d"][0]["metrics_path"]) as f:
+        hybrid = [json.loads(line) for line in f]
+    assert all(4 in r["group_sizes"] for r in hybrid), "the 2D run should use a group of 4 every step"
     with open(runs["dynamic zigzag"][0]["metrics_path"]) as f:
         records = [json.loads(line) for line in f]
+    # the same documents on the same groups, another exchange: Ulysses' all-to-all inside the groups
+    assert all(h["attn_comm_bytes"] != r["attn_comm_bytes"] for h, r in zip(hybrid, records)), (hybrid, records)
     assert [r["step"] for r in records] == [1, 2]
     for rec in records:
         assert rec["tokens"] == 1024 and rec["documents"] >= 1 and len(rec["compute_s"]) == 4, rec
