@@ -13,11 +13,13 @@ import torch
 
 from ds_seqpar.hf.vision import VIDEO_AS_IMAGE_TOKENS
 
-from .hf_vlm_configs import CONFIGS, FRAME_SPANS, fit_mrope  # noqa: F401 - CONFIGS, fit_mrope: the tests' names
+from .hf_vlm_configs import CONFIGS as FIRST, FRAME_SPANS, fit_mrope  # noqa: F401 - fit_mrope: the tests' name
+from .hf_vlm_configs_more import CONFIGS as MORE
 from .hf_zoo import STRATEGIES, _worst, verdict
 
 
 SEQ = 64
+CONFIGS = {**FIRST, **MORE}
 IMAGE_GRIDS = ((1, 4, 4), (1, 4, 8))           # Qwen-VL: 4 and 8 placeholders (merge 2 x 2)
 VIDEO_GRID = (2, 4, 4)                         # 8 placeholders
 # the [batch, seq] inputs that carry row()'s token types, as each model's forward names them
@@ -54,19 +56,23 @@ def _image_inputs(cfg, g, model):
     and 4: three) in the layout the family's processor gives; their placeholder counts are the rows of the model's
     own image features."""
     mt = cfg.model_type
-    count = {"llava_next": 1, "gemma3": 3, "gemma4": 3}.get(mt, 2)
-    size = getattr(cfg.vision_config, "image_size", 8)
+    count = {"llava_next": 1, "llava_onevision": 1, "llava_next_video": 1, "gemma3": 3, "gemma4": 3}.get(mt, 2)
+    size = getattr(getattr(cfg, "vision_config", cfg), "image_size", 8)
     size = size[0] if isinstance(size, (list, tuple)) else size
     pixels = torch.randn(count, 3, size, size, generator=g)
     if mt == "gemma4":                   # 9 x 9 patches of 2 x 2 pixels, flattened, with their (x, y)
         y, x = torch.meshgrid(torch.arange(9), torch.arange(9), indexing="ij")
         out = {"pixel_values": torch.randn(count, 81, 12, generator=g),
                "image_position_ids": torch.stack([x.flatten(), y.flatten()], -1)[None].repeat(count, 1, 1)}
-    elif mt == "llava_next":
+    elif mt == "fuyu":                   # the processor's layout: one row of 2 x 2 x 3 patches per sample
+        out = {"pixel_values": pixels.reshape(count, 3, 4, 2, 4, 2).permute(0, 2, 4, 3, 5, 1).reshape(1, -1, 12)}
+    elif mt in ("llava_next", "llava_onevision", "llava_next_video"):
         out = {"pixel_values": torch.stack([pixels, pixels.flip(-1)], 1), "image_sizes": torch.tensor([[8, 8]])}
     elif mt in ("mistral3", "lighton_ocr"):
         out = {"pixel_values": pixels, "image_sizes": torch.tensor([[8, 8]] * count)}
-    elif mt in ("idefics3", "smolvlm"):
+    elif mt == "video_llava":
+        out = {"pixel_values_images": pixels}
+    elif mt in ("idefics3", "smolvlm", "idefics2"):
         out = {"pixel_values": pixels[None]}
     else:
         out = {"pixel_values": pixels}
@@ -85,7 +91,7 @@ def row(cfg, model, seed=1):
     video) centred on a shard boundary (16, 32, 48: contiguous and zigzag at P=2; striped cuts every
     span), random text around them, 20% of the labels ignored."""
     g = torch.Generator().manual_seed(seed)
-    vision, spans = _grid_inputs(cfg, g) if hasattr(cfg.vision_config, "temporal_patch_size") else \
+    vision, spans = _grid_inputs(cfg, g) if hasattr(getattr(cfg, "vision_config", cfg), "temporal_patch_size") else \
         _image_inputs(cfg, g, model)
     ids = torch.randint(3, 110, (1, SEQ), generator=g)
     types = torch.zeros(1, SEQ, dtype=torch.long)

@@ -11,7 +11,8 @@ from .test_hf_trainer import assert_same_training, ds_config
 # smolvlm is idefics3's code under another name; glm4v, glm_ocr, glm4v_moe and qwen3_vl_moe share the vision
 # path of glm46v and qwen3_vl (the sweep script, tests/hf_vlm_zoo.py, covers them)
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "mistral3", "idefics3", "gemma3", "gemma4",
-            "llama4", "glm46v")
+            "llama4", "glm46v", "fuyu", "llava_onevision", "llava_next_video", "video_llava", "idefics2", "cohere2_vision",
+            "deepseek_vl", "ovis2", "aria")
 
 
 def test_vision_language_models_are_exact_under_every_strategy(pool):

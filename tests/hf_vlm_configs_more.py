@@ -1,0 +1,76 @@
+"""More tiny vision-language configs for tests/hf_vlm.py (the families beyond tests/hf_vlm_configs.py): the same
+sizes (LLAMA decoders, 8 x 8 images in 2 x 2 patches, one-layer towers), image token 120."""
+from .hf_vlm_configs import LLAMA, TOWER
+
+
+def _cohere2_vision():
+    from transformers import Cohere2VisionConfig
+    # a SigLIP tower pixel-shuffled (factor 2): 4 x 4 patches to 4 tokens per image
+    return Cohere2VisionConfig(vision_config=dict(TOWER, model_type="siglip_vision_model"),
+                               text_config=dict(LLAMA, model_type="cohere2", layer_types=["sliding_attention", "full_attention"],
+                                                sliding_window=6),
+                               image_token_id=120, downsample_factor=2, alignment_intermediate_size=64)
+
+
+def _deepseek_vl():
+    from transformers import DeepseekVLConfig
+    return DeepseekVLConfig(vision_config=dict(TOWER, model_type="siglip_vision_model"),
+                            text_config=dict(LLAMA, model_type="llama"), image_token_id=120)
+
+
+def _fuyu():
+    from transformers import FuyuConfig
+    # no tower: each 2 x 2 x 3 patch is one linear embedding
+    return FuyuConfig(text_config=dict(LLAMA, model_type="persimmon", qk_layernorm=False), patch_size=2,
+                      num_channels=3, image_size=8, hidden_size=64, vocab_size=128, image_token_id=120)
+
+
+def _llava_onevision():
+    from transformers import LlavaOnevisionConfig
+    return LlavaOnevisionConfig(vision_config=dict(TOWER, model_type="siglip_vision_model"),
+                                text_config=dict(LLAMA, model_type="qwen2"), image_token_index=120,
+                                video_token_index=121, vision_feature_layer=-1, image_grid_pinpoints=[[8, 8], [8, 16]])
+
+
+def _llava_next_video():
+    from transformers import LlavaNextVideoConfig
+    return LlavaNextVideoConfig(vision_config=dict(TOWER, model_type="clip_vision_model"),
+                                text_config=dict(LLAMA, model_type="llama"), image_token_index=120,
+                                video_token_index=121, vision_feature_layer=-1, image_grid_pinpoints=[[8, 8], [8, 16]])
+
+
+def _video_llava():
+    from transformers import VideoLlavaConfig
+    return VideoLlavaConfig(vision_config=dict(TOWER, model_type="clip_vision_model"),
+                            text_config=dict(LLAMA, model_type="llama"), image_token_index=120, video_token_index=121,
+                            vision_feature_layer=-1)
+
+
+def _ovis2():
+    from transformers import Ovis2Config
+    return Ovis2Config(vision_config=dict(TOWER, model_type="ovis2_vision", vocab_size=32, num_visual_indicator_tokens=5,
+                                          hidden_stride=2),
+                       text_config=dict(LLAMA, model_type="qwen2"), hidden_size=64, vocab_size=128,
+                       image_token_id=120, visual_indicator_token_ids=[121, 122, 123, 124, 125])
+
+
+def _idefics2():
+    from transformers import Idefics2Config
+    return Idefics2Config(vision_config=dict(TOWER), text_config=dict(LLAMA, model_type="mistral", sliding_window=None),
+                          perceiver_config=dict(hidden_size=64, resampler_n_latents=4, resampler_depth=1,
+                                                resampler_n_heads=2, resampler_head_dim=16, num_key_value_heads=2),
+                          image_token_id=120)
+
+
+def _aria():
+    from transformers import AriaConfig
+    # 4 x 4 patches mapped to 4 queries each
+    return AriaConfig(vision_config=dict(TOWER, model_type="idefics3_vision"),
+                      text_config=dict(LLAMA, model_type="aria_text", moe_num_experts=4, moe_topk=2,
+                                       moe_intermediate_size=32, moe_num_shared_experts=1),
+                      projector_patch_to_query_dict={16: 4}, image_token_index=120)
+
+
+CONFIGS = {"cohere2_vision": _cohere2_vision, "deepseek_vl": _deepseek_vl, "fuyu": _fuyu,
+           "llava_onevision": _llava_onevision, "llava_next_video": _llava_next_video, "video_llava": _video_llava,
+           "ovis2": _ovis2, "idefics2": _idefics2, "aria": _aria}
