@@ -14,7 +14,7 @@ import torch
 from ds_seqpar.hf.vision import VIDEO_AS_IMAGE_TOKENS
 
 from .hf_vlm_configs import CONFIGS as FIRST, FRAME_SPANS, fit_mrope  # noqa: F401 - fit_mrope: the tests' name
-from .hf_vlm_configs_more import CONFIGS as MORE
+from .hf_vlm_configs_more import CHW_PATCHES, CONFIGS as MORE, IMAGES_ONLY
 from .hf_zoo import STRATEGIES, _worst, verdict
 
 
@@ -26,19 +26,34 @@ VIDEO_GRID = (2, 4, 4)                         # 8 placeholders
 TYPE_KEYS = ("mm_token_type_ids", "token_type_ids")
 
 
-def _grid_inputs(cfg, g):
-    """Qwen-VL style: patches flattened to rows of C * tp * p * p, grids (t, h, w) in patches; two
-    images and a video."""
+def _merge(v):
+    """The tower's spatial merge (side of the square of patches one feature pools)."""
+    merge = getattr(v, "spatial_merge_size", None) or getattr(v, "merge_size", None) or getattr(v, "merge_kernel_size", 1)
+    return merge[0] if isinstance(merge, (list, tuple)) else merge
+
+
+def _grid_inputs(cfg, g, model):
+    """Qwen-VL style: patches flattened to rows of C * tp * p * p (CHW_PATCHES: rows of [C, p, p] for a
+    convolution), grids (t, h, w) in patches; two images and a video (where the model takes one)."""
     v = cfg.vision_config
-    width = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+    channels = getattr(v, "in_channels", None) or getattr(v, "num_channels", 3)
+    patch = (channels, v.patch_size, v.patch_size) if cfg.model_type in CHW_PATCHES else \
+        (channels * (getattr(v, "temporal_patch_size", None) or getattr(v, "patch_temporal", 1)) * v.patch_size ** 2,)
     images, video = torch.tensor(IMAGE_GRIDS), torch.tensor([VIDEO_GRID])
-    out = {"pixel_values": torch.randn(int(images.prod(-1).sum()), width, generator=g), "image_grid_thw": images,
-           "pixel_values_videos": torch.randn(int(video.prod(-1).sum()), width, generator=g), "video_grid_thw": video}
+    out = {"pixel_values": torch.randn(int(images.prod(-1).sum()), *patch, generator=g), "image_grid_thw": images,
+           "pixel_values_videos": torch.randn(int(video.prod(-1).sum()), *patch, generator=g), "video_grid_thw": video}
     if hasattr(cfg.vision_config, "tokens_per_second"):
         out["second_per_grid_ts"] = torch.tensor([1.0])
-    merge = v.spatial_merge_size ** 2
+    accepted = inspect.signature(model.forward).parameters
+    merge = 2 if "image_merge_sizes" in accepted else _merge(v)
+    if "image_merge_sizes" in accepted:       # VideoLLaMA3: the merge is an input, one per image and per video
+        out.update(image_merge_sizes=torch.tensor([merge] * len(images)), video_merge_sizes=torch.tensor([merge]))
+    merge = merge ** 2
     spans = [(t * h * w // merge, cfg.image_token_id, 1) for t, h, w in IMAGE_GRIDS]
     t, h, w = VIDEO_GRID
+    if "pixel_values_videos" not in accepted or getattr(cfg, "video_token_id", None) is None or \
+            cfg.model_type in IMAGES_ONLY:
+        return {k: out[k] for k in out if "video" not in k}, spans
     if cfg.model_type in VIDEO_AS_IMAGE_TOKENS:
         # GLM-4V reads a video's frames at image placeholders, so a row holds images or a video: two images
         # (glm4v, glm4v_moe) or one video (glm46v, glm_ocr)
@@ -91,8 +106,8 @@ def row(cfg, model, seed=1):
     video) centred on a shard boundary (16, 32, 48: contiguous and zigzag at P=2; striped cuts every
     span), random text around them, 20% of the labels ignored."""
     g = torch.Generator().manual_seed(seed)
-    vision, spans = _grid_inputs(cfg, g) if hasattr(getattr(cfg, "vision_config", cfg), "temporal_patch_size") else \
-        _image_inputs(cfg, g, model)
+    grids = "image_grid_thw" in inspect.signature(getattr(model, "model", model).get_image_features).parameters
+    vision, spans = _grid_inputs(cfg, g, model) if grids else _image_inputs(cfg, g, model)
     ids = torch.randint(3, 110, (1, SEQ), generator=g)
     types = torch.zeros(1, SEQ, dtype=torch.long)
     centres = {1: (32,), 2: (16, 48), 3: (16, 32, 48), 4: (16, 32, 44, 54)}[len(spans)]

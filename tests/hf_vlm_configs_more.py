@@ -74,3 +74,46 @@ def _aria():
 CONFIGS = {"cohere2_vision": _cohere2_vision, "deepseek_vl": _deepseek_vl, "fuyu": _fuyu,
            "llava_onevision": _llava_onevision, "llava_next_video": _llava_next_video, "video_llava": _video_llava,
            "ovis2": _ovis2, "idefics2": _idefics2, "aria": _aria}
+
+
+VISION_TOKENS = dict(image_token_id=120, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123,
+                     image_token_index=120, video_token_index=121)
+
+
+def from_zoo(model_type):
+    """The zoo's generic tiny config (tests/hf_zoo.py: every size key shrunk, its text row exact) with the vision
+    token ids it has moved inside the 128-token vocabulary (120-123)."""
+    from .hf_vlm_configs import fit_mrope
+    from .hf_zoo import tiny_config
+    cfg = fit_mrope(tiny_config(model_type))
+    for key, token in VISION_TOKENS.items():
+        if getattr(cfg, key, None) is not None:
+            setattr(cfg, key, token)
+    return cfg
+
+
+ZOO = ("deepseek_vl_hybrid", "exaone4_5", "granite_docling", "glmga", "kimi_k25", "lfm2_vl", "lfm3_vl", "minicpm_ocr",
+       "minicpmv4_6", "minicpmv4_7", "minimax_m3_vl", "mistral_large4", "muse_glimmer", "hyperclovax_vision_v2",
+       "qianfan_ocr", "shieldgemma2", "gemma4_unified", "cohere_compass", "cosmos3_omni", "dots3_note",
+       "nemotron_h_omni", "paddleocr_vl", "video_llama_3")
+CONFIGS.update({mt: (lambda mt=mt: from_zoo(mt)) for mt in ZOO})
+
+
+def _dots3_note():
+    cfg = from_zoo("dots3_note")
+    cfg.vision_config.num_experts_per_tok = 1      # the tower's second layer keeps one expert (per_layer_config)
+    return cfg
+
+
+def _muse_glimmer():
+    cfg = from_zoo("muse_glimmer")
+    cfg.out_hidden_size = cfg.vision_config.hidden_size * cfg.vision_config.merge_size ** 2   # the merged patch's width
+    return cfg
+
+
+CONFIGS.update(dots3_note=_dots3_note, muse_glimmer=_muse_glimmer)
+# towers whose patch embedding is a convolution over [C, p, p] patches (the others reshape a flat row)
+CHW_PATCHES = ("kimi_k25", "paddleocr_vl")
+# Kimi-K2.5's tower pools a video's frames into one, but transformers splits its features per t * h * w: a
+# multi-frame video does not run unsharded, so its rows hold images only
+IMAGES_ONLY = ("kimi_k25",)

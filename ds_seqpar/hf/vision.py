@@ -42,8 +42,8 @@ WHOLE_ROW = ("input_ids", "mm_token_type_ids", "token_type_ids")
 # (pixels, grid) pairs whose grid rows (t, h, w) count the pixel rows (patches)
 GRIDS = (("pixel_values", "image_grid_thw", "image_token_id"),
          ("pixel_values_videos", "video_grid_thw", "video_token_id"))
-# GLM-4.1V / 4.5V / 4.6V / OCR: transformers' merge reads a video's frames at image_token_id placeholders
-VIDEO_AS_IMAGE_TOKENS = frozenset({"glm4v", "glm4v_moe", "glm46v", "glm_ocr"})
+# GLM-4.1V / 4.5V / 4.6V / OCR / GA: transformers' merge reads a video's frames at image_token_id placeholders
+VIDEO_AS_IMAGE_TOKENS = frozenset({"glm4v", "glm4v_moe", "glm46v", "glm_ocr", "glmga"})
 # model type -> (the [batch, seq] input marking vision tokens, its vision values, the layers whose mask has
 # the blocks: "all" or "sliding"), as each model's get_block_sequence_ids_for_mask / create_masks_for_vision_model
 IMAGE_BLOCKS = {"gemma3": ("token_type_ids", (1,), "all"), "shieldgemma2": ("token_type_ids", (1,), "all"),
@@ -201,12 +201,24 @@ def has_vision_inputs(call: dict) -> bool:
     return any(is_vision_input(k) and v is not None for k, v in call.items())
 
 
+def merge_area(vision, merge_sizes=None):
+    """Patches per feature: the tower's spatial merge, a square (``spatial_merge_size``, Muse's ``merge_size``),
+    a rectangle (Kimi-K2.5's ``merge_kernel_size``) or an input per grid row (VideoLLaMA3's
+    ``image_merge_sizes`` / ``video_merge_sizes``)."""
+    if torch.is_tensor(merge_sizes):
+        return merge_sizes.to(torch.long) ** 2
+    kernel = getattr(vision, "merge_kernel_size", None)
+    if isinstance(kernel, (list, tuple)):
+        return int(kernel[0]) * int(kernel[1])
+    side = getattr(vision, "spatial_merge_size", None) or getattr(vision, "merge_size", None) or 1
+    return side ** 2
+
+
 def check_grids(call: dict, ids, config) -> None:
     """A grid must count the pixel rows it describes, and (``ids``: the whole row) the placeholders the
     features it gives (grid models: Qwen-VL); refused by input name before the tower runs. Other models'
     placeholder counts are checked by transformers' merge on the whole row, on every rank alike."""
     vision = getattr(config, "vision_config", None)
-    merge = getattr(vision, "spatial_merge_size", 1) or 1
     wanted = {}                      # placeholder token key -> (features, the grids that give them)
     for pixels_key, grid_key, token_key in GRIDS:
         pixels, grid = call.get(pixels_key), call.get(grid_key)
@@ -218,8 +230,9 @@ def check_grids(call: dict, ids, config) -> None:
                              f"patch rows ({pixels.shape[0]})")
         if getattr(config, "model_type", "") in VIDEO_AS_IMAGE_TOKENS:
             token_key = "image_token_id"
+        merged = grid.prod(-1) // merge_area(vision, call.get(grid_key.replace("grid_thw", "merge_sizes")))
         features, grids = wanted.get(token_key, (0, []))
-        wanted[token_key] = (features + int(grid.prod(-1).sum()) // merge ** 2, grids + [f"{grid_key} {grid.tolist()}"])
+        wanted[token_key] = (features + int(merged.sum()), grids + [f"{grid_key} {grid.tolist()}"])
     for token_key, (features, grids) in wanted.items():
         token = getattr(config, token_key, None)
         if ids is not None and token is not None and int((ids == token).sum()) != features:
