@@ -80,16 +80,25 @@ VISION_TOKENS = dict(image_token_id=120, video_token_id=121, vision_start_token_
                      image_token_index=120, video_token_index=121)
 
 
-def from_zoo(model_type):
+def from_zoo(model_type, sub=None, **top):
     """The zoo's generic tiny config (tests/hf_zoo.py: every size key shrunk, its text row exact) with the vision
-    token ids it has moved inside the 128-token vocabulary (120-123)."""
+    token ids it has moved inside the 128-token vocabulary (120-123); ``sub``: {sub-config: {key: value}} (tiny
+    images), ``top``: the top config's keys."""
     from .hf_vlm_configs import fit_mrope
     from .hf_zoo import tiny_config
     cfg = fit_mrope(tiny_config(model_type))
     for key, token in VISION_TOKENS.items():
         if getattr(cfg, key, None) is not None:
             setattr(cfg, key, token)
+    for name, values in (sub or {}).items():
+        for key, value in values.items():
+            setattr(getattr(cfg, name), key, value)
+    for key, value in top.items():
+        setattr(cfg, key, value)
     return cfg
+
+
+SMALL = dict(image_size=8, patch_size=2)         # an 8 x 8 image in 2 x 2 patches
 
 
 ZOO = ("deepseek_vl_hybrid", "exaone4_5", "granite_docling", "glmga", "kimi_k25", "lfm2_vl", "lfm3_vl", "minicpm_ocr",
@@ -112,6 +121,19 @@ def _muse_glimmer():
 
 
 CONFIGS.update(dots3_note=_dots3_note, muse_glimmer=_muse_glimmer)
+CONFIGS.update({
+    # SAM's high-resolution tower: 64 x 64 in 4 x 4 patches, its neck's two stride-2 convolutions to 4 x 4, as
+    # many features as the low-resolution tower's
+    "deepseek_vl_hybrid": lambda: from_zoo("deepseek_vl_hybrid", {"vision_config": SMALL, "high_res_vision_config": dict(
+        image_size=64, patch_size=4, window_size=4, global_attn_indexes=[1])}),
+    "granite_docling": lambda: from_zoo("granite_docling", {"vision_config": dict(SMALL, scale_factor=2)}),
+    "lfm2_vl": lambda: from_zoo("lfm2_vl", {"vision_config": dict(patch_size=2, num_patches=16)}),
+    "qianfan_ocr": lambda: from_zoo("qianfan_ocr", {"vision_config": dict(image_size=[8, 8], patch_size=[2, 2])},
+                                    image_seq_length=4),
+    "mistral_large4": lambda: from_zoo("mistral_large4", {"vision_config": SMALL}),
+    "shieldgemma2": lambda: from_zoo("shieldgemma2", {"vision_config": dict(image_size=12, patch_size=2)},
+                                     mm_tokens_per_image=9),
+})
 # towers whose patch embedding is a convolution over [C, p, p] patches (the others reshape a flat row)
 CHW_PATCHES = ("kimi_k25", "paddleocr_vl")
 # Kimi-K2.5's tower pools a video's frames into one, but transformers splits its features per t * h * w: a
