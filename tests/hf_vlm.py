@@ -89,6 +89,10 @@ def _image_inputs(cfg, g, model):
     elif mt == "lfm2_vl":              # SigLIP 2: 2 x 2 x 3 patches flattened, with their grid and mask
         out = {"pixel_values": pixels.reshape(count, 3, 4, 2, 4, 2).permute(0, 2, 4, 3, 5, 1).reshape(count, 16, 12),
                "spatial_shapes": torch.tensor([[4, 4]] * count), "pixel_attention_mask": torch.ones(count, 16, dtype=torch.long)}
+    elif mt.startswith("minicpm"):      # NaViT: the images' 2 x 2 patches side by side in one strip, their grids
+        sizes = torch.tensor([[4, 4], [4, 8]])
+        out = {"pixel_values": torch.randn(1, 3, 2, 2 * int(sizes.prod(-1).sum()), generator=g), "target_sizes": sizes}
+        count = len(sizes)
     elif mt == "granite_docling":      # tiles of one sample, all real
         out = {"pixel_values": pixels[None], "pixel_attention_mask": torch.ones(1, count, dtype=torch.bool)}
     elif mt in ("mistral3", "lighton_ocr", "mistral_large4"):

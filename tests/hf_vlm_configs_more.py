@@ -131,6 +131,8 @@ CONFIGS.update({
     "qianfan_ocr": lambda: from_zoo("qianfan_ocr", {"vision_config": dict(image_size=[8, 8], patch_size=[2, 2])},
                                     image_seq_length=4),
     "mistral_large4": lambda: from_zoo("mistral_large4", {"vision_config": SMALL}),
+    **{mt: (lambda mt=mt: from_zoo(mt, {"vision_config": SMALL}, image_token_id=120, video_token_id=121,
+                                   downsample_mode="4x")) for mt in ("minicpm_ocr", "minicpmv4_6", "minicpmv4_7")},
     "shieldgemma2": lambda: from_zoo("shieldgemma2", {"vision_config": dict(image_size=12, patch_size=2)},
                                      mm_tokens_per_image=9),
 })
