@@ -71,11 +71,16 @@ def _image_inputs(cfg, g, model):
     and 4: three) in the layout the family's processor gives; their placeholder counts are the rows of the model's
     own image features."""
     mt = cfg.model_type
-    count = {"llava_next": 1, "llava_onevision": 1, "llava_next_video": 1, "gemma3": 3, "gemma4": 3}.get(mt, 2)
+    count = {"llava_next": 1, "llava_onevision": 1, "llava_next_video": 1, "gemma3": 3, "gemma4": 3,
+             "gemma4_unified": 3}.get(mt, 2)
     size = getattr(getattr(cfg, "vision_config", cfg), "image_size", 8)
     size = size[0] if isinstance(size, (list, tuple)) else size
     pixels = torch.randn(count, 3, size, size, generator=g)
-    if mt == "gemma4":                   # 9 x 9 patches of 2 x 2 pixels, flattened, with their (x, y)
+    if mt == "gemma4_unified":           # 2 x 3 patches of 2 x 2 pixels, flattened, with their (x, y): 6 tokens,
+        y, x = torch.meshgrid(torch.arange(2), torch.arange(3), indexing="ij")    # inside the window of 8
+        out = {"pixel_values": torch.randn(count, 6, 12, generator=g),
+               "image_position_ids": torch.stack([x.flatten(), y.flatten()], -1)[None].repeat(count, 1, 1)}
+    elif mt == "gemma4":                 # 9 x 9 patches of 2 x 2 pixels, flattened, with their (x, y)
         y, x = torch.meshgrid(torch.arange(9), torch.arange(9), indexing="ij")
         out = {"pixel_values": torch.randn(count, 81, 12, generator=g),
                "image_position_ids": torch.stack([x.flatten(), y.flatten()], -1)[None].repeat(count, 1, 1)}

@@ -120,7 +120,15 @@ def _muse_glimmer():
     return cfg
 
 
-CONFIGS.update(dots3_note=_dots3_note, muse_glimmer=_muse_glimmer)
+def _gemma4_unified():
+    # no tower: 2 x 2 x 3 patches projected (pooling 1), 9 per image with their (x, y) positions, as Gemma 4's
+    cfg = from_zoo("gemma4_unified").to_dict()
+    cfg["vision_config"] = dict(patch_size=2, pooling_kernel_size=1, mm_embed_dim=32, mm_posemb_size=16,
+                                output_proj_dims=32)
+    return type(from_zoo("gemma4_unified")).from_dict(cfg)
+
+
+CONFIGS.update(dots3_note=_dots3_note, muse_glimmer=_muse_glimmer, gemma4_unified=_gemma4_unified)
 CONFIGS.update({
     # SAM's high-resolution tower: 64 x 64 in 4 x 4 patches, its neck's two stride-2 convolutions to 4 x 4, as
     # many features as the low-resolution tower's

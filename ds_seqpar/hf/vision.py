@@ -16,7 +16,7 @@ as "embed input_ids, scatter the tower's features at the placeholder tokens, cal
   3. a pre-hook on the decoder (the submodule whose config is the text config) takes this rank's
      tokens of ``inputs_embeds`` and every other per-token tensor of the row with ``sp.shard`` (the layout's own token set: zigzag and striped
      are not contiguous), and of Qwen3-VL's deepstack features (``visual_pos_masks`` picks their rows).
-Bidirectional image blocks (Gemma 3, ShieldGemma 2, Gemma 4 with use_bidirectional_attention="vision"):
+Bidirectional image blocks (Gemma 3, ShieldGemma 2; Gemma 4, Gemma 4 Unified with use_bidirectional_attention="vision"):
 transformers lets the tokens of one image see each other both ways (its block_sequence_ids: one block per
 run of vision tokens, OR'd onto the causal mask, the sliding window still bounding earlier keys). The
 blocks come from the whole row's token types (step 1: every rank the same, as the cu_seqlens of
@@ -46,8 +46,13 @@ GRIDS = (("pixel_values", "image_grid_thw", "image_token_id"),
 VIDEO_AS_IMAGE_TOKENS = frozenset({"glm4v", "glm4v_moe", "glm46v", "glm_ocr", "glmga"})
 # model type -> (the [batch, seq] input marking vision tokens, its vision values, the layers whose mask has
 # the blocks: "all" or "sliding"), as each model's get_block_sequence_ids_for_mask / create_masks_for_vision_model
+# (Gemma 4 Unified's masks overlay the blocks on its full-attention layers too, unlike Gemma 4's)
 IMAGE_BLOCKS = {"gemma3": ("token_type_ids", (1,), "all"), "shieldgemma2": ("token_type_ids", (1,), "all"),
-                "gemma4": ("mm_token_type_ids", (1, 2), "sliding")}
+                "gemma4": ("mm_token_type_ids", (1, 2), "sliding"),
+                "gemma4_unified": ("mm_token_type_ids", (1, 2), "all")}
+# models whose sliding layers let an image's tokens see the whole image past the window (the block ORed after the
+# window, not inside it): the same mask as IMAGE_BLOCKS' while no image is longer than the window
+BLOCKS_PAST_WINDOW = frozenset({"gemma4_unified"})
 # prefix-LM models: the token_type_ids == 0 prefix attends bidirectionally as one group, in attention layers
 # transformers builds non-causal (the causal suffix comes from the mask alone)
 PREFIX_LM = frozenset({"paligemma"})
@@ -79,7 +84,7 @@ class VisionLanguage:
         self.row_len: Optional[int] = None      # the whole (padded) row length of the current call
         self.blocks: Optional[Tuple[Tuple[int, int], ...]] = None   # the current call's image blocks
         self.block_rule = IMAGE_BLOCKS.get(self.model_type)
-        if self.model_type == "gemma4" and getattr(model.config.get_text_config(), "use_bidirectional_attention",
+        if self.model_type in ("gemma4", "gemma4_unified") and getattr(model.config.get_text_config(), "use_bidirectional_attention",
                                                    None) != "vision":
             self.block_rule = None              # smaller Gemma 4 models: causal masks only
 
@@ -134,7 +139,20 @@ class VisionLanguage:
                     f"sequence parallelism: transformers' sliding-window mask looks the image blocks up by "
                     f"within-document position there, which is not the per-document mask; pack text-only rows or "
                     f"pass rows with images one per row")
+            self._check_block_window()
         return rows
+
+    def _check_block_window(self) -> None:
+        """BLOCKS_PAST_WINDOW models: an image longer than the sliding window is a mask ds_seqpar does not express."""
+        window = getattr(self.decoder.config, "sliding_window", None)
+        longest = max((e - s for s, e in self.blocks or ()), default=0)
+        if self.model_type in BLOCKS_PAST_WINDOW and window and longest > window:
+            raise UnsupportedModelError(
+                f"ds_seqpar.hf: an image of {longest} tokens longer than sliding_window={window} in {self.model_type} "
+                f"is not expressed under sequence parallelism: its sliding layers let an image's tokens see the whole "
+                f"image past the window (OR(AND(window, causal), block)), while ds_seqpar's mask bounds every query's "
+                f"earlier keys by the window (AND(window, OR(causal, block)), Gemma 3's and Gemma 4's rule); pass "
+                f"images of at most {window} tokens or train without sequence parallelism")
 
     def layer_blocks(self, module) -> Optional[Tuple[Tuple[int, int], ...]]:
         """The image blocks of this call for ``module``'s mask (None: plain causal)."""
