@@ -84,6 +84,9 @@ def _image_inputs(cfg, g, model):
         y, x = torch.meshgrid(torch.arange(9), torch.arange(9), indexing="ij")
         out = {"pixel_values": torch.randn(count, 81, 12, generator=g),
                "image_position_ids": torch.stack([x.flatten(), y.flatten()], -1)[None].repeat(count, 1, 1)}
+    elif mt == "nemotron_h_omni":        # RADIO: every image's 2 x 2 x 3 patches in rows, their (h, w) grids
+        out = {"pixel_values": pixels.reshape(count, 3, 4, 2, 4, 2).permute(0, 2, 4, 1, 3, 5).reshape(-1, 12),
+               "image_grid_hw": torch.tensor([[4, 4]] * count)}
     elif mt == "fuyu":                   # the processor's layout: one row of 2 x 2 x 3 patches per sample
         out = {"pixel_values": pixels.reshape(count, 3, 4, 2, 4, 2).permute(0, 2, 4, 3, 5, 1).reshape(1, -1, 12)}
     elif mt in ("llava_next", "llava_onevision", "llava_next_video"):

@@ -141,6 +141,9 @@ CONFIGS.update({
     "mistral_large4": lambda: from_zoo("mistral_large4", {"vision_config": SMALL}),
     **{mt: (lambda mt=mt: from_zoo(mt, {"vision_config": SMALL}, image_token_id=120, video_token_id=121,
                                    downsample_mode="4x")) for mt in ("minicpm_ocr", "minicpmv4_6", "minicpmv4_7")},
+    # RADIO: 2 x 2 x 3 patches, a position table of 8 x 8 patches; pixel-shuffled (ratio 1/2) to 4 tokens per image
+    "nemotron_h_omni": lambda: from_zoo("nemotron_h_omni", {"vision_config": dict(
+        SMALL, patch_dim=12, video_patch_dim=24, max_img_size=16)}, image_token_id=120, video_token_id=121),
     "shieldgemma2": lambda: from_zoo("shieldgemma2", {"vision_config": dict(image_size=12, patch_size=2)},
                                      mm_tokens_per_image=9),
 })
