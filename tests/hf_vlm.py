@@ -166,10 +166,11 @@ def _cast(vision, dtype):
 
 def positions(model, ids, types, vision):
     """The whole row's 3-D RoPE positions from the model's own get_rope_index; 1-D for the others."""
+    from ds_seqpar.hf.vision import rope_positions
     if not hasattr(getattr(model, "model", None), "get_rope_index"):
         return torch.arange(ids.shape[1])[None]
-    keys = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
-    return model.model.get_rope_index(ids, mm_token_type_ids=types, **{k: vision[k] for k in keys if k in vision})[0]
+    return rope_positions(model, dict(vision, input_ids=ids, mm_token_type_ids=types, attention_mask=torch.ones_like(ids)),
+                          text=True)
 
 
 def unsharded(cfg, state, inputs, dtype, noise=None):

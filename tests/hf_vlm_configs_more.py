@@ -99,6 +99,8 @@ def from_zoo(model_type, sub=None, **top):
 
 
 SMALL = dict(image_size=8, patch_size=2)         # an 8 x 8 image in 2 x 2 patches
+QWEN_TOWER = dict(depth=1, patch_size=2, out_hidden_size=64, num_position_embeddings=16)
+GATED_DELTA = dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
 
 
 ZOO = ("deepseek_vl_hybrid", "exaone4_5", "granite_docling", "glmga", "kimi_k25", "lfm2_vl", "lfm3_vl", "minicpm_ocr",
@@ -144,6 +146,13 @@ CONFIGS.update({
     # RADIO: 2 x 2 x 3 patches, a position table of 8 x 8 patches; pixel-shuffled (ratio 1/2) to 4 tokens per image
     "nemotron_h_omni": lambda: from_zoo("nemotron_h_omni", {"vision_config": dict(
         SMALL, patch_dim=12, video_patch_dim=24, max_img_size=16)}, image_token_id=120, video_token_id=121),
+    # the zoo's tiny config keeps the towers' depth and widths and the gated DeltaNet's head sizes (3-4M parameters)
+    **{mt: (lambda mt=mt: from_zoo(mt, {"vision_config": QWEN_TOWER, "text_config": GATED_DELTA}))
+       for mt in ("qwen3_5", "qwen3_5_moe", "qwen4_exp")},
+    # the thinkers' get_rope_index reads vision_start_token_id, a field their config class does not have
+    **{mt: (lambda mt=mt: from_zoo(mt, {"vision_config": dict(depth=1, patch_size=2, out_hidden_size=64)},
+                                   vision_start_token_id=122))
+       for mt in ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")},
     "shieldgemma2": lambda: from_zoo("shieldgemma2", {"vision_config": dict(image_size=12, patch_size=2)},
                                      mm_tokens_per_image=9),
 })

@@ -29,6 +29,7 @@ Cost: one [batch, N, hidden] embedding per rank before the decoder (N = the whol
 """
 from __future__ import annotations
 
+import inspect
 from typing import Optional, Tuple
 
 import torch
@@ -203,16 +204,19 @@ def image_blocks(types: torch.Tensor, values, model_type: str) -> Optional[Tuple
     return tuple(zip(flat[::2], flat[1::2]))
 
 
-def rope_positions(model, batch: dict):
+def rope_positions(model, batch: dict, text: bool = False):
     """The whole batch's 3-D RoPE positions [3, B, N] from the model's own get_rope_index, or None (no
-    3-D RoPE, no vision input, or position_ids given): what a Trainer adds before sp.shard_batch."""
-    if batch.get("position_ids") is not None or not has_vision_inputs(batch):
+    3-D RoPE, no vision input unless ``text``, or position_ids given): what a Trainer adds before
+    sp.shard_batch. The batch's inputs that get_rope_index names are passed (token types, grids, MiniCPM-V's
+    target_sizes, ...)."""
+    if batch.get("position_ids") is not None or not (text or has_vision_inputs(batch)):
         return None                     # a text batch: the model is not even looked at
     owner = next((m for m in model.modules() if hasattr(m, "get_rope_index")), None)
     if owner is None:
         return None
-    keys = ("mm_token_type_ids", "image_grid_thw", "video_grid_thw", "second_per_grid_ts", "attention_mask")
-    return owner.get_rope_index(batch["input_ids"], **{k: batch[k] for k in keys if batch.get(k) is not None})[0]
+    names = inspect.signature(owner.get_rope_index).parameters
+    return owner.get_rope_index(batch["input_ids"], **{k: v for k, v in batch.items() if k in names and k != "input_ids"
+                                                       and v is not None})[0]
 
 
 def has_vision_inputs(call: dict) -> bool:
