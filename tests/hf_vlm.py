@@ -49,7 +49,7 @@ def _grid_inputs(cfg, g, model):
     if "image_merge_sizes" in accepted:       # VideoLLaMA3: the merge is an input, one per image and per video
         out.update(image_merge_sizes=torch.tensor([merge] * len(images)), video_merge_sizes=torch.tensor([merge]))
     merge = merge ** 2
-    spans = [(t * h * w // merge, cfg.image_token_id, 1) for t, h, w in IMAGE_GRIDS]
+    spans = [(n, cfg.image_token_id, 1) for n in _feature_counts(model, out, len(IMAGE_GRIDS))]
     t, h, w = VIDEO_GRID
     if "pixel_values_videos" not in accepted or getattr(cfg, "video_token_id", None) is None or \
             cfg.model_type in IMAGES_ONLY:
@@ -111,14 +111,18 @@ def _image_inputs(cfg, g, model):
         out = {"pixel_values": pixels[None]}
     else:
         out = {"pixel_values": pixels}
+    return out, [(n, cfg.image_token_id, 1) for n in _feature_counts(model, out, count)]
+
+
+def _feature_counts(model, vision, count):
+    """The rows of the model's own features of each of ``count`` images: their placeholder counts."""
     owner = getattr(model, "model", model)        # Llama 4: the top model embeds the images
     accepted = inspect.signature(owner.get_image_features).parameters
     with torch.no_grad():
-        feats = owner.get_image_features(**{k: v for k, v in out.items() if k in accepted}, return_dict=True)
+        feats = owner.get_image_features(**{k: v for k, v in vision.items() if k in accepted}, return_dict=True)
     pooled = feats.pooler_output if getattr(feats, "pooler_output", None) is not None else feats.last_hidden_state
-    per_image = [t.numel() // t.shape[-1] for t in
-                 (pooled if isinstance(pooled, (list, tuple)) else pooled.reshape(count, -1, pooled.shape[-1]))]
-    return out, [(n, cfg.image_token_id, 1) for n in per_image]
+    return [t.numel() // t.shape[-1] for t in
+            (pooled if isinstance(pooled, (list, tuple)) else pooled.reshape(count, -1, pooled.shape[-1]))]
 
 
 def row(cfg, model, seed=1):

@@ -80,13 +80,19 @@ VISION_TOKENS = dict(image_token_id=120, video_token_id=121, vision_start_token_
                      image_token_index=120, video_token_index=121)
 
 
-def from_zoo(model_type, sub=None, **top):
+def from_zoo(model_type, sub=None, built=None, **top):
     """The zoo's generic tiny config (tests/hf_zoo.py: every size key shrunk, its text row exact) with the vision
     token ids it has moved inside the 128-token vocabulary (120-123); ``sub``: {sub-config: {key: value}} (tiny
-    images), ``top``: the top config's keys."""
+    images), ``top``: the top config's keys; ``built``: keys its constructor needs (validated there), as ``sub``."""
+    from transformers import CONFIG_MAPPING
     from .hf_vlm_configs import fit_mrope
-    from .hf_zoo import tiny_config
-    cfg = fit_mrope(tiny_config(model_type))
+    from .hf_zoo import _tiny_kwargs, tiny_config
+    if built:
+        kw = _tiny_kwargs(CONFIG_MAPPING[model_type](), sizes=True)
+        kw.update({k: dict(kw.get(k) or {}, **v) for k, v in built.items()})
+        cfg = fit_mrope(CONFIG_MAPPING[model_type](**kw))
+    else:
+        cfg = fit_mrope(tiny_config(model_type))
     for key, token in VISION_TOKENS.items():
         if getattr(cfg, key, None) is not None:
             setattr(cfg, key, token)
@@ -153,6 +159,11 @@ CONFIGS.update({
     **{mt: (lambda mt=mt: from_zoo(mt, {"vision_config": dict(depth=1, patch_size=2, out_hidden_size=64)},
                                    vision_start_token_id=122))
        for mt in ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")},
+    # the zoo's tiny config fails its constructor's checks or transformers' own code: the keys they need
+    "ernie4_5_vl_moe": lambda: from_zoo("ernie4_5_vl_moe", built={"text_config": {"moe_intermediate_size": [32, 32]}}),
+    "step3p7": lambda: from_zoo("step3p7", {"vision_config": dict(image_size=16, patch_size=2)}, built={"text_config": {"sliding_window": 8}}),
+    "hunyuan_vl": lambda: from_zoo("hunyuan_vl", built={"text_config": {"rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}}}),
     "shieldgemma2": lambda: from_zoo("shieldgemma2", {"vision_config": dict(image_size=12, patch_size=2)},
                                      mm_tokens_per_image=9),
 })

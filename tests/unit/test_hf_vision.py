@@ -41,7 +41,8 @@ def test_a_grid_that_does_not_count_its_pixel_rows_is_refused():
 
 def test_the_merge_is_read_where_each_tower_keeps_it():
     """A square merge under another name (Muse), a rectangle (Kimi-K2.5), a merge per grid row given as an input
-    (VideoLLaMA3): one image of 16 patches, 4 features each way; GLM-GA reads a video's frames at image tokens."""
+    (VideoLLaMA3): one image of 16 patches, 4 features each way; GLM-GA reads a video's frames at image tokens;
+    HunYuan-VL's placeholders are more than its features."""
     def config(**vision):
         return SimpleNamespace(model_type="x", image_token_id=120, vision_config=SimpleNamespace(**vision))
     check_grids(IMAGE, _row(image=4), config(merge_size=2))
@@ -50,3 +51,4 @@ def test_the_merge_is_read_where_each_tower_keeps_it():
     with pytest.raises(ValueError, match="input_ids hold 4 image_token_id placeholders .* gives 16 features"):
         check_grids(dict(IMAGE, image_merge_sizes=torch.tensor([1])), _row(image=4), config(spatial_merge_size=2))
     check_grids(VIDEO, _row(image=8), _config("glmga"))
+    check_grids(IMAGE, _row(image=8), _config("hunyuan_vl"))     # row-end placeholders: transformers' own check
