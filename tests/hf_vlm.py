@@ -63,7 +63,8 @@ def _grid_inputs(cfg, g, model):
         return {k: out[k] for k in ("pixel_values_videos", "video_grid_thw")}, frames
     if cfg.model_type in FRAME_SPANS:         # one span per frame, timestamps (text) between them
         return out, spans + [(h * w // merge, cfg.video_token_id, 2)] * t
-    return out, spans + [(t * h * w // merge, cfg.video_token_id, 2)]
+    video = {k: out[k] for k in out if "video" in k}    # its placeholders: the model's own feature rows (ERNIE
+    return out, spans + [(sum(_feature_counts(model, video, 1, "video")), cfg.video_token_id, 2)]  # pools 2 frames)
 
 
 def _image_inputs(cfg, g, model):
@@ -114,12 +115,13 @@ def _image_inputs(cfg, g, model):
     return out, [(n, cfg.image_token_id, 1) for n in _feature_counts(model, out, count)]
 
 
-def _feature_counts(model, vision, count):
-    """The rows of the model's own features of each of ``count`` images: their placeholder counts."""
+def _feature_counts(model, vision, count, kind="image"):
+    """The rows of the model's own features of each of ``count`` images (videos): their placeholder counts."""
     owner = getattr(model, "model", model)        # Llama 4: the top model embeds the images
-    accepted = inspect.signature(owner.get_image_features).parameters
+    features = getattr(owner, f"get_{kind}_features")
+    accepted = inspect.signature(features).parameters
     with torch.no_grad():
-        feats = owner.get_image_features(**{k: v for k, v in vision.items() if k in accepted}, return_dict=True)
+        feats = features(**{k: v for k, v in vision.items() if k in accepted}, return_dict=True)
     pooled = feats.pooler_output if getattr(feats, "pooler_output", None) is not None else feats.last_hidden_state
     return [t.numel() // t.shape[-1] for t in
             (pooled if isinstance(pooled, (list, tuple)) else pooled.reshape(count, -1, pooled.shape[-1]))]

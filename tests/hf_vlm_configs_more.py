@@ -160,7 +160,8 @@ CONFIGS.update({
                                    vision_start_token_id=122))
        for mt in ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")},
     # the zoo's tiny config fails its constructor's checks or transformers' own code: the keys they need
-    "ernie4_5_vl_moe": lambda: from_zoo("ernie4_5_vl_moe", built={"text_config": {"moe_intermediate_size": [32, 32]}}),
+    "ernie4_5_vl_moe": lambda: from_zoo("ernie4_5_vl_moe", built={"text_config": {"moe_intermediate_size": [32, 32],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [3, 3, 2]}}}),
     "step3p7": lambda: from_zoo("step3p7", {"vision_config": dict(image_size=16, patch_size=2)}, built={"text_config": {"sliding_window": 8}}),
     "hunyuan_vl": lambda: from_zoo("hunyuan_vl", built={"text_config": {"rope_parameters": {
         "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}}}),

@@ -254,7 +254,10 @@ def check_grids(call: dict, ids, config) -> None:
                              f"patch rows ({pixels.shape[0]})")
         if getattr(config, "model_type", "") in VIDEO_AS_IMAGE_TOKENS:
             token_key = "image_token_id"
-        merged = grid.prod(-1) // merge_area(vision, call.get(grid_key.replace("grid_thw", "merge_sizes")))
+        # ERNIE-4.5-VL pools a video's frames in pairs (temporal_merge_size), an image's single frame not
+        frames = grid[:, 0] // (getattr(vision, "temporal_merge_size", None) or 1 if "video" in grid_key else 1)
+        area = merge_area(vision, call.get(grid_key.replace("grid_thw", "merge_sizes")))
+        merged = frames * grid[:, 1] * grid[:, 2] // area
         features, grids = wanted.get(token_key, (0, []))
         wanted[token_key] = (features + int(merged.sum()), grids + [f"{grid_key} {grid.tolist()}"])
     if getattr(config, "model_type", "") in PLACEHOLDERS_BEYOND_GRID:
