@@ -16,9 +16,10 @@ as "embed input_ids, scatter the tower's features at the placeholder tokens, cal
   3. a pre-hook on the decoder (the submodule whose config is the text config) takes this rank's
      tokens of ``inputs_embeds`` and every other per-token tensor of the row with ``sp.shard`` (the layout's own token set: zigzag and striped
      are not contiguous), and of Qwen3-VL's deepstack features (``visual_pos_masks`` picks their rows).
-Bidirectional image blocks (Gemma 3, ShieldGemma 2; Gemma 4, Gemma 4 Unified with use_bidirectional_attention="vision"):
-transformers lets the tokens of one image see each other both ways (its block_sequence_ids: one block per
-run of vision tokens, OR'd onto the causal mask, the sliding window still bounding earlier keys). The
+Bidirectional image blocks (Gemma 3, ShieldGemma 2; Gemma 4 and Gemma 4 Unified with
+use_bidirectional_attention="vision"): transformers lets the tokens of one image see each other both ways (its
+block_sequence_ids: one block per run of vision tokens, OR'd onto the causal mask, the sliding window still
+bounding earlier keys; Gemma 4 Unified's images longer than its window are refused, BLOCKS_PAST_WINDOW). The
 blocks come from the whole row's token types (step 1: every rank the same, as the cu_seqlens of
 sp.shard_batch), and the layers that have them (Gemma 3: all; Gemma 4: its sliding layers) pass them to
 ``sp.attention(blocks=...)``, a mask like the others for every strategy (masks.py).
