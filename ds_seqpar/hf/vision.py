@@ -16,9 +16,10 @@ as "embed input_ids, scatter the tower's features at the placeholder tokens, cal
   3. a pre-hook on the decoder (the submodule whose config is the text config) takes this rank's
      tokens of ``inputs_embeds`` and every other per-token tensor of the row with ``sp.shard`` (the layout's own token set: zigzag and striped
      are not contiguous), and of Qwen3-VL's deepstack features (``visual_pos_masks`` picks their rows).
-Bidirectional image blocks (Gemma 3, ShieldGemma 2, Gemma 4 with use_bidirectional_attention="vision"):
-transformers lets the tokens of one image see each other both ways (its block_sequence_ids: one block per
-run of vision tokens, OR'd onto the causal mask, the sliding window still bounding earlier keys). The
+Bidirectional image blocks (Gemma 3, ShieldGemma 2; Gemma 4 and Gemma 4 Unified with
+use_bidirectional_attention="vision"): transformers lets the tokens of one image see each other both ways (its
+block_sequence_ids: one block per run of vision tokens, OR'd onto the causal mask, the sliding window still
+bounding earlier keys; Gemma 4 Unified's images longer than its window are refused, BLOCKS_PAST_WINDOW). The
 blocks come from the whole row's token types (step 1: every rank the same, as the cu_seqlens of
 sp.shard_batch), and the layers that have them (Gemma 3: all; Gemma 4: its sliding layers) pass them to
 ``sp.attention(blocks=...)``, a mask like the others for every strategy (masks.py).
@@ -29,6 +30,7 @@ Cost: one [batch, N, hidden] embedding per rank before the decoder (N = the whol
 """
 from __future__ import annotations
 
+import inspect
 from typing import Optional, Tuple
 
 import torch
@@ -42,12 +44,19 @@ WHOLE_ROW = ("input_ids", "mm_token_type_ids", "token_type_ids")
 # (pixels, grid) pairs whose grid rows (t, h, w) count the pixel rows (patches)
 GRIDS = (("pixel_values", "image_grid_thw", "image_token_id"),
          ("pixel_values_videos", "video_grid_thw", "video_token_id"))
-# GLM-4.1V / 4.5V / 4.6V / OCR: transformers' merge reads a video's frames at image_token_id placeholders
-VIDEO_AS_IMAGE_TOKENS = frozenset({"glm4v", "glm4v_moe", "glm46v", "glm_ocr"})
+# GLM-4.1V / 4.5V / 4.6V / OCR / GA: transformers' merge reads a video's frames at image_token_id placeholders
+VIDEO_AS_IMAGE_TOKENS = frozenset({"glm4v", "glm4v_moe", "glm46v", "glm_ocr", "glmga"})
+# HunYuan-VL: an image's placeholders are more than its merged patches (one more per row of them, and two around)
+PLACEHOLDERS_BEYOND_GRID = frozenset({"hunyuan_vl"})
 # model type -> (the [batch, seq] input marking vision tokens, its vision values, the layers whose mask has
 # the blocks: "all" or "sliding"), as each model's get_block_sequence_ids_for_mask / create_masks_for_vision_model
+# (Gemma 4 Unified's masks overlay the blocks on its full-attention layers too, unlike Gemma 4's)
 IMAGE_BLOCKS = {"gemma3": ("token_type_ids", (1,), "all"), "shieldgemma2": ("token_type_ids", (1,), "all"),
-                "gemma4": ("mm_token_type_ids", (1, 2), "sliding")}
+                "gemma4": ("mm_token_type_ids", (1, 2), "sliding"),
+                "gemma4_unified": ("mm_token_type_ids", (1, 2), "all")}
+# models whose sliding layers let an image's tokens see the whole image past the window (the block ORed after the
+# window, not inside it): the same mask as IMAGE_BLOCKS' while no image is longer than the window
+BLOCKS_PAST_WINDOW = frozenset({"gemma4_unified"})
 # prefix-LM models: the token_type_ids == 0 prefix attends bidirectionally as one group, in attention layers
 # transformers builds non-causal (the causal suffix comes from the mask alone)
 PREFIX_LM = frozenset({"paligemma"})
@@ -79,7 +88,7 @@ class VisionLanguage:
         self.row_len: Optional[int] = None      # the whole (padded) row length of the current call
         self.blocks: Optional[Tuple[Tuple[int, int], ...]] = None   # the current call's image blocks
         self.block_rule = IMAGE_BLOCKS.get(self.model_type)
-        if self.model_type == "gemma4" and getattr(model.config.get_text_config(), "use_bidirectional_attention",
+        if self.model_type in ("gemma4", "gemma4_unified") and getattr(model.config.get_text_config(), "use_bidirectional_attention",
                                                    None) != "vision":
             self.block_rule = None              # smaller Gemma 4 models: causal masks only
 
@@ -134,7 +143,20 @@ class VisionLanguage:
                     f"sequence parallelism: transformers' sliding-window mask looks the image blocks up by "
                     f"within-document position there, which is not the per-document mask; pack text-only rows or "
                     f"pass rows with images one per row")
+            self._check_block_window()
         return rows
+
+    def _check_block_window(self) -> None:
+        """BLOCKS_PAST_WINDOW models: an image longer than the sliding window is a mask ds_seqpar does not express."""
+        window = getattr(self.decoder.config, "sliding_window", None)
+        longest = max((e - s for s, e in self.blocks or ()), default=0)
+        if self.model_type in BLOCKS_PAST_WINDOW and window and longest > window:
+            raise UnsupportedModelError(
+                f"ds_seqpar.hf: an image of {longest} tokens longer than sliding_window={window} in {self.model_type} "
+                f"is not expressed under sequence parallelism: its sliding layers let an image's tokens see the whole "
+                f"image past the window (OR(AND(window, causal), block)), while ds_seqpar's mask bounds every query's "
+                f"earlier keys by the window (AND(window, OR(causal, block)), Gemma 3's and Gemma 4's rule); pass "
+                f"images of at most {window} tokens or train without sequence parallelism")
 
     def layer_blocks(self, module) -> Optional[Tuple[Tuple[int, int], ...]]:
         """The image blocks of this call for ``module``'s mask (None: plain causal)."""
@@ -185,20 +207,36 @@ def image_blocks(types: torch.Tensor, values, model_type: str) -> Optional[Tuple
     return tuple(zip(flat[::2], flat[1::2]))
 
 
-def rope_positions(model, batch: dict):
+def rope_positions(model, batch: dict, text: bool = False):
     """The whole batch's 3-D RoPE positions [3, B, N] from the model's own get_rope_index, or None (no
-    3-D RoPE, no vision input, or position_ids given): what a Trainer adds before sp.shard_batch."""
-    if batch.get("position_ids") is not None or not has_vision_inputs(batch):
+    3-D RoPE, no vision input unless ``text``, or position_ids given): what a Trainer adds before
+    sp.shard_batch. The batch's inputs that get_rope_index names are passed (token types, grids, MiniCPM-V's
+    target_sizes, ...)."""
+    if batch.get("position_ids") is not None or not (text or has_vision_inputs(batch)):
         return None                     # a text batch: the model is not even looked at
     owner = next((m for m in model.modules() if hasattr(m, "get_rope_index")), None)
     if owner is None:
         return None
-    keys = ("mm_token_type_ids", "image_grid_thw", "video_grid_thw", "second_per_grid_ts", "attention_mask")
-    return owner.get_rope_index(batch["input_ids"], **{k: batch[k] for k in keys if batch.get(k) is not None})[0]
+    names = inspect.signature(owner.get_rope_index).parameters
+    return owner.get_rope_index(batch["input_ids"], **{k: v for k, v in batch.items() if k in names and k != "input_ids"
+                                                       and v is not None})[0]
 
 
 def has_vision_inputs(call: dict) -> bool:
     return any(is_vision_input(k) and v is not None for k, v in call.items())
+
+
+def merge_area(vision, merge_sizes=None):
+    """Patches per feature: the tower's spatial merge, a square (``spatial_merge_size``, Muse's ``merge_size``),
+    a rectangle (Kimi-K2.5's ``merge_kernel_size``) or an input per grid row (VideoLLaMA3's
+    ``image_merge_sizes`` / ``video_merge_sizes``)."""
+    if torch.is_tensor(merge_sizes):
+        return merge_sizes.to(torch.long) ** 2
+    kernel = getattr(vision, "merge_kernel_size", None)
+    if isinstance(kernel, (list, tuple)):
+        return int(kernel[0]) * int(kernel[1])
+    side = getattr(vision, "spatial_merge_size", None) or getattr(vision, "merge_size", None) or 1
+    return side ** 2
 
 
 def check_grids(call: dict, ids, config) -> None:
@@ -206,7 +244,6 @@ def check_grids(call: dict, ids, config) -> None:
     features it gives (grid models: Qwen-VL); refused by input name before the tower runs. Other models'
     placeholder counts are checked by transformers' merge on the whole row, on every rank alike."""
     vision = getattr(config, "vision_config", None)
-    merge = getattr(vision, "spatial_merge_size", 1) or 1
     wanted = {}                      # placeholder token key -> (features, the grids that give them)
     for pixels_key, grid_key, token_key in GRIDS:
         pixels, grid = call.get(pixels_key), call.get(grid_key)
@@ -218,8 +255,14 @@ def check_grids(call: dict, ids, config) -> None:
                              f"patch rows ({pixels.shape[0]})")
         if getattr(config, "model_type", "") in VIDEO_AS_IMAGE_TOKENS:
             token_key = "image_token_id"
+        # ERNIE-4.5-VL pools a video's frames in pairs (temporal_merge_size), an image's single frame not
+        frames = grid[:, 0] // (getattr(vision, "temporal_merge_size", None) or 1 if "video" in grid_key else 1)
+        area = merge_area(vision, call.get(grid_key.replace("grid_thw", "merge_sizes")))
+        merged = frames * grid[:, 1] * grid[:, 2] // area
         features, grids = wanted.get(token_key, (0, []))
-        wanted[token_key] = (features + int(grid.prod(-1).sum()) // merge ** 2, grids + [f"{grid_key} {grid.tolist()}"])
+        wanted[token_key] = (features + int(merged.sum()), grids + [f"{grid_key} {grid.tolist()}"])
+    if getattr(config, "model_type", "") in PLACEHOLDERS_BEYOND_GRID:
+        return                       # transformers' own count check, on the whole row every rank gathers alike
     for token_key, (features, grids) in wanted.items():
         token = getattr(config, token_key, None)
         if ids is not None and token is not None and int((ids == token).sum()) != features:

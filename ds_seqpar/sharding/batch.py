@@ -27,7 +27,8 @@ from .padding import pad_to
 IGNORE_INDEX = -100          # labels the loss leaves out (Hugging Face's and torch's convention)
 # vision inputs passed whole to every rank (the towers run on whole images), never cut along dim 1
 WHOLE_INPUTS = ("image_sizes", "second_per_grid_ts", "video_second_per_grid", "image_attention_mask",
-                "image_position_ids", "video_position_ids")
+                "image_position_ids", "video_position_ids", "image_grid_hw", "image_merge_sizes", "video_merge_sizes",
+                "target_sizes", "spatial_shapes", "high_res_pixel_values")
 
 
 def is_vision_input(key: str) -> bool:

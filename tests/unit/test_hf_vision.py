@@ -37,3 +37,20 @@ def test_placeholders_are_counted_at_the_token_the_merge_reads():
 def test_a_grid_that_does_not_count_its_pixel_rows_is_refused():
     with pytest.raises(ValueError, match="video_grid_thw \\[\\[2, 4, 8\\]\\] does not match pixel_values_videos"):
         check_grids(dict(VIDEO, video_grid_thw=torch.tensor([[2, 4, 8]])), None, _config("qwen2_vl"))
+
+
+def test_the_merge_is_read_where_each_tower_keeps_it():
+    """A square merge under another name (Muse), a rectangle (Kimi-K2.5), a merge per grid row given as an input
+    (VideoLLaMA3): one image of 16 patches, 4 features each way; GLM-GA reads a video's frames at image tokens;
+    HunYuan-VL's placeholders are more than its features; ERNIE-4.5-VL pools a video's frames in pairs."""
+    def config(**vision):
+        return SimpleNamespace(model_type="x", image_token_id=120, video_token_id=121,
+                               vision_config=SimpleNamespace(**vision))
+    check_grids(IMAGE, _row(image=4), config(merge_size=2))
+    check_grids(IMAGE, _row(image=4), config(merge_kernel_size=[2, 2]))
+    check_grids(dict(IMAGE, image_merge_sizes=torch.tensor([2])), _row(image=4), config())
+    with pytest.raises(ValueError, match="input_ids hold 4 image_token_id placeholders .* gives 16 features"):
+        check_grids(dict(IMAGE, image_merge_sizes=torch.tensor([1])), _row(image=4), config(spatial_merge_size=2))
+    check_grids(VIDEO, _row(image=8), _config("glmga"))
+    check_grids(IMAGE, _row(image=8), _config("hunyuan_vl"))     # row-end placeholders: transformers' own check
+    check_grids(dict(IMAGE, **VIDEO), _row(image=4, video=4), config(spatial_merge_size=2, temporal_merge_size=2))
