@@ -132,6 +132,8 @@ def row(cfg, model, seed=1):
     video) centred on a shard boundary (16, 32, 48: contiguous and zigzag at P=2; striped cuts every
     span), random text around them, 20% of the labels ignored."""
     g = torch.Generator().manual_seed(seed)
+    if cfg.model_type == "mllama":
+        return _cross_attention_row(g)
     grids = "image_grid_thw" in inspect.signature(getattr(model, "model", model).get_image_features).parameters
     vision, spans = _grid_inputs(cfg, g, model) if grids else _image_inputs(cfg, g, model)
     ids = torch.randint(3, 110, (1, SEQ), generator=g)
@@ -148,6 +150,21 @@ def row(cfg, model, seed=1):
     return ids, labels, types, vision
 
 
+def _cross_attention_row(g):
+    """Mllama: two images of two tiles (the second with one real tile) seen through cross-attention from
+    the tokens after their <|image|> tokens at 16 and 40 (cross_attention_mask rows: a per-token input)."""
+    ids = torch.randint(3, 110, (1, SEQ), generator=g)
+    ids[0, 16] = ids[0, 40] = 120
+    labels = ids.clone()
+    labels[torch.rand(1, SEQ, generator=g) < 0.2] = -100
+    seen = torch.zeros(1, SEQ, 2, 2, dtype=torch.long)
+    seen[0, 16:, 0, :] = 1
+    seen[0, 40:, 1, 0] = 1
+    vision = {"pixel_values": torch.randn(1, 2, 2, 3, 8, 8, generator=g), "aspect_ratio_ids": torch.tensor([[2, 1]]),
+              "aspect_ratio_mask": torch.tensor([[[1, 1], [1, 0]]]), "cross_attention_mask": seen}
+    return ids, labels, torch.zeros(1, SEQ, dtype=torch.long), vision
+
+
 def build(cfg, dtype, state=None):
     import transformers as T
     torch.manual_seed(0)
@@ -155,6 +172,11 @@ def build(cfg, dtype, state=None):
         model = T.AutoModelForImageTextToText.from_config(cfg, attn_implementation="sdpa", experts_implementation="eager")
     except (ValueError, ImportError, TypeError):
         model = T.AutoModelForImageTextToText.from_config(cfg, attn_implementation="eager")
+    if cfg.model_type == "mllama":       # its cross-attention gates start at 0: the images would change nothing
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("cross_attn_attn_gate", "cross_attn_mlp_gate")):
+                    p.fill_(0.5)
     if state is not None:
         model.load_state_dict(state)
     # Module.to(float dtype) casts a complex buffer to real (Llama 4's vision RoPE): keep it complex

@@ -173,3 +173,18 @@ CHW_PATCHES = ("kimi_k25", "paddleocr_vl")
 # Kimi-K2.5's tower pools a video's frames into one, but transformers splits its features per t * h * w: a
 # multi-frame video does not run unsharded, so its rows hold images only
 IMAGES_ONLY = ("kimi_k25",)
+
+
+def _mllama():
+    from transformers import MllamaConfig
+    # Llama 3.2 Vision: the images reach the decoder through its cross-attention layer (layer 1), not placeholders;
+    # two tiles of 8 x 8 in 4 x 4 patches per image (5 tokens a tile with the class token)
+    return MllamaConfig(vision_config=dict(hidden_size=16, num_hidden_layers=1, num_global_layers=1, attention_heads=2,
+                                           intermediate_size=32, image_size=8, patch_size=4, max_num_tiles=2,
+                                           intermediate_layers_indices=[0], vision_output_dim=32,
+                                           supported_aspect_ratios=[[1, 1], [1, 2]]),
+                        text_config=dict(LLAMA, model_type="mllama_text_model", cross_attention_layers=[1]),
+                        image_token_index=120)
+
+
+CONFIGS.update(mllama=_mllama)

@@ -26,6 +26,7 @@ from ..masks import chunk_bounds, effective_window
 from . import batch_check
 from .checks import UnsupportedModelError
 from .indexed import sparse_attention
+from .vision import is_cross_attention
 
 
 def make_attention_function(state) -> Callable:
@@ -42,6 +43,9 @@ def make_attention_function(state) -> Callable:
         if state.indexed is not None and id(module) in state.indexed.ids:
             state.calls.add(id(module))
             return indexed_attention(where, query, key, value, attention_mask, dropout, scaling, kwargs, sp.size), None
+        if is_cross_attention(module):
+            state.calls.add(id(module))
+            return local_cross_attention(where, query, key, value, attention_mask, dropout, scaling, kwargs), None
         causal, seq_len, cu_seqlens = _call_options(module, kwargs)
         check_call(where, query, key, attention_mask, dropout, kwargs, sp.size, causal, seq_len)
         query = global_temperature(module, query, sp)
@@ -61,6 +65,22 @@ def make_attention_function(state) -> Callable:
         return out_bshd[..., :dv], None
 
     return ds_seqpar_attention
+
+
+def local_cross_attention(where: str, query, key, value, mask, dropout: float, scaling, kwargs):
+    """Cross-attention to the images' tokens (vision.is_cross_attention): every rank holds all the keys
+    and values (the towers run whole) and its own queries with their rows of the mask (the decoder's
+    pre-hook sharded them), so each query's softmax is the unsharded model's; no communication. The
+    keys' gradients from this rank's queries are summed over the group like the towers' own."""
+    if dropout and dropout > 0:
+        raise UnsupportedModelError(f"ds_seqpar.hf: attention dropout {dropout} in training in {where} cannot be "
+                                    f"exact under sequence parallelism; set dropout=0.0 in the config")
+    if kwargs.get("output_attentions"):
+        raise UnsupportedModelError(f"ds_seqpar.hf: output_attentions=True in {where}: call without it")
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+    return out.transpose(1, 2).contiguous()
 
 
 def indexed_attention(where: str, query, key, value, seen, dropout: float, scaling, kwargs, sp_size: int):

@@ -35,6 +35,7 @@ from . import batch_check
 from .batch_check import check_right_padding, group_flags
 from .checks import UnsupportedModelError, check_config, check_dropout
 from .indexed import check_topk
+from .vision import is_cross_attention
 
 
 def install(model, state) -> list:
@@ -78,7 +79,8 @@ def install(model, state) -> list:
     def post(module, args, kwargs, output):
         if state.vision is not None:
             state.vision.row_len = None
-        missing = [state.names[id(m)] for _, m in state.layers if id(m) not in state.calls]
+        # Mllama's cross-attention layers run only when the call has images (vision.is_cross_attention)
+        missing = [state.names[id(m)] for _, m in state.layers if id(m) not in state.calls and not is_cross_attention(m)]
         if missing:
             raise UnsupportedModelError(f"ds_seqpar.hf: {len(missing)} attention layer(s) did not call the "
                                         f"sequence-parallel attention (first: {missing[0]}): this model's attention "

@@ -40,7 +40,10 @@ from ..sharding.batch import is_vision_input
 
 # [batch, seq] inputs the placeholder merge reads: handed to the model whole (labels and position_ids
 # stay sharded: the loss and RoPE work on this rank's tokens)
-WHOLE_ROW = ("input_ids", "mm_token_type_ids", "token_type_ids")
+WHOLE_ROW = ("input_ids", "mm_token_type_ids", "token_type_ids", "cross_attention_mask")
+# Mllama: per-token masks of the cross-attention layers, [batch, 1, tokens, image tokens] by the time the
+# decoder gets them (the top model builds them from the whole row's cross_attention_mask)
+CROSS_MASKS = ("cross_attention_mask", "full_text_row_masked_out_mask")
 # (pixels, grid) pairs whose grid rows (t, h, w) count the pixel rows (patches)
 GRIDS = (("pixel_values", "image_grid_thw", "image_token_id"),
          ("pixel_values_videos", "video_grid_thw", "video_token_id"))
@@ -167,11 +170,18 @@ class VisionLanguage:
         return self.blocks if idx is not None and idx < len(types) and types[idx] == "sliding_attention" else None
 
     def decoder_inputs(self, kwargs: dict, sp) -> dict:
-        """This rank's tokens of the decoder's whole-row inputs (its pre-hook)."""
+        """This rank's tokens of the decoder's whole-row inputs (its pre-hook): the embeddings (or, where
+        the decoder embeds itself, Mllama's, the token ids), every other per-token tensor of the row, and
+        the cross-attention layers' per-token masks."""
         emb = kwargs.get("inputs_embeds")
+        emb = emb if emb is not None else kwargs.get("input_ids")
         if emb is None or self.row_len is None or emb.shape[1] != self.row_len:
             return kwargs
         kwargs = dict(kwargs)
+        for key in CROSS_MASKS:
+            v = kwargs.get(key)
+            if torch.is_tensor(v) and v.dim() == 4 and v.shape[2] == self.row_len:
+                kwargs[key] = sp.shard(v, dim=2)
         mask = kwargs.pop("visual_pos_masks", None)
         for key, v in kwargs.items():      # every per-token tensor of the row (embeddings, Gemma's per-layer inputs)
             if torch.is_tensor(v) and v.dim() >= 2 and tuple(v.shape[:2]) == tuple(emb.shape[:2]):
@@ -187,6 +197,13 @@ class VisionLanguage:
         elif mask is not None:
             kwargs["visual_pos_masks"] = mask
         return kwargs
+
+
+def is_cross_attention(module) -> bool:
+    """A decoder layer's attention over the images' tokens (Mllama's cross_attention_layers): its queries
+    are this rank's tokens and its keys every image token, whole on every rank, so it runs locally."""
+    config, idx = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    return idx is not None and idx in (getattr(config, "cross_attention_layers", None) or ())
 
 
 def image_blocks(types: torch.Tensor, values, model_type: str) -> Optional[Tuple[Tuple[int, int], ...]]:
@@ -271,5 +288,5 @@ def check_grids(call: dict, ids, config) -> None:
                              f"per feature")
 
 
-__all__ = ["VisionLanguage", "WHOLE_ROW", "IMAGE_BLOCKS", "VIDEO_AS_IMAGE_TOKENS", "has_vision_inputs", "check_grids",
+__all__ = ["VisionLanguage", "WHOLE_ROW", "CROSS_MASKS", "is_cross_attention", "IMAGE_BLOCKS", "VIDEO_AS_IMAGE_TOKENS", "has_vision_inputs", "check_grids",
            "image_blocks", "rope_positions"]

@@ -3,7 +3,7 @@ every softmax strategy at P=2 (logits, loss, every gradient incl. the vision tow
 placeholders straddling the shard boundaries (Gemma 3's bidirectional image blocks also at P=4 and in the
 2D hybrid; Llama 4's chunked layer and NoPE layer with temperature tuning from global positions; GLM-4.6V's
 video frames at image placeholders; each tower's merge, ERNIE's paired frames and HunYuan's row-end placeholders
-through the grid check; Gemma 4 Unified's blocks on every layer); bad vision inputs stop every rank with the
+through the grid check; Gemma 4 Unified's blocks on every layer; Mllama's images through cross-attention); bad vision inputs stop every rank with the
 input named."""
 import torch
 
@@ -18,7 +18,7 @@ FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "mistra
             "deepseek_vl", "ovis2", "aria", "kimi_k25", "muse_glimmer", "video_llama_3", "paddleocr_vl", "minimax_m3_vl",
             "dots3_note", "cohere_compass", "cosmos3_omni", "exaone4_5", "hyperclovax_vision_v2", "lfm3_vl",
             "deepseek_vl_hybrid", "granite_docling", "lfm2_vl", "qianfan_ocr", "shieldgemma2", "mistral_large4",
-            "minicpm_ocr", "gemma4_unified", "nemotron_h_omni", "hunyuan_vl", "ernie4_5_vl_moe")
+            "minicpm_ocr", "gemma4_unified", "nemotron_h_omni", "hunyuan_vl", "ernie4_5_vl_moe", "mllama")
 # hybrids whose convolution / linear layers need runs of tokens: striped refused by name (docs/hybrids.md)
 EXCEPT_STRIPED = ("lfm3_vl", "minicpm_ocr", "nemotron_h_omni")
 
