@@ -128,6 +128,13 @@ def _muse_glimmer():
     return cfg
 
 
+def _muse_spark():
+    # Muse Glimmer's tower beside an audio tower (not run: no audio in the rows) shrunk to two small stages
+    cfg = from_zoo("muse_spark", built={"audio_config": {"hidden_sizes": [16, 32], "depths": [1, 1]}})
+    cfg.out_hidden_size = cfg.vision_config.hidden_size * cfg.vision_config.merge_size ** 2
+    return cfg
+
+
 def _gemma4_unified():
     # no tower: 2 x 2 x 3 patches projected (pooling 1), 9 per image with their (x, y) positions, as Gemma 4's
     cfg = from_zoo("gemma4_unified").to_dict()
@@ -136,7 +143,7 @@ def _gemma4_unified():
     return type(from_zoo("gemma4_unified")).from_dict(cfg)
 
 
-CONFIGS.update(dots3_note=_dots3_note, muse_glimmer=_muse_glimmer, gemma4_unified=_gemma4_unified)
+CONFIGS.update(dots3_note=_dots3_note, muse_glimmer=_muse_glimmer, muse_spark=_muse_spark, gemma4_unified=_gemma4_unified)
 CONFIGS.update({
     # SAM's high-resolution tower: 64 x 64 in 4 x 4 patches, its neck's two stride-2 convolutions to 4 x 4, as
     # many features as the low-resolution tower's
