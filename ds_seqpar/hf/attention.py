@@ -77,9 +77,7 @@ def local_cross_attention(where: str, query, key, value, mask, dropout: float, s
                                     f"exact under sequence parallelism; set dropout=0.0 in the config")
     if kwargs.get("output_attentions"):
         raise UnsupportedModelError(f"ds_seqpar.hf: output_attentions=True in {where}: call without it")
-    groups = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).contiguous()
 
 

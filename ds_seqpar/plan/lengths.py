@@ -54,15 +54,13 @@ def run_case(lengths: List[int], sizes, t: int, stages: List[Candidate], make, s
              barrier: bool = False, fill: bool = True) -> Dict:
     """One case: the scheduler's rounds (placed once: a document's price does not depend on the ZeRO
     stage), their critical path with each stage of ``stages`` that fits, the fastest kept."""
-    c = stages[0]
+    zero = [zero_times(shape, cl.gpu, cl.gpus, cl.gpus_per_node, c.zero, cl.dtype, c.features.offload_optimizer)
+            for c in stages]
     # ours adds a round for balance where it pays its ZeRO collectives (power-of-two: Megatron's rule, as published)
-    per_round = zero_times(shape, cl.gpu, cl.gpus, cl.gpus_per_node, c.zero, cl.dtype, c.features.offload_optimizer)[0]
-    sched = schedule(lengths, cl.gpus, t, sizes, c.strategy, pricer=pricer(make, shape, cl), fill_groups=fill,
-                     round_price=per_round if fill and len(sizes) > 1 else None)
+    sched = schedule(lengths, cl.gpus, t, sizes, stages[0].strategy, pricer=pricer(make, shape, cl), fill_groups=fill,
+                     round_price=zero[0][0] if fill and len(sizes) > 1 else None)
     best = None
-    for c in stages:
-        per_round, per_step = zero_times(shape, cl.gpu, cl.gpus, cl.gpus_per_node, c.zero, cl.dtype,
-                                         c.features.offload_optimizer)
+    for c, (per_round, per_step) in zip(stages, zero):
         step = critical_path_s(sched, per_round, barrier or c.zero == 3) + per_step
         if best is None or step < best[0]:
             best = (step, c, len(sched.rounds) * per_round + per_step)
