@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ulysses_size", type=int, default=None, help="override sequence_parallel.ulysses_size")
     g.add_argument("--zero_stage", type=int, default=None, choices=(0, 1, 2, 3), help="override ZeRO stage")
     g.add_argument("--micro_batch", type=int, default=None, help="override train_micro_batch_size_per_gpu")
-    g.add_argument("--lr", type=float, default=None, help="override the optimizer's lr")
+    g.add_argument("--lr", type=float, default=None, help="override the optimizer's lr; a WarmupLR / WarmupDecayLR / "
+                   "OneCycle scheduler's bounds move with it (the peak becomes LR)")
     g.add_argument("--nprocs", type=int, default=4, help="ranks to start when no launcher started this "
                    "command (ignored under deepspeed/torchrun/mpirun)")
     g.add_argument("--master_port", type=int, default=29500, help="rendezvous port where the launcher sets "

@@ -51,11 +51,35 @@ def build_ds_config(opts) -> dict:
         ds["train_micro_batch_size_per_gpu"] = opts.micro_batch
     if opts.lr is not None:
         ds.setdefault("optimizer", {}).setdefault("params", {})["lr"] = opts.lr
+        _scale_scheduler(ds.get("scheduler"), opts.lr)
     if opts.no_wandb:
         ds.pop("wandb", None)
     if opts.resume_universal:
         ds["checkpoint"] = dict(ds.get("checkpoint", {}), load_universal=True)
     return ds
+
+
+# DeepSpeed's schedulers that set the lr themselves, from these bounds (WarmupCosineLR scales the optimizer's
+# own lr, so it follows --lr as it is); the first is the peak
+SCHEDULER_BOUNDS = {"WarmupLR": ("warmup_max_lr", "warmup_min_lr"),
+                    "WarmupDecayLR": ("warmup_max_lr", "warmup_min_lr"),
+                    "OneCycle": ("cycle_max_lr", "cycle_min_lr"),
+                    "LRRangeTest": ("lr_range_test_min_lr",)}
+
+
+def _scale_scheduler(scheduler, lr: float) -> None:
+    """--lr moves the scheduler's lr bounds with it (the peak becomes lr, the others keep their ratio to it):
+    under a warmup scheduler the optimizer's lr alone is overwritten at the first step, so --lr would
+    otherwise change nothing."""
+    if not scheduler:
+        return
+    params = scheduler.get("params", {})
+    names = [n for n in SCHEDULER_BOUNDS.get(scheduler.get("type"), ()) if n in params]
+    if not names or not params[names[0]]:
+        return
+    peak = params[names[0]]
+    for name in names:
+        params[name] = params[name] * lr / peak
 
 
 # The values transformers' Trainer fills where a config says "auto" (from its TrainingArguments), so one

@@ -124,3 +124,14 @@ def test_the_trainers_auto_values_are_filled_and_any_other_auto_is_refused_by_it
     with pytest.raises(ConfigError, match=r'"zero_optimization.stage3_prefetch_bucket_size": "auto" is filled by '
                                           r"transformers' Trainer.*give zero_optimization.stage3_prefetch_bucket_size"):
         check_config(opts("--deepspeed_config", str(bad)), 4)
+
+
+def test_lr_moves_a_warmup_schedulers_bounds_with_it():
+    """Under WarmupLR the scheduler writes the lr at every step: --lr must reach its bounds, or it would
+    change nothing (the peak becomes --lr, the floor keeps its ratio to the peak)."""
+    ds, _ = check_config(opts("--deepspeed_config", os.path.join(ROOT, "configs/zigzag_zero2.json"), "--lr", "1e-2"), 4)
+    params = ds["scheduler"]["params"]
+    assert ds["optimizer"]["params"]["lr"] == params["warmup_max_lr"] == 1e-2
+    assert params["warmup_min_lr"] == pytest.approx(1e-3) and params["warmup_num_steps"] == 10
+    ds, _ = check_config(opts("--deepspeed_config", os.path.join(ROOT, "configs/zigzag_zero2.json")), 4)
+    assert ds["scheduler"]["params"]["warmup_max_lr"] == 1e-3
