@@ -69,7 +69,8 @@ class SequenceParallel:
         # 5. the linear exchange, over the same groups, layout and stats as the strategy
         self.linear_exchange = LinearExchange(config.linear_strategy, config.lasp_comm, self.strategy.ctx)
         self._handle = ops.handle(self)      # how the opaque ops (ops/) find this object when they run
-        ops.handle(self.group), ops.handle(self.stats)     # the loss's reduction finds them (ops/reduce.py)
+        ops.handle(self.group), ops.handle(self.stats)     # the loss's and unshard's collectives find them
+                                                           # (ops/reduce.py)
 
     @classmethod
     def from_ds_config(cls, ds_config, device=None) -> "SequenceParallel":
@@ -131,7 +132,7 @@ class SequenceParallel:
         """Inverse of shard: every rank gets the global-order tensor (differentiable); ``seq_len``
         drops the end padding that shard added."""
         dim = dim % local.dim()
-        gathered = comm.all_gather(local, dim, self.group, self.stats, kind="unshard")
+        gathered = ops.all_gather(local, dim, self.group, self.stats, kind="unshard")
         full = self.layout.unshard(list(gathered.chunk(self.size, dim=dim)), dim)
         if seq_len is not None:
             check_seq_len(seq_len, full.shape[dim], self.layout.required_multiple)

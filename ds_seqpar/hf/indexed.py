@@ -41,7 +41,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .. import comm
+from .. import ops
 from ..masks import Mask
 from ..sharding.documents import as_boundaries, check_documents
 from .checks import UnsupportedModelError, text_config
@@ -95,7 +95,7 @@ class GlobalKeys:
         self.sp = sp
 
     def _gather(self, local, dim: int, kind: str):
-        parts = comm.all_gather(local.contiguous(), dim, self.sp.group, self.sp.stats, kind=kind)
+        parts = ops.all_gather(local.contiguous(), dim, self.sp.group, self.sp.stats, kind=kind)
         return self.sp.layout.unshard(list(parts.chunk(self.sp.size, dim=dim)), dim)
 
     def update(self, k_pass, k_rot, layer_idx: int):

@@ -1,8 +1,10 @@
-"""The training loss's collective as an opaque, differentiable node: ``ds_seqpar::all_reduce_sum`` (out
-of place, identity backward: comm.all_reduce_sum's contract). Its body runs eagerly, so CommStats
-count the loss's bytes and calls under torch.compile as in eager runs, and the compiler keeps no
-guard on the counters (a traced ``stats.record`` would guard on their values and recompile every step).
-The process group and the CommStats enter by handle (registry.py)."""
+"""The collectives outside attention as opaque, differentiable nodes: ``ds_seqpar::all_reduce_sum`` (the
+training loss's reduction; out of place, identity backward: comm.all_reduce_sum's contract) and
+``ds_seqpar::all_gather`` (``sp.unshard``'s gather; its backward is ``ds_seqpar::reduce_scatter``, the
+dual). Their bodies run eagerly, so CommStats count their bytes and calls under torch.compile as in
+eager runs, and the compiler keeps no guard on the counters (a traced ``stats.record`` would guard on
+their values and recompile every step); dynamo cannot trace the async collectives themselves. The
+process group and the CommStats enter by handle (registry.py)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -18,7 +20,7 @@ _NO_STATS = ""
 
 @torch.library.custom_op("ds_seqpar::all_reduce_sum", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def all_reduce_sum_op(x: Tensor, group: str, stats: str, kind: str) -> Tensor:
-    return comm.all_reduce(x.clone(), resolve(group), resolve(stats) if stats != _NO_STATS else None, "sum", kind)
+    return comm.all_reduce(x.clone(), resolve(group), _stats(stats), "sum", kind)
 
 
 @all_reduce_sum_op.register_fake
@@ -36,13 +38,63 @@ all_reduce_sum_op.register_autograd(_backward)
 
 def all_reduce_sum(x: Tensor, group, stats: Optional[comm.CommStats] = None, kind: str = "all_reduce") -> Tensor:
     """comm.all_reduce_sum as the op above."""
+    return all_reduce_sum_op(x, *_handles(group, stats), kind)
+
+
+@torch.library.custom_op("ds_seqpar::all_gather", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def all_gather_op(x: Tensor, dim: int, group: str, stats: str, kind: str) -> Tensor:
+    # a copy even at size 1: a custom op's output may not alias its input
+    return comm.all_gather_nograd(x, dim, resolve(group), _stats(stats), kind).clone(
+        memory_format=torch.contiguous_format)
+
+
+@all_gather_op.register_fake
+def _gather_fake(x, dim, group, stats, kind):
+    shape = list(x.shape)
+    shape[dim] *= torch.distributed.get_world_size(resolve(group))
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("ds_seqpar::reduce_scatter", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def reduce_scatter_op(x: Tensor, dim: int, group: str, stats: str, kind: str) -> Tensor:
+    return comm.reduce_scatter(x.contiguous(), dim, resolve(group), _stats(stats), kind).clone(
+        memory_format=torch.contiguous_format)
+
+
+@reduce_scatter_op.register_fake
+def _scatter_fake(x, dim, group, stats, kind):
+    shape = list(x.shape)
+    shape[dim] //= torch.distributed.get_world_size(resolve(group))
+    return x.new_empty(shape)
+
+
+def _setup_gather(ctx, inputs, output):
+    _, ctx.dim, ctx.group, ctx.stats, ctx.kind = inputs
+
+
+def _gather_backward(ctx, grad):
+    # every rank's copy of the gathered tensor contributed: sum them and keep this rank's slice
+    return reduce_scatter_op(grad, ctx.dim, ctx.group, ctx.stats, ctx.kind), None, None, None, None
+
+
+all_gather_op.register_autograd(_gather_backward, setup_context=_setup_gather)
+
+
+def all_gather(x: Tensor, dim: int, group, stats: Optional[comm.CommStats] = None, kind: str = "all_gather") -> Tensor:
+    """comm.all_gather (differentiable) as the op above."""
+    return all_gather_op(x, dim, *_handles(group, stats), kind)
+
+
+def _handles(group, stats) -> tuple:
     if torch.compiler.is_compiling():
         # handle() writes a weak dictionary, which tracing cannot follow; the key is registered by
         # SequenceParallel (its group and stats) or by an earlier eager call
-        handles = key_of(group), _NO_STATS if stats is None else key_of(stats)
-    else:
-        handles = handle(group), _NO_STATS if stats is None else handle(stats)
-    return all_reduce_sum_op(x, *handles, kind)
+        return key_of(group), _NO_STATS if stats is None else key_of(stats)
+    return handle(group), _NO_STATS if stats is None else handle(stats)
 
 
-__all__ = ["all_reduce_sum"]
+def _stats(key: str) -> Optional[comm.CommStats]:
+    return resolve(key) if key != _NO_STATS else None
+
+
+__all__ = ["all_reduce_sum", "all_gather"]

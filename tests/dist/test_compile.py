@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from ds_seqpar import SequenceParallel
+from ds_seqpar import SequenceParallel, ops
 from ds_seqpar.kernels.linear.naive import linear_attention_reference
 
 from ..reference import assert_derived_close, dense_attention
@@ -23,6 +23,9 @@ from ..reference import assert_derived_close, dense_attention
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, SEQ = 16, 4, 2, 8, 64
 BOUNDS = [0, 11, 40, 64]
 SCALE = HEAD_DIM ** -0.5
+# compiled vs eager where both run the same operations (only the order of a few sums may differ): x the
+# eager tensor's largest entry
+REL = 1e-5
 # the attention calls of one block, in order: every mask and score option in one compiled graph
 LAYERS = (dict(causal=True), dict(causal=False, window=5, softcap=3.0, sinks=True, docs="tensor"),
           dict(causal=True, window=6, softcap=2.0, sinks=True, docs="list"))
@@ -242,3 +245,49 @@ def _one_graph_several_sps():
 
 def test_one_compiled_function_serves_several_sequence_parallel_objects(pool):
     assert pool.run(_one_graph_several_sps) == [["ring", "zigzag", "ulysses"]] * 4
+
+
+# -- the collectives outside attention: sp.loss, sp.loss_from_hidden, sp.unshard --------------------------
+
+
+def _collectives(cfg):
+    """sp.loss, sp.loss_from_hidden (the head fused in, chunks of 8 tokens) and sp.unshard (then a product
+    with an upstream tensor) compiled with fullgraph=True under aot_eager: each value and the gradients of
+    the hidden states and of the head equal the eager run's, with the same sp.stats; the gathered tensor
+    equals the global one. Then the gather and its dual pass torch.library.opcheck."""
+    sp = SequenceParallel(cfg)
+    g = torch.Generator().manual_seed(13)
+    hidden, head = torch.randn(1, SEQ, HIDDEN, generator=g), torch.randn(24, HIDDEN, generator=g)
+    labels = torch.randint(0, 24, (1, SEQ), generator=g)
+    labels[0, ::5] = -100
+    upstream = torch.randn(1, SEQ, 24, generator=g)
+    h, y = sp.shard(hidden), sp.shard(labels)
+    calls = {"loss": lambda h, w: sp.loss(h @ w.t(), y, grad_scale=1.0),
+             "loss_from_hidden": lambda h, w: sp.loss_from_hidden(h, w, y, chunk_tokens=8, grad_scale=1.0),
+             "unshard": lambda h, w: (sp.unshard(h @ w.t()) * upstream).sum()}
+    for name, fn in calls.items():
+        runs = []
+        for backend in (None, "aot_eager"):
+            torch._dynamo.reset()
+            run = fn if backend is None else torch.compile(fn, backend=backend, fullgraph=True)
+            leaves = [h.clone().requires_grad_(), head.clone().requires_grad_()]
+            sp.stats.reset()
+            value = run(*leaves)
+            value.backward()
+            runs.append(([value.detach()] + [t.grad for t in leaves], dict(sp.stats.bytes), dict(sp.stats.calls)))
+        (eager, *eager_stats), (got, *got_stats) = runs
+        assert got_stats == eager_stats and eager_stats[1], (name, got_stats, eager_stats)
+        for what, a, b in zip(("value", "d hidden", "d head"), got, eager):
+            torch.testing.assert_close(a, b, rtol=0, atol=REL * b.abs().max().item(), msg=f"{name} {what}")
+    assert torch.equal(sp.unshard(sp.shard(hidden)), hidden)
+    gathered = torch.ops.ds_seqpar.all_gather(h, 1, *(ops.handle(o) for o in (sp.group, sp.stats)), "unshard")
+    for op, args in ((torch.ops.ds_seqpar.all_gather, (h.clone().requires_grad_(), 1)),
+                     (torch.ops.ds_seqpar.reduce_scatter, (torch.randn_like(gathered), 1))):
+        torch.library.opcheck(op, args + tuple(ops.handle(o) for o in (sp.group, sp.stats)) + ("unshard",),
+                              test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    return sorted(calls)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_loss_and_unshard_compile_fullgraph_as_eager(pool, size):
+    assert pool.run(_collectives, {"strategy": "zigzag", "size": size}) == [["loss", "loss_from_hidden", "unshard"]] * 4
