@@ -14,7 +14,7 @@ import torch
 from ds_seqpar.hf.vision import VIDEO_AS_IMAGE_TOKENS
 
 from .hf_vlm_configs import CONFIGS as FIRST, FRAME_SPANS, fit_mrope  # noqa: F401 - fit_mrope: the tests' name
-from .hf_vlm_configs_more import CHW_PATCHES, CONFIGS as MORE, IMAGES_ONLY
+from .hf_vlm_configs_more import CHW_PATCHES, CONFIGS as MORE, ONE_FRAME_VIDEOS
 from .hf_zoo import STRATEGIES, _gradient_ratio, _worst, verdict
 
 
@@ -22,6 +22,9 @@ SEQ = 64
 CONFIGS = {**FIRST, **MORE}
 IMAGE_GRIDS = ((1, 4, 4), (1, 4, 8))           # Qwen-VL: 4 and 8 placeholders (merge 2 x 2)
 VIDEO_GRID = (2, 4, 4)                         # 8 placeholders
+# the LLaVA families that take a video as frames of the images' size: its frames in the row (Video-LLaVA's tower
+# keeps every patch and the class token of each frame: 5 tokens a frame; the others pool a frame to one token)
+VIDEO_FRAMES = {"llava_onevision": 8, "llava_next_video": 8, "video_llava": 2}
 # the [batch, seq] inputs that carry row()'s token types, as each model's forward names them
 TYPE_KEYS = ("mm_token_type_ids", "token_type_ids")
 
@@ -39,7 +42,8 @@ def _grid_inputs(cfg, g, model):
     channels = getattr(v, "in_channels", None) or getattr(v, "num_channels", 3)
     patch = (channels, v.patch_size, v.patch_size) if cfg.model_type in CHW_PATCHES else \
         (channels * (getattr(v, "temporal_patch_size", None) or getattr(v, "patch_temporal", 1)) * v.patch_size ** 2,)
-    images, video = torch.tensor(IMAGE_GRIDS), torch.tensor([VIDEO_GRID])
+    images = torch.tensor(IMAGE_GRIDS)
+    video = torch.tensor([(1, *VIDEO_GRID[1:]) if cfg.model_type in ONE_FRAME_VIDEOS else VIDEO_GRID])
     out = {"pixel_values": torch.randn(int(images.prod(-1).sum()), *patch, generator=g), "image_grid_thw": images,
            "pixel_values_videos": torch.randn(int(video.prod(-1).sum()), *patch, generator=g), "video_grid_thw": video}
     if hasattr(cfg.vision_config, "tokens_per_second"):
@@ -50,9 +54,8 @@ def _grid_inputs(cfg, g, model):
         out.update(image_merge_sizes=torch.tensor([merge] * len(images)), video_merge_sizes=torch.tensor([merge]))
     merge = merge ** 2
     spans = [(n, cfg.image_token_id, 1) for n in _feature_counts(model, out, len(IMAGE_GRIDS))]
-    t, h, w = VIDEO_GRID
-    if "pixel_values_videos" not in accepted or getattr(cfg, "video_token_id", None) is None or \
-            cfg.model_type in IMAGES_ONLY:
+    t, h, w = video[0].tolist()
+    if "pixel_values_videos" not in accepted or getattr(cfg, "video_token_id", None) is None:
         return {k: out[k] for k in out if "video" not in k}, spans
     if cfg.model_type in VIDEO_AS_IMAGE_TOKENS:
         # GLM-4V reads a video's frames at image placeholders, so a row holds images or a video: two images
@@ -68,9 +71,10 @@ def _grid_inputs(cfg, g, model):
 
 
 def _image_inputs(cfg, g, model):
-    """Two images of the tower's size (LLaVA-NeXT: one, 36 features with its high-resolution tile; Gemma 3
-    and 4: three) in the layout the family's processor gives; their placeholder counts are the rows of the model's
-    own image features."""
+    """Two images of the tower's size (LLaVA-NeXT: one, 36 features with its high-resolution tile; LLaVA-OneVision
+    and LLaVA-NeXT-Video: one, 10 features, and a video; Gemma 3 and 4: three) in the layout the family's processor
+    gives, and a video of VIDEO_FRAMES frames where the family takes one as frames; their placeholder counts are the
+    rows of the model's own image (video) features."""
     mt = cfg.model_type
     count = {"llava_next": 1, "llava_onevision": 1, "llava_next_video": 1, "gemma3": 3, "gemma4": 3,
              "gemma4_unified": 3}.get(mt, 2)
@@ -91,7 +95,7 @@ def _image_inputs(cfg, g, model):
     elif mt == "fuyu":                   # the processor's layout: one row of 2 x 2 x 3 patches per sample
         out = {"pixel_values": pixels.reshape(count, 3, 4, 2, 4, 2).permute(0, 2, 4, 3, 5, 1).reshape(1, -1, 12)}
     elif mt in ("llava_next", "llava_onevision", "llava_next_video"):
-        out = {"pixel_values": torch.stack([pixels, pixels.flip(-1)], 1), "image_sizes": torch.tensor([[8, 8]])}
+        out = {"pixel_values": torch.stack([pixels, pixels.flip(-1)], 1), "image_sizes": torch.tensor([[size, size]])}
     elif mt == "deepseek_vl_hybrid":
         high = cfg.high_res_vision_config.image_size
         out = {"pixel_values": pixels, "high_res_pixel_values": torch.randn(count, 3, high, high, generator=g)}
@@ -112,7 +116,12 @@ def _image_inputs(cfg, g, model):
         out = {"pixel_values": pixels[None]}
     else:
         out = {"pixel_values": pixels}
-    return out, [(n, cfg.image_token_id, 1) for n in _feature_counts(model, out, count)]
+    spans = [(n, cfg.image_token_id, 1) for n in _feature_counts(model, out, count)]
+    if mt in VIDEO_FRAMES:               # and one video of VIDEO_FRAMES frames of the same size
+        video = {"pixel_values_videos": torch.randn(1, VIDEO_FRAMES[mt], 3, size, size, generator=g)}
+        token = getattr(cfg, "video_token_id", None) or cfg.video_token_index
+        return dict(out, **video), spans + [(n, token, 2) for n in _feature_counts(model, video, 1, "video")]
+    return out, spans
 
 
 def _feature_counts(model, vision, count, kind="image"):

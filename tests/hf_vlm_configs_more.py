@@ -27,21 +27,23 @@ def _fuyu():
 
 def _llava_onevision():
     from transformers import LlavaOnevisionConfig
-    return LlavaOnevisionConfig(vision_config=dict(TOWER, model_type="siglip_vision_model"),
+    # 4 x 4 images and frames: an image with its high-resolution tile and a video fit one row
+    return LlavaOnevisionConfig(vision_config=dict(TOWER, model_type="siglip_vision_model", image_size=4),
                                 text_config=dict(LLAMA, model_type="qwen2"), image_token_index=120,
-                                video_token_index=121, vision_feature_layer=-1, image_grid_pinpoints=[[8, 8], [8, 16]])
+                                video_token_index=121, vision_feature_layer=-1, image_grid_pinpoints=[[4, 4], [4, 8]])
 
 
 def _llava_next_video():
     from transformers import LlavaNextVideoConfig
-    return LlavaNextVideoConfig(vision_config=dict(TOWER, model_type="clip_vision_model"),
+    return LlavaNextVideoConfig(vision_config=dict(TOWER, model_type="clip_vision_model", image_size=4),
                                 text_config=dict(LLAMA, model_type="llama"), image_token_index=120,
-                                video_token_index=121, vision_feature_layer=-1, image_grid_pinpoints=[[8, 8], [8, 16]])
+                                video_token_index=121, vision_feature_layer=-1, image_grid_pinpoints=[[4, 4], [4, 8]])
 
 
 def _video_llava():
     from transformers import VideoLlavaConfig
-    return VideoLlavaConfig(vision_config=dict(TOWER, model_type="clip_vision_model"),
+    # 4 x 4 frames and images (5 tokens each): a video's frames keep every patch
+    return VideoLlavaConfig(vision_config=dict(TOWER, model_type="clip_vision_model", image_size=4),
                             text_config=dict(LLAMA, model_type="llama"), image_token_index=120, video_token_index=121,
                             vision_feature_layer=-1)
 
@@ -178,8 +180,8 @@ CONFIGS.update({
 # towers whose patch embedding is a convolution over [C, p, p] patches (the others reshape a flat row)
 CHW_PATCHES = ("kimi_k25", "paddleocr_vl")
 # Kimi-K2.5's tower pools a video's frames into one, but transformers splits its features per t * h * w: a
-# multi-frame video does not run unsharded, so its rows hold images only
-IMAGES_ONLY = ("kimi_k25",)
+# multi-frame video does not run unsharded, so its rows hold a one-frame video
+ONE_FRAME_VIDEOS = ("kimi_k25",)
 
 
 def _mllama():
