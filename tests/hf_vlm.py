@@ -78,7 +78,8 @@ def _image_inputs(cfg, g, model):
     mt = cfg.model_type
     count = {"llava_next": 1, "llava_onevision": 1, "llava_next_video": 1, "gemma3": 3, "gemma4": 3,
              "gemma4_unified": 3}.get(mt, 2)
-    size = getattr(getattr(cfg, "vision_config", cfg), "image_size", 8)
+    tower = getattr(cfg, "vision_config", cfg)
+    size = getattr(getattr(tower, "sam_config", tower), "image_size", 8)       # Unlimited-OCR: SAM's input size
     size = size[0] if isinstance(size, (list, tuple)) else size
     pixels = torch.randn(count, 3, size, size, generator=g)
     if mt == "gemma4_unified":           # 2 x 3 patches of 2 x 2 pixels, flattened, with their (x, y): 6 tokens,

@@ -177,6 +177,22 @@ CONFIGS.update({
     "shieldgemma2": lambda: from_zoo("shieldgemma2", {"vision_config": dict(image_size=12, patch_size=2)},
                                      mm_tokens_per_image=9),
 })
+def _unlimited_ocr():
+    # DeepSeek-OCR's towers: SAM (16 x 16 images in 2 x 2 patches, its neck's two stride-2 convolutions to 2 x 2)
+    # whose features are the patch embeddings of a CLIP encoder (2 x 2 positions); 7 features an image (a newline
+    # after each row, a view separator)
+    cfg = from_zoo("unlimited_ocr")
+    sam = dict(hidden_size=16, output_channels=16, num_hidden_layers=1, global_attn_indexes=[0], num_attention_heads=2,
+               image_size=16, patch_size=2, window_size=4, mlp_dim=32, downsample_channels=[16, 16])
+    clip = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=28,
+                patch_size=14)
+    for sub, values in ((cfg.vision_config.sam_config, sam), (cfg.vision_config.encoder_config, clip)):
+        for key, value in values.items():
+            setattr(sub, key, value)
+    return cfg
+
+
+CONFIGS.update(unlimited_ocr=_unlimited_ocr)
 # towers whose patch embedding is a convolution over [C, p, p] patches (the others reshape a flat row)
 CHW_PATCHES = ("kimi_k25", "paddleocr_vl")
 # Kimi-K2.5's tower pools a video's frames into one, but transformers splits its features per t * h * w: a

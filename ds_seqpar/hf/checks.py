@@ -33,7 +33,11 @@ LEGACY_MODEL_TYPES = frozenset({
     "big_bird", "bloom", "clvp", "codegen", "cpmant", "falcon", "gpt_neo", "gpt_neox_japanese", "gptj",
     "megatron-bert", "megatron_bert", "mpt", "mvp", "prophetnet", "rembert", "roformer", "rwkv", "trocr", "xglm",
 })
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention")
+# Unlimited-OCR's "reference sliding window": the window bounds only tokens decoded after a cached prefill; a
+# training forward (no cache) is all prefill, and transformers' mask for it is the causal one (its layers pass
+# no sliding_window to the attention function either)
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention",
+                         "reference_sliding_attention")
 TOKENWISE_LAYER_TYPES = ("mlp", "moe")        # Nemotron-H's layers without a token mixer
 # modules that mix tokens outside attention: the state / convolution would run on one shard only
 TOKEN_MIXER_CLASS = re.compile(r"Mamba|GatedDeltaNet|ShortConv|SSM|Rwkv|RWKV|LinearAttention|Retention|Hyena|"

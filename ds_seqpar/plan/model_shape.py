@@ -21,6 +21,7 @@ from ..cost.candidate import LINEAR_KINDS, SOFTMAX_KINDS
 
 _KIND_OF = {"full_attention": "attention", "attention": "attention", "sliding_attention": "sliding",
             "chunked_attention": "sliding", "indexed_attention": "indexed", "linear_attention": "linear",
+            "reference_sliding_attention": "attention",     # causal in training (hf/checks.py)
             "mamba": "mamba", "hybrid": "mamba",
             "conv": "linear", "mlp": "mlp", "moe": "mlp"}
 
