@@ -114,7 +114,19 @@ def _check_multimodal(config, tc, name: str) -> None:
 COMPRESSED_LAYER_TYPES = ("heavily_compressed_attention", "compressed_sparse_attention")
 
 
+# decoders whose attention ds_seqpar cannot run exactly, by model type: the real reason
+REFUSED_ATTENTION = {
+    mt: ("Inkling's attention (an additive relative-position bias built per call as a dense [heads, queries, keys] "
+         "tensor from the shard's local positions, short convolutions over the keys and values, and a query "
+         "scaling by local position)",
+         "use a model whose attention takes its positions from position_ids (RoPE) or has no position bias")
+    for mt in ("inkling_text", "inkling2_text")}
+
+
 def _check_layer_types(tc, name: str, linear_ok: bool = False) -> None:
+    if getattr(tc, "model_type", None) in REFUSED_ATTENTION:
+        feature, fix = REFUSED_ATTENTION[tc.model_type]
+        _refuse(feature, name, fix)
     allowed = ATTENTION_LAYER_TYPES + TOKENWISE_LAYER_TYPES + (LINEAR_LAYER_TYPES if linear_ok else ())
     for key in ("layer_types", "layers_block_type"):
         types = getattr(tc, key, None) or []

@@ -35,6 +35,8 @@ REFUSED = [
     ("CodeGenConfig", {}, {}, "attention that ignores transformers' AttentionInterface"),
     ("MptConfig", {}, {}, "attention that ignores transformers' AttentionInterface"),
     ("LlamaConfig", {"attention_dropout": 0.1}, {"training": True}, "attention dropout 0.1 in training"),
+    ("InklingTextConfig", {}, {}, "Inkling's attention (an additive relative-position bias"),
+    ("Inkling2TextConfig", {}, {}, "Inkling's attention (an additive relative-position bias"),
 ]
 
 
@@ -58,6 +60,7 @@ ACCEPTED = [
     ("LlamaConfig", {"attention_dropout": 0.1}, {"training": False}),        # dropout is off in eval
     ("DeepseekV3Config", {}, {"training": True}),                            # MLA: padded, exact
     ("Gemma3TextConfig", {}, {}),
+    ("UnlimitedOcrTextConfig", {}, {"training": True}),                   # reference windows: causal in training
 ]
 
 
