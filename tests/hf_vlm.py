@@ -15,7 +15,7 @@ from ds_seqpar.hf.vision import VIDEO_AS_IMAGE_TOKENS
 
 from .hf_vlm_configs import CONFIGS as FIRST, FRAME_SPANS, fit_mrope  # noqa: F401 - fit_mrope: the tests' name
 from .hf_vlm_configs_more import CHW_PATCHES, CONFIGS as MORE, ONE_FRAME_VIDEOS
-from .hf_zoo import STRATEGIES, _gradient_ratio, _worst, verdict
+from .hf_zoo import STRATEGIES, _gradient_ratio, _worst, message, verdict
 
 
 SEQ = 64
@@ -72,12 +72,12 @@ def _grid_inputs(cfg, g, model):
 
 def _image_inputs(cfg, g, model):
     """Two images of the tower's size (LLaVA-NeXT: one, 36 features with its high-resolution tile; LLaVA-OneVision
-    and LLaVA-NeXT-Video: one, 10 features, and a video; Gemma 3 and 4: three) in the layout the family's processor
+    and LLaVA-NeXT-Video: one, 10 features, and a video; BLIP-2 and InstructBLIP: one; Gemma 3 and 4: three) in the layout the family's processor
     gives, and a video of VIDEO_FRAMES frames where the family takes one as frames; their placeholder counts are the
     rows of the model's own image (video) features."""
     mt = cfg.model_type
     count = {"llava_next": 1, "llava_onevision": 1, "llava_next_video": 1, "gemma3": 3, "gemma4": 3,
-             "gemma4_unified": 3}.get(mt, 2)
+             "gemma4_unified": 3, "blip-2": 1, "instructblip": 1}.get(mt, 2)       # instructblipvideo: 2 frames
     tower = getattr(cfg, "vision_config", cfg)
     size = getattr(getattr(tower, "sam_config", tower), "image_size", 8)       # Unlimited-OCR: SAM's input size
     size = size[0] if isinstance(size, (list, tuple)) else size
@@ -113,10 +113,16 @@ def _image_inputs(cfg, g, model):
         out = {"pixel_values": pixels, "image_sizes": torch.tensor([[8, 8]] * count)}
     elif mt == "video_llava":
         out = {"pixel_values_images": pixels}
+    elif mt in ("instructblip", "instructblipvideo"):  # and the instruction its Q-Former reads, as long as the
+        out = {"pixel_values": pixels if mt == "instructblip" else pixels[None],  # row: only its name keeps
+               "qformer_input_ids": torch.randint(3, 100, (1, SEQ), generator=g),  # sp.shard_batch from cutting it
+               "qformer_attention_mask": torch.ones(1, SEQ, dtype=torch.long)}
     elif mt in ("idefics3", "smolvlm", "idefics2"):
         out = {"pixel_values": pixels[None]}
     else:
         out = {"pixel_values": pixels}
+    if mt == "instructblipvideo":      # one video of two frames, the queries of each frame its placeholders
+        return out, [(n, cfg.video_token_id, 2) for n in _feature_counts(model, out, 1, "video")]
     spans = [(n, cfg.image_token_id, 1) for n in _feature_counts(model, out, count)]
     if mt in VIDEO_FRAMES:               # and one video of VIDEO_FRAMES frames of the same size
         video = {"pixel_values_videos": torch.randn(1, VIDEO_FRAMES[mt], 3, size, size, generator=g)}
@@ -144,7 +150,8 @@ def row(cfg, model, seed=1):
     g = torch.Generator().manual_seed(seed)
     if cfg.model_type == "mllama":
         return _cross_attention_row(g)
-    grids = "image_grid_thw" in inspect.signature(getattr(model, "model", model).get_image_features).parameters
+    features = getattr(getattr(model, "model", model), "get_image_features", None)     # InstructBLIP-Video: videos only
+    grids = features is not None and "image_grid_thw" in inspect.signature(features).parameters
     vision, spans = _grid_inputs(cfg, g, model) if grids else _image_inputs(cfg, g, model)
     ids = torch.randint(3, 110, (1, SEQ), generator=g)
     types = torch.zeros(1, SEQ, dtype=torch.long)
@@ -267,7 +274,7 @@ def check(cfg, make_inputs, sps):
             out[strategy] = ("refused", str(err).splitlines()[0])
             continue
         except Exception as err:                            # noqa: BLE001 - reported, not hidden
-            out[strategy] = ("error", f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
+            out[strategy] = ("error", message(err))
             continue
         grads = _summed_grads(model, sp.group)
         ratios = {"logits": _worst(sp.unshard(logits, dim=1, seq_len=SEQ), ref[0], plain[0]),

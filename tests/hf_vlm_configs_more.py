@@ -73,9 +73,38 @@ def _aria():
                       projector_patch_to_query_dict={16: 4}, image_token_index=120)
 
 
+# BLIP-2 / InstructBLIP: the Q-Former's 8 learned queries read the image and become the image's 8 placeholders;
+# an OPT decoder (BLIP-2) and a Llama one (InstructBLIP, whose Q-Former also reads an instruction)
+QFORMER = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=48, encoder_hidden_size=32,
+               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, vocab_size=128)
+OPT = dict(hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=128, max_position_embeddings=512,
+           word_embed_proj_dim=64, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0,
+           use_cache=False, bos_token_id=1, eos_token_id=2, pad_token_id=0, model_type="opt")
+
+
+def _blip_2():
+    from transformers import Blip2Config
+    return Blip2Config(vision_config=TOWER, qformer_config=QFORMER, text_config=OPT, num_query_tokens=8,
+                       image_token_id=120)
+
+
+def _instructblip():
+    from transformers import InstructBlipConfig
+    return InstructBlipConfig(vision_config=TOWER, qformer_config=QFORMER, text_config=dict(LLAMA, model_type="llama"),
+                              num_query_tokens=8, image_token_id=120)
+
+
+def _instructblipvideo():
+    from transformers import InstructBlipVideoConfig
+    # 4 queries a frame: a video of two frames has 8 placeholders
+    return InstructBlipVideoConfig(vision_config=TOWER, qformer_config=QFORMER, text_config=dict(LLAMA, model_type="llama"),
+                                   num_query_tokens=4, video_token_index=121)
+
+
 CONFIGS = {"cohere2_vision": _cohere2_vision, "deepseek_vl": _deepseek_vl, "fuyu": _fuyu,
            "llava_onevision": _llava_onevision, "llava_next_video": _llava_next_video, "video_llava": _video_llava,
-           "ovis2": _ovis2, "idefics2": _idefics2, "aria": _aria}
+           "ovis2": _ovis2, "idefics2": _idefics2, "aria": _aria, "blip-2": _blip_2, "instructblip": _instructblip,
+           "instructblipvideo": _instructblipvideo}
 
 
 VISION_TOKENS = dict(image_token_id=120, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123,

@@ -14,6 +14,7 @@ import time
 import torch
 
 from .hf_vlm import CONFIGS, SEQ, STRATEGIES, check, check_vlm, fit_mrope
+from .hf_zoo import not_built
 
 MARKER = "## Vision-language models"
 
@@ -43,6 +44,7 @@ def _param_count(cfg):
 def verdicts(model_type, sps):
     """(image row outcomes or None, text row outcomes)."""
     image = check_vlm(model_type, sps) if model_type in CONFIGS else None
+    cfg = None
     try:
         cfg = _zoo_config(model_type)
         text = check(cfg, _text_row(cfg), sps)
@@ -53,8 +55,17 @@ def verdicts(model_type, sps):
             cfg = CONFIGS[model_type]()
             text = check(cfg, _text_row(cfg), sps)
         except Exception:                                     # noqa: BLE001 - the zoo config's error reported
-            text = {s: ("unbuilt", f"{type(err).__name__}: {str(err).splitlines()[0][:160]}") for s in sps}
+            text = not_built(cfg if cfg is not None else _plain_config(model_type), err, sps)
     return image, text
+
+
+def _plain_config(model_type):
+    """The type's default config (for ds_seqpar's own config check), None if even that does not build."""
+    from transformers import CONFIG_MAPPING
+    try:
+        return CONFIG_MAPPING[model_type]()
+    except Exception:                                         # noqa: BLE001
+        return None
 
 
 def _zoo_config(model_type):

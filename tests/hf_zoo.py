@@ -330,12 +330,35 @@ def rounding_bounded_ratios(model_type, sps, names):
     return out
 
 
+def message(err, width=200) -> str:
+    """The exception's type and its first non-empty line (transformers' import errors start with a newline)."""
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return f"{type(err).__name__}: {(lines[0].strip() if lines else '')[:width]}"
+
+
+def not_built(cfg, err, sps):
+    """{strategy: outcome} of a type whose tiny model does not build or run unsharded: "refused" with
+    ds_seqpar's own reason where its config check refuses the config anyway (the most permissive check:
+    linear layers and towers allowed), else "unbuilt" with transformers' error."""
+    from ds_seqpar.hf import UnsupportedModelError
+    from ds_seqpar.hf.checks import check_config
+    if cfg is not None:
+        try:
+            check_config(cfg, linear_ok=True, vision_ok=True)     # training=None: dropout is a setting, not the model
+        except UnsupportedModelError as refusal:
+            return {s: ("refused", str(refusal).splitlines()[0]) for s in sps}
+        except Exception:                                   # noqa: BLE001 - transformers' error is the reason
+            pass
+    return {s: ("unbuilt", message(err, 160)) for s in sps}
+
+
 def check_model(model_type, sps):
     """{strategy: outcome} for one model type; outcome ("exact", ratio) | ("refused", message) |
     ("mismatch", what) | ("error", message)."""
     from ds_seqpar.config import ConfigError
     from ds_seqpar.hf import apply_sequence_parallel
     from .dist.test_hf import _summed_grads
+    cfg = None
     try:
         cfg = tiny_config(model_type)
         _check_size(cfg)
@@ -344,7 +367,7 @@ def check_model(model_type, sps):
         ref = _unsharded(cfg, state, ids, labels, torch.float64)
         plain = _unsharded(cfg, state, ids, labels, torch.float32)
     except Exception as err:                                # noqa: BLE001 - reported, not hidden
-        return {s: ("unbuilt", f"{type(err).__name__}: {str(err).splitlines()[0][:160]}") for s in sps}
+        return not_built(cfg, err, sps)
     out, rounding = {}, None
     for name, sp in sps.items():
         model = _build(cfg, torch.float32, state)
@@ -357,7 +380,7 @@ def check_model(model_type, sps):
             out[name] = ("refused", str(err).splitlines()[0])
             continue
         except Exception as err:                            # noqa: BLE001
-            out[name] = ("error", f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
+            out[name] = ("error", message(err))
             continue
         logits = sp.unshard(res.logits.detach(), dim=1, seq_len=SEQ)
         grads = _summed_grads(model, sp.group)

@@ -42,6 +42,18 @@ TOKENWISE_LAYER_TYPES = ("mlp", "moe")        # Nemotron-H's layers without a to
 # modules that mix tokens outside attention: the state / convolution would run on one shard only
 TOKEN_MIXER_CLASS = re.compile(r"Mamba|GatedDeltaNet|ShortConv|SSM|Rwkv|RWKV|LinearAttention|Retention|Hyena|"
                                r"DeltaAttention|Lightning")
+# models ds_seqpar cannot run exactly, by model type (the top config's or the decoder's): (feature, what works)
+REFUSED_TYPES = {
+    **{mt: ("Inkling's attention (an additive relative-position bias built per call as a dense [heads, queries, keys] "
+            "tensor from the shard's local positions, short convolutions over the keys and values, and a query "
+            "scaling by local position)",
+            "use a model whose attention takes its positions from position_ids (RoPE) or has no position bias")
+       for mt in ("inkling_text", "inkling2_text")},
+    "instructblipvideo": ("InstructBLIP-Video's Q-Former reading the call's position_ids (transformers passes the "
+                          "model call's keyword arguments on to it; sequence parallelism must pass each rank's global "
+                          "positions, which the Q-Former would take for its instruction's)",
+                          "use InstructBLIP, whose Q-Former reads only its own inputs"),
+}
 # softmax attention despite the name (the model is "Kimi Linear"); the post-forward check still
 # verifies that it called the registered attention function
 SOFTMAX_DESPITE_NAME = frozenset({"KimiLinearAttention"})
@@ -85,6 +97,9 @@ def check_config(config, training: Optional[bool] = None, linear_ok: bool = Fals
     tc = text_config(config)
     name = f"{type(tc).__name__} (model_type={getattr(tc, 'model_type', '?')!r})"
     model_type = getattr(tc, "model_type", "")
+    for refused in {model_type, getattr(config, "model_type", "")} & set(REFUSED_TYPES):
+        feature, fix = REFUSED_TYPES[refused]
+        _refuse(feature, name, fix)
     if model_type in LEGACY_MODEL_TYPES or getattr(config, "model_type", "") in LEGACY_MODEL_TYPES:
         _refuse("an attention that ignores transformers' AttentionInterface", name,
                 "use a model whose attention goes through the registry (Llama, Qwen2, Mistral, Gemma, GPT-2, ...)")
@@ -114,19 +129,7 @@ def _check_multimodal(config, tc, name: str) -> None:
 COMPRESSED_LAYER_TYPES = ("heavily_compressed_attention", "compressed_sparse_attention")
 
 
-# decoders whose attention ds_seqpar cannot run exactly, by model type: the real reason
-REFUSED_ATTENTION = {
-    mt: ("Inkling's attention (an additive relative-position bias built per call as a dense [heads, queries, keys] "
-         "tensor from the shard's local positions, short convolutions over the keys and values, and a query "
-         "scaling by local position)",
-         "use a model whose attention takes its positions from position_ids (RoPE) or has no position bias")
-    for mt in ("inkling_text", "inkling2_text")}
-
-
 def _check_layer_types(tc, name: str, linear_ok: bool = False) -> None:
-    if getattr(tc, "model_type", None) in REFUSED_ATTENTION:
-        feature, fix = REFUSED_ATTENTION[tc.model_type]
-        _refuse(feature, name, fix)
     allowed = ATTENTION_LAYER_TYPES + TOKENWISE_LAYER_TYPES + (LINEAR_LAYER_TYPES if linear_ok else ())
     for key in ("layer_types", "layers_block_type"):
         types = getattr(tc, key, None) or []

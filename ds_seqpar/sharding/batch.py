@@ -28,7 +28,9 @@ IGNORE_INDEX = -100          # labels the loss leaves out (Hugging Face's and to
 # vision inputs passed whole to every rank (the towers run on whole images), never cut along dim 1
 WHOLE_INPUTS = ("image_sizes", "second_per_grid_ts", "video_second_per_grid", "image_attention_mask",
                 "image_position_ids", "video_position_ids", "image_grid_hw", "image_merge_sizes", "video_merge_sizes",
-                "target_sizes", "spatial_shapes", "high_res_pixel_values")
+                "target_sizes", "spatial_shapes", "high_res_pixel_values",
+                # InstructBLIP: the instruction its Q-Former reads, a text of its own beside the row
+                "qformer_input_ids", "qformer_attention_mask")
 
 
 def is_vision_input(key: str) -> bool:

@@ -18,7 +18,8 @@ FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "mistra
             "deepseek_vl", "ovis2", "aria", "kimi_k25", "muse_glimmer", "video_llama_3", "paddleocr_vl", "minimax_m3_vl",
             "dots3_note", "cohere_compass", "cosmos3_omni", "exaone4_5", "hyperclovax_vision_v2", "lfm3_vl",
             "deepseek_vl_hybrid", "granite_docling", "lfm2_vl", "qianfan_ocr", "shieldgemma2", "mistral_large4",
-            "minicpm_ocr", "gemma4_unified", "nemotron_h_omni", "hunyuan_vl", "ernie4_5_vl_moe", "mllama", "unlimited_ocr")
+            "minicpm_ocr", "gemma4_unified", "nemotron_h_omni", "hunyuan_vl", "ernie4_5_vl_moe", "mllama", "unlimited_ocr",
+            "blip-2", "instructblip")
 # hybrids whose convolution / linear layers need runs of tokens: striped refused by name (docs/hybrids.md)
 EXCEPT_STRIPED = ("lfm3_vl", "minicpm_ocr", "nemotron_h_omni")
 

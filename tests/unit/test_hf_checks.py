@@ -37,6 +37,7 @@ REFUSED = [
     ("LlamaConfig", {"attention_dropout": 0.1}, {"training": True}, "attention dropout 0.1 in training"),
     ("InklingTextConfig", {}, {}, "Inkling's attention (an additive relative-position bias"),
     ("Inkling2TextConfig", {}, {}, "Inkling's attention (an additive relative-position bias"),
+    ("InstructBlipVideoConfig", {}, {"vision_ok": True}, "InstructBLIP-Video's Q-Former reading the call's position_ids"),
 ]
 
 
