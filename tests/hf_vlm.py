@@ -113,6 +113,12 @@ def _image_inputs(cfg, g, model):
         out = {"pixel_values": pixels, "image_sizes": torch.tensor([[8, 8]] * count)}
     elif mt == "video_llava":
         out = {"pixel_values_images": pixels}
+    elif mt == "blip":                # no placeholders: every text layer cross-attends to the image
+        return {"pixel_values": pixels[:1]}, []
+    elif mt == "idefics":             # gated cross-attention to the image from the tokens after 10
+        seen = torch.zeros(1, SEQ, 1, dtype=torch.long)
+        seen[0, 10:] = 1
+        return {"pixel_values": pixels[None, :1], "image_attention_mask": seen}, []
     elif mt in ("instructblip", "instructblipvideo"):  # and the instruction its Q-Former reads, as long as the
         out = {"pixel_values": pixels if mt == "instructblip" else pixels[None],  # row: only its name keeps
                "qformer_input_ids": torch.randint(3, 100, (1, SEQ), generator=g),  # sp.shard_batch from cutting it
@@ -155,7 +161,7 @@ def row(cfg, model, seed=1):
     vision, spans = _grid_inputs(cfg, g, model) if grids else _image_inputs(cfg, g, model)
     ids = torch.randint(3, 110, (1, SEQ), generator=g)
     types = torch.zeros(1, SEQ, dtype=torch.long)
-    centres = {1: (32,), 2: (16, 48), 3: (16, 32, 48), 4: (16, 32, 44, 54)}[len(spans)]
+    centres = {0: (), 1: (32,), 2: (16, 48), 3: (16, 32, 48), 4: (16, 32, 44, 54)}[len(spans)]
     end = 0
     for centre, (n, token, kind) in zip(centres, spans):
         start = centre - n // 2

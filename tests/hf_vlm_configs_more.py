@@ -94,6 +94,27 @@ def _instructblip():
                               num_query_tokens=8, image_token_id=120)
 
 
+def _blip():
+    from transformers import BlipConfig
+    return BlipConfig(vision_config=dict(TOWER, image_size=8), text_config=dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
+        encoder_hidden_size=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, use_cache=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, sep_token_id=3),
+        projection_dim=32, image_text_hidden_size=32)
+
+
+def _idefics():
+    from transformers import IdeficsConfig
+    # cross-attention layers after every decoder layer, to the tower's patches (no perceiver resampler)
+    return IdeficsConfig(**{k: LLAMA[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                                  "num_attention_heads", "use_cache", "bos_token_id", "eos_token_id",
+                                                  "pad_token_id")},
+                         additional_vocab_size=0, cross_layer_interval=1, dropout=0.0,
+                         vision_config=dict(embed_dim=32, image_size=8, patch_size=2, num_hidden_layers=1,
+                                            num_attention_heads=2, intermediate_size=48),
+                         perceiver_config=dict(use_resampler=False))
+
+
 def _instructblipvideo():
     from transformers import InstructBlipVideoConfig
     # 4 queries a frame: a video of two frames has 8 placeholders
@@ -103,7 +124,7 @@ def _instructblipvideo():
 
 CONFIGS = {"cohere2_vision": _cohere2_vision, "deepseek_vl": _deepseek_vl, "fuyu": _fuyu,
            "llava_onevision": _llava_onevision, "llava_next_video": _llava_next_video, "video_llava": _video_llava,
-           "ovis2": _ovis2, "idefics2": _idefics2, "aria": _aria, "blip-2": _blip_2, "instructblip": _instructblip,
+           "ovis2": _ovis2, "idefics2": _idefics2, "aria": _aria, "blip": _blip, "idefics": _idefics, "blip-2": _blip_2, "instructblip": _instructblip,
            "instructblipvideo": _instructblipvideo}
 
 
