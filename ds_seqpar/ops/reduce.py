@@ -51,7 +51,7 @@ def all_gather_op(x: Tensor, dim: int, group: str, stats: str, kind: str) -> Ten
 @all_gather_op.register_fake
 def _gather_fake(x, dim, group, stats, kind):
     shape = list(x.shape)
-    shape[dim] *= torch.distributed.get_world_size(resolve(group))
+    shape[dim] *= comm.group_size(resolve(group))
     return x.new_empty(shape)
 
 
@@ -64,7 +64,7 @@ def reduce_scatter_op(x: Tensor, dim: int, group: str, stats: str, kind: str) ->
 @reduce_scatter_op.register_fake
 def _scatter_fake(x, dim, group, stats, kind):
     shape = list(x.shape)
-    shape[dim] //= torch.distributed.get_world_size(resolve(group))
+    shape[dim] //= comm.group_size(resolve(group))
     return x.new_empty(shape)
 
 
