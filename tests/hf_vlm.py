@@ -15,11 +15,12 @@ from ds_seqpar.hf.vision import VIDEO_AS_IMAGE_TOKENS
 
 from .hf_vlm_configs import CONFIGS as FIRST, FRAME_SPANS, fit_mrope  # noqa: F401 - fit_mrope: the tests' name
 from .hf_vlm_configs_more import CHW_PATCHES, CONFIGS as MORE, ONE_FRAME_VIDEOS
+from .hf_vlm_configs_rest import CONFIGS as REST
 from .hf_zoo import STRATEGIES, _gradient_ratio, _worst, verdict
 
 
 SEQ = 64
-CONFIGS = {**FIRST, **MORE}
+CONFIGS = {**FIRST, **MORE, **REST}
 IMAGE_GRIDS = ((1, 4, 4), (1, 4, 8))           # Qwen-VL: 4 and 8 placeholders (merge 2 x 2)
 VIDEO_GRID = (2, 4, 4)                         # 8 placeholders
 # the LLaVA families that take a video as frames of the images' size: its frames in the row (Video-LLaVA's tower
@@ -95,8 +96,8 @@ def _image_inputs(cfg, g, model):
                "image_grid_hw": torch.tensor([[4, 4]] * count)}
     elif mt == "fuyu":                   # the processor's layout: one row of 2 x 2 x 3 patches per sample
         out = {"pixel_values": pixels.reshape(count, 3, 4, 2, 4, 2).permute(0, 2, 4, 3, 5, 1).reshape(1, -1, 12)}
-    elif mt in ("llava_next", "llava_onevision", "llava_next_video"):
-        out = {"pixel_values": torch.stack([pixels, pixels.flip(-1)], 1), "image_sizes": torch.tensor([[size, size]])}
+    elif mt in ("llava_next", "llava_onevision", "llava_next_video", "granite4_vision"):
+        out = {"pixel_values": torch.stack([pixels, pixels.flip(-1)], 1), "image_sizes": torch.tensor([[size, size]] * count)}
     elif mt == "deepseek_vl_hybrid":
         high = cfg.high_res_vision_config.image_size
         out = {"pixel_values": pixels, "high_res_pixel_values": torch.randn(count, 3, high, high, generator=g)}
@@ -133,6 +134,8 @@ def _feature_counts(model, vision, count, kind="image"):
     with torch.no_grad():
         feats = features(**{k: v for k, v in vision.items() if k in accepted}, return_dict=True)
     pooled = feats.pooler_output if getattr(feats, "pooler_output", None) is not None else feats.last_hidden_state
+    if pooled is None:                  # Granite 4 Vision: only (decoder layer, per-image features) pairs
+        pooled = feats.deepstack_features[0][1]
     return [t.numel() // t.shape[-1] for t in
             (pooled if isinstance(pooled, (list, tuple)) else pooled.reshape(count, -1, pooled.shape[-1]))]
 

@@ -15,7 +15,7 @@ as "embed input_ids, scatter the tower's features at the placeholder tokens, cal
      count checks (placeholders straddling shard boundaries are nothing special: the row is whole);
   3. a pre-hook on the decoder (the submodule whose config is the text config) takes this rank's
      tokens of ``inputs_embeds`` and every other per-token tensor of the row with ``sp.shard`` (the layout's own token set: zigzag and striped
-     are not contiguous), and of Qwen3-VL's deepstack features (``visual_pos_masks`` picks their rows).
+     are not contiguous), and of the deepstack features (Qwen3-VL, Granite 4 Vision: DEEPSTACK's masks pick their rows).
 Bidirectional image blocks (Gemma 3, ShieldGemma 2; Gemma 4 and Gemma 4 Unified with
 use_bidirectional_attention="vision"): transformers lets the tokens of one image see each other both ways (its
 block_sequence_ids: one block per run of vision tokens, OR'd onto the causal mask, the sliding window still
@@ -60,6 +60,9 @@ IMAGE_BLOCKS = {"gemma3": ("token_type_ids", (1,), "all"), "shieldgemma2": ("tok
 # models whose sliding layers let an image's tokens see the whole image past the window (the block ORed after the
 # window, not inside it): the same mask as IMAGE_BLOCKS' while no image is longer than the window
 BLOCKS_PAST_WINDOW = frozenset({"gemma4_unified"})
+# deepstack: the whole row's visual-token mask -> the features it picks rows of, added to the hidden states of
+# later decoder layers (Qwen3-VL: a list, one per layer; Granite 4 Vision: {decoder layer: features})
+DEEPSTACK = {"visual_pos_masks": "deepstack_visual_embeds", "vision_mask": "deepstack_features"}
 # prefix-LM models: the token_type_ids == 0 prefix attends bidirectionally as one group, in attention layers
 # transformers builds non-causal (the causal suffix comes from the mask alone)
 PREFIX_LM = frozenset({"paligemma"})
@@ -182,20 +185,22 @@ class VisionLanguage:
             v = kwargs.get(key)
             if torch.is_tensor(v) and v.dim() == 4 and v.shape[2] == self.row_len:
                 kwargs[key] = sp.shard(v, dim=2)
-        mask = kwargs.pop("visual_pos_masks", None)
+        masks = {k: kwargs.pop(k) for k in DEEPSTACK
+                 if torch.is_tensor(kwargs.get(k)) and kwargs[k].shape[1] == self.row_len}
         for key, v in kwargs.items():      # every per-token tensor of the row (embeddings, Gemma's per-layer inputs)
             if torch.is_tensor(v) and v.dim() >= 2 and tuple(v.shape[:2]) == tuple(emb.shape[:2]):
                 kwargs[key] = sp.shard(v, dim=1)
-        if torch.is_tensor(mask) and mask.shape[1] == self.row_len:
-            # deepstack (Qwen3-VL): feature row i belongs to the i-th visual token of the whole row
-            row_of = (mask.reshape(-1).cumsum(0) - 1).view_as(mask)
-            local_mask, local_rows = sp.shard(mask, dim=1), sp.shard(row_of, dim=1)
-            kwargs["visual_pos_masks"] = local_mask
-            deep = kwargs.get("deepstack_visual_embeds")
-            if deep is not None:
-                kwargs["deepstack_visual_embeds"] = [d[local_rows[local_mask]] for d in deep]
-        elif mask is not None:
-            kwargs["visual_pos_masks"] = mask
+        for key, mask in masks.items():
+            # deepstack: feature row i belongs to the i-th visual token of the whole row
+            flat = mask.reshape(mask.shape[:2])                        # Granite's [batch, N, 1] -> [batch, N]
+            row_of = (flat.reshape(-1).cumsum(0) - 1).view_as(flat)
+            local_mask, rows = sp.shard(mask, dim=1), sp.shard(row_of, dim=1)[sp.shard(flat, dim=1)]
+            kwargs[key] = local_mask
+            deep = kwargs.get(DEEPSTACK[key])
+            if isinstance(deep, dict):
+                kwargs[DEEPSTACK[key]] = {layer: d[rows] for layer, d in deep.items()}
+            elif deep is not None:
+                kwargs[DEEPSTACK[key]] = [d[rows] for d in deep]
         return kwargs
 
 

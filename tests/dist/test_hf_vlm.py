@@ -2,8 +2,8 @@
 every softmax strategy at P=2 (logits, loss, every gradient incl. the vision tower's), with image and video
 placeholders straddling the shard boundaries (Gemma 3's bidirectional image blocks also at P=4 and in the
 2D hybrid; Llama 4's chunked layer and NoPE layer with temperature tuning from global positions; GLM-4.6V's
-video frames at image placeholders; each tower's merge, ERNIE's paired frames and HunYuan's row-end placeholders
-through the grid check; Gemma 4 Unified's blocks on every layer; Mllama's images through cross-attention); bad vision inputs stop every rank with the
+video frames at image placeholders; Granite 4 Vision's deepstack features keyed by decoder layer; each tower's
+merge, ERNIE's paired frames and HunYuan's row-end placeholders through the grid check; Gemma 4 Unified's blocks on every layer; Mllama's images through cross-attention); bad vision inputs stop every rank with the
 input named."""
 import torch
 
@@ -12,13 +12,15 @@ from .test_hf_trainer import assert_same_training, ds_config
 
 # smolvlm is idefics3's code under another name; glm4v, glm_ocr, glm4v_moe, glmga and qwen3_vl_moe share the
 # vision path of glm46v and qwen3_vl; minicpmv4_6 / 4_7, qwen3_5, qwen3_5_moe, the Omni thinkers, step3p7 and
-# qwen4_exp (refused), muse_spark (muse_glimmer's tower) add no path of ours either (the sweep script, tests/hf_vlm_zoo.py, covers them)
+# qwen4_exp (refused), muse_spark (muse_glimmer's tower) and janus (LLaVA's path) add no path of ours either (the
+# sweep script, tests/hf_vlm_zoo.py, covers them)
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "mistral3", "idefics3", "gemma3", "gemma4",
             "llama4", "glm46v", "fuyu", "llava_onevision", "llava_next_video", "video_llava", "idefics2", "cohere2_vision",
             "deepseek_vl", "ovis2", "aria", "kimi_k25", "muse_glimmer", "video_llama_3", "paddleocr_vl", "minimax_m3_vl",
             "dots3_note", "cohere_compass", "cosmos3_omni", "exaone4_5", "hyperclovax_vision_v2", "lfm3_vl",
             "deepseek_vl_hybrid", "granite_docling", "lfm2_vl", "qianfan_ocr", "shieldgemma2", "mistral_large4",
-            "minicpm_ocr", "gemma4_unified", "nemotron_h_omni", "hunyuan_vl", "ernie4_5_vl_moe", "mllama", "unlimited_ocr")
+            "minicpm_ocr", "gemma4_unified", "nemotron_h_omni", "hunyuan_vl", "ernie4_5_vl_moe", "mllama", "unlimited_ocr",
+            "granite4_vision")
 # hybrids whose convolution / linear layers need runs of tokens: striped refused by name (docs/hybrids.md)
 EXCEPT_STRIPED = ("lfm3_vl", "minicpm_ocr", "nemotron_h_omni")
 

@@ -1,0 +1,38 @@
+"""The last tiny vision-language configs for tests/hf_vlm.py: the types whose zoo config (tests/hf_zoo.py) does not
+build or whose towers need hand sizes; the sizes of tests/hf_vlm_configs.py (LLAMA decoders, 8 x 8 images in 2 x 2
+patches, one-layer towers), image token 120."""
+from .hf_vlm_configs import LLAMA, TOWER
+from .hf_vlm_configs_more import from_zoo
+
+# VQ image tokenizers' GroupNorms have 32 groups: 32 channels, one resolution level (no downsampling), so an
+# 8 x 8 image is 64 codes; a codebook of 8 entries
+VQ = dict(base_channels=32, channel_multiplier=[1], num_res_blocks=1, latent_channels=32, embed_dim=8)
+
+
+def _janus():
+    from transformers import JanusConfig
+    # understanding path: a SigLIP-style tower (16 tokens per image) and its aligner; the VQ model and the
+    # generation head (image generation only) built at VQ's sizes
+    return JanusConfig(vision_config=dict(TOWER, projection_dim=64, num_image_tokens=16),
+                       vq_config=dict(VQ, num_embeddings=8, projection_dim=64, image_token_embed_dim=64, num_patches=2),
+                       text_config=dict(LLAMA, model_type="llama"), image_token_id=120)
+
+
+def _granite4_vision():
+    from transformers import CONFIG_MAPPING
+    # LLaVA-NeXT tiles (the image and one 8 x 8 tile, 4 x 4 patches each) through window Q-Formers that pool every
+    # 2 x 2 window to one query (downsample_rate "1/2"): 10 features an image (4, then 2 x 2 and a newline per row);
+    # deepstack: the tower's embeddings feed layer 0, its last layer's four spatial offsets layers 1-4 (five layers,
+    # so no injection overwrites another); the Q-Former at one layer, one head (its width: the tower's, 64) and
+    # without dropout, which would differ between the runs compared
+    return CONFIG_MAPPING["granite4_vision"](
+        vision_config=dict(TOWER, model_type="clip_vision_model", hidden_size=64, num_attention_heads=4),
+        text_config=dict(LLAMA, num_hidden_layers=5),
+        qformer_config=dict(num_hidden_layers=1, intermediate_size=64, cross_attention_frequency=1, vocab_size=8,
+                            max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                            use_qformer_text_input=False),
+        image_token_index=120, image_grid_pinpoints=[[8, 8]], downsample_rate="1/2", deepstack_layer_map=[[0, 0]],
+        spatial_target_layers=[1, 2, 3, 4], vision_feature_layer=-1, projector_dropout=0.0)
+
+
+CONFIGS = {"janus": _janus, "granite4_vision": _granite4_vision}
