@@ -60,8 +60,8 @@ def _grid_inputs(cfg, g, model):
         return {k: out[k] for k in out if "video" not in k}, spans
     if cfg.model_type in VIDEO_AS_IMAGE_TOKENS:
         # GLM-4V reads a video's frames at image placeholders, so a row holds images or a video: two images
-        # (glm4v, glm4v_moe) or one video (glm46v, glm_ocr)
-        if cfg.model_type in ("glm4v", "glm4v_moe"):
+        # (glm4v, glm4v_moe, glm5_next) or one video (glm46v, glm_ocr)
+        if cfg.model_type in ("glm4v", "glm4v_moe", "glm5_next"):
             return {k: out[k] for k in ("pixel_values", "image_grid_thw")}, spans
         frames = [(h * w // merge, cfg.image_token_id, 2)] * t
         return {k: out[k] for k in ("pixel_values_videos", "video_grid_thw")}, frames

@@ -36,3 +36,11 @@ def _granite4_vision():
 
 
 CONFIGS = {"janus": _janus, "granite4_vision": _granite4_vision}
+CONFIGS.update({
+    # a one-layer tower of 2 x 2 patches; the indexer's top-k (8) a multiple of its key pooling (16 by default)
+    "glm5_next": lambda: from_zoo("glm5_next", {"vision_config": dict(depth=1, patch_size=2, image_size=8)},
+                                  built={"text_config": {"index_kpool": 4}}),
+    # 3-D RoPE sections summing to half the tiny head (16), which the constructor checks
+    "cosmos3_edge": lambda: from_zoo("cosmos3_edge", built={"text_config": {"rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [3, 3, 2]}}}),
+})

@@ -47,8 +47,8 @@ CROSS_MASKS = ("cross_attention_mask", "full_text_row_masked_out_mask")
 # (pixels, grid) pairs whose grid rows (t, h, w) count the pixel rows (patches)
 GRIDS = (("pixel_values", "image_grid_thw", "image_token_id"),
          ("pixel_values_videos", "video_grid_thw", "video_token_id"))
-# GLM-4.1V / 4.5V / 4.6V / OCR / GA: transformers' merge reads a video's frames at image_token_id placeholders
-VIDEO_AS_IMAGE_TOKENS = frozenset({"glm4v", "glm4v_moe", "glm46v", "glm_ocr", "glmga"})
+# GLM-4.1V / 4.5V / 4.6V / OCR / GA / 5-Next: transformers' merge reads a video's frames at image_token_id placeholders
+VIDEO_AS_IMAGE_TOKENS = frozenset({"glm4v", "glm4v_moe", "glm46v", "glm_ocr", "glmga", "glm5_next"})
 # HunYuan-VL: an image's placeholders are more than its merged patches (one more per row of them, and two around)
 PLACEHOLDERS_BEYOND_GRID = frozenset({"hunyuan_vl"})
 # model type -> (the [batch, seq] input marking vision tokens, its vision values, the layers whose mask has
