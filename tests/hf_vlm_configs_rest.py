@@ -4,8 +4,7 @@ patches, one-layer towers), image token 120."""
 from .hf_vlm_configs import LLAMA, TOWER
 from .hf_vlm_configs_more import from_zoo
 
-# VQ image tokenizers' GroupNorms have 32 groups: 32 channels, one resolution level (no downsampling), so an
-# 8 x 8 image is 64 codes; a codebook of 8 entries
+# VQ image tokenizers: their GroupNorms have 32 groups, so 32 channels
 VQ = dict(base_channels=32, channel_multiplier=[1], num_res_blocks=1, latent_channels=32, embed_dim=8)
 
 
@@ -35,7 +34,17 @@ def _granite4_vision():
         spatial_target_layers=[1, 2, 3, 4], vision_feature_layer=-1, projector_dropout=0.0)
 
 
-CONFIGS = {"janus": _janus, "granite4_vision": _granite4_vision}
+def _chameleon():
+    from transformers import ChameleonConfig
+    # images become VQ codes (16 an image: one 2x downsampling of 8 x 8) that index the decoder's own vocabulary
+    # (vocabulary_map: code i -> token 110 + i, outside the row's text ids, whose logits Chameleon masks)
+    vocab = {"<image>": 120, **{f"IMGIMG{chr(ord('A') + i)}Z": 110 + i for i in range(8)}}
+    return ChameleonConfig(**{k: v for k, v in LLAMA.items() if k != "head_dim"}, image_token_id=120,
+                           vq_config=dict(VQ, channel_multiplier=[1, 1], num_embeddings=8, resolution=8),
+                           vocabulary_map=vocab)
+
+
+CONFIGS = {"janus": _janus, "granite4_vision": _granite4_vision, "chameleon": _chameleon}
 CONFIGS.update({
     # a one-layer tower of 2 x 2 patches; the indexer's top-k (8) a multiple of its key pooling (16 by default)
     "glm5_next": lambda: from_zoo("glm5_next", {"vision_config": dict(depth=1, patch_size=2, image_size=8)},
