@@ -110,7 +110,7 @@ def _image_inputs(cfg, g, model):
         count = len(sizes)
     elif mt == "granite_docling":      # tiles of one sample, all real
         out = {"pixel_values": pixels[None], "pixel_attention_mask": torch.ones(1, count, dtype=torch.bool)}
-    elif mt in ("mistral3", "lighton_ocr", "mistral_large4"):
+    elif mt in ("mistral3", "lighton_ocr", "mistral_large4", "emu3"):
         out = {"pixel_values": pixels, "image_sizes": torch.tensor([[8, 8]] * count)}
     elif mt == "video_llava":
         out = {"pixel_values_images": pixels}

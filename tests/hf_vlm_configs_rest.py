@@ -44,7 +44,17 @@ def _chameleon():
                            vocabulary_map=vocab)
 
 
-CONFIGS = {"janus": _janus, "granite4_vision": _granite4_vision, "chameleon": _chameleon}
+def _emu3():
+    from transformers import Emu3Config
+    # as Chameleon's, codes in the vocabulary (110-117) and a row-end token (118) after each row of them: 4 x 4 codes,
+    # 20 tokens an image; no temporal downsampling (an image is one frame), no attention blocks in the VQ model
+    vocab = {"<image>": 120, "<|extra_200|>": 118, **{f"<|visual token{i:06d}|>": 110 + i for i in range(8)}}
+    return Emu3Config(vq_config=dict(VQ, channel_multiplier=[1, 1], latent_channels=4, embed_dim=4, codebook_size=8,
+                                     attn_resolutions=[], temporal_downsample_factor=1, hidden_size=32),
+                      text_config=dict(LLAMA, model_type="emu3_text_model"), vocabulary_map=vocab, image_token_id=120)
+
+
+CONFIGS = {"janus": _janus, "granite4_vision": _granite4_vision, "chameleon": _chameleon, "emu3": _emu3}
 CONFIGS.update({
     # a one-layer tower of 2 x 2 patches; the indexer's top-k (8) a multiple of its key pooling (16 by default)
     "glm5_next": lambda: from_zoo("glm5_next", {"vision_config": dict(depth=1, patch_size=2, image_size=8)},
