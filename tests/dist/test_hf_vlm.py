@@ -12,8 +12,8 @@ from .test_hf_trainer import assert_same_training, ds_config
 
 # smolvlm is idefics3's code under another name; glm4v, glm_ocr, glm4v_moe, glmga and qwen3_vl_moe share the
 # vision path of glm46v and qwen3_vl; minicpmv4_6 / 4_7, qwen3_5, qwen3_5_moe, the Omni thinkers, step3p7 and
-# qwen4_exp (refused), muse_spark (muse_glimmer's tower) janus (LLaVA's path) and emu3 (a visual vocabulary, as ovis2) add no path of ours either (the
-# sweep script, tests/hf_vlm_zoo.py, covers them)
+# qwen4_exp (refused), muse_spark (muse_glimmer's tower), janus (LLaVA's path) and emu3 (a visual vocabulary, as
+# ovis2) add no path of ours either (the sweep script, tests/hf_vlm_zoo.py, covers them)
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "mistral3", "idefics3", "gemma3", "gemma4",
             "llama4", "glm46v", "fuyu", "llava_onevision", "llava_next_video", "video_llava", "idefics2", "cohere2_vision",
             "deepseek_vl", "ovis2", "aria", "kimi_k25", "muse_glimmer", "video_llama_3", "paddleocr_vl", "minimax_m3_vl",
