@@ -73,12 +73,13 @@ def _grid_inputs(cfg, g, model):
 
 def _image_inputs(cfg, g, model):
     """Two images of the tower's size (LLaVA-NeXT: one, 36 features with its high-resolution tile; LLaVA-OneVision
-    and LLaVA-NeXT-Video: one, 10 features, and a video; Gemma 3 and 4: three) in the layout the family's processor
+    and LLaVA-NeXT-Video: one, 10 features, and a video; Gemma 3 and 4: three; Molmo2: one, as its image tokens are
+    one bidirectional group) in the layout the family's processor
     gives, and a video of VIDEO_FRAMES frames where the family takes one as frames; their placeholder counts are the
     rows of the model's own image (video) features."""
     mt = cfg.model_type
     count = {"llava_next": 1, "llava_onevision": 1, "llava_next_video": 1, "gemma3": 3, "gemma4": 3,
-             "gemma4_unified": 3}.get(mt, 2)
+             "gemma4_unified": 3, "molmo2": 1}.get(mt, 2)
     tower = getattr(cfg, "vision_config", cfg)
     size = getattr(getattr(tower, "sam_config", tower), "image_size", 8)       # Unlimited-OCR: SAM's input size
     size = size[0] if isinstance(size, (list, tuple)) else size
@@ -114,6 +115,12 @@ def _image_inputs(cfg, g, model):
         out = {"pixel_values": pixels, "image_sizes": torch.tensor([[8, 8]] * count)}
     elif mt == "video_llava":
         out = {"pixel_values_images": pixels}
+    elif mt == "molmo2":                 # one crop of 4 x 4 patches (2 x 2 x 3, flattened) an image, pooled 2 x 2: 4 tokens
+        a, b, da, db = torch.meshgrid(*(torch.arange(2),) * 4, indexing="ij")
+        pool = ((2 * a + da) * 4 + 2 * b + db).reshape(4, 4)
+        out = {"pixel_values": pixels.reshape(count, 3, 4, 2, 4, 2).permute(0, 2, 4, 3, 5, 1).reshape(count, 16, 12),
+               "image_token_pooling": torch.cat([pool + 16 * i for i in range(count)]),
+               "image_grids": torch.tensor([[2, 2, 0, 0]] * count), "image_num_crops": torch.ones(count, dtype=torch.long)}
     elif mt in ("idefics3", "smolvlm", "idefics2"):
         out = {"pixel_values": pixels[None]}
     else:

@@ -62,4 +62,8 @@ CONFIGS.update({
     # 3-D RoPE sections summing to half the tiny head (16), which the constructor checks
     "cosmos3_edge": lambda: from_zoo("cosmos3_edge", built={"text_config": {"rope_parameters": {
         "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [3, 3, 2]}}}),
+    # one crop of 4 x 4 patches an image (its position table: one entry per patch); the adapter reads the tower's
+    # last two layers (of the two it keeps); image_token_id and video_token_id are one field (image_patch_id)
+    "molmo2": lambda: from_zoo("molmo2", {"vision_config": dict(image_size=[8, 8], patch_size=2, num_position_embeddings=16)},
+                               built={"adapter_config": {"vision_feature_layer": [-1, -2]}}, image_token_id=120),
 })

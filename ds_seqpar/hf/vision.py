@@ -19,7 +19,8 @@ as "embed input_ids, scatter the tower's features at the placeholder tokens, cal
 Bidirectional image blocks (Gemma 3, ShieldGemma 2; Gemma 4 and Gemma 4 Unified with
 use_bidirectional_attention="vision"): transformers lets the tokens of one image see each other both ways (its
 block_sequence_ids: one block per run of vision tokens, OR'd onto the causal mask, the sliding window still
-bounding earlier keys; Gemma 4 Unified's images longer than its window are refused, BLOCKS_PAST_WINDOW). The
+bounding earlier keys; Gemma 4 Unified's images longer than its window are refused, BLOCKS_PAST_WINDOW; Molmo2's one
+group of every image token of the row, while it is one run: ONE_GROUP). The
 blocks come from the whole row's token types (step 1: every rank the same, as the cu_seqlens of
 sp.shard_batch), and the layers that have them (Gemma 3: all; Gemma 4: its sliding layers) pass them to
 ``sp.attention(blocks=...)``, a mask like the others for every strategy (masks.py).
@@ -56,7 +57,10 @@ PLACEHOLDERS_BEYOND_GRID = frozenset({"hunyuan_vl"})
 # (Gemma 4 Unified's masks overlay the blocks on its full-attention layers too, unlike Gemma 4's)
 IMAGE_BLOCKS = {"gemma3": ("token_type_ids", (1,), "all"), "shieldgemma2": ("token_type_ids", (1,), "all"),
                 "gemma4": ("mm_token_type_ids", (1, 2), "sliding"),
-                "gemma4_unified": ("mm_token_type_ids", (1, 2), "all")}
+                "gemma4_unified": ("mm_token_type_ids", (1, 2), "all"), "molmo2": ("mm_token_type_ids", (1,), "all")}
+# models whose vision tokens are one bidirectional group per row (Molmo2: every image token sees every other, across
+# the text between them): the same mask as IMAGE_BLOCKS' while the row holds one run of them
+ONE_GROUP = frozenset({"molmo2"})
 # models whose sliding layers let an image's tokens see the whole image past the window (the block ORed after the
 # window, not inside it): the same mask as IMAGE_BLOCKS' while no image is longer than the window
 BLOCKS_PAST_WINDOW = frozenset({"gemma4_unified"})
@@ -153,7 +157,15 @@ class VisionLanguage:
         return rows
 
     def _check_block_window(self) -> None:
-        """BLOCKS_PAST_WINDOW models: an image longer than the sliding window is a mask ds_seqpar does not express."""
+        """BLOCKS_PAST_WINDOW models: an image longer than the sliding window is a mask ds_seqpar does not express;
+        ONE_GROUP models: vision tokens in more than one run likewise."""
+        if self.model_type in ONE_GROUP and len(self.blocks or ()) > 1:
+            raise UnsupportedModelError(
+                f"ds_seqpar.hf: image tokens in {len(self.blocks)} separate runs {list(self.blocks)} in "
+                f"{self.model_type} are not expressed under sequence parallelism: transformers lets every image token "
+                f"of the row attend to every other (one bidirectional group across the text between them), while "
+                f"ds_seqpar's image blocks are runs of adjacent tokens; pass one run of image tokens per row or train "
+                f"without sequence parallelism")
         window = getattr(self.decoder.config, "sliding_window", None)
         longest = max((e - s for s, e in self.blocks or ()), default=0)
         if self.model_type in BLOCKS_PAST_WINDOW and window and longest > window:
