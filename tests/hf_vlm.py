@@ -15,11 +15,12 @@ from ds_seqpar.hf.vision import VIDEO_AS_IMAGE_TOKENS
 
 from .hf_vlm_configs import CONFIGS as FIRST, FRAME_SPANS, fit_mrope  # noqa: F401 - fit_mrope: the tests' name
 from .hf_vlm_configs_more import CHW_PATCHES, CONFIGS as MORE, ONE_FRAME_VIDEOS
+from .hf_vlm_configs_rest import CONFIGS as REST
 from .hf_zoo import STRATEGIES, _gradient_ratio, _worst, message, verdict
 
 
 SEQ = 64
-CONFIGS = {**FIRST, **MORE}
+CONFIGS = {**FIRST, **MORE, **REST}
 IMAGE_GRIDS = ((1, 4, 4), (1, 4, 8))           # Qwen-VL: 4 and 8 placeholders (merge 2 x 2)
 VIDEO_GRID = (2, 4, 4)                         # 8 placeholders
 # the LLaVA families that take a video as frames of the images' size: its frames in the row (Video-LLaVA's tower
@@ -59,8 +60,8 @@ def _grid_inputs(cfg, g, model):
         return {k: out[k] for k in out if "video" not in k}, spans
     if cfg.model_type in VIDEO_AS_IMAGE_TOKENS:
         # GLM-4V reads a video's frames at image placeholders, so a row holds images or a video: two images
-        # (glm4v, glm4v_moe) or one video (glm46v, glm_ocr)
-        if cfg.model_type in ("glm4v", "glm4v_moe"):
+        # (glm4v, glm4v_moe, glm5_next) or one video (glm46v, glm_ocr)
+        if cfg.model_type in ("glm4v", "glm4v_moe", "glm5_next"):
             return {k: out[k] for k in ("pixel_values", "image_grid_thw")}, spans
         frames = [(h * w // merge, cfg.image_token_id, 2)] * t
         return {k: out[k] for k in ("pixel_values_videos", "video_grid_thw")}, frames
@@ -72,12 +73,13 @@ def _grid_inputs(cfg, g, model):
 
 def _image_inputs(cfg, g, model):
     """Two images of the tower's size (LLaVA-NeXT: one, 36 features with its high-resolution tile; LLaVA-OneVision
-    and LLaVA-NeXT-Video: one, 10 features, and a video; BLIP-2 and InstructBLIP: one; Gemma 3 and 4: three) in the layout the family's processor
+    and LLaVA-NeXT-Video: one, 10 features, and a video; BLIP-2 and InstructBLIP: one; Gemma 3 and 4: three; Molmo2:
+    one, as its image tokens are one bidirectional group) in the layout the family's processor
     gives, and a video of VIDEO_FRAMES frames where the family takes one as frames; their placeholder counts are the
     rows of the model's own image (video) features."""
     mt = cfg.model_type
     count = {"llava_next": 1, "llava_onevision": 1, "llava_next_video": 1, "gemma3": 3, "gemma4": 3,
-             "gemma4_unified": 3, "blip-2": 1, "instructblip": 1}.get(mt, 2)       # instructblipvideo: 2 frames
+             "gemma4_unified": 3, "blip-2": 1, "instructblip": 1, "molmo2": 1}.get(mt, 2)   # instructblipvideo: 2 frames
     tower = getattr(cfg, "vision_config", cfg)
     size = getattr(getattr(tower, "sam_config", tower), "image_size", 8)       # Unlimited-OCR: SAM's input size
     size = size[0] if isinstance(size, (list, tuple)) else size
@@ -95,8 +97,8 @@ def _image_inputs(cfg, g, model):
                "image_grid_hw": torch.tensor([[4, 4]] * count)}
     elif mt == "fuyu":                   # the processor's layout: one row of 2 x 2 x 3 patches per sample
         out = {"pixel_values": pixels.reshape(count, 3, 4, 2, 4, 2).permute(0, 2, 4, 3, 5, 1).reshape(1, -1, 12)}
-    elif mt in ("llava_next", "llava_onevision", "llava_next_video"):
-        out = {"pixel_values": torch.stack([pixels, pixels.flip(-1)], 1), "image_sizes": torch.tensor([[size, size]])}
+    elif mt in ("llava_next", "llava_onevision", "llava_next_video", "granite4_vision"):
+        out = {"pixel_values": torch.stack([pixels, pixels.flip(-1)], 1), "image_sizes": torch.tensor([[size, size]] * count)}
     elif mt == "deepseek_vl_hybrid":
         high = cfg.high_res_vision_config.image_size
         out = {"pixel_values": pixels, "high_res_pixel_values": torch.randn(count, 3, high, high, generator=g)}
@@ -109,7 +111,7 @@ def _image_inputs(cfg, g, model):
         count = len(sizes)
     elif mt == "granite_docling":      # tiles of one sample, all real
         out = {"pixel_values": pixels[None], "pixel_attention_mask": torch.ones(1, count, dtype=torch.bool)}
-    elif mt in ("mistral3", "lighton_ocr", "mistral_large4"):
+    elif mt in ("mistral3", "lighton_ocr", "mistral_large4", "emu3"):
         out = {"pixel_values": pixels, "image_sizes": torch.tensor([[8, 8]] * count)}
     elif mt == "video_llava":
         out = {"pixel_values_images": pixels}
@@ -123,6 +125,12 @@ def _image_inputs(cfg, g, model):
         out = {"pixel_values": pixels if mt == "instructblip" else pixels[None],  # row: only its name keeps
                "qformer_input_ids": torch.randint(3, 100, (1, SEQ), generator=g),  # sp.shard_batch from cutting it
                "qformer_attention_mask": torch.ones(1, SEQ, dtype=torch.long)}
+    elif mt == "molmo2":                 # one crop of 4 x 4 patches (2 x 2 x 3, flattened) an image, pooled 2 x 2: 4 tokens
+        a, b, da, db = torch.meshgrid(*(torch.arange(2),) * 4, indexing="ij")
+        pool = ((2 * a + da) * 4 + 2 * b + db).reshape(4, 4)
+        out = {"pixel_values": pixels.reshape(count, 3, 4, 2, 4, 2).permute(0, 2, 4, 3, 5, 1).reshape(count, 16, 12),
+               "image_token_pooling": torch.cat([pool + 16 * i for i in range(count)]),
+               "image_grids": torch.tensor([[2, 2, 0, 0]] * count), "image_num_crops": torch.ones(count, dtype=torch.long)}
     elif mt in ("idefics3", "smolvlm", "idefics2"):
         out = {"pixel_values": pixels[None]}
     else:
@@ -145,6 +153,8 @@ def _feature_counts(model, vision, count, kind="image"):
     with torch.no_grad():
         feats = features(**{k: v for k, v in vision.items() if k in accepted}, return_dict=True)
     pooled = feats.pooler_output if getattr(feats, "pooler_output", None) is not None else feats.last_hidden_state
+    if pooled is None:                  # Granite 4 Vision: only (decoder layer, per-image features) pairs
+        pooled = feats.deepstack_features[0][1]
     return [t.numel() // t.shape[-1] for t in
             (pooled if isinstance(pooled, (list, tuple)) else pooled.reshape(count, -1, pooled.shape[-1]))]
 

@@ -189,5 +189,5 @@ CONFIGS = {"qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl, "qwen3_vl": _qwen3_
            "qwen3_vl_moe": _qwen3_vl_moe, "vipllava": _vipllava, "aya_vision": _aya_vision, "internvl": _internvl,
            "lighton_ocr": _lighton_ocr}
 # Qwen3-VL and GLM-4V: a video's frames are separate spans (timestamps / frame tokens between them)
-FRAME_SPANS = ("qwen3_vl", "qwen3_vl_moe", "glm4v", "glm46v", "glm_ocr", "glm4v_moe", "cohere_compass", "cosmos3_omni",
+FRAME_SPANS = ("qwen3_vl", "qwen3_vl_moe", "glm4v", "glm46v", "glm_ocr", "glm4v_moe", "cohere_compass", "cosmos3_omni", "cosmos3_edge",
                "qwen3_5", "qwen3_5_moe", "qwen4_exp")

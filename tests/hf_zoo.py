@@ -137,11 +137,13 @@ def _tiny_kwargs(default, linked=None, sizes=True):
         kw.pop("head_dim", None)
         if isinstance(values.get("head_dim"), int) and values.get("qk_rope_head_dim") and "qk_rope_head_dim" in kw:
             kw["head_dim"] = values["head_dim"] * kw["qk_rope_head_dim"] // values["qk_rope_head_dim"]
+            if values["head_dim"] == values["qk_rope_head_dim"] + (values.get("qk_nope_head_dim") or 0):
+                kw["head_dim"] = kw["qk_rope_head_dim"] + kw.get("qk_nope_head_dim", 0)   # Mistral 4: the whole q/k head
         kw.update({k: v for k, v in MLA.items() if k in keys and values[k] is not None})
         if values.get("q_lora_rank") is None:
             kw["q_lora_rank"] = None
         if "qk_head_dim" in keys:                    # stored as the sum of its two parts
-            kw["qk_head_dim"] = kw["qk_nope_head_dim"] + kw["qk_rope_head_dim"]
+            kw["qk_head_dim"] = sum(kw.get(k, values[k]) for k in ("qk_nope_head_dim", "qk_rope_head_dim"))  # 0: NoPE
         if "kv_lora_rank" in keys and "num_key_value_heads" in kw:   # MLA expands k/v for every query head
             kw["num_key_value_heads"] = kw["num_attention_heads"]
     layer_key = _layer_count_key(values)

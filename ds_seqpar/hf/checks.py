@@ -147,10 +147,12 @@ def _check_layer_types(tc, name: str, linear_ok: bool = False) -> None:
                         "use a model whose attention reads its keys token by token (full, sliding, chunked or "
                         "DeepSeek-V3.2 indexed attention)")
             if kind not in allowed:
-                what = ("a linear-attention, SSM or convolution layer" if kind in LINEAR_LAYER_TYPES
-                        else "a layer type ds_seqpar does not know")
+                # linear_ok is False here when no hybrid adapter wraps this family's layers (hf/linear/)
+                what = ("a linear-attention, SSM or convolution layer of a family no hybrid adapter of ds_seqpar "
+                        "wraps" if kind in LINEAR_LAYER_TYPES else "a layer type ds_seqpar does not know")
                 _refuse(f"token mixing outside attention ({key}[{i}]={kind!r}: {what})", f"{name} layer {i}",
-                        "use a model whose layers mix tokens only in softmax attention")
+                        "use a model whose layers mix tokens only in softmax attention, or a hybrid family that "
+                        "docs/hybrids.md lists")
 
 
 def attention_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:

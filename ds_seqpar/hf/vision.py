@@ -15,11 +15,12 @@ as "embed input_ids, scatter the tower's features at the placeholder tokens, cal
      count checks (placeholders straddling shard boundaries are nothing special: the row is whole);
   3. a pre-hook on the decoder (the submodule whose config is the text config) takes this rank's
      tokens of ``inputs_embeds`` and every other per-token tensor of the row with ``sp.shard`` (the layout's own token set: zigzag and striped
-     are not contiguous), and of Qwen3-VL's deepstack features (``visual_pos_masks`` picks their rows).
+     are not contiguous), and of the deepstack features (Qwen3-VL, Granite 4 Vision: DEEPSTACK's masks pick their rows).
 Bidirectional image blocks (Gemma 3, ShieldGemma 2; Gemma 4 and Gemma 4 Unified with
 use_bidirectional_attention="vision"): transformers lets the tokens of one image see each other both ways (its
 block_sequence_ids: one block per run of vision tokens, OR'd onto the causal mask, the sliding window still
-bounding earlier keys; Gemma 4 Unified's images longer than its window are refused, BLOCKS_PAST_WINDOW). The
+bounding earlier keys; Gemma 4 Unified's images longer than its window are refused, BLOCKS_PAST_WINDOW; Molmo2's one
+group of every image token of the row, while it is one run: ONE_GROUP). The
 blocks come from the whole row's token types (step 1: every rank the same, as the cu_seqlens of
 sp.shard_batch), and the layers that have them (Gemma 3: all; Gemma 4: its sliding layers) pass them to
 ``sp.attention(blocks=...)``, a mask like the others for every strategy (masks.py).
@@ -47,8 +48,8 @@ CROSS_MASKS = ("cross_attention_mask", "full_text_row_masked_out_mask")
 # (pixels, grid) pairs whose grid rows (t, h, w) count the pixel rows (patches)
 GRIDS = (("pixel_values", "image_grid_thw", "image_token_id"),
          ("pixel_values_videos", "video_grid_thw", "video_token_id"))
-# GLM-4.1V / 4.5V / 4.6V / OCR / GA: transformers' merge reads a video's frames at image_token_id placeholders
-VIDEO_AS_IMAGE_TOKENS = frozenset({"glm4v", "glm4v_moe", "glm46v", "glm_ocr", "glmga"})
+# GLM-4.1V / 4.5V / 4.6V / OCR / GA / 5-Next: transformers' merge reads a video's frames at image_token_id placeholders
+VIDEO_AS_IMAGE_TOKENS = frozenset({"glm4v", "glm4v_moe", "glm46v", "glm_ocr", "glmga", "glm5_next"})
 # HunYuan-VL: an image's placeholders are more than its merged patches (one more per row of them, and two around)
 PLACEHOLDERS_BEYOND_GRID = frozenset({"hunyuan_vl"})
 # model type -> (the [batch, seq] input marking vision tokens, its vision values, the layers whose mask has
@@ -56,10 +57,16 @@ PLACEHOLDERS_BEYOND_GRID = frozenset({"hunyuan_vl"})
 # (Gemma 4 Unified's masks overlay the blocks on its full-attention layers too, unlike Gemma 4's)
 IMAGE_BLOCKS = {"gemma3": ("token_type_ids", (1,), "all"), "shieldgemma2": ("token_type_ids", (1,), "all"),
                 "gemma4": ("mm_token_type_ids", (1, 2), "sliding"),
-                "gemma4_unified": ("mm_token_type_ids", (1, 2), "all")}
+                "gemma4_unified": ("mm_token_type_ids", (1, 2), "all"), "molmo2": ("mm_token_type_ids", (1,), "all")}
+# models whose vision tokens are one bidirectional group per row (Molmo2: every image token sees every other, across
+# the text between them): the same mask as IMAGE_BLOCKS' while the row holds one run of them
+ONE_GROUP = frozenset({"molmo2"})
 # models whose sliding layers let an image's tokens see the whole image past the window (the block ORed after the
 # window, not inside it): the same mask as IMAGE_BLOCKS' while no image is longer than the window
 BLOCKS_PAST_WINDOW = frozenset({"gemma4_unified"})
+# deepstack: the whole row's visual-token mask -> the features it picks rows of, added to the hidden states of
+# later decoder layers (Qwen3-VL: a list, one per layer; Granite 4 Vision: {decoder layer: features})
+DEEPSTACK = {"visual_pos_masks": "deepstack_visual_embeds", "vision_mask": "deepstack_features"}
 # prefix-LM models: the token_type_ids == 0 prefix attends bidirectionally as one group, in attention layers
 # transformers builds non-causal (the causal suffix comes from the mask alone)
 PREFIX_LM = frozenset({"paligemma"})
@@ -150,7 +157,15 @@ class VisionLanguage:
         return rows
 
     def _check_block_window(self) -> None:
-        """BLOCKS_PAST_WINDOW models: an image longer than the sliding window is a mask ds_seqpar does not express."""
+        """BLOCKS_PAST_WINDOW models: an image longer than the sliding window is a mask ds_seqpar does not express;
+        ONE_GROUP models: vision tokens in more than one run likewise."""
+        if self.model_type in ONE_GROUP and len(self.blocks or ()) > 1:
+            raise UnsupportedModelError(
+                f"ds_seqpar.hf: image tokens in {len(self.blocks)} separate runs {list(self.blocks)} in "
+                f"{self.model_type} are not expressed under sequence parallelism: transformers lets every image token "
+                f"of the row attend to every other (one bidirectional group across the text between them), while "
+                f"ds_seqpar's image blocks are runs of adjacent tokens; pass one run of image tokens per row or train "
+                f"without sequence parallelism")
         window = getattr(self.decoder.config, "sliding_window", None)
         longest = max((e - s for s, e in self.blocks or ()), default=0)
         if self.model_type in BLOCKS_PAST_WINDOW and window and longest > window:
@@ -182,20 +197,22 @@ class VisionLanguage:
             v = kwargs.get(key)
             if torch.is_tensor(v) and v.dim() == 4 and v.shape[2] == self.row_len:
                 kwargs[key] = sp.shard(v, dim=2)
-        mask = kwargs.pop("visual_pos_masks", None)
+        masks = {k: kwargs.pop(k) for k in DEEPSTACK
+                 if torch.is_tensor(kwargs.get(k)) and kwargs[k].shape[1] == self.row_len}
         for key, v in kwargs.items():      # every per-token tensor of the row (embeddings, Gemma's per-layer inputs)
             if torch.is_tensor(v) and v.dim() >= 2 and tuple(v.shape[:2]) == tuple(emb.shape[:2]):
                 kwargs[key] = sp.shard(v, dim=1)
-        if torch.is_tensor(mask) and mask.shape[1] == self.row_len:
-            # deepstack (Qwen3-VL): feature row i belongs to the i-th visual token of the whole row
-            row_of = (mask.reshape(-1).cumsum(0) - 1).view_as(mask)
-            local_mask, local_rows = sp.shard(mask, dim=1), sp.shard(row_of, dim=1)
-            kwargs["visual_pos_masks"] = local_mask
-            deep = kwargs.get("deepstack_visual_embeds")
-            if deep is not None:
-                kwargs["deepstack_visual_embeds"] = [d[local_rows[local_mask]] for d in deep]
-        elif mask is not None:
-            kwargs["visual_pos_masks"] = mask
+        for key, mask in masks.items():
+            # deepstack: feature row i belongs to the i-th visual token of the whole row
+            flat = mask.reshape(mask.shape[:2])                        # Granite's [batch, N, 1] -> [batch, N]
+            row_of = (flat.reshape(-1).cumsum(0) - 1).view_as(flat)
+            local_mask, rows = sp.shard(mask, dim=1), sp.shard(row_of, dim=1)[sp.shard(flat, dim=1)]
+            kwargs[key] = local_mask
+            deep = kwargs.get(DEEPSTACK[key])
+            if isinstance(deep, dict):
+                kwargs[DEEPSTACK[key]] = {layer: d[rows] for layer, d in deep.items()}
+            elif deep is not None:
+                kwargs[DEEPSTACK[key]] = [d[rows] for d in deep]
         return kwargs
 
 

@@ -2,9 +2,9 @@
 every softmax strategy at P=2 (logits, loss, every gradient incl. the vision tower's), with image and video
 placeholders straddling the shard boundaries (Gemma 3's bidirectional image blocks also at P=4 and in the
 2D hybrid; Llama 4's chunked layer and NoPE layer with temperature tuning from global positions; GLM-4.6V's
-video frames at image placeholders; each tower's merge, ERNIE's paired frames and HunYuan's row-end placeholders
-through the grid check; Gemma 4 Unified's blocks on every layer; Mllama's images through cross-attention); bad vision inputs stop every rank with the
-input named."""
+video frames at image placeholders; Granite 4 Vision's deepstack features keyed by decoder layer; each tower's
+merge, ERNIE's paired frames and HunYuan's row-end placeholders through the grid check; Gemma 4 Unified's blocks on every layer; Molmo2's one group of image tokens; Mllama's images through
+cross-attention); bad vision inputs stop every rank with the input named."""
 import torch
 
 from ..hf_vlm import CONFIGS, STRATEGIES, build, check_vlm, positions, row, sweep, train_vlm
@@ -12,14 +12,15 @@ from .test_hf_trainer import assert_same_training, ds_config
 
 # smolvlm is idefics3's code under another name; glm4v, glm_ocr, glm4v_moe, glmga and qwen3_vl_moe share the
 # vision path of glm46v and qwen3_vl; minicpmv4_6 / 4_7, qwen3_5, qwen3_5_moe, the Omni thinkers, step3p7 and
-# qwen4_exp (refused), muse_spark (muse_glimmer's tower) add no path of ours either (the sweep script, tests/hf_vlm_zoo.py, covers them)
+# qwen4_exp (refused), muse_spark (muse_glimmer's tower), janus (LLaVA's path) and emu3 (a visual vocabulary, as
+# ovis2) add no path of ours either (the sweep script, tests/hf_vlm_zoo.py, covers them)
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "mistral3", "idefics3", "gemma3", "gemma4",
             "llama4", "glm46v", "fuyu", "llava_onevision", "llava_next_video", "video_llava", "idefics2", "cohere2_vision",
             "deepseek_vl", "ovis2", "aria", "kimi_k25", "muse_glimmer", "video_llama_3", "paddleocr_vl", "minimax_m3_vl",
             "dots3_note", "cohere_compass", "cosmos3_omni", "exaone4_5", "hyperclovax_vision_v2", "lfm3_vl",
             "deepseek_vl_hybrid", "granite_docling", "lfm2_vl", "qianfan_ocr", "shieldgemma2", "mistral_large4",
             "minicpm_ocr", "gemma4_unified", "nemotron_h_omni", "hunyuan_vl", "ernie4_5_vl_moe", "mllama", "unlimited_ocr",
-            "blip-2", "instructblip")
+            "blip-2", "instructblip", "granite4_vision", "molmo2")
 # hybrids whose convolution / linear layers need runs of tokens: striped refused by name (docs/hybrids.md)
 EXCEPT_STRIPED = ("lfm3_vl", "minicpm_ocr", "nemotron_h_omni")
 
@@ -88,6 +89,7 @@ def _bad_inputs():
     good = call(pos=sp.shard(pos, dim=-1))
     out["placeholders (llava)"] = _llava_placeholders(sp)
     out["image past the window"] = _gemma4_unified_long_image(sp)
+    out["two image runs"] = _molmo2_two_images(sp)
     return out, float(good.loss.detach()), _gemma3_image_blocks(sp)
 
 
@@ -115,6 +117,23 @@ def _gemma4_unified_long_image(sp):
     ids[0, 28:37] = cfg.image_token_id
     y, x = torch.meshgrid(torch.arange(3), torch.arange(3), indexing="ij")
     vision = {"pixel_values": torch.randn(1, 9, 12), "image_position_ids": torch.stack([x.flatten(), y.flatten()], -1)[None]}
+    try:
+        model(**sp.shard_batch(dict(vision, input_ids=ids, labels=ids, mm_token_type_ids=(ids == cfg.image_token_id).long())))
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _molmo2_two_images(sp):
+    """Molmo2 with two images apart: every image token sees every other across the text between them, refused."""
+    from ds_seqpar.hf import apply_sequence_parallel
+    cfg = CONFIGS["molmo2"]()
+    model = apply_sequence_parallel(build(cfg, torch.float32), sp)
+    ids, _, _, vision = row(cfg, model)
+    ids = ids.clone()
+    ids[0, 10:14] = cfg.image_token_id
+    vision = {k: torch.cat([v, v]) for k, v in vision.items()}
+    vision["image_token_pooling"][4:] += 16
     try:
         model(**sp.shard_batch(dict(vision, input_ids=ids, labels=ids, mm_token_type_ids=(ids == cfg.image_token_id).long())))
     except ValueError as err:
@@ -154,6 +173,7 @@ def test_bad_vision_inputs_stop_every_rank_with_the_input_named(pool):
     assert "position_ids (3, 1, 64) do not fit this rank's input_ids (1, 32)" in errors["unsharded positions"], errors
     assert "Image features and image tokens do not match" in errors["placeholders (llava)"], errors
     assert "an image of 9 tokens longer than sliding_window=8 in gemma4_unified" in errors["image past the window"], errors
+    assert "image tokens in 2 separate runs [(10, 14), (30, 34)] in molmo2" in errors["two image runs"], errors
     assert len({round(r[1], 6) for r in results}) == 1      # a good call after them: the ranks still agree
     assert all("rows of the batch hold image tokens at different positions in gemma3" in r[2][0] for r in results)
     assert all("image tokens in packed documents in gemma3 cannot be exact" in r[2][1] for r in results), results

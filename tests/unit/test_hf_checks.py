@@ -27,6 +27,8 @@ REFUSED = [
     ("Qwen3NextConfig", {}, {}, "token mixing outside attention (layer_types[0]='linear_attention'"),
     ("JambaConfig", {}, {}, "token mixing outside attention (layer_types[0]='linear_attention'"),
     ("MambaConfig", {}, {}, "token mixing outside attention"),
+    ("Glm5NextTextConfig", {}, {}, "'linear_attention': a linear-attention, SSM or convolution layer of a family no "
+                                   "hybrid adapter of ds_seqpar wraps)"),
     ("T5Config", {}, {}, "cross attention"),
     ("Qwen2VLConfig", {}, {}, "multimodal model (sub-configs ['vision_config']"),
     ("FalconConfig", {}, {}, "attention that ignores transformers' AttentionInterface"),
