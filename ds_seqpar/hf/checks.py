@@ -53,6 +53,10 @@ REFUSED_TYPES = {
                           "model call's keyword arguments on to it; sequence parallelism must pass each rank's global "
                           "positions, which the Q-Former would take for its instruction's)",
                           "use InstructBLIP, whose Q-Former reads only its own inputs"),
+    "kosmos-2": ("Kosmos-2's image-to-text resampler (its latent queries cross-attend to the image through the "
+                 "decoder's attention class, and the decoder scatters the image features into the positions "
+                 "image_embeds_position_mask marks on its own shard)",
+                 "apply to a model whose language model takes the merged embeddings (LLaVA-style placeholders)"),
 }
 # softmax attention despite the name (the model is "Kimi Linear"); the post-forward check still
 # verifies that it called the registered attention function

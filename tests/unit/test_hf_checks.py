@@ -40,6 +40,7 @@ REFUSED = [
     ("InklingTextConfig", {}, {}, "Inkling's attention (an additive relative-position bias"),
     ("Inkling2TextConfig", {}, {}, "Inkling's attention (an additive relative-position bias"),
     ("InstructBlipVideoConfig", {}, {"vision_ok": True}, "InstructBLIP-Video's Q-Former reading the call's position_ids"),
+    ("Kosmos2Config", {}, {"vision_ok": True}, "Kosmos-2's image-to-text resampler"),
 ]
 
 
