@@ -43,9 +43,7 @@ def all_reduce_sum(x: Tensor, group, stats: Optional[comm.CommStats] = None, kin
 
 @torch.library.custom_op("ds_seqpar::all_gather", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def all_gather_op(x: Tensor, dim: int, group: str, stats: str, kind: str) -> Tensor:
-    # a copy even at size 1: a custom op's output may not alias its input
-    return comm.all_gather_nograd(x, dim, resolve(group), _stats(stats), kind).clone(
-        memory_format=torch.contiguous_format)
+    return _own(comm.all_gather_nograd(x, dim, resolve(group), _stats(stats), kind), x)
 
 
 @all_gather_op.register_fake
@@ -57,8 +55,14 @@ def _gather_fake(x, dim, group, stats, kind):
 
 @torch.library.custom_op("ds_seqpar::reduce_scatter", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def reduce_scatter_op(x: Tensor, dim: int, group: str, stats: str, kind: str) -> Tensor:
-    return comm.reduce_scatter(x.contiguous(), dim, resolve(group), _stats(stats), kind).clone(
-        memory_format=torch.contiguous_format)
+    return _own(comm.reduce_scatter(x.contiguous(), dim, resolve(group), _stats(stats), kind), x)
+
+
+def _own(out: Tensor, x: Tensor) -> Tensor:
+    """``out`` contiguous and not aliasing ``x`` (a custom op's output may not alias its input; at size 1 the
+    collectives hand their input back): copied only then, not the gathered logits of every call."""
+    out = out.contiguous()
+    return out.clone() if out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() else out
 
 
 @reduce_scatter_op.register_fake

@@ -81,11 +81,7 @@ def _bad_inputs():
     for name, kw in cases.items():
         if name != "unsharded positions":
             kw.setdefault("pos", sp.shard(pos, dim=-1))
-        try:
-            call(**kw)
-            out[name] = None
-        except ValueError as err:
-            out[name] = str(err)
+        out[name] = _refusal(lambda: call(**kw))
     good = call(pos=sp.shard(pos, dim=-1))
     out["placeholders (llava)"] = _llava_placeholders(sp)
     out["image past the window"] = _gemma4_unified_long_image(sp)
@@ -101,11 +97,7 @@ def _llava_placeholders(sp):
     ids, labels, _, vision = row(cfg, model)
     ids = ids.clone()
     ids[0, (ids[0] == cfg.image_token_id).nonzero()[0]] = 5          # one placeholder short
-    try:
-        model(**sp.shard_batch(dict(vision, input_ids=ids, labels=labels)))
-    except ValueError as err:
-        return str(err)
-    return None
+    return _refusal(lambda: model(**sp.shard_batch(dict(vision, input_ids=ids, labels=labels))))
 
 
 def _gemma4_unified_long_image(sp):
@@ -117,11 +109,8 @@ def _gemma4_unified_long_image(sp):
     ids[0, 28:37] = cfg.image_token_id
     y, x = torch.meshgrid(torch.arange(3), torch.arange(3), indexing="ij")
     vision = {"pixel_values": torch.randn(1, 9, 12), "image_position_ids": torch.stack([x.flatten(), y.flatten()], -1)[None]}
-    try:
-        model(**sp.shard_batch(dict(vision, input_ids=ids, labels=ids, mm_token_type_ids=(ids == cfg.image_token_id).long())))
-    except ValueError as err:
-        return str(err)
-    return None
+    return _refusal(lambda: model(**sp.shard_batch(dict(vision, input_ids=ids, labels=ids,
+                                                        mm_token_type_ids=(ids == cfg.image_token_id).long()))))
 
 
 def _molmo2_two_images(sp):
@@ -134,11 +123,8 @@ def _molmo2_two_images(sp):
     ids[0, 10:14] = cfg.image_token_id
     vision = {k: torch.cat([v, v]) for k, v in vision.items()}
     vision["image_token_pooling"][4:] += 16
-    try:
-        model(**sp.shard_batch(dict(vision, input_ids=ids, labels=ids, mm_token_type_ids=(ids == cfg.image_token_id).long())))
-    except ValueError as err:
-        return str(err)
-    return None
+    return _refusal(lambda: model(**sp.shard_batch(dict(vision, input_ids=ids, labels=ids,
+                                                        mm_token_type_ids=(ids == cfg.image_token_id).long()))))
 
 
 def _gemma3_image_blocks(sp):
@@ -152,15 +138,18 @@ def _gemma3_image_blocks(sp):
     types[0, 40:44] = 1                      # zigzag at P=2: rank 1 holds 16..47, rank 0 none of them
     types[1, 8:12] = 1
     packed = torch.cat([torch.arange(36), torch.arange(28)])[None]
-    out = []
-    for batch in ({"input_ids": ids, "labels": ids, "token_type_ids": types},
-                  {"input_ids": ids[:1], "labels": ids[:1], "token_type_ids": types[:1], "position_ids": packed}):
-        try:
-            model(**sp.shard_batch(batch))
-            out.append(None)
-        except ValueError as err:
-            out.append(str(err))
-    return out
+    return [_refusal(lambda: model(**sp.shard_batch(batch))) for batch in (
+        {"input_ids": ids, "labels": ids, "token_type_ids": types},
+        {"input_ids": ids[:1], "labels": ids[:1], "token_type_ids": types[:1], "position_ids": packed})]
+
+
+def _refusal(run):
+    """The message of the ValueError run() raised (a sharded model call), None if it ran."""
+    try:
+        run()
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def test_bad_vision_inputs_stop_every_rank_with_the_input_named(pool):
