@@ -147,6 +147,21 @@ class DynamicSequenceParallel:
     def linear_attention(self, *args, **kwargs):
         return self._current.linear_attention(*args, **kwargs)
 
+    def token_logprobs(self, *args, **kwargs):
+        """sp.token_logprobs of the running micro-batch's group (per-token, local: the group only sets the
+        default chunk)."""
+        return self._current.token_logprobs(*args, **kwargs)
+
+    def token_logprobs_from_hidden(self, *args, **kwargs):
+        return self._current.token_logprobs_from_hidden(*args, **kwargs)
+
+    def sequence_sum(self, *args, **kwargs):
+        """Per-row sums over the running micro-batch's group (its documents are whole inside the group)."""
+        return self._current.sequence_sum(*args, **kwargs)
+
+    def sequence_mean(self, *args, **kwargs):
+        return self._current.sequence_mean(*args, **kwargs)
+
     @property
     def stats(self) -> comm.CommStats:
         """Every group's CommStats summed (a snapshot; reset_stats clears them)."""

@@ -22,6 +22,7 @@ from . import comm, ops, strategies
 from .config import ConfigError, SequenceParallelConfig, load_ds_config
 from .kernels import get_kernel
 from .kernels.base import check_head_groups
+from . import logprobs
 from .loss import sequence_loss
 from .masks import Mask, check_blocks
 from .memory.tiled_loss import sequence_loss_from_hidden
@@ -279,6 +280,45 @@ class SequenceParallel:
         chunk = self.config.tiled_loss_tokens if chunk_tokens is None else chunk_tokens
         return sequence_loss_from_hidden(hidden, lm_head, labels, self.group, bias, chunk, ignore_index,
                                          self.stats, scale)
+
+    # -- post-training: per-token log-probs and the reductions losses build from them (logprobs.py) --------
+    def token_logprobs(self, logits, labels, ignore_index: int = -100, temperature: float = 1.0,
+                       entropy: bool = False, chunk_tokens: Optional[int] = None):
+        """This rank's [batch, local_seq] log p(label) under softmax(logits / temperature), 0 where the label
+        is ignored; with ``entropy=True`` also (logp, entropy) of the tempered distribution. Labels as
+        sp.shard_batch gives them; ``sp.unshard(logp)`` is the unsharded model's values in global order. No
+        communication; the fp32 view of the logits exists ``chunk_tokens`` rows at a time (default
+        sequence_parallel.tiled_loss_tokens, else 1024; 0 = all at once)."""
+        return logprobs.token_logprobs(logits, labels, ignore_index, temperature, entropy, self._chunk(chunk_tokens))
+
+    def token_logprobs_from_hidden(self, hidden, lm_head, labels, bias=None, ignore_index: int = -100,
+                                   temperature: float = 1.0, entropy: bool = False,
+                                   chunk_tokens: Optional[int] = None):
+        """``sp.token_logprobs(lm_head(hidden), labels, ...)`` with the head fused in: never more than
+        ``chunk_tokens`` rows of logits, forward or backward (the tiled head of sp.loss_from_hidden)."""
+        return logprobs.token_logprobs_from_hidden(hidden, lm_head, labels, bias, ignore_index, temperature, entropy,
+                                                   self._chunk(chunk_tokens))
+
+    def sequence_sum(self, values, mask=None, grad_scale: Optional[float] = None):
+        """[batch]: each row's sum over the whole sharded sequence (where ``mask`` is nonzero), the same on
+        every rank of the group; one all-reduce. Backward: this rank's share times ``grad_scale`` (as sp.loss)."""
+        return logprobs.sequence_sums(values, mask, self.group, self.stats, self._scale(grad_scale))
+
+    def sequence_mean(self, values, mask, grad_scale: Optional[float] = None):
+        """[batch]: each row's mean over its masked tokens of the whole sequence; one all-reduce."""
+        return logprobs.sequence_means(values, mask, self.group, self.stats, self._scale(grad_scale))
+
+    def token_mean(self, values, mask, grad_scale: Optional[float] = None):
+        """Scalar: the mean over every masked token of the batch's whole sequences; one all-reduce."""
+        return logprobs.token_mean(values, mask, self.group, self.stats, self._scale(grad_scale))
+
+    def _chunk(self, chunk_tokens: Optional[int]) -> int:
+        if chunk_tokens is not None:
+            return chunk_tokens
+        return self.config.tiled_loss_tokens or logprobs.DEFAULT_CHUNK
+
+    def _scale(self, grad_scale: Optional[float]) -> float:
+        return self.loss_grad_scale if grad_scale is None else grad_scale
 
     def __repr__(self) -> str:
         return (f"SequenceParallel(strategy={self.strategy_name!r}, size={self.size}, rank={self.rank}, "
