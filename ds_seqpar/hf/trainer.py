@@ -34,6 +34,7 @@ Refused on every rank before any collective, naming the option: what would not b
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 from functools import partial
 from typing import Optional
 
@@ -46,6 +47,7 @@ from . import trl_support
 from .apply import apply_sequence_parallel
 from .ds_config import trainer_deepspeed_config
 from .metrics import StepMeter, meter_callback
+from .trl_rows import WholeRowScoring
 from .vision import has_vision_inputs, rope_positions
 from .wandb_run import one_wandb_run, run_config_callback
 
@@ -65,10 +67,14 @@ class SequenceParallelMixin:
         super().__init__(**kwargs)
         if self.sp is None:
             return
-        self._sp_trl = trl_support.is_trl(_owner(type(self), "compute_loss"))
-        if self._sp_trl:
+        owner = _owner(type(self), "compute_loss")
+        self._sp_trl = trl_support.is_trl(owner)
+        self._sp_rows = WholeRowScoring(self.sp, owner.__name__) if owner.__name__ in ROW_TRAINERS else None
+        if self._sp_trl or self._sp_rows is not None:
             trl_support.refuse_inexact(self)
         apply_sequence_parallel(_base_model(self.model), self.sp)
+        if self._sp_rows is not None and getattr(self, "ref_model", None) is not None:
+            apply_sequence_parallel(_hf_module(self.ref_model), self.sp)
         self._sp_engine_checked = False
         self._wrap_prepare()
         self._sp_meter = StepMeter(self.sp)
@@ -108,15 +114,41 @@ class SequenceParallelMixin:
     def training_step(self, model, inputs, *args, **kwargs):
         if self.sp is not None and not self._sp_engine_checked:
             self._check_engine(model)
-        if self.sp is not None:
-            self._sp_meter.tokens += inputs["input_ids"].numel()       # this rank's shard
+        if self.sp is not None:       # this rank's shard (whole-row trainers shard inside the model)
+            self._sp_meter.tokens += inputs["input_ids"].numel() // (self.sp.size if self._sp_rows else 1)
         return super().training_step(model, inputs, *args, **kwargs)
 
     def compute_loss(self, model, inputs, *args, **kwargs):
+        if self.sp is not None and self._sp_rows is not None:
+            with self._whole_rows():
+                return super().compute_loss(model, inputs, *args, **kwargs)
         if self.sp is None or not self._sp_trl:
             return super().compute_loss(model, inputs, *args, **kwargs)
         return trl_support.compute_loss(self, super().compute_loss, self._gather_replicas, model, inputs, *args,
                                         **kwargs)
+
+    @contextmanager
+    def _whole_rows(self):
+        """TRL's whole-row trainers (trl_rows.py): the policy's and the reference's fused-head calls shard inside
+        the model; TRL's metric gathers become the replicas' (each group holds its replica's values once)."""
+        models = [_base_model(_hf_module(self.model))]
+        if getattr(self, "ref_model", None) is not None:
+            models.append(_hf_module(self.ref_model))
+        accelerator = self.accelerator
+        own = {name: vars(accelerator).get(name) for name in ("gather", "gather_for_metrics")}
+        def gather(data, truncate):      # accelerate gathers a scalar as one value per process
+            return _map_tensors(lambda t: self._gather_replicas(t.reshape(1) if t.dim() == 0 else t, truncate), data)
+        accelerator.gather = partial(gather, truncate=False)
+        accelerator.gather_for_metrics = lambda data, **_: gather(data, True)
+        try:
+            with self._sp_rows.scoring(models):
+                yield
+        finally:
+            for name, fn in own.items():
+                if fn is None:
+                    delattr(accelerator, name)
+                else:
+                    setattr(accelerator, name, fn)
 
     # -- data: one stream per replica, sharded batches ------------------------------------------
     def get_train_dataloader(self):
@@ -153,7 +185,13 @@ class SequenceParallelMixin:
     def get_batch_samples(self, epoch_iterator, num_batches, *args, **kwargs):
         if self.sp is None:
             return super().get_batch_samples(epoch_iterator, num_batches, *args, **kwargs)
+        if self._sp_rows is not None:      # whole rows to the trainer, checked the same on the group's ranks
+            return super().get_batch_samples(map(self._check_rows, epoch_iterator), num_batches, *args, **kwargs)
         return super().get_batch_samples(map(self._shard_batch, epoch_iterator), num_batches, *args, **kwargs)
+
+    def _check_rows(self, batch):
+        check_group_batch(batch, self.sp)
+        return batch
 
     def _shard_batch(self, batch):
         """One global batch (the same on the group's ranks: checked) -> this rank's shard."""
@@ -182,6 +220,9 @@ class SequenceParallelMixin:
         logits unsharded to full length, the labels as the collator gave them."""
         if self.sp is None:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        if self._sp_rows is not None:      # TRL's own step on whole rows (its compute_loss: the replica's loss)
+            check_group_batch(inputs, self.sp)
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         _refuse_unverified_eval(type(self), None, {"eval_dataset": True})
         labels, length = inputs.get("labels"), inputs["input_ids"].shape[1]
         shard = self._shard_batch(inputs)
@@ -204,9 +245,9 @@ class SequenceParallelMixin:
             self.gather_function = self._gather_replicas
         return super().evaluation_loop(*args, **kwargs)
 
-    def _gather_replicas(self, data, **_):
+    def _gather_replicas(self, data, truncate: bool = True, **_):
         state = self.accelerator.gradient_state
-        keep = state.remainder if state.end_of_dataloader and state.remainder > 0 else None
+        keep = state.remainder if truncate and state.end_of_dataloader and state.remainder > 0 else None
 
         def gather(t):
             full = comm.all_gather_nograd(t.contiguous(), 0, self.sp.dp_group, self.sp.stats, kind="eval_gather")
@@ -248,6 +289,11 @@ def _map_tensors(fn, data):
 def _init_parameters(cls):
     base = next(c for c in cls.__mro__ if c is not SequenceParallelMixin and not issubclass(c, SequenceParallelMixin))
     return [n for n in inspect.signature(base.__init__).parameters if n != "self"]
+
+
+def _hf_module(model):
+    """The transformers model inside a DeepSpeed engine (TRL prepares its reference model as one)."""
+    return getattr(model, "module", model) if type(model).__name__ == "DeepSpeedEngine" else model
 
 
 def _base_model(model):
@@ -322,7 +368,8 @@ def _refuse_inexact(targs, kwargs) -> None:
         refuse("predict_with_generate", "generation runs one token at a time", "evaluate the loss instead")
 
 
-VERIFIED_LOSSES = ("Trainer", "SFTTrainer")     # classes whose compute_loss is tested equal to plain dp
+ROW_TRAINERS = ("DPOTrainer",)                  # TRL trainers whose model calls score whole rows (trl_rows.py)
+VERIFIED_LOSSES = ("Trainer", "SFTTrainer") + ROW_TRAINERS   # compute_loss tested equal to plain dp
 
 
 def _refuse_unverified_loss(cls) -> None:
