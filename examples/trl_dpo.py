@@ -103,7 +103,8 @@ def train(deepspeed, output_dir, max_steps=3, gradient_accumulation_steps=3, per
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--deepspeed", required=True)
+    parser.add_argument("--deepspeed", default=None,
+                        help="the DeepSpeed JSON (under accelerate launch: the YAML's deepspeed_config_file instead)")
     parser.add_argument("--output_dir", default="runs/trl_dpo")
     parser.add_argument("--max_steps", type=int, default=3)
     parser.add_argument("--local_rank", type=int, default=-1)      # the deepspeed launcher passes it

@@ -370,6 +370,7 @@ def _refuse_inexact(targs, kwargs) -> None:
 
 ROW_TRAINERS = ("DPOTrainer",)                  # TRL trainers whose model calls score whole rows (trl_rows.py)
 VERIFIED_LOSSES = ("Trainer", "SFTTrainer") + ROW_TRAINERS   # compute_loss tested equal to plain dp
+NOT_YET = ("GRPOTrainer", "RLOOTrainer")         # refused by name until their rollouts run sequence-parallel
 
 
 def _refuse_unverified_loss(cls) -> None:
@@ -377,6 +378,12 @@ def _refuse_unverified_loss(cls) -> None:
     tests show equal to plain data parallelism (transformers' Trainer; TRL's SFTTrainer, whose fused
     LM head scores the shards' shift_labels over num_items_in_batch)."""
     owner = _owner(cls, "compute_loss")
+    if owner.__name__ in NOT_YET:
+        raise ConfigError(f"ds_seqpar.hf: {owner.__name__} under sequence parallelism is not built yet (its rollouts "
+                          f"generate with the model, and its losses read the old policy's log-probs from them); use "
+                          f"sequence_parallel.size=1 for it, or build the loss from sp.token_logprobs and "
+                          f"sp.sequence_sum / sp.token_mean in an own loop (docs/posttrain.md). Sequence-parallel TRL "
+                          f"trainers: {', '.join(n for n in VERIFIED_LOSSES if n != 'Trainer')}")
     if owner.__name__ not in VERIFIED_LOSSES:
         raise ConfigError(f"ds_seqpar.hf: {owner.__name__} overrides compute_loss; sequence parallelism is verified "
                           f"equal to plain data parallelism with the losses of {', '.join(VERIFIED_LOSSES)} only; "

@@ -46,6 +46,12 @@ def test_trainers_with_their_own_loss_are_refused_until_verified():
     _refuse_unverified_loss(sequence_parallel(SFTTrainer))        # its fused loss: tests/dist/test_hf_trainer.py
     cls = sequence_parallel(transformers.Trainer)
     assert sequence_parallel(cls) is cls and cls.__name__ == "SequenceParallelTrainer"
+    from trl import DPOTrainer, GRPOTrainer, RLOOTrainer
+    _refuse_unverified_loss(sequence_parallel(DPOTrainer))        # whole rows: tests/dist/test_trl_dpo.py
+    for trainer in (GRPOTrainer, RLOOTrainer):
+        with pytest.raises(ConfigError, match=f"{trainer.__name__} under sequence parallelism is not built yet.*"
+                                              f"size=1.*SFTTrainer, DPOTrainer"):
+            _refuse_unverified_loss(sequence_parallel(trainer))
 
 
 def test_train_batch_size_is_made_replica_aware_or_refused_with_the_fix():
