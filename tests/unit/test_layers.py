@@ -28,7 +28,8 @@ import ds_seqpar
 
 PACKAGE = "ds_seqpar"
 CORE = frozenset({"config", "errors", "sequence_parallel", "topology", "comm", "loss", "logprobs", "zero",
-                  "sharding", "strategies", "kernels", "memory", "masks", "schedule", "dynamic", "step_stats", "ops", "cost"})
+                  "sharding", "strategies", "kernels", "memory", "masks", "schedule", "dynamic", "step_stats", "ops",
+                  "cost"})
 TOOLS = frozenset({"models", "launch", "train", "bench", "report", "hf", "plan", "dashboard"})
 # layer -> the layers it may import besides itself ("report.plotting": that one module of report)
 ALLOWED = {
