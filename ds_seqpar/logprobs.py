@@ -45,28 +45,37 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 
 def _chunk_forward(z_cv, target_c, valid_c, want_entropy: bool):
-    """(logp [C], lse [C], entropy [C] or None) of tempered logits in the accumulation dtype."""
+    """(logp [C], lse [C], entropy [C] or None) of tempered logits in the accumulation dtype. ``z_cv`` is a
+    fresh tensor of this chunk and is overwritten (two [C, V] tensors at most: z, then p)."""
     lse_c = torch.logsumexp(z_cv, dim=-1)
     logp_c = torch.where(valid_c, z_cv.gather(1, target_c[:, None]).squeeze(1) - lse_c, 0.0)
     if not want_entropy:
         return logp_c, lse_c, None
-    logp_cv = z_cv - lse_c[:, None]          # -sum p log p, not lse - sum p z: no cancellation at sharp z
-    ent_c = -(logp_cv.exp() * logp_cv).sum(-1)
+    logp_cv = z_cv.sub_(lse_c[:, None])      # -sum p log p, not lse - sum p z: no cancellation at sharp z
+    ent_c = -logp_cv.exp().mul_(logp_cv).sum(-1)
     return logp_c, lse_c, torch.where(valid_c, ent_c, 0.0)
 
 
 def _chunk_backward(z_cv, target_c, valid_c, lse_c, ent_c, g_lp_c, g_ent_c, inv_t: float):
-    """d(tempered-free) logits [C, V] for incoming gradients of logp and entropy (either may be None)."""
-    logp_cv = z_cv - lse_c[:, None]
+    """d logits [C, V] (before the temperature: the 1/T is applied here) for incoming gradients of logp and
+    entropy (either may be None). ``z_cv`` is a fresh tensor of this chunk, overwritten and returned as the
+    result: two [C, V] tensors at most (z -> log p -> dz, and p)."""
+    logp_cv = z_cv.sub_(lse_c[:, None])
     p_cv = logp_cv.exp()
     a_c = g_lp_c if g_lp_c is not None else torch.zeros_like(lse_c)
-    if g_ent_c is not None:
-        dz_cv = -p_cv * (a_c[:, None] + g_ent_c[:, None] * (logp_cv + ent_c[:, None]))
-    else:
-        dz_cv = -p_cv * a_c[:, None]
+    if g_ent_c is not None:      # -p (a + b (log p + H))
+        dz_cv = logp_cv.add_(ent_c[:, None]).mul_(g_ent_c[:, None]).add_(a_c[:, None]).mul_(p_cv).neg_()
+    else:                        # -p a
+        dz_cv = p_cv.mul_(-a_c[:, None])
     rows = torch.arange(dz_cv.shape[0], device=dz_cv.device)
     dz_cv[rows, target_c] += a_c
-    return dz_cv * (valid_c.to(dz_cv.dtype) * inv_t)[:, None]
+    return dz_cv.mul_((valid_c.to(dz_cv.dtype) * inv_t)[:, None])
+
+
+def _tempered(z_cv, acc: torch.dtype, inv_t: float):
+    """A chunk's fresh logits (the head's output) in the accumulation dtype, divided by T, in place."""
+    z_cv = z_cv.to(acc)
+    return z_cv.mul_(inv_t) if inv_t != 1.0 else z_cv
 
 
 def _targets(labels_n: torch.Tensor, ignore_index: int):
@@ -85,7 +94,7 @@ class _LogitsLogprobs(torch.autograd.Function):
         ent_n = torch.zeros(n if want_entropy else 0, dtype=acc, device=logits_nv.device)
         for start in range(0, n, chunk):
             rows = slice(start, min(start + chunk, n))
-            z_cv = logits_nv[rows].to(acc) * inv_t
+            z_cv = _tempered(logits_nv[rows].to(acc, copy=True), acc, inv_t)
             lp, lse, ent = _chunk_forward(z_cv, target_n[rows], valid_n[rows], want_entropy)
             logp_n[rows], lse_n[rows] = lp, lse
             if want_entropy:
@@ -102,7 +111,7 @@ class _LogitsLogprobs(torch.autograd.Function):
         g_ent_n = g_ent_n if ctx.want_entropy else None
         for start in range(0, n, ctx.chunk):
             rows = slice(start, min(start + ctx.chunk, n))
-            z_cv = logits_nv[rows].to(acc) * ctx.inv_t
+            z_cv = _tempered(logits_nv[rows].to(acc, copy=True), acc, ctx.inv_t)
             d_logits[rows] = _chunk_backward(
                 z_cv, target_n[rows], valid_n[rows], lse_n[rows], ent_n[rows] if ctx.want_entropy else None,
                 None if g_lp_n is None else g_lp_n[rows].to(acc),
@@ -122,7 +131,7 @@ class _HeadLogprobs(torch.autograd.Function):
         ent_n = torch.zeros(n if want_entropy else 0, dtype=acc, device=hidden_nh.device)
         for start in range(0, n, chunk):
             rows = slice(start, min(start + chunk, n))
-            z_cv = F.linear(hidden_nh[rows], weight_vh, bias_v).to(acc) * inv_t
+            z_cv = _tempered(F.linear(hidden_nh[rows], weight_vh, bias_v), acc, inv_t)
             lp, lse, ent = _chunk_forward(z_cv, target_n[rows], valid_n[rows], want_entropy)
             logp_n[rows], lse_n[rows] = lp, lse
             if want_entropy:
@@ -143,7 +152,7 @@ class _HeadLogprobs(torch.autograd.Function):
         for start in range(0, n, ctx.chunk):
             rows = slice(start, min(start + ctx.chunk, n))
             h_ch = hidden_nh[rows]
-            z_cv = F.linear(h_ch, weight_vh, bias_v).to(acc) * ctx.inv_t
+            z_cv = _tempered(F.linear(h_ch, weight_vh, bias_v), acc, ctx.inv_t)
             dz_cv = _chunk_backward(
                 z_cv, target_n[rows], valid_n[rows], lse_n[rows], ent_n[rows] if ctx.want_entropy else None,
                 None if g_lp_n is None else g_lp_n[rows].to(acc),

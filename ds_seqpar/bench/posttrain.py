@@ -1,0 +1,195 @@
+"""``ds-seqpar bench posttrain``: post-training's per-token log-prob path on 2 local CPU ranks (gloo, one
+thread each; not a test).
+
+Two parts:
+  * speed: a DPO step as TRL's DPOTrainer computes it under ``sequence_parallel(DPOTrainer)`` (the policy's
+    fused-head forward and backward and the reference's forward, both through the whole-row scoring of
+    hf/trl_rows.py; then -logsigmoid(beta x margin)) on one preference pair of ``--seq``-token rows of a tiny
+    Hugging Face Llama, at P=2 against the same step on one process (P=1, the unapplied models), interleaved
+    round by round;
+  * memory: one rank's log-prob path at ``--memory-seq`` tokens per sequence (P=2: half of them per rank) and a
+    ``--vocab`` vocabulary: the peak above static (memory/usage.py: VmHWM) of
+    ``sp.token_logprobs_from_hidden`` (chunks of ``--chunk`` rows) and of the plain path that materialises the
+    [tokens, vocab] logits and their log-softmax, forward + backward each, one rank at a time.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from typing import Any, Dict, List
+
+import torch
+import torch.nn.functional as F
+
+from .. import comm
+from ..report.rows import Row
+from .harness import command_line, machine_facts, measure_on_pool, median_ratio, ratio_range, suite_facts, \
+    suite_main, suite_parser, write_page
+
+PROG = "ds-seqpar bench posttrain"
+BETA = 0.1
+SPEED, MEMORY, MEMORY_CHUNK = "DPO step speedup, P=2 vs 1", "log-prob path: peak above static", \
+    "log-prob path: peak above static / one chunk of fp32 logits"
+
+
+def tiny_llama(vocab: int, seed: int = 0):
+    import transformers as T
+    from trl.trainer.utils import add_fused_lm_head
+    config = T.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=65536,
+                           attention_dropout=0.0, use_cache=False, pad_token_id=0, eos_token_id=1)
+    torch.manual_seed(seed)
+    model = T.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
+    return model
+
+
+def dpo_step(policy, ref, ids, labels, scoring) -> float:
+    """One DPO step's compute (TRL's _compute_loss, sigmoid loss); returns the loss."""
+    with scoring.scoring([policy, ref]) if scoring is not None else nullcontext():
+        out = policy(input_ids=ids, labels=labels, fused_lm_head=True)
+        with torch.no_grad():
+            ref_out = ref(input_ids=ids, labels=labels, fused_lm_head=True)
+    chosen, rejected = (out.log_probs.sum(1) - ref_out.log_probs.sum(1)).chunk(2)
+    loss = -F.logsigmoid(BETA * (chosen - rejected)).mean()
+    loss.backward()
+    policy.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def _speed(args) -> Dict[str, Any]:
+    from ..hf import apply_sequence_parallel
+    from ..hf.trl_rows import WholeRowScoring
+    from ..sequence_parallel import SequenceParallel
+    sp = SequenceParallel({"strategy": args.strategy, "size": 2})
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, 256, (2, args.seq), generator=g)           # [chosen; rejected], one pair
+    labels = ids.clone()
+    labels[:, :args.seq // 8] = -100                                   # the prompt
+    plain = (tiny_llama(256), tiny_llama(256)) if sp.rank == 0 else None
+    sharded = tuple(apply_sequence_parallel(tiny_llama(256), sp) for _ in range(2))
+    scoring = WholeRowScoring(sp, "DPOTrainer")
+    walls = {"P=1": [], "P=2": []}
+    cpus = {"P=1": [], "P=2": []}
+    losses = {}
+    for round_ in range(args.warmup + args.repeats):
+        for case in ("P=1", "P=2"):
+            comm.barrier(sp.group)
+            t0, c0 = time.perf_counter(), time.thread_time()
+            if case == "P=2":
+                losses[case] = dpo_step(*sharded, ids, labels, scoring)
+            elif plain is not None:
+                losses[case] = dpo_step(*plain, ids, labels, None)
+            wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+            if round_ >= args.warmup:
+                walls[case].append(wall)
+                cpus[case].append(cpu)
+    return {"rank": sp.rank, "wall": walls, "cpu": cpus, "losses": losses}
+
+
+def _memory(args) -> Dict[str, Any]:
+    from ..memory.usage import StepMemory
+    from ..sequence_parallel import SequenceParallel
+    sp = SequenceParallel({"strategy": args.strategy, "size": 2})
+    g = torch.Generator().manual_seed(2)
+    hidden = sp.shard(torch.randn(1, args.memory_seq, 64, generator=g))
+    weight = torch.randn(args.vocab, 64, generator=g) * 0.05
+    labels = sp.shard(torch.randint(0, args.vocab, (1, args.memory_seq), generator=g))
+    out = {"rank": sp.rank}
+
+    def fused():
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        logp, ent = sp.token_logprobs_from_hidden(h, w, labels, entropy=True, chunk_tokens=args.chunk)
+        (sp.sequence_sum(logp, grad_scale=1.0).sum() + 0.01 * ent.sum()).backward()
+
+    def full():
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        logp_all = F.log_softmax(F.linear(h, w).float(), dim=-1)                        # [1, local, V]
+        logp = logp_all.gather(-1, labels[..., None]).squeeze(-1)
+        ent = -(logp_all.exp() * logp_all).sum(-1)
+        (sp.sequence_sum(logp, grad_scale=1.0).sum() + 0.01 * ent.sum()).backward()
+
+    for name, fn in (("fused", fused), ("full logits", full)):
+        for turn in range(sp.size):                 # one rank at a time: the plain path's peak is large
+            comm.barrier(sp.group)
+            if turn == sp.rank:
+                fn()                                # warm: the allocator's pools and the ops' first call
+                mem = StepMemory(torch.device("cpu"))
+                mem.begin()
+                mem.mark("logprobs")
+                fn()
+                out[name] = mem.end()["above_static_bytes"]
+            else:                                   # join the measuring rank's collectives (two runs of fn)
+                for _ in range(2):
+                    sp.sequence_sum(torch.zeros(1, hidden.shape[1]), grad_scale=1.0)
+    comm.barrier(sp.group)
+    return out
+
+
+def _rank(args) -> Dict[str, Any]:
+    import os
+    result = {"speed": _speed(args), "memory": _memory(args)}
+    result["load_1min"] = os.getloadavg()[0]
+    return result
+
+
+def measure(args, argv: List[str]) -> int:
+    import os
+    from ..launch.env import restored_environ
+    from .memory import MALLOC_ENV
+    args.P = 2
+    with restored_environ(*MALLOC_ENV):     # every block above 64 KiB mapped: the resident set follows live tensors
+        os.environ.update(MALLOC_ENV)
+        per_rank, meta = measure_on_pool(_rank, args, command_line(PROG, argv), versions=True)
+    speed = [r["speed"] for r in per_rank]
+    one = next(s for s in speed if s["rank"] == 0)
+    slowest = [max(s["wall"]["P=2"][i] for s in speed) for i in range(args.repeats)]
+    busiest = [max(s["cpu"]["P=2"][i] for s in speed) for i in range(args.repeats)]
+    rows = [Row("posttrain", "dpo", f"N={args.seq}", SPEED, "x", median_ratio(one["wall"]["P=1"], slowest),
+                tuple(ratio_range(one["wall"]["P=1"], slowest)), bound=2.0, target="posttrain.dpo",
+                detail={"cpu_ratio": median_ratio(one["cpu"]["P=1"], busiest),
+                        "p1_s": sorted(one["wall"]["P=1"])[len(slowest) // 2],
+                        "p2_s": sorted(slowest)[len(slowest) // 2],
+                        "loss_p1": one["losses"]["P=1"], "loss_p2": one["losses"]["P=2"]})]
+    chunk_bytes = args.chunk * args.vocab * 4
+    for r in per_rank:
+        m = r["memory"]
+        local = args.memory_seq // 2
+        rows.append(Row("posttrain", "logprobs", f"rank {m['rank']}, fused chunk {args.chunk}", MEMORY, "B",
+                        m["fused"], detail={"tokens_per_rank": local, "vocab": args.vocab}))
+        rows.append(Row("posttrain", "logprobs", f"rank {m['rank']}, full logits", MEMORY, "B", m["full logits"],
+                        predicted=local * args.vocab * 4, detail={"tokens_per_rank": local, "vocab": args.vocab}))
+        rows.append(Row("posttrain", "logprobs", f"rank {m['rank']}, fused chunk {args.chunk}", MEMORY_CHUNK, "x",
+                        m["fused"] / chunk_bytes, target="posttrain.logprob_chunks",
+                        detail={"chunk_bytes": chunk_bytes, "full_over_fused": m["full logits"] / max(m["fused"], 1)}))
+    meta.update(machine_facts())
+    facts = suite_facts(
+        meta, "Post-training: the DPO step and the log-prob path",
+        f"Speed: a DPO step (policy fused-head forward + backward, reference forward, sigmoid loss) of a tiny "
+        f"Llama (hidden 64, 2 layers, 4 heads / 2 KV heads, vocab 256) on one pair of {args.seq}-token rows, "
+        f"{args.strategy} at P=2 (2 ranks x 1 thread, gloo) vs the unapplied models on one process (P=1). Memory: "
+        f"{args.memory_seq} tokens per sequence ({args.memory_seq // 2} per rank), vocab {args.vocab}, hidden 64, "
+        f"fp32, forward + backward of the log-probs and entropies, one rank at a time; the ranks map every block "
+        f"above 64 KiB (MALLOC_MMAP_THRESHOLD_=65536: the resident set follows live tensors).",
+        {SPEED: "P=1 wall time / the slowest rank's wall time at P=2, per round (bound 2)",
+         MEMORY: "the path's peak resident bytes above what the rank held before it (VmHWM); predicted: one "
+                 "fp32 [tokens, vocab] tensor",
+         MEMORY_CHUNK: "the fused path's peak above static over one chunk of fp32 logits (chunk x vocab x 4 B)"},
+        rounds=True)
+    return write_page(args.out, args.name, rows, dict(facts, meta=meta), PROG)
+
+
+def parser():
+    ap = suite_parser(PROG, __doc__, "posttrain_cpu", repeats=5, seq=8192)
+    ap.add_argument("--strategy", default="zigzag")
+    ap.add_argument("--memory-seq", type=int, default=32768)
+    ap.add_argument("--vocab", type=int, default=32768)
+    ap.add_argument("--chunk", type=int, default=1024)
+    return ap
+
+
+def main(argv=None) -> int:
+    return suite_main(argv, parser(), measure)
+
+
+__all__ = ["main", "dpo_step", "tiny_llama"]
