@@ -56,7 +56,33 @@ def build_ds_config(opts) -> dict:
         ds.pop("wandb", None)
     if opts.resume_universal:
         ds["checkpoint"] = dict(ds.get("checkpoint", {}), load_universal=True)
+    batch_keys(ds, documents=bool(getattr(opts, "lengths", None)))
     return ds
+
+
+def batch_keys(ds: dict, documents: bool) -> None:
+    """DeepSpeed's batch keys, filled or refused by name here (DeepSpeed would stop every rank with a bare
+    assertion). With --lengths the job builds every micro-batch from documents and marks the accumulation
+    boundary itself (the tokens per step set the batch), so a missing micro batch is filled with 1 and a
+    train_batch_size, which would fix a number of rows per step, is refused. Without it rows of --seq_len
+    tokens need a micro batch: given, or derived by DeepSpeed from train_batch_size."""
+    micro, total = ds.get("train_micro_batch_size_per_gpu"), ds.get("train_batch_size")
+    for key, value in (("train_micro_batch_size_per_gpu", micro), ("train_batch_size", total),
+                       ("gradient_accumulation_steps", ds.get("gradient_accumulation_steps"))):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise TrainConfigError(f'DeepSpeed config "{key}": {value!r} is not a whole number >= 1')
+    if documents:
+        if total is not None:
+            raise TrainConfigError(f'DeepSpeed config "train_batch_size": {total} with --lengths: the job draws '
+                                   f"documents up to --tokens_per_step tokens per step and packs them itself, so a "
+                                   f"number of rows per step means nothing there; remove train_batch_size (and set "
+                                   f"the tokens per step with --tokens_per_step)")
+        ds.setdefault("train_micro_batch_size_per_gpu", 1)
+        return
+    if micro is None and total is None:
+        raise TrainConfigError('DeepSpeed config: neither "train_micro_batch_size_per_gpu" nor "train_batch_size" is '
+                               'given; the main job trains rows of --seq_len tokens, so say how many per rank: add '
+                               '"train_micro_batch_size_per_gpu": 2 (or pass --micro_batch 2)')
 
 
 # DeepSpeed's schedulers that set the lr themselves, from these bounds (WarmupCosineLR scales the optimizer's

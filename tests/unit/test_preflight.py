@@ -135,3 +135,31 @@ def test_lr_moves_a_warmup_schedulers_bounds_with_it():
     assert params["warmup_min_lr"] == pytest.approx(1e-3) and params["warmup_num_steps"] == 10
     ds, _ = check_config(opts("--deepspeed_config", os.path.join(ROOT, "configs/zigzag_zero2.json")), 4)
     assert ds["scheduler"]["params"]["warmup_max_lr"] == 1e-3
+
+
+def test_batch_keys_under_lengths_are_filled_or_refused_by_name(tmp_path):
+    """--lengths: the tokens per step define the batch; a JSON without DeepSpeed's batch keys runs (the micro
+    batch filled), a train_batch_size is refused by name; without --lengths a JSON without either key is
+    refused with what to write; a bad value is refused by its key. Never DeepSpeed's bare assertion."""
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("30\n50\n")
+    cfg = tmp_path / "ds.json"
+
+    def with_json(section, *argv):
+        cfg.write_text(json.dumps(dict(section, sequence_parallel={"strategy": "zigzag", "size": 2})))
+        return check_config(opts("--deepspeed_config", str(cfg), *argv), 2)[0]
+
+    for size in ("2", "dynamic"):
+        extra = ("--sp_size", size) + (("--max_tokens_per_rank", "64") if size == "dynamic" else ())
+        ds = with_json({"zero_optimization": {"stage": 2}}, "--lengths", str(lengths), *extra)
+        assert ds["train_micro_batch_size_per_gpu"] == 1 and "train_batch_size" not in ds
+        with pytest.raises(ConfigError, match=r'"train_batch_size": 8 with --lengths.*remove train_batch_size'):
+            with_json({"train_batch_size": 8}, "--lengths", str(lengths), *extra)
+    with pytest.raises(ConfigError, match=r'neither "train_micro_batch_size_per_gpu" nor "train_batch_size".*'
+                                          r'--micro_batch 2'):
+        with_json({"zero_optimization": {"stage": 2}})
+    assert with_json({"train_batch_size": 8})["train_batch_size"] == 8
+    for key, bad in (("train_micro_batch_size_per_gpu", 0), ("gradient_accumulation_steps", "2"),
+                     ("train_batch_size", 1.5)):
+        with pytest.raises(ConfigError, match=f'"{key}": {bad!r} is not a whole number >= 1'):
+            with_json({key: bad})
