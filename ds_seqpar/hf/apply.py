@@ -130,8 +130,34 @@ def apply_sequence_parallel(model: nn.Module, sp) -> nn.Module:
         install_seams(linear)
         state.handles += state.linear.hooks(linear)
     state.handles += install_indexed(indexed, state)
+    refuse_generation(model)
     setattr(model, STATE_ATTR, state)
     return model
+
+
+GENERATE_ATTR = "_ds_seqpar_own_generate"     # what the instance had under "generate" before apply (usually nothing)
+
+
+def refuse_generation(model: nn.Module) -> None:
+    """``model.generate`` of an applied model stops with ds_seqpar's message before any forward: decoding
+    token by token with a cache that each rank holds a shard of is not built, and transformers' own loop
+    would run a training forward on rows no rank shards (a raw size error, or worse)."""
+    own = model.__dict__.get("generate")
+    setattr(model, GENERATE_ATTR, own)
+
+    def generate(*args, **kwargs):
+        raise UnsupportedModelError(f"ds_seqpar.hf: {type(model).__name__}.generate under sequence parallelism "
+                                    f"(a sequence-sharded KV cache) is not built yet; call "
+                                    f"remove_sequence_parallel(model) first and generate on one process (the whole "
+                                    f"cache on that device), then apply_sequence_parallel(model, sp) again to train")
+    model.generate = generate
+
+
+def _restore_generation(model: nn.Module) -> None:
+    own = model.__dict__.pop(GENERATE_ATTR, None)
+    model.__dict__.pop("generate", None)
+    if own is not None:
+        model.generate = own
 
 
 def remove_sequence_parallel(model: nn.Module) -> nn.Module:
@@ -145,6 +171,7 @@ def remove_sequence_parallel(model: nn.Module) -> nn.Module:
     model.loss_function = state.previous_loss
     state.runner = None         # the registered function now refuses to run (transformers has no unregister)
     state.previous_loss = None
+    _restore_generation(model)
     setattr(model, STATE_ATTR, None)
     return model
 

@@ -119,7 +119,7 @@ def check_call(model, state, call: dict) -> None:
     if pos.dim() == 3 and not (state.vision is not None and state.vision.mrope):
         raise UnsupportedModelError(f"ds_seqpar.hf: multimodal 3-D position ids {tuple(pos.shape)} (mrope) cannot "
                                     f"be exact under sequence parallelism; pass [batch, seq] position_ids")
-    if call.get("past_key_values") is not None:
+    if call.get("past_key_values") is not None or call.get("cache") is not None:   # "cache" from transformers 5.24
         raise UnsupportedModelError("ds_seqpar.hf: past_key_values (cached attention) cannot be exact under "
                                     "sequence parallelism; call remove_sequence_parallel(model) before generate")
     mask = call.get("attention_mask")

@@ -98,7 +98,7 @@ class GlobalKeys:
         parts = ops.all_gather(local.contiguous(), dim, self.sp.group, self.sp.stats, kind=kind)
         return self.sp.layout.unshard(list(parts.chunk(self.sp.size, dim=dim)), dim)
 
-    def update(self, k_pass, k_rot, layer_idx: int):
+    def update(self, k_pass, k_rot, layer_idx: int, **_):     # transformers >= 5.24 also passes kwargs=
         # [b, 1, n, kv_lora_rank] and [b, 1, n, rope] -> [b, 1, N, .]: one all-gather for both
         width = k_pass.shape[-1]
         full = self._gather(torch.cat([k_pass, k_rot], dim=-1), 2, "dsa_latent")
@@ -142,8 +142,11 @@ def install(layers, state) -> list:
     for _, module in layers:
         params = inspect.signature(module.forward).parameters
         names = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        # the layer's cache argument: "past_key_values" up to transformers 5.23, "cache" from 5.24 (the old
+        # name then deprecated: given beside the decoder's cache=None it would be dropped)
+        cache_arg = "cache" if "cache" in params else "past_key_values"
 
-        def pre(mod, args, kwargs, names=names):
+        def pre(mod, args, kwargs, names=names, cache_arg=cache_arg):
             call = dict(zip(names, args), **kwargs)
             hidden = call["hidden_states"]
             cu_seqlens = call.get("cu_seqlens")
@@ -151,7 +154,8 @@ def install(layers, state) -> list:
                 cu_seqlens = call.get("cu_seq_lens_q")
             call["attention_mask"] = state.indexed.mask(state.sp, hidden.shape[0], hidden.shape[1], hidden.device,
                                                         cu_seqlens, call.get("sp_seq_len"))
-            call["past_key_values"] = GlobalKeys(state.sp)
+            call.pop("past_key_values", None)
+            call[cache_arg] = GlobalKeys(state.sp)
             return (), call
 
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))

@@ -65,6 +65,14 @@ def refusal_messages():
     own_loss.__class__ = _own_loss_class(type(own_loss))
     apply_sequence_parallel(own_loss, sp)
     out["own loss"] = _message(lambda: own_loss(**batch))
+    # generate: ds_seqpar's message before any forward; after remove_sequence_parallel the model's own again
+    prompt = batch["input_ids"][:, :5]
+    out["generate"] = _message(lambda: llama.generate(input_ids=prompt, max_new_tokens=2, do_sample=False))
+    from ds_seqpar.hf import remove_sequence_parallel
+    remove_sequence_parallel(own_loss)
+    own_loss.__class__ = type(llama)
+    out["generate after remove"] = _message(
+        lambda: own_loss.generate(input_ids=prompt, max_new_tokens=2, do_sample=False, pad_token_id=0))
     return out
 
 
@@ -105,6 +113,8 @@ EXPECTED = {
     "dropout": "attention dropout 0.1 in training",
     "bypass": "did not call the sequence-parallel attention (first: model.layers.1.self_attn (BypassAttention))",
     "own loss": "OwnLossForCausalLM computed its loss without model.loss_function",
+    "generate": "LlamaForCausalLM.generate under sequence parallelism (a sequence-sharded KV cache) is not built",
+    "generate after remove": "no error",
 }
 
 
