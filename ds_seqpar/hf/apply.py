@@ -31,6 +31,7 @@ from .linear.families import linear_modules
 from .linear.mixers import LinearMixers
 from .linear.seams import install_seams
 from .loss import make_loss_function
+from .versions import check_tested
 from .vision import VisionLanguage
 
 STATE_ATTR = "_ds_seqpar_hf"       # on the model: the SequenceParallelState while applied
@@ -99,6 +100,7 @@ def apply_sequence_parallel(model: nn.Module, sp) -> nn.Module:
     """Make every attention layer of ``model`` (a transformers PreTrainedModel) call ``sp.attention``;
     returns the same object. Use ``sp.shard_batch`` batches and pass their ``position_ids``."""
     from transformers import AttentionInterface
+    check_tested(("transformers", "trl", "accelerate"))
     if getattr(model, STATE_ATTR, None) is not None:
         raise UnsupportedModelError(f"ds_seqpar.hf: {type(model).__name__} already has sequence parallelism "
                                     f"applied; call remove_sequence_parallel(model) first")

@@ -3,6 +3,7 @@ checks, per-call checks of the attention function, MLA head padding, model loadi
 import glob
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -272,3 +273,19 @@ def test_routed_loss_does_not_shift_again_and_takes_the_trainers_token_count():
     local_sum = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
     torch.testing.assert_close(fn(logits=logits, labels=None, vocab_size=7, shift_labels=labels,
                                   num_items_in_batch=torch.tensor(10)), local_sum / 10)
+
+
+def test_releases_outside_the_tested_range_are_refused_by_name(monkeypatch):
+    """An installed transformers / TRL / accelerate outside hf/versions.TESTED is refused with the package, the
+    version and the tested range (and how to try it anyway); the installed, tested ones pass."""
+    from ds_seqpar.hf import versions
+    versions.check_tested(("transformers", "trl", "accelerate"), env={})
+    for version in ("5.25.0", "5.25.0.dev0", "5.22.3", "6.0.0"):
+        monkeypatch.setattr(versions, "installed", lambda package, v=version: v)
+        with pytest.raises(UnsupportedModelError, match=rf"transformers {re.escape(version)} is outside the range "
+                                                        r"ds_seqpar is tested with \(transformers>=5.23.0,<5.25.0\).*"
+                                                        r"DS_SEQPAR_UNTESTED_OK=1"):
+            versions.check_tested(("transformers",), env={})
+        versions.check_tested(("transformers",), env={"DS_SEQPAR_UNTESTED_OK": "1"})
+    monkeypatch.setattr(versions, "installed", lambda package: "5.24.1")
+    versions.check_tested(("transformers",), env={})

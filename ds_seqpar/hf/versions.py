@@ -1,0 +1,55 @@
+"""The Hugging Face releases ds_seqpar is tested with, and the refusal of any other.
+
+transformers ships monthly and renames what ds_seqpar hooks into (5.24 renamed the layers' cache argument:
+DeepSeek sparse attention then crashed with a raw size error). The suite runs against the pinned set
+(constraints.txt, CI) and, before a change lands, against the newest releases on the index (the README's
+"latest" tier); TESTED holds the range both cover, and setup.cfg's bounds say the same. A release outside it
+is refused by name when sequence parallelism is applied, before any collective, unless the user says to
+try it (DS_SEQPAR_UNTESTED_OK=1).
+"""
+from __future__ import annotations
+
+import os
+import re
+from importlib import metadata
+from typing import Dict, Tuple
+
+from .checks import UnsupportedModelError
+
+# package -> (lowest tested, first untested)
+TESTED: Dict[str, Tuple[str, str]] = {"transformers": ("5.23.0", "5.25.0"), "trl": ("1.16.0", "1.17.0"),
+                                      "accelerate": ("1.15.0", "1.16.0")}
+OVERRIDE = "DS_SEQPAR_UNTESTED_OK"
+
+
+def _key(version: str) -> Tuple[int, ...]:
+    """'5.24.0', '5.25.0.dev0', '1.16.0rc1' -> (5, 24, 0): the release numbers alone."""
+    return tuple(int(re.match(r"\d*", part).group() or 0) for part in version.split(".")[:3])
+
+
+def installed(package: str):
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def check_tested(packages=("transformers",), env=None) -> None:
+    """Refuse an installed release of ``packages`` outside TESTED (a package not installed passes: whoever
+    imports it says so)."""
+    env = os.environ if env is None else env
+    if env.get(OVERRIDE) == "1":
+        return
+    for package in packages:
+        version = installed(package)
+        if version is None:
+            continue
+        low, high = TESTED[package]
+        if not _key(low) <= _key(version) < _key(high):
+            raise UnsupportedModelError(
+                f"ds_seqpar.hf: {package} {version} is outside the range ds_seqpar is tested with "
+                f"({package}>={low},<{high}); install a tested release (pip install '{package}>={low},<{high}'), "
+                f"or set {OVERRIDE}=1 to try this one (the README's latest tier tests a new release)")
+
+
+__all__ = ["TESTED", "OVERRIDE", "check_tested", "installed"]
