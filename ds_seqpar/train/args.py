@@ -124,4 +124,17 @@ def resolve_args(args: Mapping[str, Any]) -> argparse.Namespace:
     return opts
 
 
-__all__ = ["DEFAULT_DS_CONFIG", "TrainConfigError", "build_parser", "resolve_args"]
+
+
+def parse_grid(text: str) -> tuple:
+    """--image_grid T,H,W (patches)."""
+    try:
+        grid = tuple(int(v) for v in str(text).split(","))
+    except ValueError:
+        grid = ()
+    if len(grid) != 3 or min(grid) < 1:
+        raise TrainConfigError(f"--image_grid={text!r} must be three positive integers T,H,W (patches), e.g. 1,8,8")
+    return grid
+
+
+__all__ = ["DEFAULT_DS_CONFIG", "TrainConfigError", "build_parser", "resolve_args", "parse_grid"]

@@ -18,19 +18,8 @@ import numpy as np
 import torch
 
 from ..hf.vision import rope_positions
-from .args import TrainConfigError
+from .args import TrainConfigError, parse_grid  # noqa: F401  (parse_grid: its home is args)
 from .data import IGNORE_INDEX
-
-
-def parse_grid(text: str) -> tuple:
-    """--image_grid T,H,W (patches)."""
-    try:
-        grid = tuple(int(v) for v in str(text).split(","))
-    except ValueError:
-        grid = ()
-    if len(grid) != 3 or min(grid) < 1:
-        raise TrainConfigError(f"--image_grid={text!r} must be three positive integers T,H,W (patches), e.g. 1,8,8")
-    return grid
 
 
 class RandomImages:

@@ -13,6 +13,7 @@ checked by every rank before it joins the world (main.run_training), under the s
 from __future__ import annotations
 
 import copy
+import math
 import os
 import sys
 import time
@@ -21,7 +22,7 @@ from typing import Mapping, Optional, Tuple
 from ..config import ConfigError, SequenceParallelConfig, load_ds_config
 from ..launch import env as launch_env
 from ..launch.spawn import CONFIG_ERROR
-from .args import DEFAULT_DS_CONFIG, TrainConfigError
+from .args import DEFAULT_DS_CONFIG, TrainConfigError, parse_grid
 
 
 def build_ds_config(opts) -> dict:
@@ -133,8 +134,29 @@ def fill_auto(ds: dict, where: str = "") -> None:
                                    f"main job fills only {', '.join(sorted(AUTO_FILLED))}: give {path} a value")
 
 
+# option -> (lowest valid, highest valid or None, what it is); None values are the options' "not given"
+OPTION_RANGES = {"micro_batch": (1, None, "rows per rank per micro-batch"), "dim": (1, None, "the model width"),
+                 "n_layers": (1, None, "layers"), "n_heads": (1, None, "attention heads"),
+                 "n_kv_heads": (1, None, "key/value heads"), "mlp_hidden": (1, None, "the MLP width"),
+                 "vocab_size": (2, None, "the vocabulary"), "corpus_bytes": (1, None, "bytes of the default corpus"),
+                 "tokens_per_step": (1, None, "tokens per optimizer step"), "images": (0, None, "images per row"),
+                 "save_interval": (0, None, "steps between checkpoints (0: none)"),
+                 "master_port": (1, 65535, "a TCP port")}
+
+
 def check_options(opts) -> None:
     """The options with a range of their own; each message names its option alone."""
+    for name, (low, high, what) in OPTION_RANGES.items():
+        value = getattr(opts, name, None)
+        if value is not None and (value < low or (high is not None and value > high)):
+            span = f">= {low}" if high is None else f"in {low}..{high}"
+            raise TrainConfigError(f"--{name}={value}: {what}, must be {span}")
+    if opts.lr is not None and not (math.isfinite(opts.lr) and opts.lr > 0):
+        raise TrainConfigError(f"--lr={opts.lr}: the learning rate must be a finite number > 0")
+    if not 0.0 <= opts.ignore_frac < 1.0:
+        raise TrainConfigError(f"--ignore_frac={opts.ignore_frac}: the fraction of ignored targets must be in [0, 1)")
+    if getattr(opts, "images", 0):
+        parse_grid(opts.image_grid)
     if opts.seq_len < 2:
         raise TrainConfigError(f"--seq_len={opts.seq_len} >= 2 does not hold: the global sequence length "
                                f"must be at least 2 tokens (the labels are the inputs shifted by one)")
@@ -144,12 +166,51 @@ def check_options(opts) -> None:
         raise TrainConfigError(f"--nprocs={opts.nprocs} must be >= 1")
 
 
+def _number(value, low: float, integer: bool = False) -> bool:
+    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+    return ok_type and not isinstance(value, bool) and math.isfinite(value) and value >= low
+
+
+def check_ds_keys(ds: dict) -> None:
+    """The DeepSpeed keys the main job relies on, by type and range, so that a typo ends here with the key
+    named and not in DeepSpeed's pydantic error or an assertion on every rank."""
+    def refuse(key, value, want):
+        raise TrainConfigError(f'DeepSpeed config "{key}": {value!r} is not valid; {want}')
+
+    for key in ("zero_optimization", "optimizer", "scheduler", "bf16", "fp16", "wandb", "checkpoint"):
+        if key in ds and not isinstance(ds[key], dict):
+            refuse(key, ds[key], "it is a JSON object ({...})")
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if not _number(stage, 0, integer=True) or stage > 3:
+        refuse("zero_optimization.stage", stage, "a ZeRO stage is 0, 1, 2 or 3")
+    if "gradient_clipping" in ds and not _number(ds["gradient_clipping"], 0):
+        refuse("gradient_clipping", ds["gradient_clipping"], "a number >= 0 (0: no clipping)")
+    if "steps_per_print" in ds and not _number(ds["steps_per_print"], 1, integer=True):
+        refuse("steps_per_print", ds["steps_per_print"], "a whole number >= 1")
+    optimizer = ds.get("optimizer", {})
+    if "type" in optimizer and not isinstance(optimizer["type"], str):
+        refuse("optimizer.type", optimizer["type"], "a DeepSpeed optimizer name such as \"AdamW\"")
+    lr = optimizer.get("params", {}).get("lr")
+    if lr is not None and not (_number(lr, 0) and lr > 0):
+        refuse("optimizer.params.lr", lr, "a finite number > 0")
+    for key in ("bf16", "fp16", "wandb"):
+        enabled = ds.get(key, {}).get("enabled")
+        if enabled is not None and not isinstance(enabled, bool):
+            refuse(f"{key}.enabled", enabled, "true or false")
+    scheduler = ds.get("scheduler", {})
+    for name in SCHEDULER_BOUNDS.get(scheduler.get("type"), ()):
+        value = scheduler.get("params", {}).get(name)
+        if value is not None and not _number(value, 0):
+            refuse(f"scheduler.params.{name}", value, "a learning rate, a finite number >= 0")
+
+
 def check_config(opts, world_size: Optional[int]) -> Tuple[dict, SequenceParallelConfig]:
     """The DeepSpeed config with overrides and its validated section, after the options' own checks;
     ``world_size`` (None: not known) against sequence_parallel.size."""
+    check_options(opts)            # the options first: a bad --lr is named as --lr, not as the key it fills
     ds = build_ds_config(opts)
+    check_ds_keys(ds)
     sp_cfg = SequenceParallelConfig.from_ds_config(ds)
-    check_options(opts)
     if world_size is not None and not sp_cfg.is_dynamic:     # dynamic groups: any world (schedule.group_sizes)
         sp_cfg.check_world(world_size)
     return ds, sp_cfg

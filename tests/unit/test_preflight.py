@@ -163,3 +163,48 @@ def test_batch_keys_under_lengths_are_filled_or_refused_by_name(tmp_path):
                      ("train_batch_size", 1.5)):
         with pytest.raises(ConfigError, match=f'"{key}": {bad!r} is not a whole number >= 1'):
             with_json({key: bad})
+
+
+BAD_OPTIONS = [("--micro_batch", "0"), ("--lr", "-1"), ("--lr", "nan"), ("--max_tokens_per_rank", "0"),
+               ("--ulysses_size", "0"), ("--dim", "0"), ("--n_layers", "0"), ("--n_heads", "0"), ("--n_kv_heads", "0"),
+               ("--mlp_hidden", "0"), ("--vocab_size", "1"), ("--corpus_bytes", "0"), ("--ignore_frac", "1.5"),
+               ("--ignore_frac", "-0.1"), ("--tokens_per_step", "0"), ("--images", "-1"), ("--save_interval", "-1"),
+               ("--master_port", "0"), ("--steps", "-1"), ("--seq_len", "1"), ("--nprocs", "0")]
+BAD_KEYS = [({"zero_optimization": {"stage": 7}}, "zero_optimization.stage"),
+            ({"zero_optimization": {"stage": "2"}}, "zero_optimization.stage"),
+            ({"zero_optimization": "x"}, "zero_optimization"), ({"gradient_clipping": "x"}, "gradient_clipping"),
+            ({"gradient_clipping": -1}, "gradient_clipping"), ({"optimizer": {"params": {"lr": "x"}}},
+                                                                "optimizer.params.lr"),
+            ({"optimizer": {"params": {"lr": -1}}}, "optimizer.params.lr"),
+            ({"bf16": {"enabled": "yes"}}, "bf16.enabled"),
+            ({"fp16": {"enabled": 1}}, "fp16.enabled"), ({"steps_per_print": 0}, "steps_per_print"),
+            ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "x"}}}, "scheduler.params.warmup_max_lr"),
+            ({"wandb": {"enabled": "x"}}, "wandb.enabled"), ({"checkpoint": 5}, "checkpoint"),
+            ({"train_micro_batch_size_per_gpu": True}, "train_micro_batch_size_per_gpu"),
+            ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps")]
+
+
+def test_the_sweep_of_bad_options_and_keys_ends_in_the_jobs_own_message(tmp_path):
+    """Every out-of-range option and every mistyped or out-of-range DeepSpeed key the job reads is refused by
+    the front door (before torch, before DeepSpeed) with a message naming that option or key: never
+    DeepSpeed's pydantic error or assertion, never a torch error on every rank."""
+    for option, value in BAD_OPTIONS:
+        with pytest.raises(ConfigError) as err:
+            check_config(opts(option, value), 4)
+        assert option.lstrip("-") in str(err.value), (option, value, str(err.value))
+    base = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+            "sequence_parallel": {"strategy": "zigzag", "size": 2}}
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps(base))
+    check_config(opts("--deepspeed_config", str(cfg)), 4)         # the base is good
+    for change, key in BAD_KEYS:
+        bad = json.loads(json.dumps(base))
+        for k, v in change.items():
+            if isinstance(v, dict) and isinstance(bad.get(k), dict):
+                bad[k].update(v)
+            else:
+                bad[k] = v
+        cfg.write_text(json.dumps(bad))
+        with pytest.raises(ConfigError, match=f'DeepSpeed config "{key}"'):
+            check_config(opts("--deepspeed_config", str(cfg)), 4)
