@@ -277,7 +277,10 @@ def check(cfg, make_inputs, sps):
     from ds_seqpar.config import ConfigError
     from ds_seqpar.hf import apply_sequence_parallel
     from .dist.test_hf import _summed_grads
+    from ds_seqpar.hf.versions import upstream_break
     model = build(cfg, torch.float32)
+    if upstream_break(type(model).__name__):        # the installed transformers breaks the model by itself
+        return {s: _refusal(model, sp) for s, sp in sps.items()}
     state, inputs = model.state_dict(), make_inputs(model)
     ref, plain = (unsharded(cfg, state, inputs, dt) for dt in (torch.float64, torch.float32))
     out, rounding = {}, None
@@ -302,6 +305,16 @@ def check(cfg, make_inputs, sps):
             ratios.update({f"grad {n}": _gradient_ratio(grads[n], ref[2][n], plain[2][n], rounding[n]) for n in over})
         out[strategy] = verdict(ratios, set(ref[2]) ^ set(grads))
     return out
+
+
+def _refusal(model, sp):
+    from ds_seqpar.config import ConfigError
+    from ds_seqpar.hf import apply_sequence_parallel
+    try:
+        apply_sequence_parallel(model, sp)
+    except ConfigError as err:
+        return ("refused", str(err).splitlines()[0])
+    return ("error", "applied although the installed transformers breaks the model")
 
 
 def _rounding_scale(cfg, state, inputs, ref):

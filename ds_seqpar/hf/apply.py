@@ -31,7 +31,7 @@ from .linear.families import linear_modules
 from .linear.mixers import LinearMixers
 from .linear.seams import install_seams
 from .loss import make_loss_function
-from .versions import check_tested
+from .versions import check_tested, check_upstream
 from .vision import VisionLanguage
 
 STATE_ATTR = "_ds_seqpar_hf"       # on the model: the SequenceParallelState while applied
@@ -101,6 +101,7 @@ def apply_sequence_parallel(model: nn.Module, sp) -> nn.Module:
     returns the same object. Use ``sp.shard_batch`` batches and pass their ``position_ids``."""
     from transformers import AttentionInterface
     check_tested(("transformers", "trl", "accelerate"))
+    check_upstream(model)
     if getattr(model, STATE_ATTR, None) is not None:
         raise UnsupportedModelError(f"ds_seqpar.hf: {type(model).__name__} already has sequence parallelism "
                                     f"applied; call remove_sequence_parallel(model) first")

@@ -34,6 +34,33 @@ def installed(package: str):
         return None
 
 
+# model classes a transformers release breaks by itself (the unsharded model fails too): (class, first broken,
+# first fixed or None, what breaks). Refused by name at apply time, with what works, instead of failing inside.
+UPSTREAM_BREAKS = [
+    ("Llama4ForConditionalGeneration", "5.24.0", None,
+     "its forward reads image_outputs from the language model's output, which has none (an AttributeError in "
+     "the unsharded model too)"),
+]
+
+
+def upstream_break(model_class: str, version=None):
+    """What breaks ``model_class`` in the installed (or given) transformers release, or None."""
+    version = version or installed("transformers")
+    if version is None:
+        return None
+    for name, first, fixed, what in UPSTREAM_BREAKS:
+        if name == model_class and _key(first) <= _key(version) and (fixed is None or _key(version) < _key(fixed)):
+            return f"transformers {version} breaks {name}: {what}"
+    return None
+
+
+def check_upstream(model) -> None:
+    why = upstream_break(type(model).__name__)
+    if why is not None:
+        raise UnsupportedModelError(f"ds_seqpar.hf: {why}; use transformers>=5.23.0,<5.24 for this model (or its text "
+                                    f"model alone)")
+
+
 def check_tested(packages=("transformers",), env=None) -> None:
     """Refuse an installed release of ``packages`` outside TESTED (a package not installed passes: whoever
     imports it says so)."""
@@ -52,4 +79,4 @@ def check_tested(packages=("transformers",), env=None) -> None:
                 f"or set {OVERRIDE}=1 to try this one (the README's latest tier tests a new release)")
 
 
-__all__ = ["TESTED", "OVERRIDE", "check_tested", "installed"]
+__all__ = ["TESTED", "OVERRIDE", "UPSTREAM_BREAKS", "check_tested", "check_upstream", "upstream_break", "installed"]

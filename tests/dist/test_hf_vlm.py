@@ -34,6 +34,10 @@ def test_vision_language_models_are_exact_under_every_strategy(pool):
     assert sorted(outcome) == sorted(FAMILIES)
     for name, r in outcome.items():
         assert sorted(r) == sorted(STRATEGIES)
+        if any("breaks" in m and "transformers" in m for kind, m in r.values() if kind == "refused"):
+            # a release that breaks the family by itself (hf/versions.UPSTREAM_BREAKS): refused by name
+            assert all(kind == "refused" and "use transformers>=5.23.0" in m for kind, m in r.values()), (name, r)
+            continue
         if name in EXCEPT_STRIPED:
             kind, message = r.pop("striped")
             assert kind == "refused" and "strategy='striped'" in message, (name, kind, message)
