@@ -109,6 +109,7 @@ def check_call(model, state, call: dict) -> None:
         raise UnsupportedModelError("ds_seqpar.hf: a model applied with sequence_parallel.size='dynamic' runs one "
                                     "micro-batch of a schedule at a time: call it inside `with dsp.running(mb):` "
                                     "with dsp.batch(mb, ...)'s batch (docs/dynamic.md)")
+    check_sequences(model, call)
     pos = call.get("position_ids")
     if pos is None:
         raise UnsupportedModelError("ds_seqpar.hf: position_ids are required under sequence parallelism: pass "
@@ -131,6 +132,31 @@ def check_call(model, state, call: dict) -> None:
     check_dropout(state.layers, model.training)
     if state.indexed is not None:
         check_topk(model.config, pos.shape[-1] * state.sp.size)
+
+
+SEQUENCE_INPUTS = ("input_ids", "inputs_embeds", "labels", "shift_labels", "attention_mask", "token_type_ids")
+
+
+def check_sequences(model, call: dict) -> None:
+    """The call's per-token inputs are this rank's tokens alike: one of input_ids / inputs_embeds, and every
+    [batch, seq, ...] input as long as position_ids (a mismatch would surface as a raw size error deep in the
+    model, or not at all)."""
+    name = type(model).__name__
+    if call.get("input_ids") is not None and call.get("inputs_embeds") is not None:
+        raise UnsupportedModelError(f"ds_seqpar.hf: {name} got both input_ids and inputs_embeds; pass one of them, "
+                                    f"this rank's shard (sp.shard_batch's input_ids, or sp.shard(embeds, dim=1))")
+    pos = call.get("position_ids")
+    if pos is None:
+        return
+    width = pos.shape[-1]
+    for key in SEQUENCE_INPUTS:
+        value = call.get(key)
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] != width \
+                and not (key == "attention_mask" and value.dim() != 2):      # other masks: refused below
+            raise UnsupportedModelError(f"ds_seqpar.hf: {name}'s {key} has {value.shape[1]} tokens and position_ids "
+                                        f"{width}: under sequence parallelism every per-token input is this rank's "
+                                        f"shard of the same tokens; shard them together (sp.shard_batch, or "
+                                        f"sp.shard(x, dim=1) for inputs_embeds)")
 
 
 def linear_documents(cu_seqlens, cu_seq_lens_q, position_ids, module):

@@ -65,6 +65,12 @@ def refusal_messages():
     own_loss.__class__ = _own_loss_class(type(own_loss))
     apply_sequence_parallel(own_loss, sp)
     out["own loss"] = _message(lambda: own_loss(**batch))
+    # per-token inputs that are not this rank's tokens alike
+    embeds = llama.get_input_embeddings()(batch["input_ids"]).detach()
+    out["ids and embeds"] = _message(lambda: llama(input_ids=batch["input_ids"], inputs_embeds=embeds,
+                                                   position_ids=batch["position_ids"]))
+    out["embeds length"] = _message(lambda: llama(inputs_embeds=embeds[:, 1:], position_ids=batch["position_ids"]))
+    out["embeds"] = _message(lambda: llama(inputs_embeds=embeds, position_ids=batch["position_ids"]))
     # generate: ds_seqpar's message before any forward; after remove_sequence_parallel the model's own again
     prompt = batch["input_ids"][:, :5]
     out["generate"] = _message(lambda: llama.generate(input_ids=prompt, max_new_tokens=2, do_sample=False))
@@ -73,6 +79,9 @@ def refusal_messages():
     own_loss.__class__ = type(llama)
     out["generate after remove"] = _message(
         lambda: own_loss.generate(input_ids=prompt, max_new_tokens=2, do_sample=False, pad_token_id=0))
+    # resizing the embeddings after apply: the vocabulary is not sharded, the applied model runs on
+    out["resize then forward"] = _message(
+        lambda: (llama.resize_token_embeddings(llama.config.vocab_size + 8), llama(**batch)))
     return out
 
 
@@ -115,6 +124,10 @@ EXPECTED = {
     "own loss": "OwnLossForCausalLM computed its loss without model.loss_function",
     "generate": "LlamaForCausalLM.generate under sequence parallelism (a sequence-sharded KV cache) is not built",
     "generate after remove": "no error",
+    "ids and embeds": "got both input_ids and inputs_embeds",
+    "embeds length": "'s inputs_embeds has",
+    "embeds": "no error",
+    "resize then forward": "no error",
 }
 
 
