@@ -136,6 +136,7 @@ class SequenceParallelMixin:
             models.append(_hf_module(self.ref_model))
         accelerator = self.accelerator
         own = {name: vars(accelerator).get(name) for name in ("gather", "gather_for_metrics")}
+
         def gather(data, truncate):      # accelerate gathers a scalar as one value per process
             return _map_tensors(lambda t: self._gather_replicas(t.reshape(1) if t.dim() == 0 else t, truncate), data)
         accelerator.gather = partial(gather, truncate=False)

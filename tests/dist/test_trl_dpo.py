@@ -62,23 +62,41 @@ def assert_same_dpo(what, got, want):
 _PLAIN = {}
 
 
-def plain(pool, stage, reference="model", **overrides):
-    key = (stage, reference, repr(sorted(overrides.items())))
+def plain(pool, stage, reference="model", eval_samples=0, **overrides):
+    key = (stage, reference, eval_samples, repr(sorted(overrides.items())))
     if key not in _PLAIN:
-        _PLAIN[key] = pool.run(run_dpo, ds_config(stage, strategy="zigzag", size=1), 1, reference, **overrides)[0]
+        _PLAIN[key] = pool.run(run_dpo, ds_config(stage, strategy="zigzag", size=1), 1, reference, eval_samples,
+                               **overrides)[0]
     return _PLAIN[key]
 
 
+EVAL = 8          # eval pairs: 2 eval steps of 4 pairs in both runs (no last-batch remainder)
+
+
+def assert_same_eval(what, got, want):
+    """evaluate(): TRL's eval loss and metrics; the same pairs per eval step in both runs."""
+    assert set(got) == set(want) and "eval_loss" in got, (what, sorted(got), sorted(want))
+    for key in ("eval_loss",) + tuple(f"eval_{m}" for m in METRICS if m != "num_tokens"):
+        assert key in want, (what, key, sorted(want))
+        scale = BETA * max(abs(want["eval_logps/chosen"]), abs(want["eval_logps/rejected"])) \
+            if key.startswith("eval_rewards/") else abs(want[key])
+        assert abs(got[key] - want[key]) <= 1e-5 * max(scale, 1e-6), (what, key, got[key], want[key])
+
+
 @pytest.mark.parametrize("stage,sp,reference,overrides", [
-    (2, dict(strategy="zigzag", size=2), "model", {}),
+    (2, dict(strategy="zigzag", size=2), "model", {"eval_samples": EVAL}),
     (2, dict(strategy="ulysses", size=4), "precompute", {}),
     (2, dict(strategy="striped", size=2), "model", {"loss_type": ["ipo", "bco_pair"], "loss_weights": [1.0, 0.5]}),
     (3, dict(strategy="ring", size=2), "model", {}),
 ], ids=["zigzag-zero2", "ulysses4-precompute", "striped-ipo-bco", "ring-zero3"])
 def test_dpo_trainer_equals_plain_data_parallelism(pool, stage, sp, reference, overrides):
+    """With the zigzag case also TRL's evaluation (8 pairs), sequence-parallel, against plain's."""
+    what = f"DPOTrainer {sp} ZeRO-{stage} {reference} {overrides}"
     got = pool.run(run_dpo, ds_config(stage, **sp), sp["size"], reference, **overrides)[0]
-    assert_same_dpo(f"DPOTrainer {sp} ZeRO-{stage} {reference} {overrides}", got,
-                    plain(pool, stage, reference, **overrides))
+    want = plain(pool, stage, reference, **overrides)
+    assert_same_dpo(what, got, want)
+    if overrides.get("eval_samples"):
+        assert_same_eval(what, got[2], want[2])
 
 
 def refused_dpo_messages():
