@@ -109,7 +109,6 @@ def check_call(model, state, call: dict) -> None:
         raise UnsupportedModelError("ds_seqpar.hf: a model applied with sequence_parallel.size='dynamic' runs one "
                                     "micro-batch of a schedule at a time: call it inside `with dsp.running(mb):` "
                                     "with dsp.batch(mb, ...)'s batch (docs/dynamic.md)")
-    check_sequences(model, call)
     pos = call.get("position_ids")
     if pos is None:
         raise UnsupportedModelError("ds_seqpar.hf: position_ids are required under sequence parallelism: pass "
@@ -120,6 +119,8 @@ def check_call(model, state, call: dict) -> None:
     if pos.dim() == 3 and not (state.vision is not None and state.vision.mrope):
         raise UnsupportedModelError(f"ds_seqpar.hf: multimodal 3-D position ids {tuple(pos.shape)} (mrope) cannot "
                                     f"be exact under sequence parallelism; pass [batch, seq] position_ids")
+    if not torch.compiler.is_compiling():    # shape comparisons would become guards (a recompile per length)
+        check_sequences(model, call)
     if call.get("past_key_values") is not None or call.get("cache") is not None:   # "cache" from transformers 5.24
         raise UnsupportedModelError("ds_seqpar.hf: past_key_values (cached attention) cannot be exact under "
                                     "sequence parallelism; call remove_sequence_parallel(model) before generate")
