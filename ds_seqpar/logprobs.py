@@ -83,22 +83,39 @@ def _targets(labels_n: torch.Tensor, ignore_index: int):
     return torch.where(valid_n, labels_n, 0), valid_n
 
 
+def _scan(chunk_logits, n: int, chunk: int, acc: torch.dtype, device, target_n, valid_n, want_entropy: bool):
+    """(logp [N], lse [N], entropy [N] or [0]) over the rows ``chunk`` at a time; ``chunk_logits(rows)`` gives
+    a fresh tempered [C, V] tensor of those rows (the logits' copy, or the head's matmul)."""
+    logp_n = torch.empty(n, dtype=acc, device=device)
+    lse_n = torch.empty(n, dtype=acc, device=device)
+    ent_n = torch.zeros(n if want_entropy else 0, dtype=acc, device=device)
+    for start in range(0, n, chunk):
+        rows = slice(start, min(start + chunk, n))
+        lp, lse, ent = _chunk_forward(chunk_logits(rows), target_n[rows], valid_n[rows], want_entropy)
+        logp_n[rows], lse_n[rows] = lp, lse
+        if want_entropy:
+            ent_n[rows] = ent
+    return logp_n, lse_n, ent_n
+
+
+def _chunk_grad(ctx, z_cv, rows, target_n, valid_n, lse_n, ent_n, g_lp_n, g_ent_n):
+    """_chunk_backward for ``rows``, the incoming gradients sliced and cast to the accumulation dtype."""
+    acc = lse_n.dtype
+    return _chunk_backward(z_cv, target_n[rows], valid_n[rows], lse_n[rows],
+                           ent_n[rows] if ctx.want_entropy else None,
+                           None if g_lp_n is None else g_lp_n[rows].to(acc),
+                           None if g_ent_n is None or not ctx.want_entropy else g_ent_n[rows].to(acc), ctx.inv_t)
+
+
 class _LogitsLogprobs(torch.autograd.Function):
     """(logp [N], entropy [N]) of logits [N, V]; the fp32 view exists one chunk at a time."""
 
     @staticmethod
     def forward(ctx, logits_nv, target_n, valid_n, inv_t, chunk, want_entropy):
-        n, acc = logits_nv.shape[0], _acc(logits_nv.dtype)
-        logp_n = torch.empty(n, dtype=acc, device=logits_nv.device)
-        lse_n = torch.empty(n, dtype=acc, device=logits_nv.device)
-        ent_n = torch.zeros(n if want_entropy else 0, dtype=acc, device=logits_nv.device)
-        for start in range(0, n, chunk):
-            rows = slice(start, min(start + chunk, n))
-            z_cv = _tempered(logits_nv[rows].to(acc, copy=True), acc, inv_t)
-            lp, lse, ent = _chunk_forward(z_cv, target_n[rows], valid_n[rows], want_entropy)
-            logp_n[rows], lse_n[rows] = lp, lse
-            if want_entropy:
-                ent_n[rows] = ent
+        acc = _acc(logits_nv.dtype)
+        logp_n, lse_n, ent_n = _scan(lambda rows: _tempered(logits_nv[rows].to(acc, copy=True), acc, inv_t),
+                                     logits_nv.shape[0], chunk, acc, logits_nv.device, target_n, valid_n,
+                                     want_entropy)
         ctx.save_for_backward(logits_nv, target_n, valid_n, lse_n, ent_n)
         ctx.inv_t, ctx.chunk, ctx.want_entropy = inv_t, chunk, want_entropy
         return logp_n, ent_n
@@ -108,14 +125,11 @@ class _LogitsLogprobs(torch.autograd.Function):
         logits_nv, target_n, valid_n, lse_n, ent_n = ctx.saved_tensors
         n, acc = logits_nv.shape[0], lse_n.dtype
         d_logits = torch.empty_like(logits_nv)
-        g_ent_n = g_ent_n if ctx.want_entropy else None
         for start in range(0, n, ctx.chunk):
             rows = slice(start, min(start + ctx.chunk, n))
             z_cv = _tempered(logits_nv[rows].to(acc, copy=True), acc, ctx.inv_t)
-            d_logits[rows] = _chunk_backward(
-                z_cv, target_n[rows], valid_n[rows], lse_n[rows], ent_n[rows] if ctx.want_entropy else None,
-                None if g_lp_n is None else g_lp_n[rows].to(acc),
-                None if g_ent_n is None else g_ent_n[rows].to(acc), ctx.inv_t).to(logits_nv.dtype)
+            d_logits[rows] = _chunk_grad(ctx, z_cv, rows, target_n, valid_n, lse_n, ent_n, g_lp_n,
+                                         g_ent_n).to(logits_nv.dtype)
         return d_logits, None, None, None, None, None
 
 
@@ -125,17 +139,10 @@ class _HeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_nh, weight_vh, bias_v, target_n, valid_n, inv_t, chunk, want_entropy):
-        n, acc = hidden_nh.shape[0], _acc(weight_vh.dtype)
-        logp_n = torch.empty(n, dtype=acc, device=hidden_nh.device)
-        lse_n = torch.empty(n, dtype=acc, device=hidden_nh.device)
-        ent_n = torch.zeros(n if want_entropy else 0, dtype=acc, device=hidden_nh.device)
-        for start in range(0, n, chunk):
-            rows = slice(start, min(start + chunk, n))
-            z_cv = _tempered(F.linear(hidden_nh[rows], weight_vh, bias_v), acc, inv_t)
-            lp, lse, ent = _chunk_forward(z_cv, target_n[rows], valid_n[rows], want_entropy)
-            logp_n[rows], lse_n[rows] = lp, lse
-            if want_entropy:
-                ent_n[rows] = ent
+        acc = _acc(weight_vh.dtype)
+        logp_n, lse_n, ent_n = _scan(
+            lambda rows: _tempered(F.linear(hidden_nh[rows], weight_vh, bias_v), acc, inv_t), hidden_nh.shape[0],
+            chunk, acc, hidden_nh.device, target_n, valid_n, want_entropy)
         ctx.save_for_backward(hidden_nh, weight_vh, bias_v, target_n, valid_n, lse_n, ent_n)
         ctx.inv_t, ctx.chunk, ctx.want_entropy = inv_t, chunk, want_entropy
         return logp_n, ent_n
@@ -148,15 +155,11 @@ class _HeadLogprobs(torch.autograd.Function):
         d_hidden = torch.empty_like(hidden_nh) if needs[0] else None
         d_weight = torch.zeros(weight_vh.shape, dtype=acc, device=weight_vh.device) if needs[1] else None
         d_bias = torch.zeros(bias_v.shape, dtype=acc, device=bias_v.device) if needs[2] else None
-        g_ent_n = g_ent_n if ctx.want_entropy else None
         for start in range(0, n, ctx.chunk):
             rows = slice(start, min(start + ctx.chunk, n))
             h_ch = hidden_nh[rows]
             z_cv = _tempered(F.linear(h_ch, weight_vh, bias_v), acc, ctx.inv_t)
-            dz_cv = _chunk_backward(
-                z_cv, target_n[rows], valid_n[rows], lse_n[rows], ent_n[rows] if ctx.want_entropy else None,
-                None if g_lp_n is None else g_lp_n[rows].to(acc),
-                None if g_ent_n is None else g_ent_n[rows].to(acc), ctx.inv_t).to(weight_vh.dtype)
+            dz_cv = _chunk_grad(ctx, z_cv, rows, target_n, valid_n, lse_n, ent_n, g_lp_n, g_ent_n).to(weight_vh.dtype)
             if d_hidden is not None:
                 d_hidden[rows] = dz_cv @ weight_vh
             if d_weight is not None:
