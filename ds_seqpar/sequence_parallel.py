@@ -312,10 +312,12 @@ class SequenceParallel:
         """Scalar: the mean over every masked token of the batch's whole sequences; one all-reduce."""
         return logprobs.token_mean(values, mask, self.group, self.stats, self._scale(grad_scale))
 
-    def _chunk(self, chunk_tokens: Optional[int]) -> int:
-        if chunk_tokens is not None:
-            return chunk_tokens
+    def logprob_chunk(self) -> int:
+        """Rows of fp32 logits the log-prob paths compute at once unless told: tiled_loss_tokens, else 1024."""
         return self.config.tiled_loss_tokens or logprobs.DEFAULT_CHUNK
+
+    def _chunk(self, chunk_tokens: Optional[int]) -> int:
+        return self.logprob_chunk() if chunk_tokens is None else chunk_tokens
 
     def _scale(self, grad_scale: Optional[float]) -> float:
         return self.loss_grad_scale if grad_scale is None else grad_scale

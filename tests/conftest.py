@@ -19,3 +19,13 @@ def pool():
     p = RankPool(WORLD, timeout_s=180.0).start()
     yield p
     p.close()
+
+
+@pytest.fixture(scope="session")
+def pool2():
+    """2 CPU gloo ranks, started on first use: plain data parallelism with as many processes as a size-2 run on
+    the 4-rank pool has replicas (TRL's GRPO: each process seeds and samples by its own index)."""
+    from ds_seqpar.launch.rankpool import RankPool
+    p = RankPool(2, timeout_s=180.0).start()
+    yield p
+    p.close()

@@ -27,6 +27,7 @@ from .harness import command_line, machine_facts, measure_on_pool, median_ratio,
     suite_main, suite_parser, write_page
 
 PROG = "ds-seqpar bench posttrain"
+TRL_DEFAULT_TILE = 32768      # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE in TRL 1.16 (its fused head's tile)
 BETA = 0.1
 SPEED, MEMORY, MEMORY_CHUNK = "DPO step speedup, P=2 vs 1", "log-prob path: peak above static", \
     "log-prob path: peak above static / one chunk of fp32 logits"
@@ -109,7 +110,21 @@ def _memory(args) -> Dict[str, Any]:
         ent = -(logp_all.exp() * logp_all).sum(-1)
         (sp.sequence_sum(logp, grad_scale=1.0).sum() + 0.01 * ent.sum()).backward()
 
-    for name, fn in (("fused", fused), ("full logits", full)):
+    def trl_head(tile):
+        """TRL's fused LM head (the kernel of add_fused_lm_head) on this rank's tokens, ``tile`` rows at a time:
+        what a GRPO / DPO step's scoring call runs, at TRL's own tile and at the one whole-row scoring sets."""
+        from trl.kernels import ChunkedLogProbFunction
+
+        def run():
+            h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            logp, ent = ChunkedLogProbFunction.apply(h.reshape(-1, h.shape[-1]), w, None, labels.reshape(-1), 1.0,
+                                                     tile, None, 1.0, ("log_probs", "entropy"))[:2]
+            (sp.sequence_sum(logp.view(1, -1), grad_scale=1.0).sum() + 0.01 * ent.sum()).backward()
+        return run
+
+    paths = (("fused", fused), ("full logits", full), ("trl tile", trl_head(args.chunk)),
+             ("trl default tile", trl_head(TRL_DEFAULT_TILE)))
+    for name, fn in paths:
         for turn in range(sp.size):                 # one rank at a time: the plain path's peak is large
             comm.barrier(sp.group)
             if turn == sp.rank:
@@ -159,6 +174,11 @@ def measure(args, argv: List[str]) -> int:
                         m["fused"], detail={"tokens_per_rank": local, "vocab": args.vocab}))
         rows.append(Row("posttrain", "logprobs", f"rank {m['rank']}, full logits", MEMORY, "B", m["full logits"],
                         predicted=local * args.vocab * 4, detail={"tokens_per_rank": local, "vocab": args.vocab}))
+        rows.append(Row("posttrain", "grpo_scoring", f"rank {m['rank']}, TRL head, tile {args.chunk} (sequence "
+                        f"parallel)", MEMORY, "B", m["trl tile"], detail={"tokens_per_rank": local, "vocab": args.vocab}))
+        rows.append(Row("posttrain", "grpo_scoring", f"rank {m['rank']}, TRL head, its tile {TRL_DEFAULT_TILE}",
+                        MEMORY, "B", m["trl default tile"], predicted=min(local, TRL_DEFAULT_TILE) * args.vocab * 4,
+                        detail={"tokens_per_rank": local, "vocab": args.vocab}))
         rows.append(Row("posttrain", "logprobs", f"rank {m['rank']}, fused chunk {args.chunk}", MEMORY_CHUNK, "x",
                         m["fused"] / chunk_bytes, target="posttrain.logprob_chunks",
                         detail={"chunk_bytes": chunk_bytes, "full_over_fused": m["full logits"] / max(m["fused"], 1)}))
@@ -174,7 +194,10 @@ def measure(args, argv: List[str]) -> int:
         {SPEED: "P=1 wall time / the slowest rank's wall time at P=2, per round (bound 2)",
          MEMORY: "the path's peak resident bytes above what the rank held before it (VmHWM); predicted: one "
                  "fp32 [tokens, vocab] tensor",
-         MEMORY_CHUNK: "the fused path's peak above static over one chunk of fp32 logits (chunk x vocab x 4 B)"},
+         MEMORY_CHUNK: "the fused path's peak above static over one chunk of fp32 logits (chunk x vocab x 4 B)",
+         "grpo_scoring": "TRL's fused LM head kernel (what GRPO's and DPO's scoring calls run) on the rank's "
+                         "tokens, at the tile whole-row scoring sets (--chunk) and at TRL's own tile; one plain "
+                         "process scoring the whole sequence holds min(tokens, TRL's tile) rows"},
         rounds=True)
     return write_page(args.out, args.name, rows, dict(facts, meta=meta), PROG)
 

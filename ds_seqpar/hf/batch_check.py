@@ -68,17 +68,24 @@ def _backward(ctx, grad):
 _checked_query.register_autograd(_backward)
 
 def group_flags(mask, position_ids, sp):
-    """(some rank's mask has a zero, some rank's position_ids are not the global positions): one
-    all-reduce (max) of two flags, made on every call so the ranks' collectives always match."""
+    """(some rank's mask has a zero, some rank's position_ids are not the global positions plus a constant per
+    row): one all-reduce (max) of the mask flag and each row's largest and negated smallest offset of its
+    position ids from the global token index, made on every call so the ranks' collectives always match.
+    A constant offset per row (0: sp.shard_batch's positions; a left-padded row rotated to lead with its real
+    tokens, as trl_rows.py does, keeps the plain model's positions) is exact as it is; anything else is packed
+    documents restarting at 0 or an error (hooks.documents_from_positions)."""
     device = mask.device if mask is not None else sp.device
-    flags = torch.zeros(2, dtype=torch.int32, device=device)
+    rows = position_ids.shape[0] if position_ids is not None else 0
+    flags = torch.zeros(1 + 2 * rows, dtype=torch.int64, device=device)
     if mask is not None and bool((mask == 0).any()):
         flags[0] = 1
     if position_ids is not None:
-        expected = sp.position_ids(position_ids.shape[1] * sp.size, device=position_ids.device)
-        flags[1] = int(not bool((position_ids == expected).all()))
-    zeros, restarts = comm.all_reduce(flags, sp.group, op="max").tolist()
-    return bool(zeros), bool(restarts)
+        index = sp.position_ids(position_ids.shape[1] * sp.size, device=position_ids.device)
+        offset = position_ids.to(torch.int64) - index
+        flags[1:1 + rows], flags[1 + rows:] = offset.amax(1), -offset.amin(1)
+    flags = comm.all_reduce(flags, sp.group, op="max")
+    restarts = bool((flags[1:1 + rows] != -flags[1 + rows:]).any()) if rows else False
+    return bool(flags[0]), restarts
 
 
 def check_right_padding(mask, state) -> None:

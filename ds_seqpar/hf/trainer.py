@@ -43,7 +43,7 @@ import torch
 from .. import comm
 from ..config import ConfigError, SequenceParallelConfig
 from ..sequence_parallel import SequenceParallel
-from . import trl_support
+from . import trl_rollouts, trl_support
 from .apply import apply_sequence_parallel
 from .ds_config import trainer_deepspeed_config
 from .metrics import StepMeter, meter_callback
@@ -63,16 +63,21 @@ class SequenceParallelMixin:
         targs = kwargs.get("args")
         self.sp: Optional[SequenceParallel] = _sequence_parallel(targs)
         group_set = one_wandb_run(targs, self.sp, kwargs.get("model"))
+        owner = _owner(type(self), "compute_loss")
         if self.sp is not None:
             _refuse_inexact(targs, kwargs)
             _refuse_unverified_loss(type(self))
             _refuse_unverified_eval(type(self), targs, kwargs)
+            if trl_rollouts.is_rollout(owner):         # before TRL sizes its buffers from the generation batch
+                trl_rollouts.refuse_inexact(targs, kwargs, owner.__name__)
+                trl_rollouts.fit_generation_batch(targs, self.sp, owner.__name__)
         super().__init__(**kwargs)
         if self.sp is None:
             return
-        owner = _owner(type(self), "compute_loss")
+        self._sp_owner = owner
         self._sp_trl = trl_support.is_trl(owner)
         self._sp_rows = WholeRowScoring(self.sp, owner.__name__) if owner.__name__ in ROW_TRAINERS else None
+        self._sp_rollout = trl_rollouts.is_rollout(owner)
         if self._sp_trl or self._sp_rows is not None:
             trl_support.refuse_inexact(self)
         apply_sequence_parallel(_base_model(self.model), self.sp)
@@ -83,6 +88,8 @@ class SequenceParallelMixin:
         self._sp_meter = StepMeter(self.sp)
         for callback in (run_config_callback(self.sp, self.model, group_set), meter_callback(self._sp_meter)):
             self.add_callback(callback)
+        if self._sp_rollout:                # last: the generator state plain process dp_rank has after TRL's init
+            trl_rollouts.reseed(targs, self.sp)
 
     # -- DeepSpeed gets sp.mpu ------------------------------------------------------------------
     def _wrap_prepare(self) -> None:
@@ -117,11 +124,17 @@ class SequenceParallelMixin:
     def training_step(self, model, inputs, *args, **kwargs):
         if self.sp is not None and not self._sp_engine_checked:
             self._check_engine(model)
-        if self.sp is not None:       # this rank's shard (whole-row trainers shard inside the model)
+        if self.sp is not None and not self._sp_rollout:  # this rank's shard (whole-row trainers: inside the model)
             self._sp_meter.tokens += inputs["input_ids"].numel() // (self.sp.size if self._sp_rows else 1)
         return super().training_step(model, inputs, *args, **kwargs)
 
     def compute_loss(self, model, inputs, *args, **kwargs):
+        if self.sp is not None and self._sp_rollout:
+            if self.model.training:      # this rank's share of the rows the fused head scores
+                rows = inputs["prompt_ids"].numel() + inputs["completion_ids"].numel()
+                self._sp_meter.tokens += rows // self.sp.size
+            with trl_rollouts.replica_view(self, self._sp_owner), self._sp_rows.scoring(self._scored_models()):
+                return super().compute_loss(model, inputs, *args, **kwargs)
         if self.sp is not None and self._sp_rows is not None:
             with self._whole_rows():
                 return super().compute_loss(model, inputs, *args, **kwargs)
@@ -130,13 +143,33 @@ class SequenceParallelMixin:
         return trl_support.compute_loss(self, super().compute_loss, self._gather_replicas, model, inputs, *args,
                                         **kwargs)
 
+    # -- TRL's online RL trainers: rollouts per replica (trl_rollouts.py) --------------------------
+    def _prepare_inputs(self, inputs):
+        """GRPO / RLOO generate and score here (a generation batch in, this step's micro-batch out)."""
+        if self.sp is None or not self._sp_rollout:
+            return super()._prepare_inputs(inputs)
+        with trl_rollouts.replica_view(self, self._sp_owner), self._sp_rows.scoring(self._scored_models()):
+            return super()._prepare_inputs(inputs)
+
+    def _generate(self, prompts):
+        """The rollouts: TRL's own generation, on whole prompts with sequence parallelism lifted (every rank of the
+        group decodes the replica's prompts from the same generator state: the same completions)."""
+        if self.sp is None or not self._sp_rollout:
+            return super()._generate(prompts)
+        with self._sp_rows.paused(), trl_rollouts.whole_model(_base_model(_hf_module(self.model)), self.sp):
+            return super()._generate(prompts)
+
+    def _scored_models(self):
+        models = [_base_model(_hf_module(self.model))]
+        if getattr(self, "ref_model", None) is not None:
+            models.append(_hf_module(self.ref_model))
+        return models
+
     @contextmanager
     def _whole_rows(self):
         """TRL's whole-row trainers (trl_rows.py): the policy's and the reference's fused-head calls shard inside
         the model; TRL's metric gathers become the replicas' (each group holds its replica's values once)."""
-        models = [_base_model(_hf_module(self.model))]
-        if getattr(self, "ref_model", None) is not None:
-            models.append(_hf_module(self.ref_model))
+        models = self._scored_models()
         accelerator = self.accelerator
         own = {name: vars(accelerator).get(name) for name in ("gather", "gather_for_metrics")}
 
@@ -189,9 +222,15 @@ class SequenceParallelMixin:
     def get_batch_samples(self, epoch_iterator, num_batches, *args, **kwargs):
         if self.sp is None:
             return super().get_batch_samples(epoch_iterator, num_batches, *args, **kwargs)
+        if self._sp_rollout:               # prompts to the trainer (it generates), checked the same on the group's ranks
+            return super().get_batch_samples(map(self._check_prompts, epoch_iterator), num_batches, *args, **kwargs)
         if self._sp_rows is not None:      # whole rows to the trainer, checked the same on the group's ranks
             return super().get_batch_samples(map(self._check_rows, epoch_iterator), num_batches, *args, **kwargs)
         return super().get_batch_samples(map(self._shard_batch, epoch_iterator), num_batches, *args, **kwargs)
+
+    def _check_prompts(self, batch):
+        trl_rollouts.check_group_prompts(batch, self.sp)
+        return batch
 
     def _check_rows(self, batch):
         check_group_batch(batch, self.sp)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ConfigError
+from .trl_rollouts import ROLLOUT_TRAINERS
 
 
 def _refuse_inexact(targs, kwargs) -> None:
@@ -35,22 +36,17 @@ def _refuse_inexact(targs, kwargs) -> None:
         refuse("predict_with_generate", "generation runs one token at a time", "evaluate the loss instead")
 
 
-ROW_TRAINERS = ("DPOTrainer",)                  # TRL trainers whose model calls score whole rows (trl_rows.py)
+ROW_TRAINERS = ("DPOTrainer",) + ROLLOUT_TRAINERS   # TRL trainers whose model calls score whole rows (trl_rows.py)
 VERIFIED_LOSSES = ("Trainer", "SFTTrainer") + ROW_TRAINERS   # compute_loss tested equal to plain dp
-NOT_YET = ("GRPOTrainer", "RLOOTrainer")         # refused by name until their rollouts run sequence-parallel
+VERIFIED_EVAL = ("Trainer", "SFTTrainer", "DPOTrainer")      # prediction_step tested equal to plain dp
 
 
 def _refuse_unverified_loss(cls) -> None:
     """A Trainer subclass that computes the loss itself is refused by name unless its loss is one the
     tests show equal to plain data parallelism (transformers' Trainer; TRL's SFTTrainer, whose fused
-    LM head scores the shards' shift_labels over num_items_in_batch)."""
+    LM head scores the shards' shift_labels over num_items_in_batch; TRL's DPO, GRPO and RLOO trainers,
+    whose rows are scored whole: trl_rows.py, trl_rollouts.py)."""
     owner = _owner(cls, "compute_loss")
-    if owner.__name__ in NOT_YET:
-        raise ConfigError(f"ds_seqpar.hf: {owner.__name__} under sequence parallelism is not built yet (its rollouts "
-                          f"generate with the model, and its losses read the old policy's log-probs from them); use "
-                          f"sequence_parallel.size=1 for it, or build the loss from sp.token_logprobs and "
-                          f"sp.sequence_sum / sp.token_mean in an own loop (docs/posttrain.md). Sequence-parallel TRL "
-                          f"trainers: {', '.join(n for n in VERIFIED_LOSSES if n != 'Trainer')}")
     if owner.__name__ not in VERIFIED_LOSSES:
         raise ConfigError(f"ds_seqpar.hf: {owner.__name__} overrides compute_loss; sequence parallelism is verified "
                           f"equal to plain data parallelism with the losses of {', '.join(VERIFIED_LOSSES)} only; "
@@ -64,7 +60,7 @@ def _refuse_unverified_eval(cls, targs, kwargs) -> None:
     on such a trainer is refused as well."""
     owner = _owner(cls, "prediction_step")
     strategy = getattr(getattr(targs, "eval_strategy", "no"), "value", getattr(targs, "eval_strategy", "no"))
-    if owner.__name__ not in VERIFIED_LOSSES and (kwargs.get("eval_dataset") is not None or strategy != "no"):
+    if owner.__name__ not in VERIFIED_EVAL and (kwargs.get("eval_dataset") is not None or strategy != "no"):
         raise ConfigError(f"ds_seqpar.hf: evaluation with {owner.__name__} (its own prediction_step) is not "
                           f"verified exact under sequence parallelism; pass no eval_dataset and eval_strategy='no', "
                           f"and evaluate with SequenceParallelTrainer or with size 1")
@@ -78,5 +74,5 @@ def _owner(cls, name):
     return next(c for c in cls.__mro__ if name in vars(c) and not getattr(c, MIXIN_MARK, False))
 
 
-__all__ = ["ROW_TRAINERS", "VERIFIED_LOSSES", "NOT_YET", "_refuse_inexact", "_refuse_unverified_loss",
+__all__ = ["ROW_TRAINERS", "VERIFIED_LOSSES", "VERIFIED_EVAL", "_refuse_inexact", "_refuse_unverified_loss",
            "_refuse_unverified_eval", "_owner"]

@@ -22,7 +22,7 @@ import torch
 
 from .agreement import check_same_on_ranks
 from .documents import (as_boundaries, boundaries_from_positions, check_boundaries, positions_from_boundaries)
-from .padding import pad_to
+from .padding import continue_positions, pad_to
 
 IGNORE_INDEX = -100          # labels the loss leaves out (Hugging Face's and torch's convention)
 # vision inputs passed whole to every rank (the towers run on whole images), never cut along dim 1
@@ -96,7 +96,7 @@ def shard_batch(batch: Mapping[str, torch.Tensor], sp=None, ignore_index: int = 
     if rope3d:
         local["position_ids"] = sp.shard(pad_to(given_pos, 2, padded), dim=2)        # [3, B, L]
     elif given_pos is not None:
-        local["position_ids"] = sp.shard(pad_to(given_pos.expand(b, n), 1, padded), dim=1)
+        local["position_ids"] = sp.shard(continue_positions(given_pos.expand(b, n), padded), dim=1)
     else:
         local["position_ids"] = sp.position_ids(n, device=ids_bn.device).expand(b, -1)   # [B, L]
     if cu is not None:

@@ -43,6 +43,16 @@ def pad_to(x: torch.Tensor, dim: int, length: int, value=0) -> torch.Tensor:
     return F.pad(x, pad, value=value)
 
 
+def continue_positions(pos_bn: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, N] position ids extended to ``length`` by counting on from each row's last (the pads continue the last
+    document, or keep a row's offset from its global index: hf/batch_check.py reads both as they are)."""
+    missing = length - pos_bn.shape[1]
+    if missing <= 0:
+        return pad_to(pos_bn, 1, length)
+    more = pos_bn[:, -1:] + torch.arange(1, missing + 1, device=pos_bn.device, dtype=pos_bn.dtype)
+    return torch.cat([pos_bn, more], dim=1)
+
+
 def check_seq_len(seq_len: int, padded: int, multiple: int) -> None:
     """``seq_len`` must be what these padded shards were padded from."""
     if not padded - multiple < seq_len <= padded:

@@ -99,19 +99,32 @@ def test_dpo_trainer_equals_plain_data_parallelism(pool, stage, sp, reference, o
         assert_same_eval(what, got[2], want[2])
 
 
-def refused_dpo_messages():
-    """Left-padded rows and a whole-row logits request, each refused by name on every rank."""
+def test_row_alignment_keeps_positions_and_refuses_inner_padding():
+    """Left-padded rows (GRPO's prompts) are rotated so the real tokens lead, each keeping its plain position id,
+    and rotated back exactly; inner zeros and a target on a left pad are refused by name."""
     import torch
     from ds_seqpar.hf.checks import UnsupportedModelError
-    from ds_seqpar.hf.trl_rows import drop_right_padding_mask
-    out = []
-    try:
-        drop_right_padding_mask({"attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1]])}, "DPOTrainer")
-    except UnsupportedModelError as err:
-        out.append(str(err))
-    return out
-
-
-def test_left_padded_rows_are_refused_by_name():
-    messages = refused_dpo_messages()
-    assert len(messages) == 1 and "DPOTrainer" in messages[0] and "left or inner padding" in messages[0]
+    from ds_seqpar.hf.trl_rows import align_rows, kept_positions, rotate
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1]])
+    labels = torch.where(mask.bool(), torch.arange(6).expand(3, 6), torch.full_like(mask, -100))
+    labels[:, :3] = -100                                   # prompt tokens: no targets (as TRL labels them)
+    kwargs = {"attention_mask": mask}
+    lead = align_rows(kwargs, labels, "GRPOTrainer")
+    assert "attention_mask" not in kwargs and lead.tolist() == [2, 0, 1]
+    ids = torch.arange(18).view(3, 6)
+    turned = rotate(ids, lead)
+    assert turned.tolist() == [[2, 3, 4, 5, 0, 1], [6, 7, 8, 9, 10, 11], [13, 14, 15, 16, 17, 12]]
+    assert torch.equal(rotate(turned, -lead), ids)
+    assert torch.equal(rotate(mask, lead)[:, :3], torch.ones(3, 3, dtype=mask.dtype))    # real tokens lead
+    pos = kept_positions(lead, 6)
+    assert pos.tolist() == [[2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6]]
+    assert align_rows({"attention_mask": torch.ones(2, 4)}, labels[:2, :4], "X") is None     # no padding at all
+    refusals = []
+    for bad, lab in ((torch.tensor([[1, 0, 1, 1]]), torch.full((1, 4), -100)),
+                     (torch.tensor([[0, 1, 1, 1]]), torch.tensor([[-100, 5, -100, -100]]))):
+        try:
+            align_rows({"attention_mask": bad}, lab, "DPOTrainer")
+        except UnsupportedModelError as err:
+            refusals.append(str(err))
+    assert len(refusals) == 2 and all("DPOTrainer" in m for m in refusals), refusals
+    assert "inner padding" in refusals[0] and "-100" in refusals[1]

@@ -120,18 +120,9 @@ def test_zero_offload_trains_with_sequence_parallelism_as_without(pool, tmp_path
 # resume at another shape (universal checkpoint)
 
 
-@pytest.fixture(scope="module")
-def pool2():
-    """A 2-rank world for the resumed runs at dp 1 x sp 2 and dp 2 x sp 1."""
-    from ds_seqpar.launch.rankpool import RankPool
-    p = RankPool(2, timeout_s=180.0).start()
-    yield p
-    p.close()
-
-
 def test_checkpoint_resumes_at_another_shape_through_the_universal_checkpoint(pool, pool2, tmp_path):
     """Saved after 2 steps at dp 2 x sp 2 (zigzag, ZeRO-2); resumed with --resume_universal at
-    dp 1 x sp 2, dp 2 x sp 1 (2 ranks) and with Ulysses (4 ranks), each with the
+    dp 1 x sp 2, dp 2 x sp 1 (2 ranks: the conftest's pool2) and with Ulysses (4 ranks), each with the
     same global batch of 4 sequences: steps 3-4 give the uninterrupted run's losses and norms.
     (Every label counts, so the mean over replicas is the global batch's mean at any shape.)"""
     base = dict(TINY, ignore_frac=0.0, steps=4, deepspeed_config=shipped_config("zigzag"),

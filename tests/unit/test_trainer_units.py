@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from ds_seqpar.config import ConfigError
-from ds_seqpar.hf.trainer import _refuse_inexact, _refuse_unverified_loss, drop_right_padding, sequence_parallel
+from ds_seqpar.hf.trainer import (_refuse_inexact, _refuse_unverified_eval, _refuse_unverified_loss, drop_right_padding,
+                                  sequence_parallel)
 
 
 def test_right_padding_is_dropped_and_left_padding_refused():
@@ -48,10 +49,32 @@ def test_trainers_with_their_own_loss_are_refused_until_verified():
     assert sequence_parallel(cls) is cls and cls.__name__ == "SequenceParallelTrainer"
     from trl import DPOTrainer, GRPOTrainer, RLOOTrainer
     _refuse_unverified_loss(sequence_parallel(DPOTrainer))        # whole rows: tests/dist/test_trl_dpo.py
-    for trainer in (GRPOTrainer, RLOOTrainer):
-        with pytest.raises(ConfigError, match=f"{trainer.__name__} under sequence parallelism is not built yet.*"
-                                              f"size=1.*SFTTrainer, DPOTrainer"):
-            _refuse_unverified_loss(sequence_parallel(trainer))
+    for trainer in (GRPOTrainer, RLOOTrainer):                     # rollouts per replica: tests/dist/test_trl_grpo.py
+        _refuse_unverified_loss(sequence_parallel(trainer))
+        with pytest.raises(ConfigError, match=f"evaluation with {trainer.__name__} .* not verified"):
+            _refuse_unverified_eval(sequence_parallel(trainer), None, {"eval_dataset": [1]})
+
+
+def test_rollout_trainers_get_the_replicas_generation_batch_or_a_refusal():
+    """4 ranks, size 2: 2 replicas. TRL sized the generation batch from the world (4 x 4 x 2 = 32); the plain run
+    with 2 processes has 4 x 2 x 2 = 16. A batch that splits a group of num_generations is refused with the fix;
+    so are vLLM and custom rollouts, by name."""
+    from types import SimpleNamespace
+    from ds_seqpar.hf.trl_rollouts import fit_generation_batch, refuse_inexact
+    sp = SimpleNamespace(size=2, dp_size=2)
+    targs = SimpleNamespace(per_device_train_batch_size=4, steps_per_generation=2, num_generations=4,
+                            generation_batch_size=32)
+    fit_generation_batch(targs, sp, "GRPOTrainer")
+    assert targs.generation_batch_size == 16
+    targs = SimpleNamespace(per_device_train_batch_size=3, steps_per_generation=1, num_generations=4,
+                            generation_batch_size=12)
+    with pytest.raises(ConfigError, match=r"GRPOTrainer .*size=2.* 3 x 2 x 1 = 6, not a multiple of "
+                                          r"num_generations=4"):
+        fit_generation_batch(targs, sp, "GRPOTrainer")
+    with pytest.raises(ConfigError, match="use_vllm=True .*set use_vllm=False"):
+        refuse_inexact(SimpleNamespace(use_vllm=True), {}, "GRPOTrainer")
+    with pytest.raises(ConfigError, match="RLOOTrainer with rollout_func .*leave rollout_func unset"):
+        refuse_inexact(SimpleNamespace(use_vllm=False), {"rollout_func": print}, "RLOOTrainer")
 
 
 def test_train_batch_size_is_made_replica_aware_or_refused_with_the_fix():
