@@ -2,7 +2,8 @@
 thread each; not a test).
 
 Two parts:
-  * speed: a DPO step as TRL's DPOTrainer computes it under ``sequence_parallel(DPOTrainer)`` (the policy's
+  * speed: a GRPO step after its rollouts (grpo_step: TRL's scoring of left-padded rows and its clipped loss
+    with KL), and a DPO step as TRL's DPOTrainer computes it under ``sequence_parallel(DPOTrainer)`` (the policy's
     fused-head forward and backward and the reference's forward, both through the whole-row scoring of
     hf/trl_rows.py; then -logsigmoid(beta x margin)) on one preference pair of ``--seq``-token rows of a tiny
     Hugging Face Llama, at P=2 against the same step on one process (P=1, the unapplied models), interleaved
@@ -27,6 +28,7 @@ from .harness import command_line, machine_facts, measure_on_pool, median_ratio,
     suite_main, suite_parser, write_page
 
 PROG = "ds-seqpar bench posttrain"
+SPEED_GRPO = "GRPO step after the rollouts, speedup P=2 vs 1"
 TRL_DEFAULT_TILE = 32768      # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE in TRL 1.16 (its fused head's tile)
 BETA = 0.1
 SPEED, MEMORY, MEMORY_CHUNK = "DPO step speedup, P=2 vs 1", "log-prob path: peak above static", \
@@ -58,6 +60,39 @@ def dpo_step(policy, ref, ids, labels, scoring) -> float:
     return loss.item()
 
 
+def grpo_step(policy, ref, ids, mask, labels, scoring, keep: int) -> float:
+    """One GRPO step's compute after the rollouts (TRL's _compute_loss with beta 0.04 and the old policy's
+    log-probs): old-policy and reference forwards, the policy's forward + backward, clipped ratios and the k3
+    KL over the last ``keep`` positions (the completions); rows are a left-padded prompt + the completion.
+    Returns the completions' summed log-probs (the loss itself is 0 at a first step: ratios 1, no KL)."""
+    with scoring.scoring([policy, ref]) if scoring is not None else nullcontext():
+        with torch.no_grad():
+            old = policy(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs[:, -keep:]
+            ref_logp = ref(input_ids=ids, attention_mask=mask, labels=labels,
+                           fused_lm_head=True).log_probs[:, -keep:]
+        logp = policy(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs[:, -keep:]
+    completion = (labels[:, -keep:] != -100).float()
+    advantages = torch.tensor([[1.0], [-1.0]])
+    ratio = torch.exp(logp - old)
+    per_token = -torch.min(ratio * advantages, ratio.clamp(0.8, 1.2) * advantages)
+    kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
+    loss = (((per_token + 0.04 * kl) * completion).sum(1) / completion.sum(1)).mean()
+    loss.backward()
+    policy.zero_grad(set_to_none=True)
+    return (logp.detach() * completion).sum().item()
+
+
+def _grpo_rows(seq: int, g):
+    """Two rows of ``seq`` tokens: a prompt left-padded by 1/16 of the row, then a completion of 1/2 of it."""
+    ids = torch.randint(2, 256, (2, seq), generator=g)
+    mask = torch.ones_like(ids)
+    mask[:, :seq // 16] = 0
+    ids[:, :seq // 16] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :-seq // 2] = -100
+    return ids, mask, labels, seq // 2
+
+
 def _speed(args) -> Dict[str, Any]:
     from ..hf import apply_sequence_parallel
     from ..hf.trl_rows import WholeRowScoring
@@ -70,17 +105,22 @@ def _speed(args) -> Dict[str, Any]:
     plain = (tiny_llama(256), tiny_llama(256)) if sp.rank == 0 else None
     sharded = tuple(apply_sequence_parallel(tiny_llama(256), sp) for _ in range(2))
     scoring = WholeRowScoring(sp, "DPOTrainer")
-    walls = {"P=1": [], "P=2": []}
-    cpus = {"P=1": [], "P=2": []}
+    rows = _grpo_rows(args.seq, g)
+    cases = ("P=1", "P=2", "GRPO P=1", "GRPO P=2")
+    walls = {case: [] for case in cases}
+    cpus = {case: [] for case in cases}
     losses = {}
     for round_ in range(args.warmup + args.repeats):
-        for case in ("P=1", "P=2"):
+        for case in cases:
             comm.barrier(sp.group)
             t0, c0 = time.perf_counter(), time.thread_time()
             if case == "P=2":
                 losses[case] = dpo_step(*sharded, ids, labels, scoring)
+            elif case == "GRPO P=2":
+                losses[case] = grpo_step(*sharded, *rows[:3], scoring, rows[3])
             elif plain is not None:
-                losses[case] = dpo_step(*plain, ids, labels, None)
+                losses[case] = dpo_step(*plain, ids, labels, None) if case == "P=1" else \
+                    grpo_step(*plain, *rows[:3], None, rows[3])
             wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
             if round_ >= args.warmup:
                 walls[case].append(wall)
@@ -166,6 +206,15 @@ def measure(args, argv: List[str]) -> int:
                         "p1_s": sorted(one["wall"]["P=1"])[len(slowest) // 2],
                         "p2_s": sorted(slowest)[len(slowest) // 2],
                         "loss_p1": one["losses"]["P=1"], "loss_p2": one["losses"]["P=2"]})]
+    slowest = [max(s["wall"]["GRPO P=2"][i] for s in speed) for i in range(args.repeats)]
+    busiest = [max(s["cpu"]["GRPO P=2"][i] for s in speed) for i in range(args.repeats)]
+    rows.append(Row("posttrain", "grpo", f"N={args.seq}", SPEED_GRPO, "x",
+                    median_ratio(one["wall"]["GRPO P=1"], slowest), tuple(ratio_range(one["wall"]["GRPO P=1"], slowest)),
+                    bound=2.0, target="posttrain.grpo",
+                    detail={"cpu_ratio": median_ratio(one["cpu"]["GRPO P=1"], busiest),
+                            "p1_s": sorted(one["wall"]["GRPO P=1"])[len(slowest) // 2],
+                            "p2_s": sorted(slowest)[len(slowest) // 2],
+                            "logp_sum_p1": one["losses"]["GRPO P=1"], "logp_sum_p2": one["losses"]["GRPO P=2"]}))
     chunk_bytes = args.chunk * args.vocab * 4
     for r in per_rank:
         m = r["memory"]
@@ -192,6 +241,9 @@ def measure(args, argv: List[str]) -> int:
         f"fp32, forward + backward of the log-probs and entropies, one rank at a time; the ranks map every block "
         f"above 64 KiB (MALLOC_MMAP_THRESHOLD_=65536: the resident set follows live tensors).",
         {SPEED: "P=1 wall time / the slowest rank's wall time at P=2, per round (bound 2)",
+         SPEED_GRPO: "the same ratio for a GRPO step after its rollouts (old-policy and reference forwards, the "
+                     "policy's forward + backward, clipped ratios + KL) on two left-padded rows of N tokens, half "
+                     "of them completion; rollouts generate on whole prompts and are not in it",
          MEMORY: "the path's peak resident bytes above what the rank held before it (VmHWM); predicted: one "
                  "fp32 [tokens, vocab] tensor",
          MEMORY_CHUNK: "the fused path's peak above static over one chunk of fp32 logits (chunk x vocab x 4 B)",

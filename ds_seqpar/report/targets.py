@@ -59,6 +59,8 @@ TARGETS = {
     "memory.time_vs_implied": Target("<=", 1.10, "memory: step time with / without the features over the recompute's "
                                      "implied ratio", of_predicted=True),
     "posttrain.dpo": Target(">=", 1.7, "post-training: DPO step at P=2 vs P=1 (CPU, 8K tokens)", at_bound=2.0),
+    "posttrain.grpo": Target(">=", 1.7, "post-training: GRPO step after the rollouts at P=2 vs P=1 (CPU, 8K tokens)",
+                             at_bound=2.0),
     "posttrain.logprob_chunks": Target("<=", 4.0, "post-training: fused log-prob path's peak above static, in chunks "
                                        "of fp32 logits (it holds chunk rows at a time, never [tokens, vocab])"),
 }
