@@ -73,7 +73,8 @@ def assert_same_grpo(what, got, want, extra=()):
 CASES = [
     (2, dict(strategy="zigzag", size=2), {}),
     (3, dict(strategy="ulysses", size=2), {"loss_type": "dapo", "reference": "saved"}),
-    (2, dict(strategy="striped", size=2), {"loss_type": "dr_grpo", "steps_per_generation": 4}),
+    (2, dict(strategy="striped", size=2), {"loss_type": "dr_grpo", "steps_per_generation": 4,
+                                          "top_entropy_quantile": 0.5}),
     (2, dict(strategy="ring", size=2), {"trainer": "rloo", "top_k": 20, "top_p": 0.9, "temperature": 0.8}),
 ]
 
@@ -81,9 +82,10 @@ CASES = [
 @pytest.mark.parametrize("stage,sp,options", CASES, ids=["zigzag-grpo-zero2", "ulysses-dapo-kl-zero3",
                                                           "striped-drgrpo-oldpolicy", "ring-rloo-topk-topp"])
 def test_grpo_trainer_equals_plain_data_parallelism(pool, pool2, stage, sp, options):
-    """grpo (the default), dapo with the reference model's KL at ZeRO-3, dr_grpo with the old policy's log-probs
-    (steps_per_generation 4 > gradient_accumulation_steps 2: each generation batch serves two optimizer steps),
-    and TRL's RLOOTrainer (the same rollout path) sampling with top-k, top-p and a temperature."""
+    """grpo (the default); dapo with the reference model's KL at ZeRO-3; dr_grpo with the old policy's log-probs
+    (steps_per_generation 4 > gradient_accumulation_steps 2: each generation batch serves two optimizer steps)
+    and the entropy mask (top_entropy_quantile: a quantile over the replicas' completion tokens); TRL's
+    RLOOTrainer (the same rollout path) sampling with top-k, top-p and a temperature."""
     what = f"GRPOTrainer {sp} ZeRO-{stage} {options}"
     got = pool.run(run_grpo, ds_config(stage, **sp), **options)[0]
     want = plain(pool2, stage, **options)
