@@ -1,0 +1,122 @@
+"""model.generate of an applied model (a sequence-sharded KV cache): greedy tokens equal the unsharded
+model's (float64 and float32 runs, which must agree, are the reference), every step's scores within
+the bound the float32 run's own error against float64 sets, seeded sampling gives the unsharded run's
+tokens, every rank returns the same output, and each rank's cache holds only its share of the tokens
+(shares within one token of balanced; a sliding-window layer never more than its window).
+Every softmax strategy and the 2D hybrid, P = 2 and 4, GQA with fewer K/V heads than ranks."""
+import pytest
+import torch
+
+from ds_seqpar import SequenceParallel
+
+from ..reference import assert_derived_close
+
+PROMPT, NEW = 27, 6                  # 27: not a multiple of any layout's block, so the prompt is padded
+CASES = ([{"strategy": s, "size": p} for p in (2, 4) for s in ("ulysses", "ring", "zigzag", "striped")]
+         + [{"strategy": "ring", "size": 4, "ulysses_size": 2}])
+WINDOW = 8
+
+
+def _config(family):
+    if family == "llama":           # 4 q heads, 2 k/v heads: fewer than the 4 ranks
+        from ..hf_models import tiny_config
+        return tiny_config("llama", pad_token_id=0)
+    from ..hf_zoo import tiny_config   # sliding windows of 8 (mistral), softcap (gemma2), sinks (gpt_oss)
+    return tiny_config(family)
+
+
+def _model(family, state=None, dtype=torch.float32):
+    import transformers as T
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(_config(family), attn_implementation="eager")
+    if state is not None:
+        model.load_state_dict(state)
+    return model.to(dtype).eval()
+
+
+def _greedy(model, prompt, **kw):
+    with torch.no_grad():
+        return model.generate(input_ids=prompt, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True,
+                              output_scores=True, pad_token_id=0, **kw)
+
+
+def _sampled(model, prompt, seed):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        return model.generate(input_ids=prompt, max_new_tokens=NEW, do_sample=True, temperature=0.8, top_k=20,
+                              top_p=0.9, pad_token_id=0)
+
+
+def check_generate(family, cases, batch=1):
+    """On every rank: each case's greedy (with a stop token for llama) and seeded sampled generate against the
+    unsharded model's; returns the cases checked with each rank's local cache sizes."""
+    from ds_seqpar.hf import apply_sequence_parallel
+    from ds_seqpar.hf.kv_cache import ShardedKVCache
+    state = _model(family).state_dict()
+    vocab = _config(family).vocab_size
+    prompt = torch.randint(3, vocab, (batch, PROMPT), generator=torch.Generator().manual_seed(2))
+    ref64, ref32 = _greedy(_model(family, state, torch.float64), prompt), _greedy(_model(family, state), prompt)
+    assert torch.equal(ref64.sequences, ref32.sequences), f"{family}: float32 and float64 greedy differ (test model)"
+    stop = int(ref64.sequences[0, PROMPT + 2])               # a stop token: the third generated token
+    stop64 = _greedy(_model(family, state, torch.float64), prompt, eos_token_id=stop)
+    sampled = _sampled(_model(family, state), prompt, seed=11)
+    checked = []
+    for cfg in cases:
+        sp = SequenceParallel(cfg)
+        model = apply_sequence_parallel(_model(family, state), sp)
+        what = f"{family} {cfg} sp_rank={sp.rank}"
+        out = _greedy(model, prompt)
+        assert torch.equal(out.sequences, ref64.sequences), f"{what}: {out.sequences} != {ref64.sequences}"
+        assert len(out.scores) == NEW
+        for i, (s, r64, r32) in enumerate(zip(out.scores, ref64.scores, ref32.scores)):
+            assert_derived_close(f"{what} scores step {i}", s, r64, r32)
+        cache = out.past_key_values
+        assert isinstance(cache, ShardedKVCache), type(cache)
+        sizes = _check_cache(what, cache, sp, PROMPT + NEW - 1, getattr(model.config, "sliding_window", None))
+        stopped = _greedy(model, prompt, eos_token_id=stop)
+        assert torch.equal(stopped.sequences, stop64.sequences), f"{what} eos: {stopped.sequences} != {stop64.sequences}"
+        got = _sampled(model, prompt, seed=11)
+        assert torch.equal(got, sampled), f"{what} sampling: {got} != {sampled}"
+        checked.append((what, sizes))
+    return checked
+
+
+def _check_cache(what, cache, sp, tokens, window):
+    """Shares sum to the tokens whose K/V were computed and stay balanced; each layer holds this rank's share
+    (a window layer: only keys the next query can see)."""
+    assert sum(cache.shares) == tokens == cache.seen, f"{what}: shares {cache.shares}, {tokens} tokens"
+    assert max(cache.shares) - min(cache.shares) <= max(1, sp.padded_len(PROMPT) // sp.size), cache.shares
+    sizes = []
+    for i, layer in enumerate(cache.layers):
+        m = layer.keys.shape[2]
+        assert layer.positions.numel() == m
+        if layer.is_sliding:
+            assert m <= window and bool((layer.positions > tokens - window).all()), f"{what} layer {i}: {m} keys"
+        else:
+            assert m == cache.shares[sp.rank], f"{what} layer {i}: {m} keys, share {cache.shares[sp.rank]}"
+        sizes.append(m)
+    return sizes
+
+
+def test_generate_matches_unsharded_every_strategy(pool):
+    results = pool.run(check_generate, "llama", CASES)
+    assert all(len(r) == len(CASES) for r in results), results
+    # no rank holds the whole cache: per case, the ranks' full-attention keys partition the tokens
+    for i in range(len(CASES)):
+        size = CASES[i]["size"]
+        group = [r[i][1][0] for r in results[:size]]
+        assert sum(group) == PROMPT + NEW - 1 and max(group) < PROMPT + NEW - 1, group
+
+
+def test_generate_batch_of_equal_lengths(pool):
+    cases = [{"strategy": "zigzag", "size": 4}, {"strategy": "ulysses", "size": 2}]
+    results = pool.run(check_generate, "llama", cases, 2)
+    assert all(len(r) == len(cases) for r in results), results
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt_oss"])
+def test_generate_windows_softcap_sinks(pool, family):
+    cases = [{"strategy": "zigzag", "size": 2}, {"strategy": "striped", "size": 4},
+             {"strategy": "ring", "size": 4, "ulysses_size": 2}]
+    results = pool.run(check_generate, family, cases)
+    assert all(len(r) == len(cases) for r in results), results
