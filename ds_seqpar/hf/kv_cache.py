@@ -72,6 +72,7 @@ class ShardedLayer(CacheLayerMixin):
         """Drop the keys the query at ``next_pos`` (and every later one) cannot see: j <= next_pos - window."""
         if window is None or not self.is_initialized:
             return
+        self.is_sliding = True          # also where the config names no layer_types (Mistral's one window)
         keep = self.positions > next_pos - window
         if not bool(keep.all()):
             self.keys, self.values, self.positions = self.keys[:, :, keep], self.values[:, :, keep], self.positions[keep]

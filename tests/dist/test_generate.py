@@ -28,7 +28,9 @@ def _config(family):
 def _model(family, state=None, dtype=torch.float32):
     import transformers as T
     torch.manual_seed(0)
-    model = T.AutoModelForCausalLM.from_config(_config(family), attn_implementation="eager")
+    # eager attention: the reference applies softcap and sinks; eager experts: gpt-oss in float64
+    model = T.AutoModelForCausalLM.from_config(_config(family), attn_implementation="eager",
+                                               **({"experts_implementation": "eager"} if family == "gpt_oss" else {}))
     if state is not None:
         model.load_state_dict(state)
     return model.to(dtype).eval()
