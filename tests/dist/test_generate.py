@@ -22,7 +22,10 @@ def _config(family):
         from ..hf_models import tiny_config
         return tiny_config("llama", pad_token_id=0)
     from ..hf_zoo import tiny_config   # sliding windows of 8 (mistral), softcap (gemma2), sinks (gpt_oss)
-    return tiny_config(family)
+    config = tiny_config(family)
+    if family == "gemma2":          # scores large enough that the softcap bends them (random init's are ~1e-3)
+        config.initializer_range, config.attn_logit_softcapping = 0.5, 1.0
+    return config
 
 
 def _model(family, state=None, dtype=torch.float32):
