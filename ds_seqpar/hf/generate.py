@@ -41,32 +41,35 @@ from .checks import UnsupportedModelError
 
 GENERATE_ATTR = "_ds_seqpar_own_generate"     # what the instance had under "generate" before apply (usually nothing)
 
-# generate options that cannot run over a sequence-sharded cache: (name, is it in use?, what works)
+# generate options that cannot run over a sequence-sharded cache: (name, the value in use or None, what works)
 _OPTIONS = (
-    ("num_beams", lambda g, kw: (g.num_beams or 1) > 1, "num_beams=1 (greedy or sampling)"),
-    ("num_return_sequences", lambda g, kw: (g.num_return_sequences or 1) > 1,
-     "num_return_sequences=1 (repeat the prompt in the batch instead)"),
-    ("assistant_model", lambda g, kw: kw.get("assistant_model") is not None, "generate without an assistant"),
-    ("prompt_lookup_num_tokens", lambda g, kw: g.prompt_lookup_num_tokens is not None,
-     "generate without prompt lookup"),
-    ("assistant_early_exit", lambda g, kw: getattr(g, "assistant_early_exit", None) is not None,
-     "generate without self-speculation"),
-    ("past_key_values", lambda g, kw: kw.get("past_key_values") is not None or kw.get("cache") is not None,
+    ("num_beams", lambda g, kw: g.num_beams if (g.num_beams or 1) > 1 else None, "use num_beams=1 (greedy or sampling)"),
+    ("num_return_sequences", lambda g, kw: g.num_return_sequences if (g.num_return_sequences or 1) > 1 else None,
+     "use num_return_sequences=1 (repeat the prompt in the batch instead)"),
+    ("assistant_model", lambda g, kw: _named(kw.get("assistant_model")), "generate without an assistant"),
+    ("prompt_lookup_num_tokens", lambda g, kw: g.prompt_lookup_num_tokens, "generate without prompt lookup"),
+    ("assistant_early_exit", lambda g, kw: getattr(g, "assistant_early_exit", None), "generate without self-speculation"),
+    ("past_key_values", lambda g, kw: _named(kw.get("past_key_values", kw.get("cache"))),
      "pass no cache: ds_seqpar builds the sequence-sharded one"),
-    ("use_cache=False", lambda g, kw: kw.get("use_cache") is False or getattr(kw.get("generation_config"), "use_cache",
-                                                                              None) is False,
-     "use_cache=True (the default; a model config's use_cache=False, a training setting, is overridden)"),
-    ("cache_implementation", lambda g, kw: g.cache_implementation is not None, "leave it unset"),
-    ("prefill_chunk_size", lambda g, kw: getattr(g, "prefill_chunk_size", None) is not None,
+    ("use_cache", lambda g, kw: False if kw.get("use_cache") is False
+     or getattr(kw.get("generation_config"), "use_cache", None) is False else None,
+     "use use_cache=True (the default; a model config's use_cache=False, a training setting, is overridden)"),
+    ("cache_implementation", lambda g, kw: g.cache_implementation, "leave it unset"),
+    ("prefill_chunk_size", lambda g, kw: getattr(g, "prefill_chunk_size", None),
      "leave it unset: the prompt is already split over the sequence group"),
-    ("inputs_embeds", lambda g, kw: kw.get("inputs_embeds") is not None, "pass input_ids"),
-    ("output_attentions", lambda g, kw: bool(g.output_attentions), "generate without it"),
-    ("output_hidden_states", lambda g, kw: bool(g.output_hidden_states), "generate without it (output_scores and "
-                                                                          "output_logits work)"),
-    ("guidance_scale", lambda g, kw: g.guidance_scale is not None and g.guidance_scale != 1,
+    ("inputs_embeds", lambda g, kw: _named(kw.get("inputs_embeds")), "pass input_ids"),
+    ("output_attentions", lambda g, kw: True if g.output_attentions else None, "generate without it"),
+    ("output_hidden_states", lambda g, kw: True if g.output_hidden_states else None,
+     "generate without it (output_scores and output_logits work)"),
+    ("guidance_scale", lambda g, kw: g.guidance_scale if g.guidance_scale not in (None, 1) else None,
      "generate without classifier-free guidance"),
-    ("custom_generate", lambda g, kw: kw.get("custom_generate") is not None, "transformers' own decoding methods"),
+    ("custom_generate", lambda g, kw: _named(kw.get("custom_generate")), "use transformers' own decoding methods"),
 )
+
+
+def _named(value):
+    """An object option's value as a message shows it: its type's name (None: not in use)."""
+    return None if value is None else type(value).__name__
 
 
 class GenerationRun:
@@ -182,10 +185,12 @@ def sharded_generate(model, state, original, args, kwargs):
     check_model(model, state)
     gen = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
     gen.update(**{k: v for k, v in kwargs.items() if k != "generation_config"})
-    for option, used, fix in _OPTIONS:
-        if used(gen, kwargs):
-            raise UnsupportedModelError(f"ds_seqpar.hf: {name}.generate with {option} under sequence parallelism "
-                                        f"(a sequence-sharded KV cache) is not supported; {fix}")
+    for option, value_of, fix in _OPTIONS:
+        value = value_of(gen, kwargs)
+        if value is not None:
+            shown = value if isinstance(value, str) and not isinstance(value, bool) else repr(value)
+            raise UnsupportedModelError(f"ds_seqpar.hf: {name}.generate with {option}={shown} under sequence "
+                                        f"parallelism (a sequence-sharded KV cache) is not supported; {fix}")
     ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
     if not torch.is_tensor(ids) or ids.dim() != 2:
         raise UnsupportedModelError(f"ds_seqpar.hf: {name}.generate under sequence parallelism needs input_ids "

@@ -83,10 +83,17 @@ def merge_partials(out_bhd, lse_bh, group, stats=None, checks: Optional[torch.Te
             raise RuntimeError(f"ds_seqpar decode: the ranks of a sequence group decode different tokens "
                                f"({seen[:, 0].tolist()} in rank order, first row): generate must run with the "
                                f"same prompt, options and random seed on every rank")
-    out = gathered[0, :, :h * dv].reshape(b, 1, h, dv).clone()          # merge_'s layouts: [b, s, h, d], [b, h, s]
-    lse = gathered[0, :, h * dv:h * dv + h].reshape(b, h, 1).clone()
-    for part in gathered[1:]:
-        merge_(out, lse, part[:, :h * dv].reshape(b, 1, h, dv), part[:, h * dv:h * dv + h].reshape(b, h, 1))
+    return fold_parts(gathered[:, :, :h * (dv + 1)], h, dv)
+
+
+def fold_parts(parts, h: int, dv: int):
+    """parts [P, b, h * dv + h]: each rank's packed (out, lse), in rank order -> the merged (out [b, h, dv],
+    lse [b, h]), folded in rank order with kernels/merge.py's merge_ (the same order on every rank)."""
+    b = parts.shape[1]
+    out = parts[0, :, :h * dv].reshape(b, 1, h, dv).clone()           # merge_'s layouts: [b, s, h, d], [b, h, s]
+    lse = parts[0, :, h * dv:].reshape(b, h, 1).clone()
+    for part in parts[1:]:
+        merge_(out, lse, part[:, :h * dv].reshape(b, 1, h, dv), part[:, h * dv:].reshape(b, h, 1))
     return out.reshape(b, h, dv), lse.reshape(b, h)
 
 
@@ -111,4 +118,4 @@ def decode_attention(ctx, q_bhd, k_bhmd, v_bhmd, key_pos, q_pos: int, scale: flo
     return fold_sinks(out, lse, sinks).to(q_bhd.dtype)
 
 
-__all__ = ["next_owner", "prompt_shares", "partial_attention", "merge_partials", "fold_sinks", "decode_attention"]
+__all__ = ["next_owner", "prompt_shares", "partial_attention", "merge_partials", "fold_parts", "fold_sinks", "decode_attention"]

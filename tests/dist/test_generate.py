@@ -125,3 +125,71 @@ def test_generate_windows_softcap_sinks(pool, family):
              {"strategy": "ring", "size": 4, "ulysses_size": 2}]
     results = pool.run(check_generate, family, cases)
     assert all(len(r) == len(cases) for r in results), results
+
+
+def _message(fn):
+    from ds_seqpar.hf import UnsupportedModelError
+    try:
+        fn()
+    except UnsupportedModelError as err:
+        return str(err)
+    return "no error"
+
+
+def generate_refusals():
+    """Every scenario on every rank (each refused before any collective but the agreement all-reduce, so none
+    hangs); returns {scenario: message}."""
+    from transformers import DynamicCache
+
+    from ds_seqpar import comm
+    from ds_seqpar.hf import apply_sequence_parallel
+    from ..hf_hybrids import build, hybrid_config
+    sp = SequenceParallel({"strategy": "zigzag", "size": 4})
+    model = apply_sequence_parallel(_model("llama"), sp)
+    prompt = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(0))
+
+    def gen(ids=prompt, **kw):
+        return lambda: model.generate(input_ids=ids, max_new_tokens=2, pad_token_id=0, **kw)
+    out = {"beams": _message(gen(num_beams=2)),
+           "assistant": _message(gen(assistant_model=_model("llama"))),
+           "prompt lookup": _message(gen(prompt_lookup_num_tokens=2)),
+           "cache": _message(gen(past_key_values=DynamicCache(config=model.config))),
+           "no cache": _message(gen(use_cache=False)),
+           "hidden states": _message(gen(output_hidden_states=True, return_dict_in_generate=True))}
+    other = prompt.clone()
+    if comm.global_rank() == 1:
+        other[0, 5] += 1
+    out["prompt differs"] = _message(gen(other))
+    torch.manual_seed(comm.global_rank())
+    out["seed differs"] = _message(gen(do_sample=True))
+    torch.manual_seed(3)
+    out["same seed"] = _message(gen(do_sample=True))
+    padded = torch.cat([prompt, prompt])
+    mask = torch.ones_like(padded)
+    mask[1, :3] = 0
+    out["left padding"] = _message(gen(padded, attention_mask=mask))
+    out["equal lengths"] = _message(gen(padded, attention_mask=torch.ones_like(mask)))
+    hybrid = hybrid_config("qwen3_5_text")
+    linear = apply_sequence_parallel(build(hybrid, torch.float32), sp)
+    out["linear layers"] = _message(lambda: linear.generate(input_ids=prompt, max_new_tokens=2, pad_token_id=0))
+    return out
+
+
+REFUSED = {
+    "beams": "generate with num_beams=2 under sequence parallelism (a sequence-sharded KV cache) is not supported; "
+             "use num_beams=1",
+    "assistant": "with assistant_model=LlamaForCausalLM", "prompt lookup": "with prompt_lookup_num_tokens=2",
+    "cache": "with past_key_values=DynamicCache", "no cache": "with use_cache=False",
+    "hidden states": "with output_hidden_states=True",
+    "prompt differs": "got a different input_ids on the ranks", "seed differs": "random state (torch.manual_seed)",
+    "same seed": "no error", "left padding": "with a padded batch (attention_mask with zeros",
+    "equal lengths": "no error", "linear layers": "with linear-attention / SSM layers",
+}
+
+
+def test_generate_refusals_name_the_option_on_every_rank(pool):
+    results = pool.run(generate_refusals)
+    for scenario, expected in REFUSED.items():
+        messages = {r[scenario] for r in results}
+        assert len(messages) == 1, (scenario, messages)           # the same message on every rank
+        assert expected in messages.pop(), (scenario, results[0][scenario])
