@@ -70,7 +70,9 @@ def check_generate(family, cases, batch=1):
         sp = SequenceParallel(cfg)
         model = apply_sequence_parallel(_model(family, state), sp)
         what = f"{family} {cfg} sp_rank={sp.rank}"
+        sp.stats.reset()
         out = _greedy(model, prompt)
+        _check_bytes(what, sp, model.config, batch)
         assert torch.equal(out.sequences, ref64.sequences), f"{what}: {out.sequences} != {ref64.sequences}"
         assert len(out.scores) == NEW
         for i, (s, r64, r32) in enumerate(zip(out.scores, ref64.scores, ref32.scores)):
@@ -84,6 +86,18 @@ def check_generate(family, cases, batch=1):
         assert torch.equal(got, sampled), f"{what} sampling: {got} != {sampled}"
         checked.append((what, sizes))
     return checked
+
+
+def _check_bytes(what, sp, config, batch):
+    """The decode merges' and the prefill logits' bytes on this rank equal cost/decode.py's closed forms: one
+    all-gather per layer and decode step, one all-reduce of the last prompt token's logits."""
+    from ds_seqpar.cost import decode_step_bytes, prefill_logits_bytes
+    heads, dv = config.num_attention_heads, getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
+    steps = NEW - 1                      # the first new token comes from the prefill's logits
+    assert sp.stats.calls["decode_merge"] == steps * config.num_hidden_layers, (what, sp.stats)
+    assert sp.stats.bytes["decode_merge"] == steps * decode_step_bytes(sp.size, config.num_hidden_layers, batch,
+                                                                       heads, dv), (what, sp.stats)
+    assert sp.stats.bytes["prefill_logits"] == prefill_logits_bytes(sp.size, batch, config.vocab_size), what
 
 
 def _check_cache(what, cache, sp, tokens, window):
