@@ -49,7 +49,7 @@ def make_attention_function(state) -> Callable:
             if dropout and dropout > 0:
                 raise UnsupportedModelError(f"ds_seqpar.hf: attention dropout {dropout} in training mode in {where} "
                                             f"during generate; call model.eval() or set attention_dropout=0.0")
-            return run.decode_attention(module, query, scaling, kwargs), None
+            return run.decode_attention(module, query, key, value, scaling, kwargs), None
         if is_cross_attention(module):
             state.calls.add(id(module))
             return local_cross_attention(where, query, key, value, attention_mask, dropout, scaling, kwargs), None

@@ -130,15 +130,21 @@ class GenerationRun:
         self.cache.end_step()
         return output
 
-    def decode_attention(self, module, query, scaling, kwargs):
-        """A decode step's attention in ``module``: [b, h, 1, d] in, [b, 1, h, dv] out."""
+    def decode_attention(self, module, query, key, value, scaling, kwargs):
+        """A decode step's attention in ``module``: query [b, h, 1, d] in, [b, 1, h, dv] out. ``key`` / ``value``
+        [b, hkv, m, d]: what the layer made of the cache's answer (its own shard, in the order of the layer's
+        positions; MLA caches latents and expands them here)."""
         layer = self.cache.layers[module.layer_idx]
         window = kwargs.get("sliding_window")
         window = None if window is None else int(window)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         checks = None if self.checked else self.step_ids
         self.checked = True
-        out = self.sp.strategy.decode(query[:, :, 0], layer.keys, layer.values, layer.positions, self.position,
+        if key.shape[2] != layer.positions.numel():
+            raise UnsupportedModelError(f"ds_seqpar.hf: {type(module).__name__} attends over {key.shape[2]} keys but "
+                                        f"its cache shard holds {layer.positions.numel()}: this layer does not attend "
+                                        f"over what the cache returns; generate on one process")
+        out = self.sp.strategy.decode(query[:, :, 0], key, value, layer.positions, self.position,
                                       float(scale), window, kwargs.get("softcap"), kwargs.get("s_aux"), checks)
         layer.trim(window, self.position + 1)
         return out.unsqueeze(1)

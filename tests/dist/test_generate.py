@@ -18,9 +18,9 @@ WINDOW = 8
 
 
 def _config(family):
-    if family == "llama":           # 4 q heads, 2 k/v heads: fewer than the 4 ranks
-        from ..hf_models import tiny_config
-        return tiny_config("llama", pad_token_id=0)
+    if family in ("llama", "deepseek_v3"):   # llama: 4 q heads, 2 k/v heads (fewer than the 4 ranks); MLA: v head 8
+        from ..hf_models import tiny_config  # != q/k head 24
+        return tiny_config(family, pad_token_id=0)
     from ..hf_zoo import tiny_config   # sliding windows of 8 (mistral), softcap (gemma2), sinks (gpt_oss)
     config = tiny_config(family)
     if family == "gemma2":          # scores large enough that the softcap bends them (random init's are ~1e-3)
@@ -92,7 +92,8 @@ def _check_bytes(what, sp, config, batch):
     """The decode merges' and the prefill logits' bytes on this rank equal cost/decode.py's closed forms: one
     all-gather per layer and decode step, one all-reduce of the last prompt token's logits."""
     from ds_seqpar.cost import decode_step_bytes, prefill_logits_bytes
-    heads, dv = config.num_attention_heads, getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
+    heads = config.num_attention_heads
+    dv = getattr(config, "v_head_dim", None) or getattr(config, "head_dim", None) or config.hidden_size // heads
     steps = NEW - 1                      # the first new token comes from the prefill's logits
     assert sp.stats.calls["decode_merge"] == steps * config.num_hidden_layers, (what, sp.stats)
     assert sp.stats.bytes["decode_merge"] == steps * decode_step_bytes(sp.size, config.num_hidden_layers, batch,
@@ -107,7 +108,7 @@ def _check_cache(what, cache, sp, tokens, window):
     assert max(cache.shares) - min(cache.shares) <= max(1, sp.padded_len(PROMPT) // sp.size), cache.shares
     sizes = []
     for i, layer in enumerate(cache.layers):
-        m = layer.keys.shape[2]
+        m = layer.keys.shape[2]            # MLA (deepseek_v3): the latents, one "head"
         assert layer.positions.numel() == m
         if layer.is_sliding:
             assert m <= window and bool((layer.positions > tokens - window).all()), f"{what} layer {i}: {m} keys"
@@ -133,7 +134,7 @@ def test_generate_batch_of_equal_lengths(pool):
     assert all(len(r) == len(cases) for r in results), results
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt_oss"])
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt_oss", "deepseek_v3"])
 def test_generate_windows_softcap_sinks(pool, family):
     cases = [{"strategy": "zigzag", "size": 2}, {"strategy": "striped", "size": 4},
              {"strategy": "ring", "size": 4, "ulysses_size": 2}]
@@ -186,6 +187,20 @@ def generate_refusals():
     hybrid = hybrid_config("qwen3_5_text")
     linear = apply_sequence_parallel(build(hybrid, torch.float32), sp)
     out["linear layers"] = _message(lambda: linear.generate(input_ids=prompt, max_new_tokens=2, pad_token_id=0))
+    # ranks that pick different tokens (here a logits processor of rank 1's own): the next step's first merge
+    # carries the tokens, and every rank stops there with the same error
+    from transformers import LogitsProcessorList
+    bias = 1e4 * (comm.global_rank() % 2)
+
+    def skewed(input_ids, scores):
+        scores[:, 5] += bias
+        return scores
+    try:
+        model.generate(input_ids=prompt, max_new_tokens=3, pad_token_id=0, do_sample=False,
+                       logits_processor=LogitsProcessorList([skewed]))
+        out["ranks diverge"] = "no error"
+    except RuntimeError as err:
+        out["ranks diverge"] = str(err)
     return out
 
 
@@ -198,6 +213,7 @@ REFUSED = {
     "prompt differs": "got a different input_ids on the ranks", "seed differs": "random state (torch.manual_seed)",
     "same seed": "no error", "left padding": "with a padded batch (attention_mask with zeros",
     "equal lengths": "no error", "linear layers": "with linear-attention / SSM layers",
+    "ranks diverge": "the ranks of a sequence group decode different tokens",
 }
 
 
