@@ -194,7 +194,7 @@ def sharded_generate(model, state, original, args, kwargs):
     for option, value_of, fix in _OPTIONS:
         value = value_of(gen, kwargs)
         if value is not None:
-            shown = value if isinstance(value, str) and not isinstance(value, bool) else repr(value)
+            shown = value if isinstance(value, str) else repr(value)        # a type name, or the value
             raise UnsupportedModelError(f"ds_seqpar.hf: {name}.generate with {option}={shown} under sequence "
                                         f"parallelism (a sequence-sharded KV cache) is not supported; {fix}")
     ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
@@ -207,7 +207,7 @@ def sharded_generate(model, state, original, args, kwargs):
         raise UnsupportedModelError(f"ds_seqpar.hf: {name}.generate with a padded batch (attention_mask with zeros: "
                                     f"prompts of different lengths, left padding) under sequence parallelism is not "
                                     f"supported; generate a batch of 1 or of prompts of equal length")
-    config = state_config(model, state)
+    config = text_config(model)
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     cache = ShardedKVCache(config.num_hidden_layers, [t == "sliding_attention" for t in layer_types], sp.size, sp.rank)
     state.generation = GenerationRun(sp, cache)
@@ -223,7 +223,8 @@ def sharded_generate(model, state, original, args, kwargs):
     return out
 
 
-def state_config(model, state):
+def text_config(model):
+    """The decoder's config (a multimodal model's text config; here: the model's own)."""
     return getattr(model.config, "get_text_config", lambda: model.config)()
 
 
@@ -246,7 +247,7 @@ def check_model(model, state) -> None:
         refuse("DeepSeek sparse attention (indexer keys)", "remove_sequence_parallel(model) and generate on one process")
     if state.vision is not None:
         refuse("a multimodal model", "generate with the text model on one process")
-    config = state_config(model, state)
+    config = text_config(model)
     if getattr(config, "num_kv_shared_layers", 0):
         refuse("layers sharing another layer's KV cache (num_kv_shared_layers)", "generate on one process")
     for where, module in state.layers:
