@@ -184,7 +184,7 @@ def check_call(where: str, query, key, attention_mask, dropout: float, kwargs, s
 
     if key.shape[2] != query.shape[2]:
         refuse(f"cached or cross attention (key length {key.shape[2]} != query length {query.shape[2]})",
-               "train without past_key_values and use_cache=False; remove_sequence_parallel before generate")
+               "train without past_key_values and use_cache=False (model.generate builds its own sharded cache)")
     if attention_mask is not None:
         refuse(f"an attention mask (shape {tuple(attention_mask.shape)})", "pass no attention_mask: causality "
                "is applied by the strategy; pack documents instead of padding")

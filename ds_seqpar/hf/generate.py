@@ -186,9 +186,9 @@ def restore(model) -> None:
 
 def sharded_generate(model, state, original, args, kwargs):
     from .kv_cache import ShardedKVCache
-    sp = state.sp
     name = type(model).__name__
     check_model(model, state)
+    sp = state.sp
     gen = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
     gen.update(**{k: v for k, v in kwargs.items() if k != "generation_config"})
     for option, value_of, fix in _OPTIONS:

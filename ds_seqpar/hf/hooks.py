@@ -131,7 +131,8 @@ def check_call(model, state, call: dict) -> None:
         check_sequences(model, call)
     if call.get("past_key_values") is not None or call.get("cache") is not None:   # "cache" from transformers 5.24
         raise UnsupportedModelError("ds_seqpar.hf: past_key_values (cached attention) cannot be exact under "
-                                    "sequence parallelism; call remove_sequence_parallel(model) before generate")
+                                    "sequence parallelism in a forward call; pass no cache (model.generate builds "
+                                    "its own sequence-sharded one)")
     mask = call.get("attention_mask")
     if mask is not None and mask.dim() != 2:
         raise UnsupportedModelError(f"ds_seqpar.hf: a {mask.dim()}-D attention_mask {tuple(mask.shape)} cannot be "
