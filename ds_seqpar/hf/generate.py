@@ -189,7 +189,8 @@ def sharded_generate(model, state, original, args, kwargs):
     name = type(model).__name__
     check_model(model, state)
     sp = state.sp
-    gen = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
+    given = kwargs.get("generation_config", args[1] if len(args) > 1 else None)     # generate(inputs, config, ...)
+    gen = copy.deepcopy(given or model.generation_config)
     gen.update(**{k: v for k, v in kwargs.items() if k != "generation_config"})
     for option, value_of, fix in _OPTIONS:
         value = value_of(gen, kwargs)

@@ -84,7 +84,7 @@ def check_generate(family, cases, batch=1):
         assert torch.equal(stopped.sequences, stop64.sequences), f"{what} eos: {stopped.sequences} != {stop64.sequences}"
         got = _sampled(model, prompt, seed=11)
         assert torch.equal(got, sampled), f"{what} sampling: {got} != {sampled}"
-        checked.append((what, sizes))
+        checked.append((what, sizes, [s.numpy().tobytes() for s in out.scores]))
     return checked
 
 
@@ -121,11 +121,13 @@ def _check_cache(what, cache, sp, tokens, window):
 def test_generate_matches_unsharded_every_strategy(pool):
     results = pool.run(check_generate, "llama", CASES)
     assert all(len(r) == len(CASES) for r in results), results
-    # no rank holds the whole cache: per case, the ranks' full-attention keys partition the tokens
+    # no rank holds the whole cache: per case, the ranks' full-attention keys partition the tokens; and the
+    # ranks of a group saw bitwise the same scores (the merge folds in the same order everywhere)
     for i in range(len(CASES)):
         size = CASES[i]["size"]
         group = [r[i][1][0] for r in results[:size]]
         assert sum(group) == PROMPT + NEW - 1 and max(group) < PROMPT + NEW - 1, group
+        assert all(r[i][2] == results[0][i][2] for r in results[:size]), f"{CASES[i]}: scores differ across ranks"
 
 
 def test_generate_batch_of_equal_lengths(pool):
