@@ -20,7 +20,7 @@ output whole on every rank. The wrapper installed by apply (``install``):
      first layer's merge of every step carries the step's input tokens (a disagreement raises on every
      rank), and one all-reduce of the output's hash checks the last token.
 
-Refused by name: beam search (num_beams > 1), num_return_sequences > 1, assisted decoding
+Refused by name: beam search (num_beams > 1), assisted decoding
 (assistant_model, prompt_lookup_num_tokens), a cache or past_key_values of the caller, use_cache=False,
 cache_implementation, chunked prefill, inputs_embeds, output_attentions / output_hidden_states,
 classifier-free guidance, custom_generate, left-padded batches (a batch of equal lengths works),
@@ -44,8 +44,6 @@ GENERATE_ATTR = "_ds_seqpar_own_generate"     # what the instance had under "gen
 # generate options that cannot run over a sequence-sharded cache: (name, the value in use or None, what works)
 _OPTIONS = (
     ("num_beams", lambda g, kw: g.num_beams if (g.num_beams or 1) > 1 else None, "use num_beams=1 (greedy or sampling)"),
-    ("num_return_sequences", lambda g, kw: g.num_return_sequences if (g.num_return_sequences or 1) > 1 else None,
-     "use num_return_sequences=1 (repeat the prompt in the batch instead)"),
     ("assistant_model", lambda g, kw: _named(kw.get("assistant_model")), "generate without an assistant"),
     ("prompt_lookup_num_tokens", lambda g, kw: g.prompt_lookup_num_tokens, "generate without prompt lookup"),
     ("assistant_early_exit", lambda g, kw: getattr(g, "assistant_early_exit", None), "generate without self-speculation"),

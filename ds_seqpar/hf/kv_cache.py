@@ -100,8 +100,8 @@ class ShardedLayer(CacheLayerMixin):
                                     "supported; generate without an assistant")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        raise UnsupportedModelError("ds_seqpar.hf: expanding a sequence-sharded cache over the batch is not "
-                                    "supported; use num_return_sequences=1")
+        raise UnsupportedModelError("ds_seqpar.hf: expanding a filled sequence-sharded cache over the batch is not "
+                                    "supported; repeat the prompts in the batch before generate")
 
     def batch_select_indices(self, indices) -> None:
         raise UnsupportedModelError("ds_seqpar.hf: selecting rows of a sequence-sharded cache is not supported")

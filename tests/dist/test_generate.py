@@ -45,11 +45,11 @@ def _greedy(model, prompt, **kw):
                               output_scores=True, pad_token_id=0, **kw)
 
 
-def _sampled(model, prompt, seed):
+def _sampled(model, prompt, seed, **kw):
     torch.manual_seed(seed)
     with torch.no_grad():
         return model.generate(input_ids=prompt, max_new_tokens=NEW, do_sample=True, temperature=0.8, top_k=20,
-                              top_p=0.9, pad_token_id=0)
+                              top_p=0.9, pad_token_id=0, **kw)
 
 
 def check_generate(family, cases, batch=1):
@@ -65,6 +65,7 @@ def check_generate(family, cases, batch=1):
     stop = int(ref64.sequences[0, PROMPT + 2])               # a stop token: the third generated token
     stop64 = _greedy(_model(family, state, torch.float64), prompt, eos_token_id=stop)
     sampled = _sampled(_model(family, state), prompt, seed=11)
+    several = _sampled(_model(family, state), prompt, seed=12, num_return_sequences=2) if batch > 1 else None
     checked = []
     for cfg in cases:
         sp = SequenceParallel(cfg)
@@ -84,6 +85,9 @@ def check_generate(family, cases, batch=1):
         assert torch.equal(stopped.sequences, stop64.sequences), f"{what} eos: {stopped.sequences} != {stop64.sequences}"
         got = _sampled(model, prompt, seed=11)
         assert torch.equal(got, sampled), f"{what} sampling: {got} != {sampled}"
+        if several is not None:          # the prompts repeated before the prefill: a batch of equal lengths
+            got = _sampled(model, prompt, seed=12, num_return_sequences=2)
+            assert torch.equal(got, several), f"{what} num_return_sequences=2: {got} != {several}"
         checked.append((what, sizes, [s.numpy().tobytes() for s in out.scores]))
     return checked
 
