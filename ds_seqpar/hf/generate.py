@@ -246,6 +246,10 @@ def check_model(model, state) -> None:
         refuse("DeepSeek sparse attention (indexer keys)", "remove_sequence_parallel(model) and generate on one process")
     if state.vision is not None:
         refuse("a multimodal model", "generate with the text model on one process")
+    if model.training and getattr(model, "is_gradient_checkpointing", False):
+        # transformers' checkpointed layers drop the cache in training mode: decode would attend without it
+        refuse("gradient checkpointing in training mode", "call model.eval() (or gradient_checkpointing_disable()) "
+                                                           "before generate")
     config = text_config(model)
     if getattr(config, "num_kv_shared_layers", 0):
         refuse("layers sharing another layer's KV cache (num_kv_shared_layers)", "generate on one process")

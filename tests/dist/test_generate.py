@@ -192,6 +192,13 @@ def generate_refusals():
     out["equal lengths"] = _message(gen(padded, attention_mask=torch.ones_like(mask)))
     hybrid = hybrid_config("qwen3_5_text")
     linear = apply_sequence_parallel(build(hybrid, torch.float32), sp)
+    checkpointed = apply_sequence_parallel(_model("llama"), sp)
+    checkpointed.gradient_checkpointing_enable()
+    checkpointed.train()
+    out["checkpointing"] = _message(lambda: checkpointed.generate(input_ids=prompt, max_new_tokens=2, pad_token_id=0))
+    checkpointed.eval()
+    out["checkpointing, eval"] = _message(lambda: checkpointed.generate(input_ids=prompt, max_new_tokens=2,
+                                                                        pad_token_id=0))
     out["linear layers"] = _message(lambda: linear.generate(input_ids=prompt, max_new_tokens=2, pad_token_id=0))
     # ranks that pick different tokens (here a logits processor of rank 1's own): the next step's first merge
     # carries the tokens, and every rank stops there with the same error
@@ -219,6 +226,7 @@ REFUSED = {
     "prompt differs": "got a different input_ids on the ranks", "seed differs": "random state (torch.manual_seed)",
     "same seed": "no error", "left padding": "with a padded batch (attention_mask with zeros",
     "equal lengths": "no error", "linear layers": "with linear-attention / SSM layers",
+    "checkpointing": "with gradient checkpointing in training mode", "checkpointing, eval": "no error",
     "ranks diverge": "the ranks of a sequence group decode different tokens",
 }
 
