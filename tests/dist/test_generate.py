@@ -135,7 +135,8 @@ def test_generate_matches_unsharded_every_strategy(pool):
 
 
 def test_generate_batch_of_equal_lengths(pool):
-    cases = [{"strategy": "zigzag", "size": 4}, {"strategy": "ulysses", "size": 2}]
+    cases = [{"strategy": "zigzag", "size": 4}, {"strategy": "ulysses", "size": 2},
+             {"strategy": "striped", "size": 4, "ulysses_size": 2}]
     results = pool.run(check_generate, "llama", cases, 2)
     assert all(len(r) == len(cases) for r in results), results
 
