@@ -10,7 +10,7 @@ import sys
 from typing import List, Optional
 
 SUITES = ("attention", "packed", "window", "hybrid", "gpu", "trainer", "memory",
-          "dynamic", "posttrain")      # = their modules' names
+          "dynamic", "posttrain", "generate")      # = their modules' names
 OLD_FLAGS = {f"--{suite}": suite for suite in ("packed", "window", "hybrid", "trainer")}
 
 

@@ -8,6 +8,8 @@ checks it against the measured reports, bench writes its bounds and expected col
     bytes.py      bytes per rank and per layer kind (the closed forms, the mask's exact key spans)
     flops.py      FLOPs per token per layer kind
     memory.py     static memory by ZeRO stage, bytes per token per phase, the phase model's peak
+    decode.py     generation with a sequence-sharded cache: the decode merge's and prefill logits' bytes, the
+                  cache per rank
     times.py      alpha-beta collectives, compute from FLOPs, kernel calls priced per call and pair
 
 It imports the core only (tests/unit/test_layers.py gives it the core's layer), so the runtime may
@@ -16,13 +18,14 @@ price with it; the mask is ds_seqpar/masks.py's Mask; a model shape is read by a
 hold this and strategies/closed_form.py to.
 """
 from .bytes import SPAN_BUDGET, busiest_bytes, comm_per_layer, exact_spans, layer_mask, rank_bytes
+from .decode import decode_merge_bytes, decode_step_bytes, kv_cache_bytes, prefill_logits_bytes
 from .candidate import LINEAR_KINDS, SOFTMAX_KINDS, Candidate, Features
 from .flops import keys_per_query, model_flops_per_token, step_per_token
 from .memory import PHASES, fit_line, max_tokens, peak, phase_lines, phase_model
 from .pairs import (busiest_keys_per_token, computed_pairs, expected_imbalance, imbalance, padded_length,
                     pairs_per_rank, pairs_total, position_pairs, speedup_bound)
 
-__all__ = ["Candidate", "Features", "LINEAR_KINDS", "PHASES", "SOFTMAX_KINDS", "SPAN_BUDGET",
+__all__ = ["decode_merge_bytes", "decode_step_bytes", "kv_cache_bytes", "prefill_logits_bytes", "Candidate", "Features", "LINEAR_KINDS", "PHASES", "SOFTMAX_KINDS", "SPAN_BUDGET",
            "busiest_bytes", "busiest_keys_per_token", "comm_per_layer", "computed_pairs",
            "exact_spans", "expected_imbalance", "fit_line", "imbalance", "keys_per_query", "layer_mask",
            "max_tokens", "model_flops_per_token", "padded_length", "pairs_per_rank", "pairs_total", "peak",

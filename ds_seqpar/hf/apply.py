@@ -9,7 +9,8 @@ Order of apply (everything that can fail does so before the model is touched, on
      attention ignores the registry; a forward hook later checks every attention layer called it
   4. route the model's loss to sp.loss (loss.py) and install the forward hooks (hooks.py)
   5. hybrids: the linear layers' ops get their seams and each layer a pair of hooks (hf/linear/)
-   6. DeepSeek sparse attention: each indexed layer a pre-hook giving it the global keys and mask (indexed.py)
+  6. DeepSeek sparse attention: each indexed layer a pre-hook giving it the global keys and mask (indexed.py)
+  7. model.generate: transformers' loop over a sequence-sharded KV cache (generate.py, kv_cache.py)
 Multimodal models (vision.py): steps 1-4 concern the decoder alone (the submodule built from the text
 config); the towers keep their attention and run whole on every rank.
 """
@@ -23,6 +24,7 @@ import torch.nn as nn
 
 from ..dynamic import DynamicSequenceParallel
 from . import batch_check, hooks
+from . import generate as generation
 from .attention import chunked_documents, is_chunked, make_attention_function
 from .checks import UnsupportedModelError, check_config, check_heads, check_hybrid, check_modules
 from .indexed import IndexedState, indexed_layers
@@ -64,6 +66,7 @@ class SequenceParallelState:
         self.shift_labels_given = False
         self.loss_routed = False
         self.handles: List = []
+        self.generation = None            # hf/generate.py's GenerationRun while model.generate runs
 
     @property
     def sp(self):
@@ -133,34 +136,9 @@ def apply_sequence_parallel(model: nn.Module, sp) -> nn.Module:
         install_seams(linear)
         state.handles += state.linear.hooks(linear)
     state.handles += install_indexed(indexed, state)
-    refuse_generation(model)
+    generation.install(model, state)
     setattr(model, STATE_ATTR, state)
     return model
-
-
-GENERATE_ATTR = "_ds_seqpar_own_generate"     # what the instance had under "generate" before apply (usually nothing)
-
-
-def refuse_generation(model: nn.Module) -> None:
-    """``model.generate`` of an applied model stops with ds_seqpar's message before any forward: decoding
-    token by token with a cache that each rank holds a shard of is not built, and transformers' own loop
-    would run a training forward on rows no rank shards (a raw size error, or worse)."""
-    own = model.__dict__.get("generate")
-    setattr(model, GENERATE_ATTR, own)
-
-    def generate(*args, **kwargs):
-        raise UnsupportedModelError(f"ds_seqpar.hf: {type(model).__name__}.generate under sequence parallelism "
-                                    f"(a sequence-sharded KV cache) is not built yet; call "
-                                    f"remove_sequence_parallel(model) first and generate on one process (the whole "
-                                    f"cache on that device), then apply_sequence_parallel(model, sp) again to train")
-    model.generate = generate
-
-
-def _restore_generation(model: nn.Module) -> None:
-    own = model.__dict__.pop(GENERATE_ATTR, None)
-    model.__dict__.pop("generate", None)
-    if own is not None:
-        model.generate = own
 
 
 def remove_sequence_parallel(model: nn.Module) -> nn.Module:
@@ -174,7 +152,7 @@ def remove_sequence_parallel(model: nn.Module) -> nn.Module:
     model.loss_function = state.previous_loss
     state.runner = None         # the registered function now refuses to run (transformers has no unregister)
     state.previous_loss = None
-    _restore_generation(model)
+    generation.restore(model)
     setattr(model, STATE_ATTR, None)
     return model
 

@@ -43,6 +43,13 @@ def make_attention_function(state) -> Callable:
         if state.indexed is not None and id(module) in state.indexed.ids:
             state.calls.add(id(module))
             return indexed_attention(where, query, key, value, attention_mask, dropout, scaling, kwargs, sp.size), None
+        run = state.generation                     # model.generate (generate.py)
+        if run is not None and run.decoding:
+            state.calls.add(id(module))
+            if dropout and dropout > 0:
+                raise UnsupportedModelError(f"ds_seqpar.hf: attention dropout {dropout} in training mode in {where} "
+                                            f"during generate; call model.eval() or set attention_dropout=0.0")
+            return run.decode_attention(module, query, key, value, scaling, kwargs), None
         if is_cross_attention(module):
             state.calls.add(id(module))
             return local_cross_attention(where, query, key, value, attention_mask, dropout, scaling, kwargs), None
@@ -62,6 +69,8 @@ def make_attention_function(state) -> Callable:
         blocks = None if state.vision is None else state.vision.layer_blocks(module)    # Gemma 3's images
         out_bshd = sp.attention(q_bshd, k_bshd, v_bshd, causal=causal, softmax_scale=scale, seq_len=seq_len,
                                 cu_seqlens=cu_seqlens, window=window, softcap=softcap, sinks=sinks, blocks=blocks)
+        if run is not None:                        # generate's prefill: a window layer's cache keeps what it still sees
+            run.after_prefill_attention(module, kwargs)
         return out_bshd[..., :dv], None
 
     return ds_seqpar_attention
@@ -175,7 +184,7 @@ def check_call(where: str, query, key, attention_mask, dropout: float, kwargs, s
 
     if key.shape[2] != query.shape[2]:
         refuse(f"cached or cross attention (key length {key.shape[2]} != query length {query.shape[2]})",
-               "train without past_key_values and use_cache=False; remove_sequence_parallel before generate")
+               "train without past_key_values and use_cache=False (model.generate builds its own sharded cache)")
     if attention_mask is not None:
         refuse(f"an attention mask (shape {tuple(attention_mask.shape)})", "pass no attention_mask: causality "
                "is applied by the strategy; pack documents instead of padding")

@@ -20,6 +20,8 @@ Before the forward (refusals that depend on the call, not only on the config):
   * an indexer top-k (DeepSeek sparse attention) longer than the whole sequence;
   * use_cache is forced off (a cache would make the model skip packed-sequence handling and keep
     keys it never needs in training).
+Under model.generate the forwards are generate.py's instead: the prompt sharded by the layout, then
+one token whole on every rank per step.
 After the forward: every attention layer must have called the function (models whose attention
 ignores the registry are caught here at the latest), and a loss the model returns must have come
 from the routed loss function (labels reached it).
@@ -44,6 +46,10 @@ def install(model, state) -> list:
 
     def pre(module, args, kwargs):
         call = dict(zip(names, args), **kwargs)
+        if state.generation is not None:     # model.generate's prefill and decode steps (generate.py)
+            state.calls, state.chunked = set(), {}
+            state.labels_given = state.shift_labels_given = state.loss_routed = False
+            return (), state.generation.pre_forward(call, params)
         if state.vision is not None:     # by name: the whole-row inputs replace the shards below
             args = ()
         kwargs = dict(call) if state.vision is not None else dict(kwargs)
@@ -85,6 +91,8 @@ def install(model, state) -> list:
             raise UnsupportedModelError(f"ds_seqpar.hf: {len(missing)} attention layer(s) did not call the "
                                         f"sequence-parallel attention (first: {missing[0]}): this model's attention "
                                         f"does not go through transformers' AttentionInterface")
+        if state.generation is not None:
+            return state.generation.post_forward(output)
         if state.labels_given and not state.loss_routed and not state.shift_labels_given \
                 and getattr(output, "loss", None) is not None:
             # a loss that did not go through model.loss_function would shift the labels again, unless the
@@ -123,7 +131,8 @@ def check_call(model, state, call: dict) -> None:
         check_sequences(model, call)
     if call.get("past_key_values") is not None or call.get("cache") is not None:   # "cache" from transformers 5.24
         raise UnsupportedModelError("ds_seqpar.hf: past_key_values (cached attention) cannot be exact under "
-                                    "sequence parallelism; call remove_sequence_parallel(model) before generate")
+                                    "sequence parallelism in a forward call; pass no cache (model.generate builds "
+                                    "its own sequence-sharded one)")
     mask = call.get("attention_mask")
     if mask is not None and mask.dim() != 2:
         raise UnsupportedModelError(f"ds_seqpar.hf: a {mask.dim()}-D attention_mask {tuple(mask.shape)} cannot be "

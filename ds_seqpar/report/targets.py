@@ -63,6 +63,8 @@ TARGETS = {
                              at_bound=2.0),
     "posttrain.logprob_chunks": Target("<=", 4.0, "post-training: fused log-prob path's peak above static, in chunks "
                                        "of fp32 logits (it holds chunk rows at a time, never [tokens, vocab])"),
+    "generate.prefill": Target(">=", 1.7, "generation: prefill at P=2 vs P=1", at_bound=2.0),
+    "generate.decode": Target(">=", 1.0, "generation: decode time per token, P=1 / P=2, from 16K tokens of context"),
 }
 
 

@@ -13,6 +13,7 @@ import torch
 from ..comm import CommStats
 from ..kernels import AttentionKernel
 from ..sharding.layouts import Layout
+from .decode import decode_attention
 
 
 @dataclass
@@ -76,6 +77,16 @@ class Strategy:
 
     def fake(self, q_bshd, k_bshd, v_bshd, sinks: Optional[torch.Tensor] = None):
         raise self._not_softmax()
+
+    def decode(self, q_bhd, k_bhmd, v_bhmd, key_pos, q_pos: int, scale: float, window: Optional[int] = None,
+               softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None, checks=None):
+        """One decode step's attention against a sequence-sharded KV cache (decode.py): the query whole on
+        every rank, this rank's cached keys at their global positions; the same for every softmax
+        strategy, since the cache keeps each token on the rank its layout (or the share balance) gave it."""
+        if self.name == "lasp":
+            raise self._not_softmax()
+        return decode_attention(self.ctx, q_bhd, k_bhmd, v_bhmd, key_pos, q_pos, scale, window, softcap, sinks,
+                                checks)
 
     def linear_forward(self, q_bshd, k_bshd, v_bshd, decay: Optional[torch.Tensor], docs=None):
         raise self._not_linear()

@@ -71,9 +71,10 @@ def refusal_messages():
                                                    position_ids=batch["position_ids"]))
     out["embeds length"] = _message(lambda: llama(inputs_embeds=embeds[:, 1:], position_ids=batch["position_ids"]))
     out["embeds"] = _message(lambda: llama(inputs_embeds=embeds, position_ids=batch["position_ids"]))
-    # generate: ds_seqpar's message before any forward; after remove_sequence_parallel the model's own again
+    # generate: refused options by name before any forward (test_generate.py has the rest); after
+    # remove_sequence_parallel the model's own again
     prompt = batch["input_ids"][:, :5]
-    out["generate"] = _message(lambda: llama.generate(input_ids=prompt, max_new_tokens=2, do_sample=False))
+    out["generate"] = _message(lambda: llama.generate(input_ids=prompt, max_new_tokens=2, num_beams=2))
     from ds_seqpar.hf import remove_sequence_parallel
     remove_sequence_parallel(own_loss)
     own_loss.__class__ = type(llama)
@@ -122,7 +123,7 @@ EXPECTED = {
     "dropout": "attention dropout 0.1 in training",
     "bypass": "did not call the sequence-parallel attention (first: model.layers.1.self_attn (BypassAttention))",
     "own loss": "OwnLossForCausalLM computed its loss without model.loss_function",
-    "generate": "LlamaForCausalLM.generate under sequence parallelism (a sequence-sharded KV cache) is not built",
+    "generate": "LlamaForCausalLM.generate with num_beams=2 under sequence parallelism",
     "generate after remove": "no error",
     "ids and embeds": "got both input_ids and inputs_embeds",
     "embeds length": "'s inputs_embeds has",

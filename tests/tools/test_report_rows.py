@@ -24,7 +24,8 @@ QUOTED = {"speedup.ulysses": ("Ulysses >= 1.85", 1.85), "speedup.zigzag": ("zigz
           "memory.max_seq": (">= 1.95", 1.95), "memory.peak_p2_vs_p1": ("<= 1.10", 1.10),
           "memory.strategy_p2": ("0.90-1.10", 0.10), "memory.strategy_p4": ("0.85-1.15", 0.15),
           "memory.time_vs_implied": ("<= 1.10", 1.10), "posttrain.dpo": (">= 1.7", 1.7),
-          "posttrain.logprob_chunks": ("<= 4", 4.0), "posttrain.grpo": (">= 1.7", 1.7)}
+          "posttrain.logprob_chunks": ("<= 4", 4.0), "posttrain.grpo": (">= 1.7", 1.7),
+          "generate.prefill": (">= 1.7; >= 1.0", 1.7), "generate.decode": (">= 1.7; >= 1.0", 1.0)}
 
 
 def _design_targets() -> str:

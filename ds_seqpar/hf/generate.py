@@ -1,0 +1,302 @@
+"""``model.generate`` of an applied model: transformers' own loop over a sequence-sharded KV cache.
+
+The user's call is unchanged: the prompt whole and the same on every rank of a sequence group, the
+output whole on every rank. The wrapper installed by apply (``install``):
+
+  1. refuses, before any collective and identically on every rank, what it cannot do exactly (the
+     options below, by name), then checks with ONE all-reduce (max of a few int64 hashes and their
+     negations) that the prompt, the generation options and, when sampling, the random state are the
+     same on every rank of the group; then refuses a padded batch (left padding);
+  2. runs transformers' generate with a ShardedKVCache (kv_cache.py) as past_key_values, while
+     ``state.generation`` routes the model's forwards (the hooks and the attention function ask it):
+       * prefill (the prompt): sharded by the layout and run through the configured strategy as a
+         training forward; each rank keeps its own real tokens' K/V; the logits of the last prompt
+         token come from the rank holding it (logits_to_keep selects its row there; one all-reduce of
+         b x vocab values, zero on the other ranks, so exact);
+       * decode (one token, whole on every rank): each attention layer merges the ranks' partial
+         attention over their shards (strategies/decode.py: one all-gather per layer); the new K/V
+         goes to the rank with the smallest share (ties: the lowest rank);
+  3. every rank samples from the same logits with the same random state, so the tokens agree; the
+     first layer's merge of every step carries the step's input tokens (a disagreement raises on every
+     rank), and one all-reduce of the output's hash checks the last token.
+
+Refused by name: beam search (num_beams > 1), assisted decoding
+(assistant_model, prompt_lookup_num_tokens), a cache or past_key_values of the caller, use_cache=False,
+cache_implementation, chunked prefill, inputs_embeds, output_attentions / output_hidden_states,
+classifier-free guidance, custom_generate, left-padded batches (a batch of equal lengths works),
+hybrid models with linear-attention / SSM layers, DeepSeek sparse attention, multimodal models,
+Llama 4's chunked and temperature-tuned layers, shared-KV layers, dynamic groups, lasp.
+"""
+from __future__ import annotations
+
+import copy
+import zlib
+from typing import Optional
+
+import torch
+
+from .. import comm
+from .attention import is_chunked
+from .checks import UnsupportedModelError
+
+GENERATE_ATTR = "_ds_seqpar_own_generate"     # what the instance had under "generate" before apply (usually nothing)
+
+# generate options that cannot run over a sequence-sharded cache: (name, the value in use or None, what works)
+_OPTIONS = (
+    ("num_beams", lambda g, kw: g.num_beams if (g.num_beams or 1) > 1 else None, "use num_beams=1 (greedy or sampling)"),
+    ("assistant_model", lambda g, kw: _named(kw.get("assistant_model")), "generate without an assistant"),
+    ("prompt_lookup_num_tokens", lambda g, kw: g.prompt_lookup_num_tokens, "generate without prompt lookup"),
+    ("assistant_early_exit", lambda g, kw: getattr(g, "assistant_early_exit", None), "generate without self-speculation"),
+    ("past_key_values", lambda g, kw: _named(kw.get("past_key_values", kw.get("cache"))),
+     "pass no cache: ds_seqpar builds the sequence-sharded one"),
+    ("use_cache", lambda g, kw: False if kw.get("use_cache") is False
+     or getattr(kw.get("generation_config"), "use_cache", None) is False else None,
+     "use use_cache=True (the default; a model config's use_cache=False, a training setting, is overridden)"),
+    ("cache_implementation", lambda g, kw: g.cache_implementation, "leave it unset"),
+    ("prefill_chunk_size", lambda g, kw: getattr(g, "prefill_chunk_size", None),
+     "leave it unset: the prompt is already split over the sequence group"),
+    ("inputs_embeds", lambda g, kw: _named(kw.get("inputs_embeds")), "pass input_ids"),
+    ("output_attentions", lambda g, kw: True if g.output_attentions else None, "generate without it"),
+    ("output_hidden_states", lambda g, kw: True if g.output_hidden_states else None,
+     "generate without it (output_scores and output_logits work)"),
+    ("guidance_scale", lambda g, kw: g.guidance_scale if g.guidance_scale not in (None, 1) else None,
+     "generate without classifier-free guidance"),
+    ("custom_generate", lambda g, kw: _named(kw.get("custom_generate")), "use transformers' own decoding methods"),
+)
+
+
+def _named(value):
+    """An object option's value as a message shows it: its type's name (None: not in use)."""
+    return None if value is None else type(value).__name__
+
+
+class GenerationRun:
+    """One generate call on one rank: the cache and how this rank routes each forward."""
+
+    def __init__(self, sp, cache):
+        self.sp, self.cache = sp, cache
+        self.position = 0                # the decode step's global position
+        self.step_ids: Optional[torch.Tensor] = None
+        self.checked = False             # has this step's first merge carried the tokens?
+        self.last_owner, self.last_index = 0, 0
+        self.kept_rows = False           # did the prefill pass logits_to_keep (the holder's row only)?
+
+    @property
+    def decoding(self) -> bool:
+        return self.cache.phase == "decode"
+
+    def pre_forward(self, call: dict, params) -> dict:
+        """The model's keyword arguments for this forward (generate passes every input by keyword)."""
+        ids = call.get("input_ids")
+        if ids is None or ids.dim() != 2:
+            raise UnsupportedModelError("ds_seqpar.hf: generate under sequence parallelism runs on input_ids "
+                                        "[batch, tokens]; pass input_ids, not inputs_embeds")
+        kwargs = dict(call)
+        kwargs["attention_mask"] = None          # no padding (refused); causality is the strategy's
+        b = ids.shape[0]
+        sp = self.sp
+        if self.cache.seen == 0:                 # prefill: the prompt, sharded as in training
+            n = ids.shape[1]
+            padded = sp.padded_len(n)
+            pos = sp.position_ids(n, device=ids.device)
+            kwargs["input_ids"] = sp.shard(ids, dim=1)
+            kwargs["position_ids"] = pos.unsqueeze(0).expand(b, -1)
+            self.cache.begin_prefill(sp.layout, n, padded, pos)
+            self.last_owner, self.last_index = _holder(sp.layout, padded, n - 1)
+            self.kept_rows = "logits_to_keep" in params
+            if self.kept_rows:
+                index = self.last_index if sp.rank == self.last_owner else 0
+                kwargs["logits_to_keep"] = torch.tensor([index], device=ids.device)
+        else:                                    # decode: one token, whole on every rank
+            if ids.shape[1] != 1:
+                raise UnsupportedModelError(f"ds_seqpar.hf: a decode step of {ids.shape[1]} tokens; the "
+                                            f"sequence-sharded cache decodes one token per step")
+            self.position = self.cache.begin_decode()
+            kwargs["position_ids"] = torch.full((b, 1), self.position, dtype=torch.long, device=ids.device)
+            self.step_ids = ids[:, 0]
+            self.checked = False
+        return kwargs
+
+    def post_forward(self, output):
+        """Prefill: every rank gets the last prompt token's logits from the rank that holds it."""
+        if self.cache.phase == "prefill":
+            logits = output.logits
+            if not self.kept_rows:                    # the model computed every local row: the holder's one
+                logits = logits[:, self.last_index:self.last_index + 1]
+            logits = logits.contiguous() if self.sp.rank == self.last_owner else torch.zeros_like(logits)
+            output.logits = comm.all_reduce(logits, self.sp.group, self.sp.stats, kind="prefill_logits")
+        self.cache.end_step()
+        return output
+
+    def decode_attention(self, module, query, key, value, scaling, kwargs):
+        """A decode step's attention in ``module``: query [b, h, 1, d] in, [b, 1, h, dv] out. ``key`` / ``value``
+        [b, hkv, m, d]: what the layer made of the cache's answer (its own shard, in the order of the layer's
+        positions; MLA caches latents and expands them here)."""
+        layer = self.cache.layers[module.layer_idx]
+        window = kwargs.get("sliding_window")
+        window = None if window is None else int(window)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        checks = None if self.checked else self.step_ids
+        self.checked = True
+        if key.shape[2] != layer.positions.numel():
+            raise UnsupportedModelError(f"ds_seqpar.hf: {type(module).__name__} attends over {key.shape[2]} keys but "
+                                        f"its cache shard holds {layer.positions.numel()}: this layer does not attend "
+                                        f"over what the cache returns; generate on one process")
+        out = self.sp.strategy.decode(query[:, :, 0], key, value, layer.positions, self.position,
+                                      float(scale), window, kwargs.get("softcap"), kwargs.get("s_aux"), checks)
+        layer.trim(window, self.position + 1)
+        return out.unsqueeze(1)
+
+    def after_prefill_attention(self, module, kwargs) -> None:
+        """A sliding-window layer keeps only what the first generated token can see."""
+        window = kwargs.get("sliding_window")
+        if window is not None:
+            self.cache.layers[module.layer_idx].trim(int(window), self.cache.prompt_len)
+
+
+def _holder(layout, padded: int, position: int):
+    """(rank, local index) of the global ``position`` under ``layout``."""
+    for r in range(layout.size):
+        hit = (layout.indices(padded, r) == position).nonzero()
+        if hit.numel():
+            return r, int(hit[0, 0])
+    raise AssertionError(position)
+
+
+def install(model, state) -> None:
+    """Replace ``model.generate`` (instance attribute; remove_sequence_parallel restores it)."""
+    own = model.__dict__.get("generate")
+    setattr(model, GENERATE_ATTR, own)
+    original = own if own is not None else type(model).generate.__get__(model)
+
+    def generate(*args, **kwargs):
+        return sharded_generate(model, state, original, args, kwargs)
+
+    model.generate = generate
+
+
+def restore(model) -> None:
+    own = model.__dict__.pop(GENERATE_ATTR, None)
+    model.__dict__.pop("generate", None)
+    if own is not None:
+        model.generate = own
+
+
+def sharded_generate(model, state, original, args, kwargs):
+    from .kv_cache import ShardedKVCache
+    name = type(model).__name__
+    check_model(model, state)
+    sp = state.sp
+    given = kwargs.get("generation_config", args[1] if len(args) > 1 else None)     # generate(inputs, config, ...)
+    gen = copy.deepcopy(given or model.generation_config)
+    gen.update(**{k: v for k, v in kwargs.items() if k != "generation_config"})
+    for option, value_of, fix in _OPTIONS:
+        value = value_of(gen, kwargs)
+        if value is not None:
+            shown = value if isinstance(value, str) else repr(value)        # a type name, or the value
+            raise UnsupportedModelError(f"ds_seqpar.hf: {name}.generate with {option}={shown} under sequence "
+                                        f"parallelism (a sequence-sharded KV cache) is not supported; {fix}")
+    ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+    if not torch.is_tensor(ids) or ids.dim() != 2:
+        raise UnsupportedModelError(f"ds_seqpar.hf: {name}.generate under sequence parallelism needs input_ids "
+                                    f"[batch, tokens] (the same prompt on every rank of the group)")
+    mask = kwargs.get("attention_mask")
+    check_agreement(sp, name, ids, mask, gen)             # the first collective
+    if mask is not None and not bool((mask == 1).all()):
+        raise UnsupportedModelError(f"ds_seqpar.hf: {name}.generate with a padded batch (attention_mask with zeros: "
+                                    f"prompts of different lengths, left padding) under sequence parallelism is not "
+                                    f"supported; generate a batch of 1 or of prompts of equal length")
+    config = text_config(model)
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    cache = ShardedKVCache(config.num_hidden_layers, [t == "sliding_attention" for t in layer_types], sp.size, sp.rank)
+    state.generation = GenerationRun(sp, cache)
+    try:
+        out = original(*args, **dict(kwargs, past_key_values=cache, use_cache=True))
+    finally:
+        state.generation = None
+    sequences = out if torch.is_tensor(out) else out.sequences
+    same = _same_on_ranks(sp, [_crc(sequences)])
+    if not same[0]:
+        raise RuntimeError(f"ds_seqpar.hf: {name}.generate produced different tokens on the ranks of a sequence "
+                           f"group; run it with the same prompt, options and random seed on every rank")
+    return out
+
+
+def text_config(model):
+    """The decoder's config (a multimodal model's text config; here: the model's own)."""
+    return getattr(model.config, "get_text_config", lambda: model.config)()
+
+
+def check_model(model, state) -> None:
+    """Model features the sequence-sharded decode does not cover: refused by name (pure, every rank)."""
+    name = type(model).__name__
+
+    def refuse(feature, fix):
+        raise UnsupportedModelError(f"ds_seqpar.hf: {name}.generate under sequence parallelism with {feature} is "
+                                    f"not supported; {fix}")
+
+    if state.dynamic:
+        refuse("sequence_parallel.size='dynamic'", "apply a fixed-size SequenceParallel to generate")
+    if state.sp.config.strategy == "lasp":
+        refuse("strategy 'lasp' (linear attention)", "a softmax strategy (ulysses, ring, zigzag, striped)")
+    if state.linear is not None:
+        refuse("linear-attention / SSM layers (their recurrent and conv states are not sharded in decode)",
+               "remove_sequence_parallel(model) and generate on one process")
+    if state.indexed is not None:
+        refuse("DeepSeek sparse attention (indexer keys)", "remove_sequence_parallel(model) and generate on one process")
+    if state.vision is not None:
+        refuse("a multimodal model", "generate with the text model on one process")
+    if model.training and getattr(model, "is_gradient_checkpointing", False):
+        # transformers' checkpointed layers drop the cache in training mode: decode would attend without it
+        refuse("gradient checkpointing in training mode", "call model.eval() (or gradient_checkpointing_disable()) "
+                                                           "before generate")
+    config = text_config(model)
+    if getattr(config, "num_kv_shared_layers", 0):
+        refuse("layers sharing another layer's KV cache (num_kv_shared_layers)", "generate on one process")
+    for where, module in state.layers:
+        if not isinstance(getattr(module, "layer_idx", None), int):
+            refuse(f"attention layer {where} without a layer_idx", "generate on one process")
+        if is_chunked(module):
+            refuse(f"chunked attention ({where})", "generate on one process")
+        if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+            refuse(f"attention temperature tuning ({where})", "attn_temperature_tuning=False, or one process")
+
+
+def check_agreement(sp, name: str, ids, mask, gen) -> None:
+    """One all-reduce: the prompt, its mask, the options and (sampling) the random state agree."""
+    try:
+        options = gen.to_json_string(use_diff=False)
+    except Exception:                                     # noqa: BLE001 - an option json cannot write
+        options = repr(sorted(vars(gen).items()))
+    fields = [("input_ids", _crc(ids) * 64 + ids.dim()), ("prompt shape", ids.numel()),
+              ("attention_mask", 0 if mask is None else _crc(mask)), ("generation options", zlib.crc32(options.encode()))]
+    if gen.do_sample:
+        fields.append(("random state (torch.manual_seed)", _rng_crc(sp.device)))
+    same = _same_on_ranks(sp, [v for _, v in fields])
+    differ = [f for (f, _), ok in zip(fields, same) if not ok]
+    if differ:
+        raise UnsupportedModelError(f"ds_seqpar.hf: {name}.generate got a different {', '.join(differ)} on the ranks "
+                                    f"of a sequence group; call it with the same prompt and options on every rank "
+                                    f"(and torch.manual_seed(same seed) when sampling)")
+
+
+def _same_on_ranks(sp, values):
+    """[bool] per value: equal on every rank of sp's group (one all-reduce of max over v and -v)."""
+    v = torch.tensor(values, dtype=torch.int64)
+    both = comm.all_reduce(torch.cat([v, -v]).to(sp.device), sp.group, sp.stats, op="max", kind="agreement").cpu()
+    k = len(values)
+    return [bool(both[i] == -both[k + i]) for i in range(k)]
+
+
+def _crc(t: torch.Tensor) -> int:
+    return zlib.crc32(t.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
+
+
+def _rng_crc(device) -> int:
+    state = torch.get_rng_state()
+    if torch.device(device).type == "cuda":
+        state = torch.cat([state, torch.cuda.get_rng_state(device)])
+    return zlib.crc32(state.numpy().tobytes())
+
+
+__all__ = ["install", "restore", "GenerationRun", "GENERATE_ATTR"]

@@ -1,0 +1,152 @@
+"""ShardedKVCache: a transformers ``Cache`` whose layers hold only this rank's tokens' keys and values,
+each with its global position, so no rank ever holds the whole cache.
+
+transformers' generate loop and attention layers use it as any cache: ``update(k, v, layer_idx)`` from
+every attention layer, ``get_seq_length()`` (the GLOBAL number of tokens processed, which generate
+and the models number positions from). What ``update`` stores and returns depends on the phase that
+hf/generate.py sets before each forward:
+
+  * prefill: the layer gets this rank's shard of the prompt (the training layout); the real tokens'
+    K/V (not the layout's end padding) are kept and the shard is returned as it came, so the
+    strategy's attention runs exactly as in a training forward;
+  * decode: the new token's K/V is appended on its owner rank only (strategies/decode.py: the
+    smallest share, ties to the lowest rank); every rank gets back its own cached keys, which the
+    decode attention merges across the group.
+
+A sliding-window layer drops, after each attention call, the keys the next query can no longer see
+(``trim``): it never holds more than ``window`` keys on any rank.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..strategies.decode import next_owner, prompt_shares
+from .checks import UnsupportedModelError
+
+
+class ShardedLayer(CacheLayerMixin):
+    """One attention layer's shard: keys [b, hkv, m, d], values [b, hkv, m, dv], positions [m]."""
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, cache: "ShardedKVCache", sliding: bool = False):
+        super().__init__()
+        self.cache = cache
+        self.is_sliding = sliding
+        self.positions: Optional[torch.Tensor] = None
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
+        self.positions = torch.empty(0, dtype=torch.long, device=key_states.device)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        c = self.cache
+        if c.phase == "prefill":
+            keep = c.local_positions < c.prompt_len
+            self._append(key_states[:, :, keep], value_states[:, :, keep], c.local_positions[keep])
+            return key_states, value_states
+        if c.phase != "decode":
+            raise UnsupportedModelError("ds_seqpar.hf: a ShardedKVCache is used by model.generate of an applied "
+                                        "model only; do not pass it to a forward call")
+        if key_states.shape[2] != 1:
+            raise UnsupportedModelError(f"ds_seqpar.hf: a decode step of {key_states.shape[2]} tokens; the "
+                                        f"sequence-sharded cache decodes one token per step")
+        if c.owner == c.rank:
+            self._append(key_states, value_states, torch.full((1,), c.seen, dtype=torch.long,
+                                                              device=self.positions.device))
+        return self.keys, self.values
+
+    def _append(self, k, v, pos) -> None:
+        self.keys = torch.cat([self.keys, k], dim=-2)
+        self.values = torch.cat([self.values, v], dim=-2)
+        self.positions = torch.cat([self.positions, pos.to(self.positions.device)])
+
+    def trim(self, window: Optional[int], next_pos: int) -> None:
+        """Drop the keys the query at ``next_pos`` (and every later one) cannot see: j <= next_pos - window."""
+        if window is None or not self.is_initialized:
+            return
+        self.is_sliding = True          # also where the config names no layer_types (Mistral's one window)
+        keep = self.positions > next_pos - window
+        if not bool(keep.all()):
+            self.keys, self.values, self.positions = self.keys[:, :, keep], self.values[:, :, keep], self.positions[keep]
+
+    def get_seq_length(self) -> int:
+        return self.cache.seen
+
+    def get_mask_sizes(self, query_length: int):
+        return self.cache.seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def local_bytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise UnsupportedModelError("ds_seqpar.hf: beam search (reordering a sequence-sharded cache) is not "
+                                    "supported; use num_beams=1 (greedy or sampling)")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise UnsupportedModelError("ds_seqpar.hf: cropping a sequence-sharded cache (assisted decoding) is not "
+                                    "supported; generate without an assistant")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise UnsupportedModelError("ds_seqpar.hf: expanding a filled sequence-sharded cache over the batch is not "
+                                    "supported; repeat the prompts in the batch before generate")
+
+    def batch_select_indices(self, indices) -> None:
+        raise UnsupportedModelError("ds_seqpar.hf: selecting rows of a sequence-sharded cache is not supported")
+
+
+class ShardedKVCache(Cache):
+    """The cache of one sequence group's generate call: every rank holds one, with its own tokens.
+
+    ``shares[r]``: tokens rank r has received so far (prompt tokens by the layout, then each generated
+    token on ``next_owner(shares)``); the same numbers on every rank, computed, never communicated."""
+
+    def __init__(self, num_layers: int, sliding: List[bool], sp_size: int, rank: int):
+        super().__init__(layers=[ShardedLayer(self, s) for s in sliding[:num_layers]])
+        self.rank, self.size = rank, sp_size
+        self.phase: Optional[str] = None
+        self.seen = 0                   # global tokens whose K/V are in the group's cache
+        self.prompt_len = 0
+        self.local_positions: Optional[torch.Tensor] = None
+        self.shares = [0] * sp_size
+        self.owner: Optional[int] = None
+
+    def begin_prefill(self, layout, prompt_len: int, padded_len: int, local_positions: torch.Tensor) -> None:
+        if self.seen:
+            raise UnsupportedModelError("ds_seqpar.hf: a second prefill into a filled sequence-sharded cache "
+                                        "(continuing from a cache) is not supported; start a new generate call")
+        self.phase, self.prompt_len, self.local_positions = "prefill", prompt_len, local_positions
+        self.shares = prompt_shares(layout, prompt_len, padded_len)
+
+    def begin_decode(self) -> int:
+        """The step's token goes to the rank with the smallest share; returns its global position."""
+        self.phase = "decode"
+        self.owner = next_owner(self.shares)
+        return self.seen
+
+    def end_step(self) -> None:
+        if self.phase == "prefill":
+            self.seen = self.prompt_len
+        elif self.phase == "decode":
+            self.shares[self.owner] += 1
+            self.seen += 1
+        self.phase = None
+
+    def local_bytes(self) -> int:
+        """Bytes of K/V this rank holds (every layer)."""
+        return sum(layer.local_bytes() for layer in self.layers)
+
+
+__all__ = ["ShardedKVCache", "ShardedLayer"]
