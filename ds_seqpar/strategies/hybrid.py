@@ -7,11 +7,11 @@ ring shard cut contiguously into U pieces, so one Ulysses group together holds o
 
 Math -> code:
 
-    q_bshd [b, n, H, d] --all_to_all in ulysses_group (ulysses.scatter_heads)--> [b, U*n, H/U, d]
+    q_bshd [b, n, H, d] --all_to_all in ulysses_group (ulysses.head_parallel_forward)--> [b, U*n, H/U, d]
         (k, v likewise with H_kv heads, repeated f = U / gcd(H_kv, U) times only if U does not
         divide H_kv); the U*n tokens are this ring position's shard, in its local order
     ring loop over ring_group on those tensors, with the mask's plan over the ring strategy's layout
-    out [b, U*n, H/U, d] --all_to_all back (ulysses.heads_to_seq)--> [b, n, H, d]
+    out [b, U*n, H/U, d] --all_to_all back --> [b, n, H, d]
 
 Attention is independent per head, so splitting heads inside the group and running the ring
 across groups is exact. Backward: the ring loop's backward between the two all-to-alls' duals.
