@@ -20,7 +20,7 @@ from ..report.rows import Row
 from ..report.targets import TARGETS
 from ..strategies.closed_form import Shapes
 from .cases import BASELINE, CASES, DTYPES
-from .harness import case_times, closed_form, machine_line, spread, versus
+from .harness import ULYSSES_CHUNKED, case_times, closed_form, machine_line, spread, versus
 
 SPEEDUP = "Attention fwd+bwd speedup over one process"
 BYTES = "Bytes per rank against the closed form"
@@ -86,11 +86,11 @@ def _attention(res, seq: int, last: bool) -> List[Row]:
                            "MiB per rank": [b / MIB for b in saved[case]], "baseline MiB": base_saved / MIB,
                            "why": f"{max(saved[case]) - base_saved / p:.0f} bytes per rank beyond 1/P of one "
                                   f"process's: state that does not shrink with N (LASP: one d x d state per head)"}))
-    if "ds_ulysses" in times and "ulysses" in times:
-        ours, theirs = times["ulysses"], times["ds_ulysses"]
+    for case in [c for c in ("ulysses",) + ULYSSES_CHUNKED if c in times and "ds_ulysses" in times]:
+        ours, theirs = times[case], times["ds_ulysses"]
         vs = versus(ours, theirs)                 # paired per round, like the speedups
-        out.append(Row("attention", "ulysses / ds_ulysses", variant, PEER, "x", vs["ratio"], vs["ratio_range"],
-                       target="vs_deepspeed" if last else None, detail={
+        out.append(Row("attention", f"{case} / ds_ulysses", variant, PEER, "x", vs["ratio"], vs["ratio_range"],
+                       target="vs_deepspeed" if last and case == "ulysses" else None, detail={
                            "ours s": ours["time"], "DeepSpeed s": theirs["time"],
                            "why": f"compute is the same (CPU per rank ours {max(ours['cpu']):.3f} s, theirs "
                                   f"{max(theirs['cpu']):.3f} s), so the gap is in the all-to-alls (ours waited up to "
