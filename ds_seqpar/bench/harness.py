@@ -35,6 +35,7 @@ SP_KEYS = {**{name: {"strategy": name} for name in SOFTMAX},
            "hybrid": {"strategy": "zigzag", "ulysses_size": 2},             # Ulysses 2 x zigzag
            # Ulysses in head chunks, pipelined ("ulysses" itself is "auto": 1 chunk on CPU ranks)
            **{f"ulysses_c{c}": {"strategy": "ulysses", "ulysses_chunks": c} for c in (1, 2, 4)},
+           "ulysses_auto": {"strategy": "ulysses", "ulysses_chunks": "auto"},
            "ds_ulysses": {"strategy": "ulysses"},
            "lasp2": {"strategy": "lasp", "lasp_comm": "allgather"}, "lasp1": {"strategy": "lasp", "lasp_comm": "ring"}}
 
