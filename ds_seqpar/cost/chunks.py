@@ -104,7 +104,8 @@ def device_rates(device_type: str, device_name: str) -> Optional[Dict[str, float
     peaks, a = raw["datasheet_peaks"], raw["assumed"]
     return {"alpha_s": a["alpha_intra_us"] * 1e-6,
             "beta_bytes_s": peaks["nvlink_gb_s_per_direction"] * 1e9 * a["nvlink_efficiency"],
-            "attention_flops_s": peaks["bf16_tflops"] * 1e12 * a["attention_efficiency"],
+            "attention_flops_s": peaks["bf16_tflops"] * 1e12 * a["attention_efficiency"],       # 16-bit inputs
+            "attention_flops_s_fp32": peaks["tf32_tflops"] * 1e12 * a["attention_efficiency"],
             "overlap": float(a.get("comm_overlap", GPU_OVERLAP))}
 
 
@@ -117,7 +118,8 @@ def auto_chunks(rates: Optional[Dict[str, float]], size: int, n: int, heads: int
         return 1
     seq, kv = size * n, kv_heads * kv_replication(heads, kv_heads, size)
     nbytes = 4 * elem * n * (heads + kv) * head_dim * (size - 1) / size       # the 8 tensors' (P-1)/P
-    fwd_s = 2 * 2 * head_dim * seq * (seq + 1) / 2 * heads / size / rates["attention_flops_s"]
+    rate = rates["attention_flops_s_fp32" if elem >= 4 else "attention_flops_s"]
+    fwd_s = 2 * 2 * head_dim * seq * (seq + 1) / 2 * heads / size / rate       # 2 matmuls x 2 FLOPs per pair
 
     def a2a(b, calls):
         return calls * rates["alpha_s"] + b / rates["beta_bytes_s"]
