@@ -44,7 +44,8 @@ PRESETS = {
     # the ring family against Ulysses and zigzag without overlap
     "ring": dict(_BASE, seq_lens=[8192], mem_budget_n=0, strategies="ring,zigzag,striped,ulysses,zigzag_no_overlap"),
     # Ulysses in head chunks (1, 2, 4; "ulysses" = auto) against DeepSpeed's, at N=8192
-    "ulysses": dict(_BASE, seq_lens=[8192], mem_budget_n=0, strategies="ulysses,ulysses_c1,ulysses_c2,ulysses_c4,ds_ulysses"),
+    "ulysses": dict(_BASE, seq_lens=[8192], mem_budget_n=0,
+                    strategies="ulysses,ulysses_c1,ulysses_c2,ulysses_c4,ds_ulysses"),
     # LASP-2 and LASP-1 against the halves bound, and where a LASP rank's time goes
     "lasp": dict(_BASE, seq_lens=[8192], repeats=7, mem_budget_n=0, strategies="lasp,halves", lasp_breakdown=True),
 }

@@ -251,4 +251,5 @@ def rank_calls(strategy: str, p: int, seq: int, causal: bool = True,
 
 
 __all__ = ["all_to_all_time", "attention_keys", "busiest_calls_s", "busiest_kernel_s", "call_s", "collective_time", "comm_s",
-           "compute_s", "rank_calls", "ring_link", "ring_time", "spans_nodes", "StepTime", "step_time", "ulysses_a2a_s", "ulysses_chunks", "ulysses_degree", "zero_bytes"]
+           "compute_s", "rank_calls", "ring_link", "ring_time", "spans_nodes", "StepTime", "step_time",
+           "ulysses_a2a_s", "ulysses_chunks", "ulysses_degree", "zero_bytes"]

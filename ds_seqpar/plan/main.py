@@ -83,7 +83,8 @@ def render(shape: ModelShape, opts, cluster: Cluster, ok: List[Prediction], reje
                      (c.lasp_comm if c.strategy == "lasp" else "-"),
                      str(p.dp), str(c.zero), c.features.label, _gb(p.static_bytes), f"{p.per_token_bytes / KB:.0f}",
                      f"{_gb(p.peak_bytes)} ({p.peak_phase})", f"{p.free:.0%}", f"{p.max_seq:,}", comm_mb, comm_s,
-                     p.chunks_why or "-", f"{p.compute_s:.2f}", f"{p.step_s:.2f}", f"{p.tokens_s:,.0f}", f"{p.mfu:.0%}"))
+                     p.chunks_why or "-", f"{p.compute_s:.2f}", f"{p.step_s:.2f}", f"{p.tokens_s:,.0f}",
+                     f"{p.mfu:.0%}"))
     lines += _table(hdr, rows) if rows else ["no configuration fits (see the rejections)"]
     if len(ok) > opts.top:
         lines.append(f"... {len(ok) - opts.top} more feasible configurations (--top N)")
@@ -126,7 +127,8 @@ def _as_json(p: Prediction) -> dict:
             "dp": p.dp, "ok": p.ok, "reason": p.reason,
             "static_bytes": p.static_bytes, "per_token_bytes": p.per_token_bytes, "peak_bytes": p.peak_bytes,
             "peak_phase": p.peak_phase, "host_bytes": p.host_bytes, "comm_bytes_per_layer": p.comm_bytes,
-            "comm_s": p.comm_s, "ulysses_chunks": p.ulysses_chunks, "chunks_why": p.chunks_why, "compute_s": p.compute_s, "step_s": p.step_s, "tokens_s": p.tokens_s, "mfu": p.mfu,
+            "comm_s": p.comm_s, "ulysses_chunks": p.ulysses_chunks, "chunks_why": p.chunks_why,
+            "compute_s": p.compute_s, "step_s": p.step_s, "tokens_s": p.tokens_s, "mfu": p.mfu,
             "max_seq": p.max_seq, "phases": p.phases}
 
 

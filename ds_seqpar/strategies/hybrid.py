@@ -16,7 +16,8 @@ Math -> code:
 Attention is independent per head, so splitting heads inside the group and running the ring
 across groups is exact. Head chunks (ulysses_chunks): the sandwich runs per chunk of whole K/V
 groups (ulysses.head_parallel_forward), each chunk's ring loop computing while the next chunk's
-all-to-all travels; the ring then sends each block once per chunk, a chunk's share of its bytes. Backward: the ring loop's backward between the two all-to-alls' duals.
+all-to-all travels; the ring then sends each block once per chunk, a chunk's share of its bytes.
+Backward: the ring loop's backward between the two all-to-alls' duals.
 U == size (R == 1) is Ulysses with the ring's single diagonal step; U == 1 is never routed here
 (strategies.build then returns the ring strategy itself).
 
