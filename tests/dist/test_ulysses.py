@@ -42,9 +42,9 @@ def test_ulysses_matches_deepspeed_distributed_attention(pool, size, causal):
     assert all(pool.run(_vs_deepspeed, size, causal))
 
 
-def _bytes_one_step(size, head_cases, seq_len=64, head_dim=16, batch=2):
+def _bytes_one_step(size, head_cases, seq_len=64, head_dim=16, batch=2, chunks="auto"):
     """Per (heads, kv_heads): the bytes per CommStats kind and the calls of one fwd+bwd on this rank."""
-    sp = SequenceParallel({"strategy": "ulysses", "size": size})
+    sp = SequenceParallel({"strategy": "ulysses", "size": size, "ulysses_chunks": chunks})
     out = []
     for heads, kv_heads in head_cases:
         q, k, v, dout = global_inputs(2, batch, seq_len, heads, kv_heads, head_dim)
@@ -67,6 +67,16 @@ def test_ulysses_bytes_match_closed_form(pool, size):
             assert calls == {"all_to_all": 8}, calls
         if size == 2:       # kv heads travel as they are: GQA sends less than MHA, never repeated to H
             assert per_case[1][0]["all_to_all"] < per_case[0][0]["all_to_all"], per_case
+
+
+@pytest.mark.parametrize("size,chunks", [(2, 2), (2, 4), (4, 2)])
+def test_head_chunks_bytes_match_closed_form(pool, size, chunks):
+    heads = [(8, 8), (8, 4)] if size == 2 and chunks == 2 else [(8, 8)]   # 4 and 2 k/v heads a rank at size 2
+    for per_case in pool.run(_bytes_one_step, size, heads, chunks=chunks):
+        for (h, kv), (sent, calls) in zip(heads, per_case):
+            want = closed_form_by_kind("ulysses", size, Shapes(2, 64, h, kv, 16, 4))
+            assert sent == want, f"size {size} chunks {chunks} heads {h}/{kv}: sent {sent}, closed form {want}"
+            assert calls == {"all_to_all": 8 * chunks}, calls
 
 
 def _roundtrip(size):
