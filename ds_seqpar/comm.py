@@ -4,7 +4,7 @@ Verbs, with the process group always passed in (no group singletons):
   all_to_all     exchange one dimension for another inside a group (differentiable)
   all_gather     concatenate every rank's tensor along a dim (differentiable; dual: reduce_scatter)
   reduce_scatter sum over ranks, keep this rank's slice (dual of all_gather)
-  all_gather_async, reduce_scatter_async   the same, posted: wait() later (overlap)
+  all_to_all_async, all_gather_async, reduce_scatter_async   the same, posted: wait() later (overlap)
   all_reduce     sum (or max) over the group, in place
   ring_send_recv post a send to rank+shift and a receive from rank-shift; wait() later (overlap)
 Every verb records what it sent in a ``CommStats`` (bytes this rank put on the wire, calls, and
@@ -121,9 +121,16 @@ def barrier(group=None) -> None:
 def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group, stats, kind) -> torch.Tensor:
     """Split ``x`` into P chunks along scatter_dim, send chunk j to rank j, concatenate what
     arrives along gather_dim. Shapes: [.., S_scatter, .., S_gather, ..] -> [.., S/P, .., S*P, ..]."""
+    return all_to_all_async(x, scatter_dim, gather_dim, group, stats, kind).wait()
+
+
+def all_to_all_async(x: torch.Tensor, scatter_dim: int, gather_dim: int, group,
+                     stats: Optional[CommStats] = None, kind: str = "all_to_all") -> "PendingCollective":
+    """Post the all-to-all of ``_all_to_all``; ``wait()`` returns its result (Ulysses' head chunks:
+    the next chunk's exchange runs while this one computes). Not differentiable."""
     p = dist.get_world_size(group)
     if p == 1:
-        return x
+        return PendingCollective(None, x, x, lambda x: x, stats, kind)
     if x.shape[scatter_dim] % p:
         raise ValueError(f"all_to_all: dim {scatter_dim} of shape {tuple(x.shape)} is not divisible "
                          f"by the group size {p}")
@@ -132,13 +139,14 @@ def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group, stats
     # so that .contiguous() copies only when it must (e.g. not for the sequence dim at batch 1).
     chunks_pX = x.unflatten(scatter_dim, (p, -1)).movedim(scatter_dim, 0).contiguous()
     received_pX = torch.empty_like(chunks_pX)
-    with _timed(stats, kind):
-        dist.all_to_all_single(received_pX, chunks_pX, group=group)
+    work = dist.all_to_all_single(received_pX, chunks_pX, group=group, async_op=True)
     if stats is not None:
         stats.record(kind, _nbytes(chunks_pX) * (p - 1) // p)
     # received chunk j came from rank j, which held the j-th slice of the gathered dim; flatten
     # returns a view when the layout allows (batch 1, gathering the sequence), else one copy
-    return received_pX.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
+    return PendingCollective(work, chunks_pX, received_pX,
+                             lambda got_pX: got_pX.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1),
+                             stats, kind)
 
 
 def all_reduce(x: torch.Tensor, group, stats: Optional[CommStats] = None, op: str = "sum",

@@ -68,7 +68,16 @@ class SequenceParallelConfig(BaseModel):
     a P-th of the heads, the simple baseline)."""
 
     overlap: bool = True
-    """Post the next ring / state transfer before computing on the current block."""
+    """Post the next ring / state transfer before computing on the current block (and Ulysses' next
+    head chunk before computing the current one: ulysses_chunks)."""
+
+    ulysses_chunks: Union[int, Literal["auto"]] = "auto"
+    """Ulysses and the 2D hybrid's Ulysses half: a rank's heads after the all-to-all run in this many
+    chunks of whole K/V groups, chunk i+1's all-to-all in flight while chunk i computes, forward and
+    backward (exact: heads are independent). "auto": the count the cost model prices fastest for the
+    device and shapes (cost/chunks.py; 1 on CPU ranks, whose transfers share the compute's cores);
+    1 (or overlap false): no chunks. A count must divide the k/v heads a rank holds (checked when the
+    heads are known: strategies.check_heads)."""
 
     timeout_s: float = Field(default=600.0, gt=0)
     """Seconds a collective may wait for a peer before the run stops with an error."""
@@ -95,6 +104,14 @@ class SequenceParallelConfig(BaseModel):
             raise ConfigError(f"{KEY}.size={value!r} is not valid; an integer >= 1 or {DYNAMIC!r}")
         return value
 
+    @field_validator("ulysses_chunks", mode="before")
+    @classmethod
+    def _chunks_word(cls, value):
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return value
+        raise ConfigError(f"{KEY}.ulysses_chunks={value!r} is not valid; 'auto' or an integer >= 1 (1: no head "
+                          f"chunks)")
+
     @model_validator(mode="after")
     def _check_choices(self) -> "SequenceParallelConfig":
         _check_choice("strategy", self.strategy, STRATEGY_NAMES)
@@ -102,6 +119,10 @@ class SequenceParallelConfig(BaseModel):
         _check_choice("lasp_comm", self.lasp_comm, LASP_COMMS)
         _check_choice("linear_strategy", self.linear_strategy, LINEAR_STRATEGIES)
         _check_choice("comm_dtype", self.comm_dtype, COMM_DTYPES)
+        if not self.overlap and self.ulysses_chunks not in ("auto", 1):
+            raise ConfigError(f"{KEY}.ulysses_chunks={self.ulysses_chunks} overlaps each head chunk's all-to-all with "
+                              f"the previous chunk's attention, and overlap=false turns overlap off; set overlap "
+                              f"true or ulysses_chunks 1")
         if self.is_dynamic or self.max_tokens_per_rank is not None:
             _check_dynamic(self)
             return self

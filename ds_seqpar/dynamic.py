@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
 
 import torch
 
-from . import comm
+from . import comm, strategies
 from .config import ConfigError, SequenceParallelConfig, load_ds_config
 from .kernels.base import check_head_groups
 from .loss import _ScaleGrad, local_loss_sum
@@ -46,6 +46,7 @@ class DynamicSequenceParallel:
         self.heads = check_dynamic_heads(config, heads, kv_heads)
         sizes = family_sizes(config.strategy, comm.world_size(), self.heads, config.ulysses_size)
         check_max_tokens(config.strategy, sizes, config.max_tokens_per_rank, config.ulysses_size)
+        check_dynamic_chunks(config, sizes, self.heads, kv_heads)
         # collective: every rank builds every size's groups, in the same (ascending) order; no
         # data-parallel groups (gradients are reduced over every rank), so the family is the world,
         # the one-rank groups, each size's sequence groups and the 2D hybrid's all-to-all blocks and
@@ -299,4 +300,17 @@ def check_dynamic_heads(config: SequenceParallelConfig, heads: Optional[int], kv
     return heads
 
 
-__all__ = ["DynamicSequenceParallel", "train_step", "static_config"]
+def check_dynamic_chunks(config: SequenceParallelConfig, sizes: Sequence[int], heads: Optional[int],
+                         kv_heads: Optional[int]) -> None:
+    """A fixed ulysses_chunks must split the k/v heads of every group size's Ulysses ranks ("auto" picks per
+    size); refused for the first size it does not, before any group exists."""
+    if config.ulysses_chunks == "auto" or heads is None:
+        return
+    for size in sizes:
+        try:
+            strategies.check_heads(static_config(config, size), heads, kv_heads or heads)
+        except ConfigError as err:
+            raise ConfigError(f"{err} (with size='dynamic', at the group size {size}; 'auto' picks per size)") from None
+
+
+__all__ = ["DynamicSequenceParallel", "check_dynamic_chunks", "train_step", "static_config"]

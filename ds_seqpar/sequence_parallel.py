@@ -32,6 +32,7 @@ from .sharding.documents import Documents, as_boundaries, check_documents
 from .sharding.layouts import make_layout
 from .sharding.masks import BatchMasks
 from .sharding.padding import check_seq_len, pad_to, padded_len
+from .cost.chunks import chunk_rule
 from .strategies import StrategyContext, get_strategy
 from .strategies.state_passing import LinearExchange
 from .topology import ParallelDims, ProcessGroups, SequenceParallelMPU
@@ -66,7 +67,9 @@ class SequenceParallel:
             ring_group=self.groups.ring_group, sp_size=self.dims.sp_size, sp_rank=c.sp_rank,
             ulysses_size=self.dims.ulysses_size, ulysses_rank=c.ulysses_rank,
             ring_size=self.dims.ring_size, ring_rank=c.ring_rank, kernel=self.kernel, stats=self.stats,
-            layout=self.layout, overlap=config.overlap, lasp_comm=config.lasp_comm))
+            layout=self.layout, overlap=config.overlap, lasp_comm=config.lasp_comm,
+            ulysses_chunks=chunk_rule(config.ulysses_chunks, self.device.type, _device_name(self.device),
+                                      self.dims.ulysses_size, config.overlap)))
         # 5. the linear exchange, over the same groups, layout and stats as the strategy
         self.linear_exchange = LinearExchange(config.linear_strategy, config.lasp_comm, self.strategy.ctx)
         self._handle = ops.handle(self)      # how the opaque ops (ops/) find this object when they run
@@ -380,6 +383,11 @@ def _default_device() -> torch.device:
     if torch.cuda.is_available() and comm.backend_name() == "nccl":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
+
+
+def _device_name(device: torch.device) -> str:
+    """The CUDA device's name (cost/chunks.py finds its profile by it); '' elsewhere."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else ""
 
 
 __all__ = ["SequenceParallel", "ConfigError"]

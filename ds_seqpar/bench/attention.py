@@ -5,6 +5,7 @@ Ulysses, measured side by side in one run, with the ratios docs/design.md sets t
     ds-seqpar bench --preset full                      # P=2, N up to 8192, fp32, causal -> reports/cpu_full.md
     ds-seqpar bench --preset ring                      # the ring family and Ulysses at N=8192, no training
     ds-seqpar bench --preset lasp                      # LASP-1/LASP-2 vs the halves bound, per-piece kernel work
+    ds-seqpar bench --preset ulysses                   # Ulysses in 1, 2, 4 head chunks and auto vs DeepSpeed's
     ds-seqpar bench --strategies zigzag,lasp --P 4 --seq-lens 4096,8192 --no-causal --name mine
     torchrun --nproc_per_node 2 -m ds_seqpar.cli bench ...   # under a launcher (GPUs: --device cuda)
 
@@ -42,6 +43,9 @@ PRESETS = {
     "full": dict(_BASE, seq_lens=[1024, 2048, 4096, 8192], mem_budget_n=2048, train_strategies="zigzag,ulysses,lasp"),
     # the ring family against Ulysses and zigzag without overlap
     "ring": dict(_BASE, seq_lens=[8192], mem_budget_n=0, strategies="ring,zigzag,striped,ulysses,zigzag_no_overlap"),
+    # Ulysses in head chunks (1, 2, 4; "ulysses" = auto) against DeepSpeed's, at N=8192
+    "ulysses": dict(_BASE, seq_lens=[8192], mem_budget_n=0,
+                    strategies="ulysses,ulysses_c1,ulysses_c2,ulysses_c4,ds_ulysses"),
     # LASP-2 and LASP-1 against the halves bound, and where a LASP rank's time goes
     "lasp": dict(_BASE, seq_lens=[8192], repeats=7, mem_budget_n=0, strategies="lasp,halves", lasp_breakdown=True),
 }

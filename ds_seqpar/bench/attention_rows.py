@@ -20,7 +20,7 @@ from ..report.rows import Row
 from ..report.targets import TARGETS
 from ..strategies.closed_form import Shapes
 from .cases import BASELINE, CASES, DTYPES
-from .harness import case_times, closed_form, machine_line, spread, versus
+from .harness import ULYSSES_CHUNKED, case_times, closed_form, machine_line, spread, versus
 
 SPEEDUP = "Attention fwd+bwd speedup over one process"
 BYTES = "Bytes per rank against the closed form"
@@ -28,6 +28,7 @@ MEMORY = "Activation memory per rank / single process (bytes saved for backward)
 MAX_SEQ = "Longest sequence in a fixed per-rank budget, P ranks vs 1"
 PEER = "Ours vs DeepSpeed's Ulysses (DistributedAttention, same local kernel): ours / theirs time"
 LASP = "LASP-1 (ring) vs LASP-2 (all-gather)"
+CHUNKS = "Ulysses in head chunks vs one chunk: time ratio (the all-to-alls' blocked seconds from sp.stats)"
 TRAIN = "Whole training step, ZeRO-2: P ranks (sp=P, dp=1) vs one"
 
 
@@ -86,15 +87,20 @@ def _attention(res, seq: int, last: bool) -> List[Row]:
                            "MiB per rank": [b / MIB for b in saved[case]], "baseline MiB": base_saved / MIB,
                            "why": f"{max(saved[case]) - base_saved / p:.0f} bytes per rank beyond 1/P of one "
                                   f"process's: state that does not shrink with N (LASP: one d x d state per head)"}))
-    if "ds_ulysses" in times and "ulysses" in times:
-        ours, theirs = times["ulysses"], times["ds_ulysses"]
+    for case in [c for c in ("ulysses",) + ULYSSES_CHUNKED if c in times and "ds_ulysses" in times]:
+        ours, theirs = times[case], times["ds_ulysses"]
         vs = versus(ours, theirs)                 # paired per round, like the speedups
-        out.append(Row("attention", "ulysses / ds_ulysses", variant, PEER, "x", vs["ratio"], vs["ratio_range"],
-                       target="vs_deepspeed" if last else None, detail={
-                           "ours s": ours["time"], "DeepSpeed s": theirs["time"],
+        out.append(Row("attention", f"{case} / ds_ulysses", variant, PEER, "x", vs["ratio"], vs["ratio_range"],
+                       target="vs_deepspeed" if last and case == "ulysses" else None, detail={
+                           "ours s": ours["time"], "DeepSpeed s": theirs["time"], "CPU ratio": vs["cpu_ratio"],
                            "why": f"compute is the same (CPU per rank ours {max(ours['cpu']):.3f} s, theirs "
                                   f"{max(theirs['cpu']):.3f} s), so the gap is in the all-to-alls (ours waited up to "
                                   f"{max(ours['wait'] or [0.0]):.3f} s per rank)" + _loaded(load, cpus)}))
+    for case in [c for c in ("ulysses",) + ULYSSES_CHUNKED[1:] if c in times and "ulysses_c1" in times]:
+        vs, mine, one = versus(times[case], times["ulysses_c1"]), times[case], times["ulysses_c1"]
+        out.append(Row("attention", f"{case} / ulysses_c1", variant, CHUNKS, "x", vs["ratio"], vs["ratio_range"],
+                       detail={"CPU ratio": vs["cpu_ratio"], "blocked s per rank": mine["wait"],
+                               "blocked s per rank, 1 chunk": one["wait"]}))
     if "lasp1" in times and "lasp2" in times:
         t = {c: times[c]["time"] for c in ("lasp1", "lasp2", "halves") if c in times}
         pairs = [("LASP-1 / LASP-2 time", "lasp1", "lasp2")] + \

@@ -15,8 +15,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from .harness import (LINEAR, SOFTMAX, SP_KEYS, alone, attention_inputs, fwd_bwd, interleaved_rounds, on_rank0,
-                      saved_bytes, strategy_config)
+from .harness import (LINEAR, SOFTMAX, SP_KEYS, ULYSSES_CHUNKED, alone, attention_inputs, fwd_bwd, interleaved_rounds,
+                      on_rank0, saved_bytes, strategy_config)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
@@ -34,7 +34,8 @@ class Case(NamedTuple):
 
 # in the pages' order: each family's baseline first
 CASES: Dict[str, Case] = {"single": Case("softmax", "single"),
-                          **{name: Case("softmax", "sp") for name in SOFTMAX + ("zigzag_no_overlap", "hybrid")},
+                          **{name: Case("softmax", "sp")
+                             for name in SOFTMAX + ("zigzag_no_overlap", "hybrid") + ULYSSES_CHUNKED},
                           "ds_ulysses": Case("softmax", "deepspeed"), "single_linear": Case("linear", "single"),
                           **{name: Case("linear", "sp") for name in LINEAR}, "halves": Case("linear", "local")}
 BASELINE = {"softmax": "single", "linear": "single_linear"}

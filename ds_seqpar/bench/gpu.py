@@ -7,6 +7,7 @@
     backends (plain causal) and ds_seqpar's through one rank's ring loop (plain, window, softcap, sinks);
 (b) the busiest rank's share of each strategy at P ranks: its blocks back to back, every transfer a
     copy of its bytes (held to strategies/closed_form.py), eager against torch.compile (outputs agree);
+    Ulysses in one head chunk and in "auto"'s (ulysses_auto: what the chunks cost the kernels, beside one);
 (c) the longest sequence of a 1B-class model in the device's memory: cost/memory.py's prediction.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..comm import CommStats
 from ..cost import Features, max_tokens, pairs_per_rank, pairs_total, phase_lines
+from ..cost.chunks import auto_chunks, device_rates
 from ..kernels import empty_accumulators, flash_attn_kernel, get_kernel, merge_
 from ..masks import Mask
 from ..plan.hardware import known_gpus, load_gpu
@@ -35,7 +37,7 @@ from .harness import (SOFTMAX, alone, attention_inputs, closed_form, command_lin
                       suite_main, suite_parser, write_page)
 
 PROG = "ds-seqpar bench gpu"
-STRATEGIES = SOFTMAX + ("hybrid",)              # cases of the vocabulary (harness.SP_KEYS)
+STRATEGIES = SOFTMAX + ("hybrid", "ulysses_auto")   # cases of the vocabulary (harness.SP_KEYS)
 PRESETS = {"gpu": dict(seqs=[8192, 16384, 32768, 65536, 131072], heads=16, head_dim=128, window=4096),
            "tiny": dict(seqs=[256, 512], heads=8, head_dim=16, window=64)}
 ONE_B = ModelShape("Llama-3.2-1B shape", hidden=2048, layers=16, heads=32, kv_heads=8, head_dim=64,
@@ -48,7 +50,9 @@ METRICS = {KERNELS: "FLOPs: the mask's pairs (cost.pairs_total) x 2 H (d + dv) f
                     "(cost/flops.py; flash-attn's own count takes backward as 2.5 x). A row without a value says why.",
     SCHEDULE: "The busiest rank (cost.pairs_per_rank) runs its blocks with the torch kernel and its merges; each "
               "transfer is a copy on the device. Difference: the largest |compiled - eager| / the largest |eager| "
-              "over the outputs; allowed: one rounding per merge and per cast.",
+              "over the outputs; allowed: one rounding per merge and per cast. ulysses runs one head chunk, "
+              "ulysses_auto the chunks \"auto\" prices for this device (cost/chunks.py; 1 on CPU), timed beside one "
+              "chunk: eager / one chunk is what cutting the heads costs the kernels (the copies overlap nothing here).",
     BYTES: "The copies' bytes against strategies/closed_form.py's for that rank.",
     MEMORY: "bf16, Adam; features: tiled loss + tiled MLP + every layer checkpointed (in host memory); P > 1: zigzag, "
             "ZeRO-2; budget: the profile's usable memory. cost/memory.py's phase model: predicted, not measured."}
@@ -163,11 +167,19 @@ def ring_share(kernel, blocks, r, me, q, k, v, dout, sent):
     return out, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def share(kernel, blocks, u, r, me, q, k, v, dout, sent):
+def share(kernel, blocks, u, r, me, q, k, v, dout, sent, chunks=1):
     """Ulysses' all-to-alls inside u ranks around the ring loop over r positions (u = P: Ulysses, r = 1;
-    u = 1: the ring family; both: the 2D hybrid), on this rank's local [b, n, H, d] tensors."""
-    qh, kh, vh, douth = (a2a(t, u, sent) for t in (q, k, v, dout))
-    return [a2a(t, u, sent, False) for t in ring_share(kernel, blocks, r, me, qh, kh, vh, douth, sent)]
+    u = 1: the ring family; both: the 2D hybrid), on this rank's local [b, n, H, d] tensors; ``chunks``:
+    Ulysses' head chunks (strategies/ulysses.py), one after the other (a copy overlaps nothing here)."""
+    def piece(x, c):                                # head chunk c of every rank's H/u heads (ulysses._head_chunk)
+        return x if chunks == 1 else x.unflatten(2, (u, chunks, -1))[:, :, :, c].flatten(2, 3)
+    parts = []
+    for c in range(chunks):
+        qh, kh, vh, douth = (a2a(piece(t, c), u, sent) for t in (q, k, v, dout))
+        parts.append([a2a(t, u, sent, False) for t in ring_share(kernel, blocks, r, me, qh, kh, vh, douth, sent)])
+    if chunks == 1:
+        return parts[0]
+    return [torch.stack([p[i].unflatten(2, (u, -1)) for p in parts], 3).flatten(2, 4) for i in range(4)]
 
 
 def schedule_rows(args, device) -> List[Row]:
@@ -181,22 +193,38 @@ def schedule_rows(args, device) -> List[Row]:
         r, work = args.P // u, pairs_per_rank(layout, args.P, u, args.sched_seq, Mask(True))
         rank = work.index(max(work))
         blocks = REGISTRY[layout if r > 1 else "ring"].blocks           # r = 1: one causal block, the ring's
-        eager, sent = functools.partial(share, kernel, blocks, u, r, rank // u, q, k, v, dout), [0]
+        chunks = head_chunks(cfg, u, n, args, q.element_size(), device)
+        eager, sent = functools.partial(share, kernel, blocks, u, r, rank // u, q, k, v, dout, chunks=chunks), [0]
         want, compiled = eager(sent), torch.compile(eager, backend=args.compile_backend, dynamic=False)
         start = time.perf_counter()                 # dynamic=False: a recompile would make the ints symbolic
         got, compile_s = compiled([0]), time.perf_counter() - start
         diff = max(float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in zip(got, want))
-        t = alone({"eager": lambda: eager([0]), "compiled": lambda: compiled([0])}, args.repeats, "wall", 0, device)
+        cases = {"eager": lambda: eager([0]), "compiled": lambda: compiled([0])}
+        if "ulysses_chunks" in cfg:                 # beside one chunk, interleaved: what the chunks cost the kernels
+            cases["one chunk"] = functools.partial(share, kernel, blocks, u, r, rank // u, q, k, v, dout, [0])
+        t = alone(cases, args.repeats, "wall", 0, device)
         ratios = [c / e for c, e in zip(t["compiled"], t["eager"])]
         variant = f"rank {rank} of {args.P}, N={args.sched_seq}"
+        vs_one = {"chunks": chunks, "eager / one chunk": statistics.median(
+            e / o for e, o in zip(t["eager"], t["one chunk"]))} if "one chunk" in t else {}
         rows.append(Row("gpu", name, variant, SCHEDULE, "x", statistics.median(ratios), (min(ratios), max(ratios)),
                         detail={"eager ms": statistics.median(t["eager"]) * 1e3, "compile s": compile_s,
                                 "compiled ms": statistics.median(t["compiled"]) * 1e3, "difference": diff,
-                                "allowed": (r + 2) * torch.finfo(args.torch_dtype).eps}))
+                                "allowed": (r + 2) * torch.finfo(args.torch_dtype).eps, **vs_one}))
         shapes = Shapes(1, args.sched_seq, args.heads, args.heads, args.head_dim, q.element_size())
         rows.append(Row("gpu", name, variant, BYTES, "B", sent[0], target="bytes",
                         predicted=closed_form(name, args.P, shapes)[rank]))
     return rows
+
+
+def head_chunks(cfg, u: int, n: int, args, elem: int, device: str) -> int:
+    """A case's Ulysses head chunks: its ulysses_chunks, "auto" priced for this device as the runtime does
+    (cost/chunks.py: 1 on CPU), 1 without the key."""
+    chunks = cfg.get("ulysses_chunks", 1)
+    if chunks != "auto":
+        return chunks
+    name = torch.cuda.get_device_name() if device == "cuda" else ""
+    return auto_chunks(device_rates(device, name), u, n, args.heads, args.heads, args.head_dim, elem)
 
 
 # -- (c) memory, and the command -------------------------------------------------------------------

@@ -26,12 +26,16 @@ from ..strategies import RING_STRATEGIES
 # -- the case vocabulary -----------------------------------------------------------------------------
 
 SOFTMAX = ("ulysses",) + RING_STRATEGIES
+ULYSSES_CHUNKED = ("ulysses_c1", "ulysses_c2", "ulysses_c4")      # cases of the vocabulary below
 LINEAR = ("lasp2", "lasp1")
 # the case vocabulary every suite speaks: a case name -> its sequence_parallel keys (size and kernel per run);
 # ds_ulysses is DeepSpeed's DistributedAttention on the group our Ulysses would use
 SP_KEYS = {**{name: {"strategy": name} for name in SOFTMAX},
            "zigzag_no_overlap": {"strategy": "zigzag", "overlap": False},
            "hybrid": {"strategy": "zigzag", "ulysses_size": 2},             # Ulysses 2 x zigzag
+           # Ulysses in head chunks, pipelined ("ulysses" itself is "auto": 1 chunk on CPU ranks)
+           **{f"ulysses_c{c}": {"strategy": "ulysses", "ulysses_chunks": c} for c in (1, 2, 4)},
+           "ulysses_auto": {"strategy": "ulysses", "ulysses_chunks": "auto"},
            "ds_ulysses": {"strategy": "ulysses"},
            "lasp2": {"strategy": "lasp", "lasp_comm": "allgather"}, "lasp1": {"strategy": "lasp", "lasp_comm": "ring"}}
 

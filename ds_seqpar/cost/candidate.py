@@ -3,6 +3,7 @@ of a model whose layers are of these kinds."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Union
 
 SOFTMAX_KINDS = ("attention", "sliding")
 LINEAR_KINDS = ("linear", "mamba", "lasp")
@@ -34,6 +35,7 @@ class Candidate:
     features: Features
     linear_strategy: str = "lasp"
     lasp_comm: str = "allgather"           # strategy lasp (the project's LM): allgather (LASP-2) | ring (LASP-1)
+    ulysses_chunks: Union[int, str] = "auto"   # Ulysses head chunks; "auto": cost/chunks.py's price picks
 
     def label(self) -> str:
         comm = f" lasp_comm={self.lasp_comm}" if self.strategy == "lasp" else ""

@@ -23,8 +23,10 @@ from typing import Dict, List, Optional, Tuple
 from ..masks import Mask, cut_documents
 from ..strategies import RING_STRATEGIES
 from ..strategies.closed_form import Shapes
+from ..strategies.ulysses import chunk_counts, kv_replication
 from .bytes import SPAN_BUDGET, comm_per_layer, exact_spans, layer_mask
 from .candidate import SOFTMAX_KINDS
+from .chunks import choose, comm_overlap, ulysses_exposed_s, why
 from .flops import step_per_token
 from .pairs import busiest_keys_per_token, computed_pairs
 
@@ -108,17 +110,51 @@ def compute_s(c, shape, seq: int, n: int, gpu, dtype: str, causal: bool = True,
     return attn + rest, per_layer
 
 
+def ulysses_degree(c) -> int:
+    return c.size if c.strategy == "ulysses" else c.ulysses_size
+
+
+def ulysses_a2a_s(c, shape, gpu, nbytes: float, gpus_per_node: int, attn_s: float, chunks: int = 1) -> float:
+    """Exposed seconds of one softmax layer's all-to-alls (``nbytes``, forward + backward) in ``chunks``
+    head chunks beside ``attn_s`` seconds of its attention (a third forward, two thirds backward):
+    cost/chunks.py's price; 1 chunk: the whole exchange, 8 calls."""
+    u = ulysses_degree(c)
+    if chunks == 1:
+        return all_to_all_time(gpu, nbytes, u, gpus_per_node, calls=8)
+    kv = shape.kv_heads * kv_replication(shape.heads, shape.kv_heads, u)
+    q_share = shape.heads / (shape.heads + kv)          # q, out, dout, dq vs k, v, dk, dv (their heads)
+    return ulysses_exposed_s(lambda b, calls: all_to_all_time(gpu, b, u, gpus_per_node, calls), nbytes, q_share,
+                             attn_s / 3, 2 * attn_s / 3, chunks, comm_overlap(gpu))
+
+
+def ulysses_chunks(c, shape, per_layer, attn_s: Dict[str, float], gpu, gpus_per_node: int) -> Tuple[int, str]:
+    """(head chunks, why) of candidate ``c``: its own count, or for "auto" the count of the lowest exposed
+    all-to-all over the model's softmax layers (one count for every layer, as the runtime runs it)."""
+    u = ulysses_degree(c)
+    if u <= 1 or not any(kind in per_layer for kind in SOFTMAX_KINDS):
+        return 1, ""
+    if c.ulysses_chunks != "auto":
+        return c.ulysses_chunks, f"{c.ulysses_chunks}: set"
+
+    def price(chunks):
+        return sum(shape.count(kind) * ulysses_a2a_s(c, shape, gpu, per_layer[kind].get("all_to_all", 0),
+                                                      gpus_per_node, attn_s.get(kind, 0.0), chunks)
+                   for kind in SOFTMAX_KINDS if kind in per_layer)
+    best, prices = choose(chunk_counts(shape.heads, shape.kv_heads, u), price)
+    return best, why(best, prices, comm_overlap(gpu))
+
+
 def comm_s(c, shape, per_layer, attn_s: Dict[str, float], gpu, gpus_per_node: int,
-           peers: Optional[Dict[str, int]] = None) -> Dict[str, float]:
-    """Exposed seconds per step by layer kind: Ulysses' all-to-alls in full, the ring's excess over
+           peers: Optional[Dict[str, int]] = None, chunks: int = 1) -> Dict[str, float]:
+    """Exposed seconds per step by layer kind: Ulysses' all-to-alls (in ``chunks`` head chunks), the ring's excess over
     the same layer's attention compute (a masked ring talks only to the peers whose blocks it needs),
     LASP's collectives (LASP-1: P - 1 hops one after the other, forward and back)."""
     g, out = gpus_per_node, {}
     r = c.size // c.ulysses_size
     for kind, by_kind in per_layer.items():
         layers = shape.count(kind)
-        t = all_to_all_time(gpu, by_kind.get("all_to_all", 0), c.ulysses_size if c.strategy != "ulysses"
-                            else c.size, g, calls=8)
+        t = ulysses_a2a_s(c, shape, gpu, by_kind.get("all_to_all", 0), g, attn_s.get(kind, 0.0),
+                          chunks if kind in SOFTMAX_KINDS else 1)
         ring = by_kind.get("ring", 0) + by_kind.get("ring_grad", 0)
         hops = 2 * (peers or {}).get(kind, r - 1)
         t += ring_time(ring_link(gpu, r, c.ulysses_size, g), ring, r, attn_s.get(kind, 0.0), hops=hops)
@@ -142,6 +178,8 @@ class StepTime:
     comm_s: Dict[str, float]           # exposed seconds per step, by layer kind, "zero" and "offload"
     compute_s: float
     bytes_bounded: bool                # a masked layer's ring bytes are the no-mask upper bound (span budget)
+    ulysses_chunks: int = 1            # the head chunks its all-to-alls run in (cost/chunks.py)
+    chunks_why: str = ""
 
     @property
     def step_s(self) -> float:
@@ -161,12 +199,14 @@ def step_time(c, shape, seq: int, n: int, gpu, gpus: int, gpus_per_node: int, dt
     bounded = any(not exact_spans(c.strategy, c.size, c.ulysses_size, sh, layer_mask(shape, kind, causal, cut),
                                   span_budget) for kind in SOFTMAX_KINDS if shape.count(kind))
     compute, attn_s = compute_s(c, shape, seq, n, gpu, dtype, causal, docs)
-    exposed = comm_s(c, shape, per_layer, attn_s, gpu, gpus_per_node, peers)
+    chunks, chunks_why = ulysses_chunks(c, shape, per_layer, attn_s, gpu, gpus_per_node)
+    exposed = comm_s(c, shape, per_layer, attn_s, gpu, gpus_per_node, peers, chunks)
     exposed["zero"] = collective_time(gpu, zero_bytes(shape.params(), gpus, c.zero, e, e), gpus, gpus_per_node)
     if c.features.offload_optimizer:
         share = shape.params() / gpus
         exposed["offload"] = 2 * e * share / gpu.pcie_bytes_s + share / gpu.assumed["cpu_adam_params_per_s"]
-    return StepTime({k: float(sum(v.values())) for k, v in per_layer.items()}, exposed, compute, bounded)
+    return StepTime({k: float(sum(v.values())) for k, v in per_layer.items()}, exposed, compute, bounded, chunks,
+                    chunks_why)
 
 
 def call_s(cost: Dict[str, float], nq: int, nk: int, causal: bool, anti: bool, heads: float) -> float:
@@ -211,4 +251,5 @@ def rank_calls(strategy: str, p: int, seq: int, causal: bool = True,
 
 
 __all__ = ["all_to_all_time", "attention_keys", "busiest_calls_s", "busiest_kernel_s", "call_s", "collective_time", "comm_s",
-           "compute_s", "rank_calls", "ring_link", "ring_time", "spans_nodes", "StepTime", "step_time", "zero_bytes"]
+           "compute_s", "rank_calls", "ring_link", "ring_time", "spans_nodes", "StepTime", "step_time",
+           "ulysses_a2a_s", "ulysses_chunks", "ulysses_degree", "zero_bytes"]

@@ -11,10 +11,12 @@ from typing import Any, Dict
 from ..cost.candidate import Candidate
 
 
-def ds_config(c: Candidate, dtype: str, hybrid: bool) -> Dict[str, Any]:
+def ds_config(c: Candidate, dtype: str, hybrid: bool, ulysses_chunks: int = 1) -> Dict[str, Any]:
     section: Dict[str, Any] = {"strategy": c.strategy, "size": c.size}
     if c.ulysses_size > 1 and c.strategy != "ulysses":
         section["ulysses_size"] = c.ulysses_size
+    if ulysses_chunks > 1:                       # the plan's head chunks (cost/chunks.py), as chosen
+        section["ulysses_chunks"] = ulysses_chunks
     if hybrid:
         section["linear_strategy"] = c.linear_strategy
     if c.strategy == "lasp":

@@ -23,6 +23,9 @@ PEAK_KEYS = ("memory_gb", "bf16_tflops", "tf32_tflops", "hbm_tb_s", "nvlink_gb_s
 ASSUMED_KEYS = ("usable_memory_fraction", "runtime_reserve_gb", "matmul_efficiency", "attention_efficiency",
                 "nvlink_efficiency", "inter_node_efficiency", "alpha_intra_us", "alpha_inter_us",
                 "cpu_adam_params_per_s")
+# assumed keys a profile may leave out, with the value taken then; comm_overlap: the share of a step's
+# compute a transfer hides behind (1: NCCL on its own channels; 0: CPU gloo ranks, one set of cores)
+OPTIONAL_ASSUMED = {"comm_overlap": 1.0}
 
 
 class PlanError(ConfigError):
@@ -93,7 +96,8 @@ def from_dict(raw: Mapping[str, Any], where: str) -> Gpu:
         raise PlanError(f"--gpu {where}: name the sources of the numbers under \"sources\"")
     return Gpu(str(raw.get("name", where)), str(raw.get("description", "")), dict(raw["sources"]),
                {k: float(raw["datasheet_peaks"][k]) for k in PEAK_KEYS},
-               {k: float(raw["assumed"][k]) for k in ASSUMED_KEYS})
+               {**{k: float(raw["assumed"][k]) for k in ASSUMED_KEYS},
+                **{k: float(raw["assumed"].get(k, v)) for k, v in OPTIONAL_ASSUMED.items()}})
 
 
 def load_gpu(name_or_path: str) -> Gpu:

@@ -72,7 +72,8 @@ def render(shape: ModelShape, opts, cluster: Cluster, ok: List[Prediction], reje
              f"datasheet peak, NVLink {a['nvlink_efficiency']:.0%}, inter-node {a['inter_node_efficiency']:.0%} of "
              f"theirs (docs/plan.md)", ""]
     hdr = ("rank", "strategy", "size", "u", "lin", "dp", "zero", "features", "static GB", "KB/token", "peak GB (phase)",
-           "free", "longest seq", "comm MB/layer", "comm s", "compute s", "step s", "tokens/s", "MFU")
+           "free", "longest seq", "comm MB/layer", "comm s", "a2a chunks (why)", "compute s", "step s", "tokens/s",
+           "MFU")
     rows = []
     for i, p in enumerate(ok[:opts.top], 1):
         c = p.candidate
@@ -82,7 +83,8 @@ def render(shape: ModelShape, opts, cluster: Cluster, ok: List[Prediction], reje
                      (c.lasp_comm if c.strategy == "lasp" else "-"),
                      str(p.dp), str(c.zero), c.features.label, _gb(p.static_bytes), f"{p.per_token_bytes / KB:.0f}",
                      f"{_gb(p.peak_bytes)} ({p.peak_phase})", f"{p.free:.0%}", f"{p.max_seq:,}", comm_mb, comm_s,
-                     f"{p.compute_s:.2f}", f"{p.step_s:.2f}", f"{p.tokens_s:,.0f}", f"{p.mfu:.0%}"))
+                     p.chunks_why or "-", f"{p.compute_s:.2f}", f"{p.step_s:.2f}", f"{p.tokens_s:,.0f}",
+                     f"{p.mfu:.0%}"))
     lines += _table(hdr, rows) if rows else ["no configuration fits (see the rejections)"]
     if len(ok) > opts.top:
         lines.append(f"... {len(ok) - opts.top} more feasible configurations (--top N)")
@@ -125,7 +127,8 @@ def _as_json(p: Prediction) -> dict:
             "dp": p.dp, "ok": p.ok, "reason": p.reason,
             "static_bytes": p.static_bytes, "per_token_bytes": p.per_token_bytes, "peak_bytes": p.peak_bytes,
             "peak_phase": p.peak_phase, "host_bytes": p.host_bytes, "comm_bytes_per_layer": p.comm_bytes,
-            "comm_s": p.comm_s, "compute_s": p.compute_s, "step_s": p.step_s, "tokens_s": p.tokens_s, "mfu": p.mfu,
+            "comm_s": p.comm_s, "ulysses_chunks": p.ulysses_chunks, "chunks_why": p.chunks_why,
+            "compute_s": p.compute_s, "step_s": p.step_s, "tokens_s": p.tokens_s, "mfu": p.mfu,
             "max_seq": p.max_seq, "phases": p.phases}
 
 
@@ -161,7 +164,7 @@ def run(opts) -> int:
         return 1
     if opts.out:
         with open(opts.out, "w") as f:
-            json.dump(ds_config(ok[0].candidate, opts.dtype, shape.hybrid), f, indent=2)
+            json.dump(ds_config(ok[0].candidate, opts.dtype, shape.hybrid, ok[0].ulysses_chunks), f, indent=2)
             f.write("\n")
         print(f"\nwrote {opts.out}: {ok[0].candidate.label()}")
         if shape.model_type == OWN_LM:

@@ -158,7 +158,7 @@ def cpu_profile(comm: Dict[str, Any], kernels: Dict[str, float]) -> Gpu:
     assumed = dict(usable_memory_fraction=1.0, runtime_reserve_gb=0.0, matmul_efficiency=1.0, nvlink_efficiency=1.0,
                    attention_efficiency=kernels["attention_flops_s"] / kernels["matmul_flops_s"],
                    alpha_intra_us=alpha_us, inter_node_efficiency=1.0, alpha_inter_us=alpha_us,
-                   cpu_adam_params_per_s=1e8)
+                   cpu_adam_params_per_s=1e8, comm_overlap=0.0)     # gloo's copies run on the compute's cores
     return from_dict({"name": "cpu-calibrated", "datasheet_peaks": peaks, "assumed": assumed,
                       "description": f"this machine ({platform.processor() or platform.machine()}), gloo",
                       "sources": {"measured": "ds-seqpar plan --calibrate (all-to-all alpha/beta, matmul and SDPA "

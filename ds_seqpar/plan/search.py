@@ -59,6 +59,8 @@ class Prediction:
     phases: Dict[str, Dict[str, float]] = field(default_factory=dict)   # {phase: {"a": bytes, "b": bytes/token}}
     bytes_bounded: bool = False     # a masked layer's ring bytes are the no-mask upper bound (span budget)
     headroom: float = 0.0           # the fraction of usable memory kept free (budget_bytes is what is left)
+    ulysses_chunks: int = 1         # the head chunks its all-to-alls run in, and why (cost/chunks.py)
+    chunks_why: str = ""
 
     @property
     def free(self) -> float:
@@ -141,6 +143,7 @@ def predict(c: Candidate, shape: ModelShape, seq: int, cl: Cluster, own_linear: 
     t = times.step_time(c, shape, seq, n, cl.gpu, cl.gpus, cl.gpus_per_node, cl.dtype, causal, docs, span_budget)
     p.comm_bytes, p.comm_s, p.bytes_bounded = t.comm_bytes, t.comm_s, t.bytes_bounded
     p.compute_s, p.step_s = t.compute_s, t.step_s
+    p.ulysses_chunks, p.chunks_why = t.ulysses_chunks, t.chunks_why
     p.tokens_s = dp * seq / p.step_s
     peak_flops = cl.gpu.peaks["bf16_tflops" if e == 2 else "tf32_tflops"] * 1e12
     p.mfu = flops.model_flops_per_token(shape, seq, causal, docs) * seq * dp / p.step_s / (cl.gpus * peak_flops)

@@ -11,7 +11,7 @@ from .lasp import LaspAttention
 from .ring import RingAttention
 from .ring_loop import RingFamily
 from .striped import StripedAttention
-from .ulysses import UlyssesAttention, check_ulysses_heads
+from .ulysses import UlyssesAttention, check_ulysses_chunks, check_ulysses_heads
 from .zigzag import ZigzagAttention
 
 STRATEGIES: Dict[str, Type[Strategy]] = {
@@ -52,6 +52,8 @@ def check_heads(config, num_heads: int, num_kv_heads: int) -> None:
     if size > 1:
         key = "sequence_parallel.size" if config.strategy == "ulysses" else "sequence_parallel.ulysses_size"
         check_ulysses_heads(num_heads, num_kv_heads, size, key)
+        if config.overlap:
+            check_ulysses_chunks(config.ulysses_chunks, num_heads, num_kv_heads, size)
 
 
 __all__ = ["STRATEGIES", "RING_STRATEGIES", "Strategy", "StrategyContext", "build", "check_heads", "get_strategy"]

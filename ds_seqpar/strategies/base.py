@@ -6,7 +6,7 @@ the config or the environment (``SequenceParallel`` resolves those and hands the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -34,6 +34,9 @@ class StrategyContext:
     layout: Layout                # the token layout SequenceParallel shards with (hybrid: its ring inside)
     overlap: bool = True
     lasp_comm: str = "allgather"
+    # (local tokens, q heads, kv heads, head dim, element size) -> Ulysses head chunks (ulysses.py);
+    # SequenceParallel gives the configured count or cost/chunks.py's "auto" price
+    ulysses_chunks: Callable[[int, int, int, int, int], Any] = lambda *shape: 1
 
 
 class Strategy:

@@ -7,14 +7,17 @@ ring shard cut contiguously into U pieces, so one Ulysses group together holds o
 
 Math -> code:
 
-    q_bshd [b, n, H, d] --all_to_all in ulysses_group (ulysses.scatter_heads)--> [b, U*n, H/U, d]
+    q_bshd [b, n, H, d] --all_to_all in ulysses_group (ulysses.head_parallel_forward)--> [b, U*n, H/U, d]
         (k, v likewise with H_kv heads, repeated f = U / gcd(H_kv, U) times only if U does not
         divide H_kv); the U*n tokens are this ring position's shard, in its local order
     ring loop over ring_group on those tensors, with the mask's plan over the ring strategy's layout
-    out [b, U*n, H/U, d] --all_to_all back (ulysses.heads_to_seq)--> [b, n, H, d]
+    out [b, U*n, H/U, d] --all_to_all back --> [b, n, H, d]
 
 Attention is independent per head, so splitting heads inside the group and running the ring
-across groups is exact. Backward: the ring loop's backward between the two all-to-alls' duals.
+across groups is exact. Head chunks (ulysses_chunks): the sandwich runs per chunk of whole K/V
+groups (ulysses.head_parallel_forward), each chunk's ring loop computing while the next chunk's
+all-to-all travels; the ring then sends each block once per chunk, a chunk's share of its bytes.
+Backward: the ring loop's backward between the two all-to-alls' duals.
 U == size (R == 1) is Ulysses with the ring's single diagonal step; U == 1 is never routed here
 (strategies.build then returns the ring strategy itself).
 

@@ -11,6 +11,17 @@ kernel's backward runs on the saved head-sharded q, k, v, out, lse, and dq, dk, 
 sequence-sharded. ``head_parallel_forward`` / ``_backward`` are that sandwich around any inner
 attention (the kernel here; the ring loop in the 2D hybrid, hybrid.py).
 
+Head chunks (C = ctx.ulysses_chunks, "ulysses_chunks" in the config): this rank's H/P heads are
+cut into C chunks of whole K/V groups (C divides this rank's k/v heads: ``chunk_counts``), and the
+sandwich runs per chunk, pipelined through comm.all_to_all_async:
+
+    post q,k,v chunk 0 | wait 0, post 1 | attend 0, post out 0 | wait 1, post 2 | attend 1, post out 1 ...
+
+so only chunk 0's exchange in and chunk C-1's exchange out are exposed (cost/chunks.py prices it);
+backward pipelines dout in and dq, dk, dv out the same way. Exact: attention is independent per head,
+the kernel sees the same rows of the same heads, so the result is bit for bit that of C = 1; the
+bytes are the same (each tensor still sends (P-1)/P of itself), in C times the calls.
+
 GQA: K/V travel with their own H_kv heads. When P does not divide H_kv, each k/v head is
 repeated the least number of times f = P / gcd(H_kv, P) that makes H_kv*f split over P ranks;
 backward sums the copies' gradients back (``_sum_copies``). Rank r then holds q heads
@@ -37,6 +48,7 @@ import torch.nn.functional as F
 
 from .. import comm
 from ..kernels import acc_dtype
+from ..errors import ConfigError
 from ..kernels.base import check_head_groups
 from ..masks import Mask
 from ..sharding.layouts import make_layout
@@ -59,24 +71,39 @@ def check_ulysses_heads(num_heads: int, num_kv_heads: int, size: int, key: str) 
     check_head_groups(num_heads, num_kv_heads)
 
 
-def seq_to_heads(x_bshd: torch.Tensor, group, stats, kind="all_to_all") -> torch.Tensor:
-    """[b, S_local, H, d] -> [b, P*S_local, H/P, d]: gather the sequence, scatter the heads."""
-    return comm.all_to_all_nograd(x_bshd, 2, 1, group, stats, kind)
+def chunk_counts(num_heads: int, num_kv_heads: int, size: int) -> List[int]:
+    """The head chunk counts a Ulysses rank can run: divisors of its k/v heads after the exchange
+    (H_kv * f / P, f = kv_replication), so that every chunk holds whole K/V groups and their q heads."""
+    kv_local = num_kv_heads * kv_replication(num_heads, num_kv_heads, size) // size
+    return [c for c in range(1, kv_local + 1) if kv_local % c == 0]
 
 
-def heads_to_seq(x_bshd: torch.Tensor, group, stats, kind="all_to_all") -> torch.Tensor:
-    """[b, P*S_local, H/P, d] -> [b, S_local, H, d]: the inverse exchange."""
-    return comm.all_to_all_nograd(x_bshd, 1, 2, group, stats, kind)
+def check_ulysses_chunks(chunks, num_heads: int, num_kv_heads: int, size: int,
+                         key: str = "sequence_parallel.ulysses_chunks") -> None:
+    """ConfigError unless ``chunks`` ("auto" or an int) splits this rank's heads into whole K/V groups."""
+    if chunks == "auto" or size == 1:
+        return
+    valid = chunk_counts(num_heads, num_kv_heads, size)
+    if chunks not in valid:
+        raise ConfigError(f"{key}={chunks!r}: after the all-to-all each of the {size} ranks holds "
+                          f"{num_heads // size} q heads and {valid[-1]} k/v heads ({num_heads} q / {num_kv_heads} kv "
+                          f"heads in all), and chunks must hold whole k/v groups; valid: "
+                          f"{', '.join(map(str, valid))} or 'auto'")
 
 
-def scatter_heads(q_bshd, k_bshd, v_bshd, group, size, stats):
-    """All-to-all q, k, v to head-sharded, full-sequence tensors (k/v replicated if needed)."""
-    f = kv_replication(q_bshd.shape[2], k_bshd.shape[2], size)
-    if f > 1:
-        k_bshd = k_bshd.repeat_interleave(f, dim=2)   # [b, S_local, H_kv*f, d]
-        v_bshd = v_bshd.repeat_interleave(f, dim=2)
-    return (seq_to_heads(q_bshd, group, stats), seq_to_heads(k_bshd, group, stats),
-            seq_to_heads(v_bshd, group, stats))
+def _head_chunk(x_bshd: torch.Tensor, size: int, chunks: int, c: int) -> torch.Tensor:
+    """[b, s, H, d] -> [b, s, H/C, d]: the c-th of C equal pieces of every rank's H/P heads, in rank
+    order, so that seq_to_heads hands rank r the c-th chunk of its own heads."""
+    if chunks == 1:
+        return x_bshd
+    return x_bshd.unflatten(2, (size, chunks, -1))[:, :, :, c].flatten(2, 3)     # [b, s, P, H/(P C), d] -> ..
+
+
+def _join_chunks(parts_bshd: List[torch.Tensor], size: int) -> torch.Tensor:
+    """_head_chunk's inverse: C tensors [b, s, H/C, d] -> [b, s, H, d]."""
+    if len(parts_bshd) == 1:
+        return parts_bshd[0]
+    return torch.stack([p.unflatten(2, (size, -1)) for p in parts_bshd], 3).flatten(2, 4)   # [b, s, P, C, h, d]
 
 
 def _sum_copies(dx_bshd: torch.Tensor, f: int) -> torch.Tensor:
@@ -88,7 +115,7 @@ def _sum_copies(dx_bshd: torch.Tensor, f: int) -> torch.Tensor:
 
 
 def local_heads(per_head: torch.Tensor, size: int, rank: int) -> torch.Tensor:
-    """The entries of a per-q-head tensor (sinks) for the heads this rank holds after scatter_heads."""
+    """The entries of a per-q-head tensor (sinks) for the heads this rank holds after the exchange."""
     return per_head.chunk(size)[rank]
 
 
@@ -103,42 +130,89 @@ def _all_heads(dper_head_local: Optional[torch.Tensor], like: torch.Tensor, size
 
 # Inner = (q_u, k_u, v_u, sinks_h) -> (out_u, lse_u); InnerGrads = (dout_u, q_u, k_u, v_u, out_u, lse_u,
 # sinks_h) -> (dq_u, dk_u, dv_u, dsinks_h or None): the attention of the head-sharded, whole-shard tensors
+# (one head chunk of them: heads are independent)
 Inner = Callable
 InnerGrads = Callable
+SAVED_PER_CHUNK = 5            # q_u, k_u, v_u, out_u, lse_u
+
+
+def head_chunks(ctx, q_bshd, k_bshd) -> int:
+    """How many head chunks this call runs (ctx.ulysses_chunks: the configured count, or "auto"'s
+    price from cost/chunks.py): a function of the shapes only, so forward, fake and every rank agree;
+    refused (ConfigError) unless the chunks hold whole K/V groups."""
+    size = ctx.ulysses_size
+    if size == 1:
+        return 1
+    b, n, h, d = q_bshd.shape
+    chunks = ctx.ulysses_chunks(n, h, k_bshd.shape[2], d, q_bshd.element_size())
+    check_ulysses_chunks(chunks, h, k_bshd.shape[2], size)
+    return chunks
 
 
 def head_parallel_forward(ctx, q_bshd, k_bshd, v_bshd, sinks, inner: Inner):
-    """(out [b, n, H, d], saved [q_u, k_u, v_u, out_u, lse_u]): all-to-all to head-sharded tensors
-    [b, U*n, H/U, d], ``inner`` on them, all-to-all back."""
-    q_u, k_u, v_u = scatter_heads(q_bshd, k_bshd, v_bshd, ctx.ulysses_group, ctx.ulysses_size, ctx.stats)
-    sinks_h = None if sinks is None else local_heads(sinks, ctx.ulysses_size, ctx.ulysses_rank)
-    out_u, lse_u = inner(q_u, k_u, v_u, sinks_h)
-    return heads_to_seq(out_u, ctx.ulysses_group, ctx.stats), [q_u, k_u, v_u, out_u, lse_u]
+    """(out [b, n, H, d], saved: [q_u, k_u, v_u, out_u, lse_u] per head chunk): all-to-all to
+    head-sharded tensors [b, U*n, H/(U C), d] one head chunk at a time, ``inner`` on each, all-to-all
+    back. Chunk c+1's exchange is in flight while chunk c computes, and chunk c's output travels while
+    c+1 computes (C = 1: today's exposed sandwich)."""
+    group, size, stats = ctx.ulysses_group, ctx.ulysses_size, ctx.stats
+    chunks = head_chunks(ctx, q_bshd, k_bshd)
+    f = kv_replication(q_bshd.shape[2], k_bshd.shape[2], size)
+    if f > 1:
+        k_bshd = k_bshd.repeat_interleave(f, dim=2)   # [b, S_local, H_kv*f, d]
+        v_bshd = v_bshd.repeat_interleave(f, dim=2)
+    sinks_h = None if sinks is None else local_heads(sinks, size, ctx.ulysses_rank).chunk(chunks)
+
+    def post(c):                                      # chunk c of q, k, v: seq -> heads, posted
+        return [comm.all_to_all_async(_head_chunk(t, size, chunks, c), 2, 1, group, stats)
+                for t in (q_bshd, k_bshd, v_bshd)]
+    arriving, leaving, saved = post(0), [], []
+    for c in range(chunks):
+        q_u, k_u, v_u = (p.wait() for p in arriving)
+        if c + 1 < chunks:
+            arriving = post(c + 1)                    # the next chunk travels while this one computes
+        out_u, lse_u = inner(q_u, k_u, v_u, None if sinks_h is None else sinks_h[c])
+        leaving.append(comm.all_to_all_async(out_u, 1, 2, group, stats))
+        saved += [q_u, k_u, v_u, out_u, lse_u]
+    return _join_chunks([p.wait() for p in leaving], size), saved
 
 
 def head_parallel_backward(ctx, dout_bshd, k_bshd, saved: List[torch.Tensor], sinks, inner_grads: InnerGrads):
-    """(dq, dk, dv, dsinks or None) of head_parallel_forward: the exchanges in reverse around
-    ``inner_grads``, k/v copies summed back."""
-    q_u, k_u, v_u, out_u, lse_u = saved
+    """(dq, dk, dv, dsinks or None) of head_parallel_forward: per head chunk (as many as it saved),
+    dout's exchange, ``inner_grads``, dq/dk/dv's exchange back, the next chunk's dout in flight while
+    one computes; k/v copies summed back."""
     group, size, stats = ctx.ulysses_group, ctx.ulysses_size, ctx.stats
-    dout_u = seq_to_heads(dout_bshd.contiguous(), group, stats)
-    sinks_h = None if sinks is None else local_heads(sinks, size, ctx.ulysses_rank)
-    dq_u, dk_u, dv_u, dsinks_h = inner_grads(dout_u, q_u, k_u, v_u, out_u, lse_u, sinks_h)
-    f = kv_replication(q_u.shape[2] * size, k_bshd.shape[2], size)
-    dq = heads_to_seq(dq_u.contiguous(), group, stats)
-    dk, dv = (_sum_copies(heads_to_seq(g.contiguous(), group, stats), f) for g in (dk_u, dv_u))
-    return dq, dk, dv, _all_heads(dsinks_h, sinks, size, ctx.ulysses_rank)
+    chunks = len(saved) // SAVED_PER_CHUNK
+    sinks_h = None if sinks is None else local_heads(sinks, size, ctx.ulysses_rank).chunk(chunks)
+    dout_bshd = dout_bshd.contiguous()
+
+    def post(c):
+        return comm.all_to_all_async(_head_chunk(dout_bshd, size, chunks, c), 2, 1, group, stats)
+    arriving, leaving, dsinks = post(0), [], []
+    for c in range(chunks):
+        dout_u = arriving.wait()
+        if c + 1 < chunks:
+            arriving = post(c + 1)
+        q_u, k_u, v_u, out_u, lse_u = saved[SAVED_PER_CHUNK * c:SAVED_PER_CHUNK * (c + 1)]
+        *grads, ds = inner_grads(dout_u, q_u, k_u, v_u, out_u, lse_u, None if sinks_h is None else sinks_h[c])
+        leaving.append([comm.all_to_all_async(g.contiguous(), 1, 2, group, stats) for g in grads])
+        dsinks.append(ds)
+    f = kv_replication(saved[0].shape[2] * chunks * size, k_bshd.shape[2], size)
+    dq, dk, dv = (_join_chunks([p[i].wait() for p in leaving], size) for i in range(3))
+    dsinks_h = None if dsinks[0] is None else torch.cat(dsinks)
+    return dq, _sum_copies(dk, f), _sum_copies(dv, f), _all_heads(dsinks_h, sinks, size, ctx.ulysses_rank)
 
 
 def fake_head_parallel(ctx, q_bshd, k_bshd, v_bshd):
     """(out, saved) of head_parallel_forward, shapes and dtypes only (the compiler's fake)."""
     b, n, h, d = q_bshd.shape
-    u = ctx.ulysses_size
+    u, chunks = ctx.ulysses_size, head_chunks(ctx, q_bshd, k_bshd)
     h_kv = k_bshd.shape[2] * kv_replication(h, k_bshd.shape[2], u)
     dv = v_bshd.shape[-1]
-    saved = [q_bshd.new_empty((b, u * n, h // u, d)), k_bshd.new_empty((b, u * n, h_kv // u, d)),
-             v_bshd.new_empty((b, u * n, h_kv // u, dv)), q_bshd.new_empty((b, u * n, h // u, dv)),
-             q_bshd.new_empty((b, h // u, u * n), dtype=acc_dtype(q_bshd.dtype))]
+    hc, kc = h // (u * chunks), h_kv // (u * chunks)
+    saved = [t for _ in range(chunks) for t in (
+        q_bshd.new_empty((b, u * n, hc, d)), k_bshd.new_empty((b, u * n, kc, d)),
+        v_bshd.new_empty((b, u * n, kc, dv)), q_bshd.new_empty((b, u * n, hc, dv)),
+        q_bshd.new_empty((b, hc, u * n), dtype=acc_dtype(q_bshd.dtype)))]
     return q_bshd.new_empty((b, n, h, dv)), saved
 
 

@@ -41,12 +41,13 @@ class Block(nn.Module):
     """Projections -> attention -> output projection, residual, once per entry of ``layers``;
     ``linear``: sp.linear_attention's signature (decay, documents) instead of sp.attention's."""
 
-    def __init__(self, attend, linear=False):
+    def __init__(self, attend, linear=False, kv_heads=KV_HEADS):
         super().__init__()
         torch.manual_seed(0)
+        self.kv_heads = kv_heads
         self.wq = nn.Linear(HIDDEN, HEADS * HEAD_DIM)
-        self.wk = nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM)
-        self.wv = nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM)
+        self.wk = nn.Linear(HIDDEN, kv_heads * HEAD_DIM)
+        self.wv = nn.Linear(HIDDEN, kv_heads * HEAD_DIM)
         self.wo = nn.Linear(HEADS * HEAD_DIM, HIDDEN)
         self.sinks = nn.Parameter(torch.tensor([0.5, -1.0, 2.0, 0.0]))
         self.register_buffer("decay", DECAY.clone())
@@ -57,8 +58,8 @@ class Block(nn.Module):
         b, n, _ = x.shape
         for o in self.layers:
             q = self.wq(x).view(b, n, HEADS, HEAD_DIM)
-            k = self.wk(x).view(b, n, KV_HEADS, HEAD_DIM)
-            v = self.wv(x).view(b, n, KV_HEADS, HEAD_DIM)
+            k = self.wk(x).view(b, n, self.kv_heads, HEAD_DIM)
+            v = self.wv(x).view(b, n, self.kv_heads, HEAD_DIM)
             if self.linear:
                 a = self.attend(q, k, v, decay=self.decay if o.get("decay") else None, cu_seqlens=_docs(o, cu))
             else:
@@ -110,13 +111,13 @@ def _stats(sp):
     return {k: (v["bytes"], v["calls"]) for k, v in sp.stats.as_dict().items()}
 
 
-def check_fakes(sp, linear):
+def check_fakes(sp, linear, kv_heads=KV_HEADS):
     """Each op's fake against its real run (shapes, dtypes, strides: torch.library.opcheck), forward and
     backward, with documents, and sinks, window and softcap (softmax) or decay (linear)."""
     g = torch.Generator().manual_seed(5)
     n, cu, ops = SEQ // sp.size, torch.tensor(BOUNDS), torch.ops.ds_seqpar
     q = torch.randn(1, n, HEADS, HEAD_DIM, generator=g)
-    k, v = (torch.randn(1, n, KV_HEADS, HEAD_DIM, generator=g) for _ in range(2))
+    k, v = (torch.randn(1, n, kv_heads, HEAD_DIM, generator=g) for _ in range(2))
     if linear:
         fwd, bwd, front, back = ops.linear_attention, ops.linear_attention_backward, (DECAY, cu, None), \
             (DECAY, cu, None, sp._handle)
@@ -133,17 +134,17 @@ def check_fakes(sp, linear):
         torch.library.opcheck(op, op_args, test_utils="test_faketensor")
 
 
-def _compiled_blocks(cfgs, backend, linear):
+def _compiled_blocks(cfgs, backend, linear, kv_heads=KV_HEADS):
     g = torch.Generator().manual_seed(7)
     x, dout = torch.randn(1, SEQ, HIDDEN, generator=g), torch.randn(1, SEQ, HIDDEN, generator=g)
     cu = torch.tensor(BOUNDS)
-    ref64, plain = (run_block(Block(_dense_linear if linear else _dense, linear).to(dtype), ([x.to(dtype)], cu),
-                              dout.to(dtype)) for dtype in (torch.float64, torch.float32))
+    ref64, plain = (run_block(Block(_dense_linear if linear else _dense, linear, kv_heads).to(dtype),
+                              ([x.to(dtype)], cu), dout.to(dtype)) for dtype in (torch.float64, torch.float32))
     done = []
     for cfg in cfgs:
         sp = SequenceParallel(cfg)
-        check_fakes(sp, linear)
-        module = Block(sp.linear_attention if linear else sp.attention, linear)
+        check_fakes(sp, linear, kv_heads)
+        module = Block(sp.linear_attention if linear else sp.attention, linear, kv_heads)
         inputs, dout_l = ([sp.shard(x)], cu), sp.shard(dout)
         check_against(f"{cfg} eager rank {sp.rank}", sp, run_block(module, inputs, dout_l), ref64, plain)
         sp.stats.reset()                                   # the documents were agreed by the eager call
@@ -167,6 +168,18 @@ LINEAR_SWEEP = {p: [{"strategy": "lasp", "size": p, "lasp_comm": c} for c in ("a
 def test_attention_compiles_fullgraph_and_matches_dense_reference(pool, size):
     for done in pool.run(_compiled_blocks, SWEEP[size], "aot_eager", False):
         assert done == [c["strategy"] for c in SWEEP[size]]
+
+
+# Ulysses in head chunks (the hybrid's Ulysses half at 4 ranks): with 4 k/v heads a rank of a Ulysses group
+# of 2 holds 2, so two chunks, each chunk's all-to-all posted inside the one opaque op
+CHUNKED = {2: [{"strategy": "ulysses", "size": 2, "ulysses_chunks": 2}],
+           4: [{"strategy": "zigzag", "size": 4, "ulysses_size": 2, "ulysses_chunks": 2}]}
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_ulysses_head_chunks_compile_fullgraph_and_match_dense_reference(pool, size):
+    for done in pool.run(_compiled_blocks, CHUNKED[size], "aot_eager", False, HEADS):
+        assert done == [c["strategy"] for c in CHUNKED[size]]
 
 
 @pytest.mark.parametrize("size", [2, 4])

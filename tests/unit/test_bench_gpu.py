@@ -39,6 +39,8 @@ def test_tiny_run_writes_every_row(tmp_path):
     for r in by[gpu.BYTES]:
         assert r.unit == "B" and r.value == r.predicted > 0, r              # the copies carry the closed form's bytes
     assert {r.variant for r in by[gpu.SCHEDULE] if r.case == "ring"} == {"rank 3 of 4, N=128"}   # the busiest
+    auto = next(r for r in by[gpu.SCHEDULE] if r.case == "ulysses_auto")
+    assert auto.detail["chunks"] == 1 and auto.detail["eager / one chunk"] > 0, auto    # "auto" on CPU: one chunk
 
     memory = {(r.case, r.variant): r.predicted for r in by[gpu.MEMORY]}
     assert all(r.unit == "tokens" and r.value is None for r in by[gpu.MEMORY])   # predicted, never "measured"
@@ -87,3 +89,18 @@ def test_a_ring_share_computes_what_its_blocks_say():
     for got, ref in zip((out, dq, dk, dv), (want, *(t.grad for t in leaves))):
         torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
     assert sent[0] == 16 * 2 * 8 * 2 * (8 + 8 + 8)      # one hop each: K/V forward and backward, dK/dV (fp64 here)
+
+
+def test_a_share_in_head_chunks_is_the_share_in_one():
+    """Ulysses' share in 2 head chunks (each rank's heads cut as strategies/ulysses.py cuts them): the same
+    outputs and gradients and the same bytes as one chunk."""
+    from ds_seqpar.kernels import TorchKernel
+    from ds_seqpar.strategies import STRATEGIES
+    g = torch.Generator().manual_seed(1)
+    q, k, v, dout = (torch.randn(1, 8, 8, 4, generator=g, dtype=torch.float64) for _ in range(4))
+    sent_one, sent_two = [0], [0]
+    one = gpu.share(TorchKernel(), STRATEGIES["ring"].blocks, 2, 1, 0, q, k, v, dout, sent_one)
+    two = gpu.share(TorchKernel(), STRATEGIES["ring"].blocks, 2, 1, 0, q, k, v, dout, sent_two, chunks=2)
+    for a, b in zip(two, one):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert sent_two == sent_one and sent_one[0] > 0

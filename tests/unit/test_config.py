@@ -11,6 +11,7 @@ def test_defaults_and_fields():
     assert (cfg.strategy, cfg.size, cfg.ulysses_size, cfg.backend, cfg.lasp_comm, cfg.overlap) == \
         ("striped", 4, 1, "auto", "allgather", True)
     assert cfg.ring_size == 4 and not cfg.is_hybrid
+    assert cfg.ulysses_chunks == "auto" and SequenceParallelConfig(ulysses_chunks=4).ulysses_chunks == 4
 
 
 def test_hybrid_key_and_sizes():
@@ -26,6 +27,10 @@ def test_hybrid_key_and_sizes():
     ({"size": 0}, ["sequence_parallel.size=0"]),
     ({"strategy": "ring", "size": 4, "ulysses_size": 3}, ["ulysses_size=3 must divide", "size=4", "[1, 2, 4]"]),
     ({"strategy": "lasp", "size": 4, "ulysses_size": 2}, ["ulysses_size=2 combines only with a ring strategy"]),
+    ({"ulysses_chunks": 0}, ["sequence_parallel.ulysses_chunks=0", "'auto' or an integer >= 1"]),
+    ({"ulysses_chunks": "two"}, ["sequence_parallel.ulysses_chunks='two'", "'auto' or an integer >= 1"]),
+    ({"ulysses_chunks": True}, ["sequence_parallel.ulysses_chunks=True"]),
+    ({"ulysses_chunks": 2, "overlap": False}, ["ulysses_chunks=2", "overlap=false", "ulysses_chunks 1"]),
 ])
 def test_bad_values_name_key_value_and_choices(section, needles):
     with pytest.raises(ConfigError) as err:
@@ -77,6 +82,16 @@ def test_comm_dtype_follows_deepspeeds_key_and_must_agree_with_it():
      ["sequence_parallel.ulysses_size=2", "3 q heads are not divisible by 2"]),
     ({"strategy": "ring", "size": 4}, (3, 1), None),          # the ring splits the sequence, not heads
     ({"strategy": "ulysses", "size": 2}, (8, 2), None),
+    # head chunks hold whole k/v groups of a rank's heads: 8 q / 4 kv over 2 ranks = 2 kv heads a rank
+    ({"strategy": "ulysses", "size": 2, "ulysses_chunks": 2}, (8, 4), None),
+    ({"strategy": "ulysses", "size": 2, "ulysses_chunks": 4}, (8, 4),
+     ["sequence_parallel.ulysses_chunks=4", "valid: 1, 2 or 'auto'"]),
+    # 12 q / 6 kv over 4 ranks: each k/v head repeated twice, 3 a rank
+    ({"strategy": "ulysses", "size": 4, "ulysses_chunks": 2}, (12, 6), ["ulysses_chunks=2", "valid: 1, 3 or 'auto'"]),
+    ({"strategy": "zigzag", "size": 4, "ulysses_size": 2, "ulysses_chunks": 3}, (8, 8),
+     ["ulysses_chunks=3", "valid: 1, 2, 4 or 'auto'"]),
+    ({"strategy": "ring", "size": 4, "ulysses_chunks": 3}, (8, 8), None),    # no all-to-all: nothing to chunk
+    ({"strategy": "ulysses", "size": 4, "ulysses_chunks": 8, "overlap": True}, (32, 32), None),
 ])
 def test_head_check_needs_only_the_config(section, heads, needles):
     """The job runs this before joining the world (train/main.check_run), with no process group;

@@ -55,3 +55,15 @@ def test_the_hf_trainer_refuses_dynamic_groups_at_construction_with_what_works()
         _sequence_parallel(targs)
     assert "--model PATH --lengths FILE --sp_size dynamic" in str(err.value) \
         and "apply_sequence_parallel(model, DynamicSequenceParallel" in str(err.value), str(err.value)
+
+
+def test_a_fixed_head_chunk_count_must_fit_every_dynamic_group_size():
+    from ds_seqpar.dynamic import check_dynamic_chunks
+    cfg = SequenceParallelConfig.parse({"strategy": "ulysses", "size": "dynamic", "max_tokens_per_rank": 64,
+                                        "ulysses_chunks": 2})
+    check_dynamic_chunks(cfg, [1, 2], 8, 8)                   # 4 k/v heads a rank at size 2
+    with pytest.raises(ConfigError) as err:
+        check_dynamic_chunks(cfg, [1, 2, 4, 8], 8, 8)         # size 8: one k/v head a rank
+    assert "ulysses_chunks=2" in str(err.value) and "group size 8" in str(err.value), err.value
+    auto = SequenceParallelConfig.parse(dict(cfg.model_dump(), ulysses_chunks="auto"))
+    check_dynamic_chunks(auto, [1, 2, 4, 8], 8, 8)
