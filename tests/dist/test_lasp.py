@@ -20,7 +20,7 @@ SEQ, BATCH, DK, DV = 320, 2, 16, 12
 DECAY = torch.tensor([0.9, 0.95, 0.99, 1.0])       # per q head; 1.0: a head without decay
 # (decay, q heads, kv heads): with and without decay, MHA and GQA with kv heads 2 and 1
 CASES = [(d, 4, hkv) for d in (False, True) for hkv in (4, 2, 1)]
-MODES = ("ring", "allgather")
+MODES = ("ring", "allgather", "allscan")
 
 
 def lasp_inputs(seed, seq_len, heads, kv_heads):
