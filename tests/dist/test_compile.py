@@ -1,6 +1,6 @@
 """torch.compile(fullgraph=True) of modules that call sp.attention (every softmax strategy and the 2D hybrid;
 window, softcap, sinks, packed documents as a tensor and as a list, causal and not, GQA) and
-sp.linear_attention (LASP allgather and ring; decay, packed documents): the output, the input's gradient
+sp.linear_attention (LASP allgather, ring and allscan; decay, packed documents): the output, the input's gradient
 and EVERY parameter's gradient (the projections before the attention included) equal a single-process
 dense reference within the derived tolerance, eager and compiled alike, and the compiled run counts the
 same bytes and calls in sp.stats as the eager one.
@@ -160,7 +160,7 @@ def _compiled_blocks(cfgs, backend, linear):
 SWEEP = {2: [{"strategy": s, "size": 2} for s in ("ulysses", "ring", "zigzag", "striped")],
          4: [{"strategy": s, "size": 4} for s in ("ulysses", "ring", "zigzag", "striped")]
          + [{"strategy": "zigzag", "size": 4, "ulysses_size": 2}]}
-LINEAR_SWEEP = {p: [{"strategy": "lasp", "size": p, "lasp_comm": c} for c in ("allgather", "ring")] for p in (2, 4)}
+LINEAR_SWEEP = {p: [{"strategy": "lasp", "size": p, "lasp_comm": c} for c in ("allgather", "ring", "allscan")] for p in (2, 4)}
 
 
 @pytest.mark.parametrize("size", [2, 4])
@@ -172,7 +172,7 @@ def test_attention_compiles_fullgraph_and_matches_dense_reference(pool, size):
 @pytest.mark.parametrize("size", [2, 4])
 def test_linear_attention_compiles_fullgraph_and_matches_reference(pool, size):
     for done in pool.run(_compiled_blocks, LINEAR_SWEEP[size], "aot_eager", True):
-        assert done == ["lasp"] * 2
+        assert done == ["lasp"] * len(LINEAR_SWEEP[size])
 
 
 # -- inductor: one module per size, both ops in one graph ------------------------------------------

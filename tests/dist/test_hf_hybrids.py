@@ -1,7 +1,7 @@
 """Hybrid models (gated DeltaNet, Kimi delta attention, Mamba2 SSD, short convolutions next to softmax attention)
 under sequence parallelism on the shared pool: logits, loss and every parameter gradient equal the
 unsharded model (tests/hf_hybrids.py derives the bound), for each family, both state exchanges
-(lasp_comm allgather / ring), linear_strategy ulysses, softmax strategies ulysses, ring and zigzag,
+(lasp_comm allgather / ring / allscan), linear_strategy ulysses, softmax strategies ulysses, ring and zigzag,
 P = 2 and 4; what cannot be exact is refused by name on every rank."""
 import pytest
 
@@ -12,7 +12,8 @@ P4 = dict(size=4)
 # the headline family gets the whole matrix; the others one P=2 and one P=4 setting, varied
 FULL = [dict(P2, strategy="ring"), dict(P2, strategy="ring", lasp_comm="ring"), dict(P2, strategy="zigzag"),
         dict(P2, strategy="ulysses", linear_strategy="ulysses"), dict(P4, strategy="zigzag", lasp_comm="ring"),
-        dict(P4, strategy="ulysses"), dict(P4, strategy="ring", linear_strategy="ulysses")]
+        dict(P4, strategy="ulysses"), dict(P4, strategy="ring", linear_strategy="ulysses"),
+        dict(P2, strategy="ring", lasp_comm="allscan"), dict(P4, strategy="zigzag", lasp_comm="allscan")]
 CASES = [
     ("qwen3_5_text", FULL),
     ("qwen3_next", [dict(P2, strategy="zigzag", lasp_comm="ring"), dict(P4, strategy="ring")]),
@@ -20,11 +21,12 @@ CASES = [
     ("olmo_hybrid", [dict(P2, strategy="ring", linear_strategy="ulysses"), dict(P4, strategy="zigzag", lasp_comm="ring")]),
     ("kimi_linear", [dict(P2, strategy="ring"), dict(P4, strategy="zigzag", lasp_comm="ring")]),
     ("bailing_hybrid", [dict(P2, strategy="zigzag", linear_strategy="ulysses"), dict(P4, strategy="ring")]),
-    ("bamba", [dict(P2, strategy="ring", lasp_comm="ring"), dict(P4, strategy="zigzag")]),
+    ("bamba", [dict(P2, strategy="ring", lasp_comm="ring"), dict(P4, strategy="zigzag", lasp_comm="allscan")]),
     ("granitemoehybrid", [dict(P2, strategy="zigzag", linear_strategy="ulysses"), dict(P4, strategy="ring")]),
     ("nemotron_h", [dict(P2, strategy="ulysses"), dict(P4, strategy="zigzag", lasp_comm="ring")]),
     ("falcon_h1", [dict(P2, strategy="zigzag", lasp_comm="ring"), dict(P4, strategy="ulysses")]),
-    ("minimax", [dict(P2, strategy="zigzag", linear_strategy="ulysses"), dict(P4, strategy="ring", lasp_comm="ring")]),
+    ("minimax", [dict(P2, strategy="zigzag", linear_strategy="ulysses"), dict(P4, strategy="ring", lasp_comm="ring"),
+                 dict(P4, strategy="zigzag", lasp_comm="allscan")]),
     ("lfm2", [dict(P2, strategy="zigzag"), dict(P4, strategy="ulysses")]),
     ("lfm2_moe", [dict(P2, strategy="ring"), dict(P4, strategy="zigzag")]),
     ("lfm3", [dict(P2, strategy="ulysses"), dict(P4, strategy="ring")]),
@@ -34,7 +36,7 @@ CASES = [
 # rank. None may be refused.
 SCANS = [
     ("mamba", [dict(P2, strategy="ring"), dict(P2, strategy="zigzag", lasp_comm="ring"),
-               dict(P2, strategy="ring", linear_strategy="ulysses")]),
+               dict(P2, strategy="ring", linear_strategy="ulysses"), dict(P4, strategy="zigzag", lasp_comm="allscan")]),
     ("falcon_mamba", [dict(P2, strategy="zigzag"), dict(P2, strategy="ring", lasp_comm="ring"),
                       dict(P2, strategy="ulysses", linear_strategy="ulysses")]),
     ("jamba", [dict(P2, strategy="zigzag"), dict(P2, strategy="ulysses", lasp_comm="ring"),
@@ -265,7 +267,10 @@ def _check_cost_model(sp, cfg, seq, rows, got):
     ("bamba, n_groups=1", dict(strategy="ulysses", size=4, linear_strategy="ulysses")),
     ("mamba", dict(strategy="zigzag", size=2)), ("mamba", dict(strategy="ring", size=2, lasp_comm="ring")),
     ("mamba", dict(strategy="ring", size=2, linear_strategy="ulysses")),
-    ("minimax", dict(strategy="zigzag", size=4)), ("minimax", dict(strategy="ring", size=2, linear_strategy="ulysses"))])
+    ("qwen3_5_text", dict(strategy="zigzag", size=4, lasp_comm="allscan")),
+    ("bamba", dict(strategy="ring", size=4, lasp_comm="allscan")), ("mamba", dict(strategy="ring", size=4, lasp_comm="allscan")),
+    ("minimax", dict(strategy="zigzag", size=4)), ("minimax", dict(strategy="zigzag", size=4, lasp_comm="allscan")),
+    ("minimax", dict(strategy="ring", size=2, linear_strategy="ulysses"))])
 def test_linear_layer_bytes_equal_the_closed_forms(pool, model_type, setting):
     for got, want in pool.run(_bytes, setting, model_type):
         assert got == want and all(v > 0 for v in want.values()), (got, want)
@@ -279,9 +284,10 @@ AT_BOUNDARY = [0, 76, 77, 152]
 PACKED = [("qwen3_5_text", CROSSING, [dict(P4, strategy="ring"), dict(P4, strategy="zigzag", lasp_comm="ring"),
                                       dict(P2, strategy="ulysses", linear_strategy="ulysses")]),
           ("qwen3_5_text", AT_BOUNDARY, [dict(P2, strategy="ring", lasp_comm="ring"), dict(P4, strategy="zigzag")]),
+          ("qwen3_5_text", CROSSING, [dict(P4, strategy="zigzag", lasp_comm="allscan")]),
           ("kimi_linear", CROSSING, [dict(P4, strategy="zigzag")]),
           ("bamba", CROSSING, [dict(P4, strategy="ring", lasp_comm="ring"), dict(P2, strategy="zigzag", linear_strategy="ulysses")]),
-          ("minimax", CROSSING, [dict(P4, strategy="zigzag")]),
+          ("minimax", CROSSING, [dict(P4, strategy="zigzag"), dict(P4, strategy="ring", lasp_comm="allscan")]),
           ("lfm2", AT_BOUNDARY, [dict(P4, strategy="ring")])]
 
 

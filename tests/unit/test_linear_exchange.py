@@ -12,7 +12,8 @@ from ds_seqpar.sharding.documents import Documents
 from ds_seqpar.sharding.layouts import make_layout
 from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind, linear_state_bytes, state_exchange_bytes
 from ds_seqpar.strategies.lasp_chain import LaspChain, StatePlan, cut_at_documents, fragments
-from ds_seqpar.strategies.state_exchange import FixedDecay, Transition
+from ds_seqpar.errors import ConfigError
+from ds_seqpar.strategies.state_exchange import EXCHANGES, FixedDecay, Transition, exchange_for, scan_blocks
 
 from .test_layers import imports_of, modules
 
@@ -41,7 +42,7 @@ def test_one_closed_form_for_the_own_lm_and_the_hybrids():
     """The own LM's LASP is the fixed transition on the contiguous plan: linear_state_bytes with one row,
     heads, dk, dv in fp32 gives closed_form_by_kind('lasp') rank by rank, for both exchanges."""
     frags = fragments(make_layout("contiguous", 4), 256)
-    for comm in ("allgather", "ring"):
+    for comm in ("allgather", "ring", "allscan"):
         for r in range(4):
             want = closed_form_by_kind("lasp", 4, Shapes(1, 256, 8, 8, 16, 4, v_head_dim=12), r, lasp_comm=comm)
             assert linear_state_bytes(frags, r, 1, 8, 16, 12, comm, "fixed") == want, (comm, r)
@@ -49,6 +50,24 @@ def test_one_closed_form_for_the_own_lm_and_the_hybrids():
     # a travelling transition adds its A to every slot, both ways; the ring never sends A
     assert state_exchange_bytes(plan, 1, 100, 7, "allgather") == {"lasp_state": 3 * 107, "lasp_dstate": 3 * 107}
     assert state_exchange_bytes(plan, 1, 100, 7, "ring") == {"lasp_state": 100, "lasp_dstate": 100}
+    # All-Scan: the ring's bytes in blocks, the same at every P (no A travels either); the allgather grows
+    for p in (3, 4, 8):                        # rank 1: a middle rank, fed and feeding
+        mid = StatePlan(fragments(make_layout("contiguous", p), 64 * p))
+        assert state_exchange_bytes(mid, 1, 100, 7, "allscan") == {"lasp_state": 100, "lasp_dstate": 100}
+        assert state_exchange_bytes(mid, 1, 100, 7, "allgather")["lasp_state"] == (p - 1) * 107
+
+
+def test_allscan_blocks_pipeline_only_past_one_hop():
+    assert [scan_blocks(p, 64) for p in (1, 2, 3, 4, 8, 16, 64)] == [1, 1, 2, 3, 7, 8, 8]
+    assert scan_blocks(4, 2) == 2 and scan_blocks(8, 1) == 1          # never more blocks than columns
+
+
+def test_an_unusable_lasp_comm_is_refused_by_name():
+    with pytest.raises(ConfigError, match="lasp_comm='p2p'.*allgather, ring, allscan"):
+        exchange_for("p2p")
+    with pytest.raises(ConfigError, match="lasp_comm='allscan'.*one column.*'allgather' or 'ring'"):
+        exchange_for("allscan", torch.zeros(2, 3, 4, 1), matrix=True)
+    assert exchange_for("allscan", torch.zeros(2, 3, 4, 1)) is EXCHANGES["allscan"]   # a diagonal: blocks N
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 4, 4), (2, 3, 1, 1), (2, 3, 4, 1)])
