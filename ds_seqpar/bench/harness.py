@@ -26,14 +26,15 @@ from ..strategies import RING_STRATEGIES
 # -- the case vocabulary -----------------------------------------------------------------------------
 
 SOFTMAX = ("ulysses",) + RING_STRATEGIES
-LINEAR = ("lasp2", "lasp1")
+LINEAR = ("lasp2", "lasp1", "allscan")
 # the case vocabulary every suite speaks: a case name -> its sequence_parallel keys (size and kernel per run);
 # ds_ulysses is DeepSpeed's DistributedAttention on the group our Ulysses would use
 SP_KEYS = {**{name: {"strategy": name} for name in SOFTMAX},
            "zigzag_no_overlap": {"strategy": "zigzag", "overlap": False},
            "hybrid": {"strategy": "zigzag", "ulysses_size": 2},             # Ulysses 2 x zigzag
            "ds_ulysses": {"strategy": "ulysses"},
-           "lasp2": {"strategy": "lasp", "lasp_comm": "allgather"}, "lasp1": {"strategy": "lasp", "lasp_comm": "ring"}}
+           "lasp2": {"strategy": "lasp", "lasp_comm": "allgather"}, "lasp1": {"strategy": "lasp", "lasp_comm": "ring"},
+           "allscan": {"strategy": "lasp", "lasp_comm": "allscan"}}
 
 
 def strategy_config(name: str, world: int, backend: str = "torch") -> dict:

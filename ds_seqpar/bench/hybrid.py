@@ -31,6 +31,7 @@ PROG = "ds-seqpar bench hybrid"
 # class) and the sequence-parallel cases a layer runs under
 SP_CASES = {"lasp_allgather": dict(linear_strategy="lasp", lasp_comm="allgather"),
             "lasp_ring": dict(linear_strategy="lasp", lasp_comm="ring"),
+            "lasp_allscan": dict(linear_strategy="lasp", lasp_comm="allscan"),
             "ulysses": dict(linear_strategy="ulysses")}
 # family -> (as in, model type, config keys): one linear layer of the model's own classes; head sizes as
 # the named models', fewer heads (one CPU thread per rank)
