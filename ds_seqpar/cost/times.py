@@ -140,13 +140,13 @@ def comm_s(c, shape, per_layer, attn_s: Dict[str, float], gpu, gpus_per_node: in
 def lasp_chain_time(link, state_bytes: float, p: int, lasp_comm: str, columns: int) -> float:
     """One direction of a state that walks the ranks (forward; the backward's dstate the same):
     LASP-1 ("ring") waits P - 1 hops of one whole state; All-Scan ("allscan") cuts it into
-    K = state_exchange.scan_blocks(P, columns) blocks, each hop forwarding a block as soon as it came,
+    K = state_exchange.scan_blocks(P, columns, state_bytes) blocks, each hop forwarding a block as soon as it came,
     so the last block is out after P - 2 + K hops of one block."""
     if p <= 1 or state_bytes <= 0:
         return 0.0
     if lasp_comm == "ring":
         return (p - 1) * link.time(state_bytes)
-    k = scan_blocks(p, columns)
+    k = scan_blocks(p, columns, int(state_bytes))
     return (p - 2 + k) * link.time(state_bytes / k)
 
 

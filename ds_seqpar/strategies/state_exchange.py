@@ -287,17 +287,22 @@ class RingStates(_Exchange):
         return self.transition((self.r, j)).grad(d_out, s_in)
 
 
-def scan_blocks(p: int, size: int) -> int:
-    """All-Scan's block count K for a state whose blocked dimension has ``size`` entries: P - 1, at most
-    MAX_SCAN_BLOCKS and ``size``. One running state crosses P - 1 hops; cut into K blocks, the last block
-    leaves the last rank after P - 2 + K block hops, each alpha + S / (K beta): K = 1 at P = 2 (one hop has
-    nothing to pipeline and every extra block costs a latency alpha), and past it K = P - 1 keeps the
-    pipeline's fill (K - 1 blocks) no longer than its depth (P - 1 hops), bounding the time by about
-    2 S / beta + (2P - 3) alpha whatever P is. cost/times.py prices the same K."""
-    return max(1, min(p - 1, MAX_SCAN_BLOCKS, size))
+def scan_blocks(p: int, columns: int, state_bytes: int) -> int:
+    """All-Scan's block count K for a state of ``state_bytes`` cut along a dimension of ``columns``
+    entries. One running state crosses P - 1 hops; in K blocks the last one leaves the last rank after
+    P - 2 + K block hops of alpha + S / (K beta) each, which is least at K = sqrt((P - 2) S / (alpha beta)):
+    1 at P = 2 (one hop has nothing to pipeline, every extra block costs a latency), more the larger the
+    state is against what a link moves in one latency. alpha beta is taken as LINK_BYTES (the ranks do not
+    know their link; cost/times.py prices this K with the link's own alpha and beta); at most
+    MAX_SCAN_BLOCKS and ``columns``."""
+    if p <= 2:
+        return 1
+    k = round(((p - 2) * state_bytes / LINK_BYTES) ** 0.5)
+    return max(1, min(k, MAX_SCAN_BLOCKS, columns))
 
 
-MAX_SCAN_BLOCKS = 8
+LINK_BYTES = 256 << 10      # assumed alpha x beta: ~10 us x 25 GB/s (NVLink moves more, a TCP loopback less)
+MAX_SCAN_BLOCKS = 16
 
 
 class ScannedStates(RingStates):
@@ -314,7 +319,7 @@ class ScannedStates(RingStates):
         super().__init__(*args, **kwargs)
         self.dim = -1 if self.like.shape[-1] > 1 or self.like.dim() < 2 else -2
         size = self.like.shape[self.dim]
-        self.k = scan_blocks(self.plan.p, size)
+        self.k = scan_blocks(self.plan.p, size, self.like.numel() * self.like.element_size())
         cuts = torch.tensor_split(torch.arange(size), self.k)
         self.spans = [(int(c[0]), int(c[-1]) + 1) for c in cuts]
         self._b: Dict[int, Tensor] = {}
@@ -425,5 +430,5 @@ def exchange_for(lasp_comm: str, state_like: Optional[Tensor] = None, matrix: bo
     return EXCHANGES[lasp_comm]
 
 
-__all__ = ["EXCHANGES", "GatheredStates", "RingStates", "ScannedStates", "exchange_for", "scan_blocks", "MAX_SCAN_BLOCKS", "Transition", "FixedDecay", "TravellingMaps",
+__all__ = ["EXCHANGES", "GatheredStates", "RingStates", "ScannedStates", "exchange_for", "scan_blocks", "LINK_BYTES", "MAX_SCAN_BLOCKS", "Transition", "FixedDecay", "TravellingMaps",
            "STATE", "DSTATE"]

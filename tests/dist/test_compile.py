@@ -19,6 +19,7 @@ from ds_seqpar import SequenceParallel, ops
 from ds_seqpar.kernels.linear.naive import linear_attention_reference
 
 from ..reference import assert_derived_close, dense_attention
+from .test_lasp import scan_blocks_of
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, SEQ = 16, 4, 2, 8, 64
 BOUNDS = [0, 11, 40, 64]
@@ -171,7 +172,7 @@ def test_attention_compiles_fullgraph_and_matches_dense_reference(pool, size):
 
 @pytest.mark.parametrize("size", [2, 4])
 def test_linear_attention_compiles_fullgraph_and_matches_reference(pool, size):
-    for done in pool.run(_compiled_blocks, LINEAR_SWEEP[size], "aot_eager", True):
+    for done in pool.run(scan_blocks_of, _compiled_blocks, LINEAR_SWEEP[size], "aot_eager", True):
         assert done == ["lasp"] * len(LINEAR_SWEEP[size])
 
 

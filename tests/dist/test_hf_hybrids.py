@@ -6,6 +6,7 @@ P = 2 and 4; what cannot be exact is refused by name on every rank."""
 import pytest
 
 from ..hf_hybrids import check_hybrid, check_hybrids, check_packed
+from .test_lasp import scan_blocks_of
 
 P2 = dict(size=2)
 P4 = dict(size=4)
@@ -50,7 +51,7 @@ SCANS = [
 
 @pytest.fixture(scope="module")
 def results(pool):
-    return pool.run(check_hybrids, CASES, timeout=900)
+    return pool.run(scan_blocks_of, check_hybrids, CASES, timeout=900)
 
 
 @pytest.mark.parametrize("model_type", [mt for mt, _ in CASES])
@@ -66,7 +67,7 @@ def test_hybrid_family_is_exact(results, model_type):
 
 
 def test_mamba1_scans_and_shared_groups_are_exact(pool):
-    results = pool.run(check_hybrids, SCANS, False, True, timeout=900)
+    results = pool.run(scan_blocks_of, check_hybrids, SCANS, False, True, timeout=900)
     for mt, settings in SCANS:
         for rank in (0, 2) if all(s["size"] == 2 for s in settings) else (0,):
             assert len(results[rank][mt]) == len(settings)
@@ -272,7 +273,7 @@ def _check_cost_model(sp, cfg, seq, rows, got):
     ("minimax", dict(strategy="zigzag", size=4)), ("minimax", dict(strategy="zigzag", size=4, lasp_comm="allscan")),
     ("minimax", dict(strategy="ring", size=2, linear_strategy="ulysses"))])
 def test_linear_layer_bytes_equal_the_closed_forms(pool, model_type, setting):
-    for got, want in pool.run(_bytes, setting, model_type):
+    for got, want in pool.run(scan_blocks_of, _bytes, setting, model_type):
         assert got == want and all(v > 0 for v in want.values()), (got, want)
 
 
@@ -297,7 +298,7 @@ def _packed_all(cases):
 
 def test_packed_documents_equal_each_document_run_alone(pool):
     """The state and the conv halo restart at every document start, wherever it falls."""
-    for results in pool.run(_packed_all, PACKED, timeout=600):
+    for results in pool.run(scan_blocks_of, _packed_all, PACKED, timeout=600):
         for (mt, bounds, _), rows in zip(PACKED, results):
             for setting, ratio, what in rows:
                 assert ratio <= 1.0, f"{mt} {bounds} {setting}: {what} is {ratio:.3g}x the bound"

@@ -13,7 +13,8 @@ from ds_seqpar.sharding.layouts import make_layout
 from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind, linear_state_bytes, state_exchange_bytes
 from ds_seqpar.strategies.lasp_chain import LaspChain, StatePlan, cut_at_documents, fragments
 from ds_seqpar.errors import ConfigError
-from ds_seqpar.strategies.state_exchange import EXCHANGES, FixedDecay, Transition, exchange_for, scan_blocks
+from ds_seqpar.strategies.state_exchange import (EXCHANGES, LINK_BYTES, MAX_SCAN_BLOCKS, FixedDecay, Transition,
+                                                exchange_for, scan_blocks)
 
 from .test_layers import imports_of, modules
 
@@ -57,9 +58,16 @@ def test_one_closed_form_for_the_own_lm_and_the_hybrids():
         assert state_exchange_bytes(mid, 1, 100, 7, "allgather")["lasp_state"] == (p - 1) * 107
 
 
-def test_allscan_blocks_pipeline_only_past_one_hop():
-    assert [scan_blocks(p, 64) for p in (1, 2, 3, 4, 8, 16, 64)] == [1, 1, 2, 3, 7, 8, 8]
-    assert scan_blocks(4, 2) == 2 and scan_blocks(8, 1) == 1          # never more blocks than columns
+def test_allscan_blocks_pipeline_only_past_one_hop_and_past_a_latencys_bytes():
+    mb = 1 << 20
+    assert [scan_blocks(p, 128, mb) for p in (1, 2, 3, 4, 8, 16)] == [1, 1, 2, 3, 5, 7]   # sqrt((P-2) S / LINK_BYTES)
+    assert scan_blocks(16, 128, 1 << 30) == MAX_SCAN_BLOCKS and scan_blocks(16, 3, 1 << 30) == 3   # <= columns
+    assert scan_blocks(4, 128, LINK_BYTES // 8) == 1          # a small state goes whole: a block would only add latency
+    # the pick is the least of the priced time (P - 2 + K)(alpha + S / (K beta)) when alpha beta = LINK_BYTES
+    for p, s in ((4, mb), (8, 4 * mb), (16, 16 * mb)):
+        price = {k: (p - 2 + k) * (LINK_BYTES + s / k) for k in range(1, MAX_SCAN_BLOCKS + 1)}
+        best = min(price, key=price.get)
+        assert abs(scan_blocks(p, 128, s) - best) <= 1 and price[scan_blocks(p, 128, s)] <= 1.02 * price[best]
 
 
 def test_an_unusable_lasp_comm_is_refused_by_name():
