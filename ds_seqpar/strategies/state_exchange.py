@@ -317,7 +317,8 @@ class ScannedStates(RingStates):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.dim = -1 if self.like.shape[-1] > 1 or self.like.dim() < 2 else -2
+        matrix = self.maps.travels and self.maps.a_f.shape[-1] != 1
+        self.dim = -1 if self.like.shape[-1] > 1 or matrix else -2       # a matrix acts on whole columns only
         size = self.like.shape[self.dim]
         self.k = scan_blocks(self.plan.p, size, self.like.numel() * self.like.element_size())
         cuts = torch.tensor_split(torch.arange(size), self.k)
@@ -330,10 +331,10 @@ class ScannedStates(RingStates):
     def _blocks(self, t: Tensor) -> List[Tensor]:
         return [t.narrow(self.dim, lo, hi - lo) for lo, hi in self.spans]
 
-    def _block_map(self, j: int, k: int) -> Transition:
-        """Block k's share of local fragment j's transition: A itself for a matrix (it acts on columns)
-        or a broadcast decay, else the decay's entries of the block."""
-        a = self.transition((self.r, j)).a
+    def _block_map(self, whole: Transition, k: int) -> Transition:
+        """Block k's share of a transition: A itself for a matrix (it acts on columns) or a broadcast
+        decay, else the decay's entries of the block."""
+        a = whole.a
         if a is not None and a.shape[-1] == 1 and a.shape[self.dim] != 1:
             lo, hi = self.spans[k]
             a = a.narrow(self.dim, lo, hi - lo)
@@ -385,8 +386,8 @@ class ScannedStates(RingStates):
             return None
         to = self.plan.next[self.r, j] if self.feeds(j) else None
         b = self._blocks(self._b[j]) if to is not None else None
-        return self._relay(j, self.plan.prev[self.r, j], to,
-                           lambda k, s: self._block_map(j, k).apply(s) + b[k], STATE)
+        a = self.transition((self.r, j))
+        return self._relay(j, self.plan.prev[self.r, j], to, lambda k, s: self._block_map(a, k).apply(s) + b[k], STATE)
 
     def pass_on(self, j: int, state_after: Tensor) -> None:
         pass                                    # every block went on as it came (state_in)
@@ -408,27 +409,25 @@ class ScannedStates(RingStates):
             return None
         to = self.plan.prev[self.r, j] if self.fed(j) else None
         g = self._blocks(self._g[j]) if to is not None else None
-        return self._relay(j, self.plan.next[self.r, j], to,
-                           lambda k, d: g[k] + self._block_map(j, k).transpose(d), DSTATE)
+        a = self.transition((self.r, j))
+        return self._relay(j, self.plan.next[self.r, j], to, lambda k, d: g[k] + self._block_map(a, k).transpose(d),
+                           DSTATE)
 
 
 EXCHANGES = {"allgather": GatheredStates, "ring": RingStates, "allscan": ScannedStates}
 
 
-def exchange_for(lasp_comm: str, state_like: Optional[Tensor] = None, matrix: bool = False):
-    """The exchange class ``lasp_comm`` names, refused (ConfigError: the key, the value, the valid ones)
-    where it is unknown or this layer's state cannot use it: the same on every rank (it reads only the
-    name and the state's shape), before the exchange posts anything. ``matrix``: the transition is a
-    K x K matrix, which All-Scan needs whole columns for."""
+def exchange_for(lasp_comm: str):
+    """The exchange class ``lasp_comm`` names; an unknown one (a caller that did not come through the
+    config's own check) refused with the key, the value and the valid ones. Every transition kind
+    (fixed, scalar, diagonal, matrix) runs under every exchange, so nothing else is refused. Called
+    where the strategy and the linear exchange are set up: the same on every rank, before any transfer."""
     if lasp_comm not in EXCHANGES:
         raise ConfigError(f"sequence_parallel.lasp_comm={lasp_comm!r} is not valid; choose one of: "
                           f"{', '.join(EXCHANGES)}")
-    if lasp_comm == "allscan" and matrix and state_like is not None and state_like.shape[-1] == 1:
-        raise ConfigError(f"sequence_parallel.lasp_comm={lasp_comm!r} blocks a matrix transition's state "
-                          f"along its value columns, and this layer's state has one column; use "
-                          f"lasp_comm 'allgather' or 'ring'")
     return EXCHANGES[lasp_comm]
 
 
-__all__ = ["EXCHANGES", "GatheredStates", "RingStates", "ScannedStates", "exchange_for", "scan_blocks", "LINK_BYTES", "MAX_SCAN_BLOCKS", "Transition", "FixedDecay", "TravellingMaps",
+__all__ = ["EXCHANGES", "GatheredStates", "RingStates", "ScannedStates", "exchange_for", "scan_blocks", "LINK_BYTES",
+           "MAX_SCAN_BLOCKS", "Transition", "FixedDecay", "TravellingMaps",
            "STATE", "DSTATE"]

@@ -71,8 +71,7 @@ class LinearExchange:
         (fp32); the transition: a_f [nf, .., K, K or 1] (data-dependent, differentiable) or the fixed
         decay_h [heads] (lambda^n, no gradient). Differentiable in b_f and a_f."""
         maps = TravellingMaps(a_f) if a_f is not None else FixedDecay(decay_h, b_f.dtype)
-        matrix = a_f is not None and a_f.shape[-1] != 1
-        exchange = exchange_for(self.lasp_comm, b_f[0], matrix)(StatePlan(frags, resets), self.rank, self.group, self.stats,
+        exchange = exchange_for(self.lasp_comm)(StatePlan(frags, resets), self.rank, self.group, self.stats,
                                              b_f[0], maps)
         return _EnteringStates.apply(b_f, a_f, exchange)
 

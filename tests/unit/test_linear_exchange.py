@@ -70,12 +70,20 @@ def test_allscan_blocks_pipeline_only_past_one_hop_and_past_a_latencys_bytes():
         assert abs(scan_blocks(p, 128, s) - best) <= 1 and price[scan_blocks(p, 128, s)] <= 1.02 * price[best]
 
 
-def test_an_unusable_lasp_comm_is_refused_by_name():
-    with pytest.raises(ConfigError, match="lasp_comm='p2p'.*allgather, ring, allscan"):
-        exchange_for("p2p")
-    with pytest.raises(ConfigError, match="lasp_comm='allscan'.*one column.*'allgather' or 'ring'"):
-        exchange_for("allscan", torch.zeros(2, 3, 4, 1), matrix=True)
-    assert exchange_for("allscan", torch.zeros(2, 3, 4, 1)) is EXCHANGES["allscan"]   # a diagonal: blocks N
+def test_an_unknown_lasp_comm_is_refused_by_name_where_the_exchanges_are_set_up():
+    """The config refuses it first; a caller that builds the strategy or the linear exchange itself is
+    refused there too, before any transfer (no process group is touched: ctx has none)."""
+    from types import SimpleNamespace
+    from ds_seqpar.strategies.lasp import LaspAttention
+    from ds_seqpar.strategies.state_passing import LinearExchange
+    ctx = SimpleNamespace(lasp_comm="p2p", layout=make_layout("contiguous", 2), sp_size=2, sp_rank=0, sp_group=None,
+                          stats=None)
+    for build in (lambda: exchange_for("p2p"), lambda: LaspAttention(ctx), lambda: LinearExchange("lasp", "p2p", ctx)):
+        with pytest.raises(ConfigError, match=r"sequence_parallel.lasp_comm='p2p' is not valid; choose one of: "
+                                              r"allgather, ring, allscan"):
+            build()
+    assert LinearExchange("ulysses", "p2p", ctx).heads_parallel          # ulysses exchanges no state: not read
+    assert [exchange_for(c) for c in ("allgather", "ring", "allscan")] == list(EXCHANGES.values())
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 4, 4), (2, 3, 1, 1), (2, 3, 4, 1)])
