@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Tuple
 from ..masks import Mask, cut_documents
 from ..strategies import RING_STRATEGIES
 from ..strategies.closed_form import Shapes
-from ..strategies.state_exchange import scan_blocks
+from ..strategies.state_scan import scan_blocks
 from .bytes import SPAN_BUDGET, comm_per_layer, exact_spans, layer_mask
 from .candidate import SOFTMAX_KINDS
 from .flops import step_per_token
@@ -140,7 +140,7 @@ def comm_s(c, shape, per_layer, attn_s: Dict[str, float], gpu, gpus_per_node: in
 def lasp_chain_time(link, state_bytes: float, p: int, lasp_comm: str, columns: int) -> float:
     """One direction of a state that walks the ranks (forward; the backward's dstate the same):
     LASP-1 ("ring") waits P - 1 hops of one whole state; All-Scan ("allscan") cuts it into
-    K = state_exchange.scan_blocks(P, columns, state_bytes) blocks, each hop forwarding a block as soon as it came,
+    K = state_scan.scan_blocks(P, columns, state_bytes) blocks, each hop forwarding a block as soon as it came,
     so the last block is out after P - 2 + K hops of one block."""
     if p <= 1 or state_bytes <= 0:
         return 0.0

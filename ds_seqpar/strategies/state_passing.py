@@ -12,8 +12,8 @@ Every such mixer runs a block of tokens as an affine map of the state that enter
 so a rank needs, for each of its fragments (lasp_chain.py: maximal runs of consecutive global
 positions, cut at document starts; one per rank in the contiguous layout, two in zigzag), the state
 entering it: the fold of the maps of every fragment before it in global order. The states go through
-state_exchange.py, the exchange the own LM's LASP uses (allgather: LASP-2, ring: LASP-1, allscan:
-All-Scan).
+state_exchange.py / state_scan.py, the exchanges the own LM's LASP uses (allgather: LASP-2, ring: LASP-1,
+allscan: All-Scan; exchanges.py by name).
 
 linear_strategy "ulysses": all-to-all to whole sequences of a P-th of the heads, the layer's own op,
 all-to-all back.
@@ -36,7 +36,8 @@ from torch import Tensor
 from .. import comm
 from ..errors import ConfigError
 from .lasp_chain import StatePlan, cut_at_documents, fragments, global_order
-from .state_exchange import FixedDecay, TravellingMaps, exchange_for
+from .exchanges import exchange_for
+from .state_exchange import FixedDecay, TravellingMaps
 
 
 class LinearExchange:

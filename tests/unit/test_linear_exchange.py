@@ -13,8 +13,9 @@ from ds_seqpar.sharding.layouts import make_layout
 from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind, linear_state_bytes, state_exchange_bytes
 from ds_seqpar.strategies.lasp_chain import LaspChain, StatePlan, cut_at_documents, fragments
 from ds_seqpar.errors import ConfigError
-from ds_seqpar.strategies.state_exchange import (EXCHANGES, LINK_BYTES, MAX_SCAN_BLOCKS, FixedDecay, Transition,
-                                                exchange_for, scan_blocks)
+from ds_seqpar.strategies.exchanges import EXCHANGES, exchange_for
+from ds_seqpar.strategies.state_exchange import FixedDecay, Transition
+from ds_seqpar.strategies.state_scan import LINK_BYTES, MAX_SCAN_BLOCKS, scan_blocks
 
 from .test_layers import imports_of, modules
 
