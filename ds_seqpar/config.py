@@ -25,7 +25,7 @@ KEY = "sequence_parallel"
 STRATEGY_NAMES = ("ulysses", "ring", "zigzag", "striped", "lasp")
 RING_STRATEGIES = ("ring", "zigzag", "striped")     # run the ring loop, so also across Ulysses groups
 BACKENDS = ("auto", "flash_attn", "torch", "math")
-LASP_COMMS = ("allgather", "ring")
+LASP_COMMS = ("allgather", "ring", "allscan")
 LINEAR_STRATEGIES = ("lasp", "ulysses")
 COMM_DTYPES = ("auto", "fp32", "bf16", "fp16")
 DYNAMIC = "dynamic"             # size: each document gets the group its length needs (docs/dynamic.md)
@@ -59,7 +59,8 @@ class SequenceParallelConfig(BaseModel):
     when installed, else torch, and logs what it picked."""
 
     lasp_comm: str = "allgather"
-    """LASP state exchange: allgather (LASP-2) | ring (LASP-1)."""
+    """LASP state exchange: allgather (LASP-2) | ring (LASP-1) | allscan (All-Scan: one running state
+    pipelined through the ranks in blocks; bytes per rank constant in P)."""
 
     linear_strategy: str = "lasp"
     """How a hybrid model's linear-attention and convolution layers are split (``strategy`` keeps

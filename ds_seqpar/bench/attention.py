@@ -4,7 +4,7 @@ Ulysses, measured side by side in one run, with the ratios docs/design.md sets t
     ds-seqpar bench --preset quick                     # ~1 minute on 2 CPU cores
     ds-seqpar bench --preset full                      # P=2, N up to 8192, fp32, causal -> reports/cpu_full.md
     ds-seqpar bench --preset ring                      # the ring family and Ulysses at N=8192, no training
-    ds-seqpar bench --preset lasp                      # LASP-1/LASP-2 vs the halves bound, per-piece kernel work
+    ds-seqpar bench --preset lasp                      # LASP-1/LASP-2/All-Scan vs the halves bound, per-piece kernel work
     ds-seqpar bench --preset ulysses                   # Ulysses in 1, 2, 4 head chunks and auto vs DeepSpeed's
     ds-seqpar bench --strategies zigzag,lasp --P 4 --seq-lens 4096,8192 --no-causal --name mine
     torchrun --nproc_per_node 2 -m ds_seqpar.cli bench ...   # under a launcher (GPUs: --device cuda)
@@ -32,7 +32,7 @@ from .cases import BASELINE, CASES, DTYPES, BenchSpec
 from .harness import (command_line, fresh_pool, loads, log_rows, machine_facts, suite_main, suite_parser,
                       write_page)
 
-ALIASES = {"lasp": ["lasp2", "lasp1"], "deepspeed": ["ds_ulysses"]}
+ALIASES = {"lasp": ["lasp2", "lasp1", "allscan"], "deepspeed": ["ds_ulysses"]}
 # every registered strategy (lasp: both exchanges) and DeepSpeed's Ulysses
 DEFAULT_STRATEGIES = ",".join(list(STRATEGIES) + ["ds_ulysses"])
 _BASE = dict(P=2, heads=8, head_dim=64, warmup=1, repeats=5, strategies=DEFAULT_STRATEGIES, train_strategies="none",
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="defaults for the options below (quick: ~1 minute on 2 cores; ring, lasp: one family "
                          "at N=8192)")
     ap.add_argument("--strategies", help=f"comma list of {', '.join(c for c in CASES if c not in BASELINE.values())}; "
-                    f"lasp = lasp2,lasp1 (the single-process baselines are always measured); default: the "
+                    f"lasp = lasp2,lasp1,allscan (the single-process baselines are always measured); default: the "
                     f"preset's ({DEFAULT_STRATEGIES} for quick and full)")
     ap.add_argument("--seq-lens", type=ints, help="global sequence lengths, comma separated")
     ap.add_argument("--kv-heads", type=int, help="k/v heads (GQA); default = heads")

@@ -102,11 +102,16 @@ def _attention(res, seq: int, last: bool) -> List[Row]:
                        detail={"CPU ratio": vs["cpu_ratio"], "blocked s per rank": mine["wait"],
                                "blocked s per rank, 1 chunk": one["wait"]}))
     if "lasp1" in times and "lasp2" in times:
-        t = {c: times[c]["time"] for c in ("lasp1", "lasp2", "halves") if c in times}
+        t = {c: times[c]["time"] for c in ("lasp1", "lasp2", "allscan", "halves") if c in times}
         pairs = [("LASP-1 / LASP-2 time", "lasp1", "lasp2")] + \
+            ([("All-Scan / LASP-2 time", "allscan", "lasp2"), ("All-Scan / LASP-1 time", "allscan", "lasp1")]
+             if "allscan" in times else []) + \
             ([("LASP-2 / halves time", "lasp2", "halves"), ("LASP-1 / halves time", "lasp1", "halves")]
              if "halves" in t else [])
-        out += [Row("attention", label, variant, LASP, "x", t[a] / t[b]) for label, a, b in pairs]
+        cpu = {c: statistics.median(times[c]["cpu_rounds"]) for c in t}       # the busiest rank's, per round
+        out += [Row("attention", label, variant, LASP, "x", t[a] / t[b],
+                    detail={"busiest-rank CPU ratio": cpu[a] / cpu[b], "busiest-rank CPU s": f"{cpu[a]:.4f} / {cpu[b]:.4f}"})
+                for label, a, b in pairs]
     return out
 
 

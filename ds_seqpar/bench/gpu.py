@@ -8,7 +8,10 @@
 (b) the busiest rank's share of each strategy at P ranks: its blocks back to back, every transfer a
     copy of its bytes (held to strategies/closed_form.py), eager against torch.compile (outputs agree);
     Ulysses in one head chunk and in "auto"'s (ulysses_auto: what the chunks cost the kernels, beside one);
-(c) the longest sequence of a 1B-class model in the device's memory: cost/memory.py's prediction.
+(c) the longest sequence of a 1B-class model in the device's memory: cost/memory.py's prediction;
+(d) LASP's state chain at P ranks: a middle rank's work between the state arriving and its own leaving
+    (LASP-1: the scan of its chunk states with state_in; All-Scan: one block's fold A S_in[k] + B[k]) and the
+    bytes per rank at P and 2P of each lasp_comm (strategies/closed_form.py).
 """
 from __future__ import annotations
 
@@ -46,6 +49,8 @@ KERNELS = "Each local kernel alone: forward + backward, TFLOP/s"
 SCHEDULE = "One rank's share of each strategy, transfers as copies: compiled / eager time"
 BYTES = "Bytes the share copies for its transfers against the closed form"
 MEMORY = "Longest sequence of a 1B-class model in the device's memory (predicted)"
+LASP_HOP = "LASP: a middle rank's work between the state arriving and its own leaving, ms"
+LASP_BYTES = "LASP: bytes per rank at 2P against P (closed form, a middle rank)"
 METRICS = {KERNELS: "FLOPs: the mask's pairs (cost.pairs_total) x 2 H (d + dv) forward, x 3 forward + backward "
                     "(cost/flops.py; flash-attn's own count takes backward as 2.5 x). A row without a value says why.",
     SCHEDULE: "The busiest rank (cost.pairs_per_rank) runs its blocks with the torch kernel and its merges; each "
@@ -55,7 +60,13 @@ METRICS = {KERNELS: "FLOPs: the mask's pairs (cost.pairs_total) x 2 H (d + dv) f
               "chunk: eager / one chunk is what cutting the heads costs the kernels (the copies overlap nothing here).",
     BYTES: "The copies' bytes against strategies/closed_form.py's for that rank.",
     MEMORY: "bf16, Adam; features: tiled loss + tiled MLP + every layer checkpointed (in host memory); P > 1: zigzag, "
-            "ZeRO-2; budget: the profile's usable memory. cost/memory.py's phase model: predicted, not measured."}
+            "ZeRO-2; budget: the profile's usable memory. cost/memory.py's phase model: predicted, not measured.",
+    LASP_HOP: "The own LM's LASP at N/P tokens per rank, fp32 states [1, H, d, d] with a decay: what one hop of the "
+              "chain waits for besides the transfer. LASP-1 scans the rank's chunk states with state_in before its "
+              "state can leave; All-Scan has its own state already and forwards block 1 of K (scan_blocks) after one "
+              "fold. LASP-2 has no chain (one all-gather of P - 1 states).",
+    LASP_BYTES: "strategies/closed_form.py's forward + backward bytes of rank 1 at 2P and at P: LASP-2's grow as "
+                "(2P - 1) / (P - 1), the ring's and All-Scan's not at all."}
 
 
 # -- (a) the kernels ---------------------------------------------------------------------------------
@@ -227,6 +238,39 @@ def head_chunks(cfg, u: int, n: int, args, elem: int, device: str) -> int:
     return auto_chunks(device_rates(device, name), u, n, args.heads, args.heads, args.head_dim, elem)
 
 
+# -- (d) LASP's state chain ---------------------------------------------------------------------------
+
+
+def lasp_rows(args, device) -> List[Row]:
+    """A middle rank's per-hop work under each chained lasp_comm (interleaved rounds), then the bytes per
+    rank at 2P against P of every lasp_comm."""
+    from ..kernels import linear as la
+    from ..kernels.linear.common import scan_states
+    from ..strategies.closed_form import closed_form_by_kind
+    from ..strategies.state_scan import scan_blocks
+    n = args.sched_seq // args.P
+    q, k, v, _ = attention_inputs(n, args.heads, args.head_dim, device=device)     # fp32: LASP keeps states fp32
+    decay = torch.linspace(0.9, 0.999, args.heads, device=device)
+    fwd = la.forward_begin(q, k, v, decay, 64)
+    kv, b = fwd.kv.clone(), la.forward_states(fwd)                  # the chunk products; S_r (their scan)
+    s_in, a = torch.randn_like(b), la.state_decay(decay, n, b.dtype)
+    blocks = scan_blocks(args.P, b.shape[-1], b.numel() * b.element_size())
+    first = (s_in.tensor_split(blocks, -1)[0], b.tensor_split(blocks, -1)[0])
+    cases = {"lasp1": lambda: scan_states(fwd.blk, kv.clone(), s_in.transpose(0, 1)),
+             "allscan": lambda: a * first[0] + first[1]}
+    times = alone(cases, args.repeats, "wall", args.warmup, device)
+    rows = [Row("gpu", name, f"P={args.P}, N={args.sched_seq}", LASP_HOP, "ms", statistics.median(t) * 1e3,
+                tuple(x * 1e3 for x in (min(t), max(t))), detail={
+                    "what": "scan of the chunk states with state_in (on a copy of the chunk products)" if name == "lasp1"
+                    else f"fold of block 1 of {blocks}"}) for name, t in times.items()]
+    shapes = Shapes(1, args.sched_seq, args.heads, args.heads, args.head_dim, 4)
+    for name, comm in (("lasp2", "allgather"), ("lasp1", "ring"), ("allscan", "allscan")):
+        at = [sum(closed_form_by_kind("lasp", p, shapes, 1, lasp_comm=comm).values()) for p in (args.P, 2 * args.P)]
+        rows.append(Row("gpu", name, f"P={args.P} -> {2 * args.P}", LASP_BYTES, "x", at[1] / at[0],
+                        detail={"bytes at P": at[0], "bytes at 2P": at[1]}))
+    return rows
+
+
 # -- (c) memory, and the command -------------------------------------------------------------------
 
 
@@ -259,8 +303,9 @@ def measure(args, argv: List[str]) -> int:
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"     # a known profile's name in it, or h100
     gpu = load_gpu(args.gpu or next((g for g in known_gpus() if g in name.lower()), "h100"))
     peak = gpu.peaks["bf16_tflops" if args.dtype == "bf16" else "tf32_tflops"] * 1e12 if device == "cuda" else None
-    found = kernel_rows(args, device, peak) + schedule_rows(args, device) + memory_rows(args, gpu)
-    facts = {"title": f"One device: local kernels, one rank's share of each strategy, memory ({name})",
+    found = kernel_rows(args, device, peak) + schedule_rows(args, device) + memory_rows(args, gpu) + \
+        lasp_rows(args, device)
+    facts = {"title": f"One device: local kernels, one rank's share of each strategy, memory, LASP's chain ({name})",
              "setup": f"{device}, {args.dtype}, batch 1, {args.heads} heads x {args.head_dim}, causal; window "
                       f"{args.window}, softcap {args.softcap:g}, sinks one logit per head; {args.repeats} rounds after "
                       f"{args.warmup} warm-up, interleaved (harness.alone), medians (min-max). Shares: P={args.P}, "

@@ -27,7 +27,7 @@ from ..strategies import RING_STRATEGIES
 
 SOFTMAX = ("ulysses",) + RING_STRATEGIES
 ULYSSES_CHUNKED = ("ulysses_c1", "ulysses_c2", "ulysses_c4")      # cases of the vocabulary below
-LINEAR = ("lasp2", "lasp1")
+LINEAR = ("lasp2", "lasp1", "allscan")
 # the case vocabulary every suite speaks: a case name -> its sequence_parallel keys (size and kernel per run);
 # ds_ulysses is DeepSpeed's DistributedAttention on the group our Ulysses would use
 SP_KEYS = {**{name: {"strategy": name} for name in SOFTMAX},
@@ -37,7 +37,8 @@ SP_KEYS = {**{name: {"strategy": name} for name in SOFTMAX},
            **{f"ulysses_c{c}": {"strategy": "ulysses", "ulysses_chunks": c} for c in (1, 2, 4)},
            "ulysses_auto": {"strategy": "ulysses", "ulysses_chunks": "auto"},
            "ds_ulysses": {"strategy": "ulysses"},
-           "lasp2": {"strategy": "lasp", "lasp_comm": "allgather"}, "lasp1": {"strategy": "lasp", "lasp_comm": "ring"}}
+           "lasp2": {"strategy": "lasp", "lasp_comm": "allgather"}, "lasp1": {"strategy": "lasp", "lasp_comm": "ring"},
+           "allscan": {"strategy": "lasp", "lasp_comm": "allscan"}}
 
 
 def strategy_config(name: str, world: int, backend: str = "torch") -> dict:

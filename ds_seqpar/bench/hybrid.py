@@ -31,6 +31,7 @@ PROG = "ds-seqpar bench hybrid"
 # class) and the sequence-parallel cases a layer runs under
 SP_CASES = {"lasp_allgather": dict(linear_strategy="lasp", lasp_comm="allgather"),
             "lasp_ring": dict(linear_strategy="lasp", lasp_comm="ring"),
+            "lasp_allscan": dict(linear_strategy="lasp", lasp_comm="allscan"),
             "ulysses": dict(linear_strategy="ulysses")}
 # family -> (as in, model type, config keys): one linear layer of the model's own classes; head sizes as
 # the named models', fewer heads (one CPU thread per rank)
@@ -62,9 +63,11 @@ def family_config(name: str, hidden: int):
     return cls(**dict(kw, hidden_size=hidden, **keys))
 
 
-def family_cases(name: str) -> List[str]:
-    """A short conv has no state: lasp ring and ulysses run the same halo as allgather."""
-    return ["single", "halves"] + (["lasp_allgather"] if name == "conv" else list(SP_CASES))
+def family_cases(name: str, sp_cases=tuple(SP_CASES)) -> List[str]:
+    """A short conv has no state: lasp ring and ulysses run the same halo as allgather. ``sp_cases``: the
+    SP_CASES asked for (--sp-cases)."""
+    return ["single", "halves"] + [c for c in (["lasp_allgather"] if name == "conv" else list(SP_CASES))
+                                   if c in sp_cases]
 
 
 def family_sizes(fam: str, hidden: int) -> str:
@@ -149,7 +152,7 @@ def _case_fns(args, rank: int):
         cfg = family_config(fam, args.hidden)
         g = torch.Generator().manual_seed(1)
         x, dout = (torch.randn(1, args.seq, args.hidden, generator=g) for _ in range(2))
-        for case in family_cases(fam):
+        for case in family_cases(fam, args.sp_cases):
             if case in ("single", "halves"):
                 layer = _mixer(cfg)[1]
                 xs = (x, dout) if case == "single" else tuple(t.chunk(args.P, 1)[mine].clone() for t in (x, dout))
@@ -276,12 +279,18 @@ def rows(per_rank, args, meta, ops: Optional[List[dict]], train: Optional[Dict[s
     the closed form; the local op alone; the whole training step."""
     layer, out, sent = f"One layer, fwd+bwd at N={meta['seq']}, P={meta['P']}", [], []
     for fam in args.families:
-        times = {case: case_times(per_rank, f"{fam}/{case}") for case in family_cases(fam)}
+        times = {case: case_times(per_rank, f"{fam}/{case}") for case in family_cases(fam, args.sp_cases)}
         for case, x in times.items():
             s = versus(times["single"], x)
             out.append(Row("hybrid", fam, case, layer, "x", s["ratio"], tuple(s["ratio_range"]),
                            target="hybrid_layer" if case.startswith("lasp") else None,
                            detail={"wall s": x["time"], "CPU speedup": s["cpu_ratio"], "CPU s per rank": x["cpu"]}))
+        for other in ("lasp_allgather", "lasp_ring"):      # paired per round: the exchanges against each other
+            if "lasp_allscan" in times and other in times:
+                vs = versus(times["lasp_allscan"], times[other])
+                out.append(Row("hybrid", fam, f"lasp_allscan / {other}", f"All-Scan against the other LASP exchanges, "
+                               f"one layer at N={meta['seq']}, P={meta['P']}: time ratio", "x", vs["ratio"],
+                               tuple(vs["ratio_range"]), detail={"busiest-rank CPU ratio": vs["cpu_ratio"]}))
         sent += [Row("hybrid", fam, case, "Bytes per rank of one layer against the closed form", "B", x["bytes"],
                      predicted=layer_bytes(fam, case, args), target="bytes")
                  for case, x in times.items() if case in SP_CASES]
@@ -323,6 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = suite_parser(PROG, __doc__, "hybrid_cpu", P=2, seq=8192)
     ap.add_argument("--families", default=",".join(FAMILIES), help=f"comma list of {', '.join(FAMILIES)}")
     ap.add_argument("--hidden", type=int, default=512, help="the layer's hidden size")
+    ap.add_argument("--sp-cases", default=",".join(SP_CASES), help=f"comma list of {', '.join(SP_CASES)} (ulysses "
+                    f"needs the family's heads divisible by P)")
     ap.add_argument("--op-rounds", type=int, default=3, help="rounds of the op-alone timing on rank 0 (0: skip)")
     ap.add_argument("--train-model", default=os.path.join("configs", "models", "qwen3_5_small.json"),
                     help="the hybrid of the training-step comparison (a config JSON or model directory)")
@@ -336,6 +347,10 @@ def resolve(args) -> argparse.Namespace:
     bad = [f for f in args.families if f not in FAMILIES]
     if bad or not args.families:
         raise SystemExit(f"{PROG}: --families {bad or args.families}: choose from {', '.join(FAMILIES)}")
+    args.sp_cases = tuple(c for c in args.sp_cases.split(",") if c)
+    bad = [c for c in args.sp_cases if c not in SP_CASES]
+    if bad or not args.sp_cases:
+        raise SystemExit(f"{PROG}: --sp-cases {bad or args.sp_cases}: choose from {', '.join(SP_CASES)}")
     if args.P < 2 or args.seq % args.P or args.repeats < 1 or args.warmup < 0:
         raise SystemExit(f"{PROG}: --P {args.P} must be >= 2 and divide --seq {args.seq}; --repeats >= 1, "
                          f"--warmup >= 0")

@@ -13,6 +13,7 @@ forms' unit), so each formula below divides them by one link's bandwidth:
                      (B_inter = the share of its peers off the node: (p - g) / (p - 1) of B)
     ring send/recv   per hop alpha + b / beta of the slowest hop (inter-node if the ring leaves
                      the node); with overlap only what exceeds the compute of the same step shows
+    LASP state chain P - 1 hops of one state (LASP-1); All-Scan P - 2 + K hops of one of K blocks
     all-gather, reduce-scatter, all-reduce (ring algorithms): (p - 1) alpha + B / beta
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..masks import Mask, cut_documents
 from ..strategies import RING_STRATEGIES
 from ..strategies.closed_form import Shapes
 from ..strategies.ulysses import chunk_counts, kv_replication
+from ..strategies.state_scan import scan_blocks
 from .bytes import SPAN_BUDGET, comm_per_layer, exact_spans, layer_mask
 from .candidate import SOFTMAX_KINDS
 from .chunks import choose, comm_overlap, ulysses_exposed_s, why
@@ -148,7 +150,8 @@ def comm_s(c, shape, per_layer, attn_s: Dict[str, float], gpu, gpus_per_node: in
            peers: Optional[Dict[str, int]] = None, chunks: int = 1) -> Dict[str, float]:
     """Exposed seconds per step by layer kind: Ulysses' all-to-alls (in ``chunks`` head chunks), the ring's excess over
     the same layer's attention compute (a masked ring talks only to the peers whose blocks it needs),
-    LASP's collectives (LASP-1: P - 1 hops one after the other, forward and back)."""
+    LASP's collectives (LASP-1: P - 1 hops one after the other, forward and back; All-Scan: P - 2 + K hops
+    of one block: lasp_chain_time)."""
     g, out = gpus_per_node, {}
     r = c.size // c.ulysses_size
     for kind, by_kind in per_layer.items():
@@ -161,13 +164,26 @@ def comm_s(c, shape, per_layer, attn_s: Dict[str, float], gpu, gpus_per_node: in
         rest = sum(v for k, v in by_kind.items() if k not in ("all_to_all", "ring", "ring_grad"))
         if kind in ("linear", "mamba") and c.linear_strategy == "ulysses":
             t += all_to_all_time(gpu, rest, c.size, g, calls=8)
-        elif kind == "lasp" and c.lasp_comm == "ring":
+        elif kind == "lasp" and c.lasp_comm in ("ring", "allscan"):
             link = gpu.inter if c.size > g else gpu.intra
-            t += 2 * (c.size - 1) * link.time(rest / 2)         # the state waits for every earlier rank
+            t += 2 * lasp_chain_time(link, by_kind.get("lasp_state", 0), c.size, c.lasp_comm, shape.dv)
         else:
             t += collective_time(gpu, rest, c.size, g)
         out[kind] = t * layers
     return out
+
+
+def lasp_chain_time(link, state_bytes: float, p: int, lasp_comm: str, columns: int) -> float:
+    """One direction of a state that walks the ranks (forward; the backward's dstate the same):
+    LASP-1 ("ring") waits P - 1 hops of one whole state; All-Scan ("allscan") cuts it into
+    K = state_scan.scan_blocks(P, columns, state_bytes) blocks, each hop forwarding a block as soon as it came,
+    so the last block is out after P - 2 + K hops of one block."""
+    if p <= 1 or state_bytes <= 0:
+        return 0.0
+    if lasp_comm == "ring":
+        return (p - 1) * link.time(state_bytes)
+    k = scan_blocks(p, columns, int(state_bytes))
+    return (p - 2 + k) * link.time(state_bytes / k)
 
 
 @dataclass
@@ -251,5 +267,5 @@ def rank_calls(strategy: str, p: int, seq: int, causal: bool = True,
 
 
 __all__ = ["all_to_all_time", "attention_keys", "busiest_calls_s", "busiest_kernel_s", "call_s", "collective_time", "comm_s",
-           "compute_s", "rank_calls", "ring_link", "ring_time", "spans_nodes", "StepTime", "step_time",
-           "ulysses_a2a_s", "ulysses_chunks", "ulysses_degree", "zero_bytes"]
+           "compute_s", "lasp_chain_time", "rank_calls", "ring_link", "ring_time", "spans_nodes", "StepTime",
+           "step_time", "ulysses_a2a_s", "ulysses_chunks", "ulysses_degree", "zero_bytes"]

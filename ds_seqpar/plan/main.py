@@ -18,7 +18,7 @@ from .ds_json import ds_config
 from ..cost.bytes import SPAN_BUDGET
 from .inputs import OWN_LM, check_args, equal_documents, load_model
 from .model_shape import ModelShape
-from .search import HEADROOM, Cluster, Prediction, gpus_needed, longest_sequence, plan
+from .search import HEADROOM, Cluster, Prediction, gpus_needed, lasp_comm_reasons, longest_sequence, plan
 
 GB, KB, MB = 1e9, 1e3, 1e6
 
@@ -86,6 +86,7 @@ def render(shape: ModelShape, opts, cluster: Cluster, ok: List[Prediction], reje
                      p.chunks_why or "-", f"{p.compute_s:.2f}", f"{p.step_s:.2f}", f"{p.tokens_s:,.0f}",
                      f"{p.mfu:.0%}"))
     lines += _table(hdr, rows) if rows else ["no configuration fits (see the rejections)"]
+    lines += [f"why: {line}" for line in lasp_comm_reasons(ok)]
     if len(ok) > opts.top:
         lines.append(f"... {len(ok) - opts.top} more feasible configurations (--top N)")
     lines += ["", f"rejected: {len(rejected)} configurations"]

@@ -14,7 +14,7 @@ from itertools import product
 from typing import Dict, List, Optional, Tuple
 
 from .. import strategies
-from ..config import ConfigError, SequenceParallelConfig
+from ..config import LASP_COMMS, ConfigError, SequenceParallelConfig
 from ..strategies import RING_STRATEGIES
 from ..cost import flops, memory, times
 from ..cost.bytes import SPAN_BUDGET
@@ -80,8 +80,8 @@ def divisors(n: int) -> List[int]:
 
 
 def candidates(shape: ModelShape, gpus: int, zero: Optional[int], features=FEATURE_SETS, own_linear: bool = False):
-    """Every layout of each size dividing ``gpus`` (the own LM's linear layers: lasp, with both
-    lasp_comm past one rank), linear_strategy (hybrids), ZeRO stage and features."""
+    """Every layout of each size dividing ``gpus`` (the own LM's linear layers: lasp, with every
+    lasp_comm past one rank: lasp_comm_reasons says which one the cost model prefers and why), linear_strategy (hybrids), ZeRO stage and features."""
     stages, lins = [zero] if zero else [1, 2, 3], ["lasp", "ulysses"] if shape.hybrid else ["lasp"]
     for size in divisors(gpus):
         if own_linear:
@@ -91,7 +91,7 @@ def candidates(shape: ModelShape, gpus: int, zero: Optional[int], features=FEATU
         else:
             layouts = [("ulysses", size)] + [(s, 1) for s in RING_STRATEGIES]
             layouts += [(s, u) for s in RING_STRATEGIES for u in divisors(size) if 1 < u < size]
-        comms = ("allgather", "ring") if own_linear and size > 1 else ("allgather",)
+        comms = LASP_COMMS if own_linear and size > 1 else ("allgather",)
         for (strategy, u), lin, z, f, comm in product(layouts, lins, stages, features, comms):
             yield Candidate(strategy, size, u, z, f, lin, comm)
 
@@ -180,6 +180,27 @@ def plan(shape: ModelShape, seq: int, cl: Cluster, zero: Optional[int] = None, o
     return rank([p for p in preds if p.ok]), [p for p in preds if not p.ok]
 
 
+def lasp_comm_reasons(feasible: List[Prediction]) -> List[str]:
+    """Per size, the lasp_comm the cost model picks for the own LM and why: each exchange's exposed
+    LASP seconds per step (cost/times.py: LASP-2's all-gather grows with P, LASP-1 waits P - 1 whole
+    states, All-Scan P - 2 + K blocks) and its bytes per rank per layer."""
+    best: Dict[int, Dict[str, Prediction]] = {}
+    for p in feasible:
+        c = p.candidate
+        if c.strategy == "lasp" and c.size > 1:
+            mine = best.setdefault(c.size, {})
+            if c.lasp_comm not in mine or p.tokens_s > mine[c.lasp_comm].tokens_s:
+                mine[c.lasp_comm] = p
+    out = []
+    for size, by_comm in sorted(best.items()):
+        order = sorted(by_comm.values(), key=lambda p: (p.comm_s.get("lasp", 0.0), -p.tokens_s))
+        parts = [f"{p.candidate.lasp_comm} {p.comm_s.get('lasp', 0.0) * 1e3:.2f} ms, "
+                 f"{p.comm_bytes.get('lasp', 0.0) / 1e6:.2f} MB/layer" for p in order]
+        out.append(f"size {size}: lasp_comm {order[0].candidate.lasp_comm} (exposed LASP time per step, bytes per "
+                   f"rank: {' < '.join(parts)})")
+    return out
+
+
 def rank(feasible: List[Prediction]) -> List[Prediction]:
     """Ties: each run of predictions within NEAR_TIE of the fastest not yet placed."""
     rest, ranked = sorted(feasible, key=lambda p: -p.tokens_s), []
@@ -213,4 +234,5 @@ def gpus_needed(shape: ModelShape, seq: int, cl: Cluster, zero: Optional[int] = 
 
 
 __all__ = ["Cluster", "FEATURE_SETS", "HEADROOM", "NEAR_TIE", "Prediction", "candidates", "check", "gpus_needed",
+           "lasp_comm_reasons",
            "longest_sequence", "plan", "predict", "rank"]

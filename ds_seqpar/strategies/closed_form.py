@@ -117,7 +117,11 @@ def state_exchange_bytes(plan, rank: int, state_bytes: int, map_bytes: int, lasp
     that feed another) of B, and of A where the transition travels (``map_bytes`` per slot; 0 for the
     fixed decay), all-gathered (P-1 pieces) and reduce-scattered back ((P-1)/P of P pieces); nothing
     when no state crosses a rank. ring: one state per hop to another rank, forward (to the next
-    fragment's owner) and backward (to the previous one's). No term grows with N."""
+    fragment's owner) and backward (to the previous one's). allscan: the ring's, each state in K
+    blocks (constant in P: no rank sends more than its fragments' boundary states). No term grows
+    with N."""
+    if lasp_comm not in ("allgather", "ring", "allscan"):
+        raise ValueError(f"lasp_comm {lasp_comm!r}: allgather, ring or allscan")
     if lasp_comm == "allgather":
         each = (plan.p - 1) * plan.width * (state_bytes + map_bytes)
         return {"lasp_state": each, "lasp_dstate": each}
@@ -256,7 +260,7 @@ def closed_form_by_kind(strategy: str, p: int, shapes: Shapes, rank: int = 0, ul
     """{CommStats kind: bytes} rank ``rank`` of a sequence group of ``p`` ranks sends for one
     fwd+bwd of one attention call over ``shapes`` (global length); kinds that send nothing are left
     out. ``ulysses_size`` > 1 with a ring strategy is the 2D hybrid, as in the config key;
-    ``lasp_comm`` picks LASP-1 (ring) or LASP-2 (allgather). ``cu_seqlens``: packed documents over
+    ``lasp_comm`` picks LASP-1 (ring), LASP-2 (allgather) or All-Scan (allscan: the ring's bytes). ``cu_seqlens``: packed documents over
     shapes.seq tokens (the padded length; ``causal`` matters to the ring family then); ``window``: a
     sliding window (the ring family sends only the keys it reaches; Ulysses' bytes are unchanged);
     ``blocks``: bidirectional blocks, global (start, end) pairs (a block's keys also reach its earlier

@@ -23,12 +23,16 @@ the block start, and dS_r starts the reverse scan, so dk, dv through the chunk s
 
 How states travel is kept apart from what is computed on them: each rank's block is a fragment
 whose transition is the fixed lambda^L, and the states go through the exchange the hybrids' linear
-layers use (state_exchange.py, lasp_comm picks it):
+layers use (state_exchange.py, state_scan.py; lasp_comm picks it, exchanges.py):
 
 - "ring" (LASP-1). Forward: rank r receives state_in from r-1 and forwards
   lambda^L state_in + S_r to r+1: P-1 sequential hops. Backward walks the ring in reverse:
   dstate flows from r+1 to r; rank r receives D_{r+1} (= dS_r, the gradient of the state it sent)
   and forwards D_r = G_r + lambda^L D_{r+1} to r-1.
+- "allscan" (All-Scan). The ring's order, but every rank has S_r before state_in comes and the
+  state travels in K blocks along Dv (state_scan.scan_blocks): rank r forwards block k of
+  lambda^L state_in + S_r as soon as block k of state_in came, so a hop waits for one block, not
+  for the rank's scan. Backward the same in reverse with D_r = G_r + lambda^L D_{r+1} per block.
 - "allgather" (LASP-2). Forward: all-gather every S_r', then a local decay-weighted
   prefix sum. Backward is the dual collective: rank r puts lambda^(L (r-1-r')) G_r in slot r' < r
   of a [P, 1, B, H, Dk, Dv] buffer and a reduce-scatter hands each rank the sum for its own S.
@@ -49,6 +53,7 @@ still carries it: zeros), rank 0's G.
 Bytes sent per rank, one forward + backward; state_bytes = B*H*Dk*Dv*4 (8 for fp64 inputs):
 
     ring:       state_bytes * ([r < P-1] + [r > 0])      one state forward, one dstate backward
+    allscan:    state_bytes * ([r < P-1] + [r > 0])      the ring's, in K messages per hop
     allgather:  state_bytes * 2 * (P-1)                  all-gather (P-1); reduce-scatter (P-1)/P of P
 None of it depends on L: LASP's communication does not grow with the sequence.
 
@@ -77,7 +82,8 @@ from ..kernels.linear import (backward_begin, backward_finish, backward_local, c
                                 state_dtype)
 from .base import Strategy
 from .lasp_chain import LaspChain
-from .state_exchange import EXCHANGES, FixedDecay
+from .exchanges import exchange_for
+from .state_exchange import FixedDecay
 
 CHUNK_SIZE = 64          # the kernel's chunk, as single-process linear_attention uses
 
@@ -87,7 +93,7 @@ def _exchange(ctx, q_bshd, v_bshd, decay_h, chain: LaspChain):
     b, _, heads, dk = q_bshd.shape
     dtype = state_dtype(q_bshd.dtype)
     like = torch.empty((b, heads, dk, v_bshd.shape[-1]), dtype=dtype, device=q_bshd.device)   # a template only
-    return EXCHANGES[ctx.lasp_comm](chain, ctx.sp_rank, ctx.sp_group, ctx.stats, like, FixedDecay(decay_h, dtype),
+    return exchange_for(ctx.lasp_comm)(chain, ctx.sp_rank, ctx.sp_group, ctx.stats, like, FixedDecay(decay_h, dtype),
                                     ctx.overlap)
 
 
@@ -164,6 +170,7 @@ class LaspAttention(Strategy):
 
     def __init__(self, ctx):
         super().__init__(ctx)
+        exchange_for(ctx.lasp_comm)         # an unknown lasp_comm is refused here, before any transfer
         self._chains = OrderedDict()
 
     def chain(self, n: int, docs=None) -> LaspChain:

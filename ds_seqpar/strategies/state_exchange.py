@@ -13,8 +13,8 @@ Every fragment (lasp_chain.py) runs as an affine map of the state that enters it
 
 Transition gives apply (A . S), transpose (A^T . D) and grad (dA from dS_out and S_in).
 
-Two exchanges, as ``lasp_comm`` names them; CommStats kinds "lasp_state" (forward) and "lasp_dstate"
-(backward) for both:
+Three exchanges, as ``lasp_comm`` names them; CommStats kinds "lasp_state" (forward) and "lasp_dstate"
+(backward) for all:
 
 - allgather (LASP-2). Forward: all-gather every rank's slots (the B of each fragment that feeds
   another; A too where it travels), then fold each local fragment's chain: S_in = A_c1 ... B_cn + ... +
@@ -23,6 +23,11 @@ Two exchanges, as ``lasp_comm`` names them; CommStats kinds "lasp_state" (forwar
 - ring (LASP-1). Forward: fragments in global order, each owner receiving S_in from the previous one
   and sending A . S_in + B on (or B at once, for a fragment that is not fed). Backward walks back:
   the owner receives dS_out, sends dS_in = G + A^T dS_out (G: S_in's gradient through the output).
+- allscan (All-Scan, ZeCO; state_scan.py). The ring's order and bytes, but every owner has B before the
+  state comes and the state travels in K blocks of value columns: an owner forwards block k of
+  A . S_in + B as soon as block k of S_in came, so a hop waits for one block, not for the owner's work.
+
+exchanges.py looks them up by name.
 
 The phases, per local fragment j (the caller's order: global): forward ``post`` (the slots or the
 first sends, receives posted), ``state_in(j)``, ``pass_on(j, A . S_in + B)`` (ring); backward
@@ -282,8 +287,5 @@ class RingStates(_Exchange):
         return self.transition((self.r, j)).grad(d_out, s_in)
 
 
-EXCHANGES = {"allgather": GatheredStates, "ring": RingStates}
-
-
-__all__ = ["EXCHANGES", "GatheredStates", "RingStates", "Transition", "FixedDecay", "TravellingMaps",
+__all__ = ["GatheredStates", "RingStates", "Transition", "FixedDecay", "TravellingMaps",
            "STATE", "DSTATE"]

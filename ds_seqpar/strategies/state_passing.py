@@ -12,7 +12,8 @@ Every such mixer runs a block of tokens as an affine map of the state that enter
 so a rank needs, for each of its fragments (lasp_chain.py: maximal runs of consecutive global
 positions, cut at document starts; one per rank in the contiguous layout, two in zigzag), the state
 entering it: the fold of the maps of every fragment before it in global order. The states go through
-state_exchange.py, the exchange the own LM's LASP uses (allgather: LASP-2, ring: LASP-1).
+state_exchange.py / state_scan.py, the exchanges the own LM's LASP uses (allgather: LASP-2, ring: LASP-1,
+allscan: All-Scan; exchanges.py by name).
 
 linear_strategy "ulysses": all-to-all to whole sequences of a P-th of the heads, the layer's own op,
 all-to-all back.
@@ -35,7 +36,8 @@ from torch import Tensor
 from .. import comm
 from ..errors import ConfigError
 from .lasp_chain import StatePlan, cut_at_documents, fragments, global_order
-from .state_exchange import EXCHANGES, FixedDecay, TravellingMaps
+from .exchanges import exchange_for
+from .state_exchange import FixedDecay, TravellingMaps
 
 
 class LinearExchange:
@@ -45,6 +47,8 @@ class LinearExchange:
     def __init__(self, linear_strategy: str, lasp_comm: str, ctx):
         self.heads_parallel = linear_strategy == "ulysses"
         self.lasp_comm = lasp_comm
+        if not self.heads_parallel:
+            exchange_for(lasp_comm)              # refused at set-up, before any layer communicates
         self.layout, self.size, self.rank = ctx.layout, ctx.sp_size, ctx.sp_rank
         self.group, self.stats = ctx.sp_group, ctx.stats
         self._runs = {}
@@ -68,7 +72,7 @@ class LinearExchange:
         (fp32); the transition: a_f [nf, .., K, K or 1] (data-dependent, differentiable) or the fixed
         decay_h [heads] (lambda^n, no gradient). Differentiable in b_f and a_f."""
         maps = TravellingMaps(a_f) if a_f is not None else FixedDecay(decay_h, b_f.dtype)
-        exchange = EXCHANGES[self.lasp_comm](StatePlan(frags, resets), self.rank, self.group, self.stats,
+        exchange = exchange_for(self.lasp_comm)(StatePlan(frags, resets), self.rank, self.group, self.stats,
                                              b_f[0], maps)
         return _EnteringStates.apply(b_f, a_f, exchange)
 

@@ -1,6 +1,6 @@
 """torch.compile(fullgraph=True) of modules that call sp.attention (every softmax strategy and the 2D hybrid;
 window, softcap, sinks, packed documents as a tensor and as a list, causal and not, GQA) and
-sp.linear_attention (LASP allgather and ring; decay, packed documents): the output, the input's gradient
+sp.linear_attention (LASP allgather, ring and allscan; decay, packed documents): the output, the input's gradient
 and EVERY parameter's gradient (the projections before the attention included) equal a single-process
 dense reference within the derived tolerance, eager and compiled alike, and the compiled run counts the
 same bytes and calls in sp.stats as the eager one.
@@ -19,6 +19,7 @@ from ds_seqpar import SequenceParallel, ops
 from ds_seqpar.kernels.linear.naive import linear_attention_reference
 
 from ..reference import assert_derived_close, dense_attention
+from .test_lasp import scan_blocks_of
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, SEQ = 16, 4, 2, 8, 64
 BOUNDS = [0, 11, 40, 64]
@@ -161,7 +162,7 @@ def _compiled_blocks(cfgs, backend, linear, kv_heads=KV_HEADS):
 SWEEP = {2: [{"strategy": s, "size": 2} for s in ("ulysses", "ring", "zigzag", "striped")],
          4: [{"strategy": s, "size": 4} for s in ("ulysses", "ring", "zigzag", "striped")]
          + [{"strategy": "zigzag", "size": 4, "ulysses_size": 2}]}
-LINEAR_SWEEP = {p: [{"strategy": "lasp", "size": p, "lasp_comm": c} for c in ("allgather", "ring")] for p in (2, 4)}
+LINEAR_SWEEP = {p: [{"strategy": "lasp", "size": p, "lasp_comm": c} for c in ("allgather", "ring", "allscan")] for p in (2, 4)}
 
 
 @pytest.mark.parametrize("size", [2, 4])
@@ -184,8 +185,8 @@ def test_ulysses_head_chunks_compile_fullgraph_and_match_dense_reference(pool, s
 
 @pytest.mark.parametrize("size", [2, 4])
 def test_linear_attention_compiles_fullgraph_and_matches_reference(pool, size):
-    for done in pool.run(_compiled_blocks, LINEAR_SWEEP[size], "aot_eager", True):
-        assert done == ["lasp"] * 2
+    for done in pool.run(scan_blocks_of, _compiled_blocks, LINEAR_SWEEP[size], "aot_eager", True):
+        assert done == ["lasp"] * len(LINEAR_SWEEP[size])
 
 
 # -- inductor: one module per size, both ops in one graph ------------------------------------------

@@ -14,13 +14,13 @@ from ..hf_hybrids import batch, build, hybrid_config
 
 REL = 1e-5
 SEQ = 64
-# each exchange once over the compiled tests: lasp allgather (gated DeltaNet, P=2) and linear_strategy ulysses
-# (SSD, P=2) here, with packed documents; lasp_comm ring (SSD, P=4) under inductor below. At P=2 the world's
-# two sequence groups run one family each (compiling is the cost: one per round)
+# each exchange once over the compiled tests: lasp allgather (gated DeltaNet, P=2), allscan (lightning, P=2) and
+# linear_strategy ulysses (SSD, P=2) here, with packed documents; lasp_comm ring (SSD, P=4) under inductor below.
+# At P=2 the world's two sequence groups run one family each (compiling is the cost: one per round)
 ROUNDS = [[("qwen3_5_text", dict(size=2, strategy="ring")),
            ("bamba", dict(size=2, strategy="zigzag", linear_strategy="ulysses"))],
-          # lightning attention (its replaced forward calls the same op), both exchanges
-          [("minimax", dict(size=2, strategy="ring")),
+          # lightning attention (its replaced forward calls the same op), both linear strategies (lasp: All-Scan)
+          [("minimax", dict(size=2, strategy="ring", lasp_comm="allscan")),
            ("minimax", dict(size=2, strategy="zigzag", linear_strategy="ulysses"))]]
 # one linear layer and no softmax attention where the round is about the linear layer alone (compiling is the cost)
 LAYERS = {"minimax": dict(layer_types=["linear_attention"], num_hidden_layers=1)}

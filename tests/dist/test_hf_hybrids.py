@@ -1,18 +1,20 @@
 """Hybrid models (gated DeltaNet, Kimi delta attention, Mamba2 SSD, short convolutions next to softmax attention)
 under sequence parallelism on the shared pool: logits, loss and every parameter gradient equal the
 unsharded model (tests/hf_hybrids.py derives the bound), for each family, both state exchanges
-(lasp_comm allgather / ring), linear_strategy ulysses, softmax strategies ulysses, ring and zigzag,
+(lasp_comm allgather / ring / allscan), linear_strategy ulysses, softmax strategies ulysses, ring and zigzag,
 P = 2 and 4; what cannot be exact is refused by name on every rank."""
 import pytest
 
 from ..hf_hybrids import check_hybrid, check_hybrids, check_packed
+from .test_lasp import scan_blocks_of
 
 P2 = dict(size=2)
 P4 = dict(size=4)
 # the headline family gets the whole matrix; the others one P=2 and one P=4 setting, varied
 FULL = [dict(P2, strategy="ring"), dict(P2, strategy="ring", lasp_comm="ring"), dict(P2, strategy="zigzag"),
         dict(P2, strategy="ulysses", linear_strategy="ulysses"), dict(P4, strategy="zigzag", lasp_comm="ring"),
-        dict(P4, strategy="ulysses"), dict(P4, strategy="ring", linear_strategy="ulysses")]
+        dict(P4, strategy="ulysses"), dict(P4, strategy="ring", linear_strategy="ulysses"),
+        dict(P2, strategy="ring", lasp_comm="allscan"), dict(P4, strategy="zigzag", lasp_comm="allscan")]
 CASES = [
     ("qwen3_5_text", FULL),
     ("qwen3_next", [dict(P2, strategy="zigzag", lasp_comm="ring"), dict(P4, strategy="ring")]),
@@ -20,11 +22,12 @@ CASES = [
     ("olmo_hybrid", [dict(P2, strategy="ring", linear_strategy="ulysses"), dict(P4, strategy="zigzag", lasp_comm="ring")]),
     ("kimi_linear", [dict(P2, strategy="ring"), dict(P4, strategy="zigzag", lasp_comm="ring")]),
     ("bailing_hybrid", [dict(P2, strategy="zigzag", linear_strategy="ulysses"), dict(P4, strategy="ring")]),
-    ("bamba", [dict(P2, strategy="ring", lasp_comm="ring"), dict(P4, strategy="zigzag")]),
+    ("bamba", [dict(P2, strategy="ring", lasp_comm="ring"), dict(P4, strategy="zigzag", lasp_comm="allscan")]),
     ("granitemoehybrid", [dict(P2, strategy="zigzag", linear_strategy="ulysses"), dict(P4, strategy="ring")]),
     ("nemotron_h", [dict(P2, strategy="ulysses"), dict(P4, strategy="zigzag", lasp_comm="ring")]),
     ("falcon_h1", [dict(P2, strategy="zigzag", lasp_comm="ring"), dict(P4, strategy="ulysses")]),
-    ("minimax", [dict(P2, strategy="zigzag", linear_strategy="ulysses"), dict(P4, strategy="ring", lasp_comm="ring")]),
+    ("minimax", [dict(P2, strategy="zigzag", linear_strategy="ulysses"), dict(P4, strategy="ring", lasp_comm="ring"),
+                 dict(P4, strategy="zigzag", lasp_comm="allscan")]),
     ("lfm2", [dict(P2, strategy="zigzag"), dict(P4, strategy="ulysses")]),
     ("lfm2_moe", [dict(P2, strategy="ring"), dict(P4, strategy="zigzag")]),
     ("lfm3", [dict(P2, strategy="ulysses"), dict(P4, strategy="ring")]),
@@ -34,7 +37,7 @@ CASES = [
 # rank. None may be refused.
 SCANS = [
     ("mamba", [dict(P2, strategy="ring"), dict(P2, strategy="zigzag", lasp_comm="ring"),
-               dict(P2, strategy="ring", linear_strategy="ulysses")]),
+               dict(P2, strategy="ring", linear_strategy="ulysses"), dict(P4, strategy="zigzag", lasp_comm="allscan")]),
     ("falcon_mamba", [dict(P2, strategy="zigzag"), dict(P2, strategy="ring", lasp_comm="ring"),
                       dict(P2, strategy="ulysses", linear_strategy="ulysses")]),
     ("jamba", [dict(P2, strategy="zigzag"), dict(P2, strategy="ulysses", lasp_comm="ring"),
@@ -48,7 +51,7 @@ SCANS = [
 
 @pytest.fixture(scope="module")
 def results(pool):
-    return pool.run(check_hybrids, CASES, timeout=900)
+    return pool.run(scan_blocks_of, check_hybrids, CASES, timeout=900)
 
 
 @pytest.mark.parametrize("model_type", [mt for mt, _ in CASES])
@@ -64,7 +67,7 @@ def test_hybrid_family_is_exact(results, model_type):
 
 
 def test_mamba1_scans_and_shared_groups_are_exact(pool):
-    results = pool.run(check_hybrids, SCANS, False, True, timeout=900)
+    results = pool.run(scan_blocks_of, check_hybrids, SCANS, False, True, timeout=900)
     for mt, settings in SCANS:
         for rank in (0, 2) if all(s["size"] == 2 for s in settings) else (0,):
             assert len(results[rank][mt]) == len(settings)
@@ -265,9 +268,12 @@ def _check_cost_model(sp, cfg, seq, rows, got):
     ("bamba, n_groups=1", dict(strategy="ulysses", size=4, linear_strategy="ulysses")),
     ("mamba", dict(strategy="zigzag", size=2)), ("mamba", dict(strategy="ring", size=2, lasp_comm="ring")),
     ("mamba", dict(strategy="ring", size=2, linear_strategy="ulysses")),
-    ("minimax", dict(strategy="zigzag", size=4)), ("minimax", dict(strategy="ring", size=2, linear_strategy="ulysses"))])
+    ("qwen3_5_text", dict(strategy="zigzag", size=4, lasp_comm="allscan")),
+    ("bamba", dict(strategy="ring", size=4, lasp_comm="allscan")), ("mamba", dict(strategy="ring", size=4, lasp_comm="allscan")),
+    ("minimax", dict(strategy="zigzag", size=4)), ("minimax", dict(strategy="zigzag", size=4, lasp_comm="allscan")),
+    ("minimax", dict(strategy="ring", size=2, linear_strategy="ulysses"))])
 def test_linear_layer_bytes_equal_the_closed_forms(pool, model_type, setting):
-    for got, want in pool.run(_bytes, setting, model_type):
+    for got, want in pool.run(scan_blocks_of, _bytes, setting, model_type):
         assert got == want and all(v > 0 for v in want.values()), (got, want)
 
 
@@ -279,9 +285,10 @@ AT_BOUNDARY = [0, 76, 77, 152]
 PACKED = [("qwen3_5_text", CROSSING, [dict(P4, strategy="ring"), dict(P4, strategy="zigzag", lasp_comm="ring"),
                                       dict(P2, strategy="ulysses", linear_strategy="ulysses")]),
           ("qwen3_5_text", AT_BOUNDARY, [dict(P2, strategy="ring", lasp_comm="ring"), dict(P4, strategy="zigzag")]),
+          ("qwen3_5_text", CROSSING, [dict(P4, strategy="zigzag", lasp_comm="allscan")]),
           ("kimi_linear", CROSSING, [dict(P4, strategy="zigzag")]),
           ("bamba", CROSSING, [dict(P4, strategy="ring", lasp_comm="ring"), dict(P2, strategy="zigzag", linear_strategy="ulysses")]),
-          ("minimax", CROSSING, [dict(P4, strategy="zigzag")]),
+          ("minimax", CROSSING, [dict(P4, strategy="zigzag"), dict(P4, strategy="ring", lasp_comm="allscan")]),
           ("lfm2", AT_BOUNDARY, [dict(P4, strategy="ring")])]
 
 
@@ -291,7 +298,7 @@ def _packed_all(cases):
 
 def test_packed_documents_equal_each_document_run_alone(pool):
     """The state and the conv halo restart at every document start, wherever it falls."""
-    for results in pool.run(_packed_all, PACKED, timeout=600):
+    for results in pool.run(scan_blocks_of, _packed_all, PACKED, timeout=600):
         for (mt, bounds, _), rows in zip(PACKED, results):
             for setting, ratio, what in rows:
                 assert ratio <= 1.0, f"{mt} {bounds} {setting}: {what} is {ratio:.3g}x the bound"

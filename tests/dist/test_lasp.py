@@ -20,7 +20,20 @@ SEQ, BATCH, DK, DV = 320, 2, 16, 12
 DECAY = torch.tensor([0.9, 0.95, 0.99, 1.0])       # per q head; 1.0: a head without decay
 # (decay, q heads, kv heads): with and without decay, MHA and GQA with kv heads 2 and 1
 CASES = [(d, 4, hkv) for d in (False, True) for hkv in (4, 2, 1)]
-MODES = ("ring", "allgather")
+MODES = ("ring", "allgather", "allscan")
+
+
+def scan_blocks_of(fn, *args, blocks=5):
+    """fn(*args) with All-Scan cutting even these tiny states into up to ``blocks`` blocks past P = 2
+    (its rule would send them whole: they are far below a link's latency-bandwidth product), so the
+    pipelined path, uneven blocks included (12 columns in 5: 3, 3, 2, 2, 2), is what runs."""
+    from ds_seqpar.strategies import state_scan
+    saved = state_scan.LINK_BYTES, state_scan.MAX_SCAN_BLOCKS
+    state_scan.LINK_BYTES, state_scan.MAX_SCAN_BLOCKS = 1, blocks
+    try:
+        return fn(*args)
+    finally:
+        state_scan.LINK_BYTES, state_scan.MAX_SCAN_BLOCKS = saved
 
 
 def lasp_inputs(seed, seq_len, heads, kv_heads):
@@ -74,7 +87,7 @@ def _check_exact(size):
 
 @pytest.mark.parametrize("size", [2, 4])
 def test_lasp_matches_single_process(pool, size):
-    for counts in pool.run(_check_exact, size):
+    for counts in pool.run(scan_blocks_of, _check_exact, size):
         assert len(counts) == len(CASES) * len(MODES), counts
 
 
@@ -91,6 +104,7 @@ def _bytes_sent(size, heads, kv_heads):
             sp.stats.reset()
             lasp_with_grads(sp, q, k, v, do, DECAY[:heads])
             out[mode, seq_len] = {kind: sent for kind, sent in sp.stats.bytes.items() if sent}
+            out[mode, "calls"] = {kind: sp.stats.calls[kind] for kind in ("lasp_state", "lasp_dstate")}
     return sp.rank, out
 
 
@@ -98,7 +112,7 @@ def _bytes_sent(size, heads, kv_heads):
 def test_lasp_bytes_match_closed_form_and_do_not_grow_with_length(pool, size):
     heads = 4
     for kv_heads in (4, 1):                  # states are per q head: GQA sends as much as MHA
-        for rank, sent in pool.run(_bytes_sent, size, heads, kv_heads):
+        for rank, sent in pool.run(scan_blocks_of, _bytes_sent, size, heads, kv_heads):
             for mode in MODES:
                 want = closed_form_by_kind("lasp", size, Shapes(BATCH, SEQ, heads, kv_heads, DK, 4, v_head_dim=DV),
                                            rank=rank, lasp_comm=mode)
@@ -106,6 +120,10 @@ def test_lasp_bytes_match_closed_form_and_do_not_grow_with_length(pool, size):
                 assert sent[mode, SEQ] == want, f"{what}: sent {sent[mode, SEQ]}, closed form {want}"
                 assert sent[mode, 2 * SEQ] == sent[mode, SEQ], \
                     f"{what}: bytes changed when the sequence doubled: {sent[mode, SEQ]} -> {sent[mode, 2 * SEQ]}"
+            # All-Scan posts the ring's sends and receives once per block: 5 blocks past P = 2 (scan_blocks_of)
+            blocks = 5 if size > 2 else 1
+            assert sent["allscan", "calls"] == {k: blocks * n for k, n in sent["ring", "calls"].items()}, \
+                (size, rank, sent["allscan", "calls"], sent["ring", "calls"])
 
 
 # -- errors before communication ---------------------------------------------------------------

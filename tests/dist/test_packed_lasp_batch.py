@@ -11,7 +11,7 @@ from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind
 from ds_seqpar.strategies.lasp_chain import LaspChain
 
 from ..reference import assert_derived_close
-from .test_lasp import DECAY, DK, DV
+from .test_lasp import DECAY, DK, DV, MODES, scan_blocks_of
 
 # 320 tokens (160 / 80 per rank at size 2 / 4, chunks of 64): documents of odd lengths, shorter than
 # a shard, one token long, crossing every rank boundary, ending exactly on one; 301: end padding
@@ -36,7 +36,7 @@ def _lasp_inputs(seed, seq, heads, kv_heads):
 
 def _check_lasp(size):
     checked = []
-    for mode in ("ring", "allgather"):
+    for mode in MODES:
         sp = SequenceParallel({"strategy": "lasp", "size": size, "lasp_comm": mode})
         for seq, bounds in LASP_CASES:
             for use_decay, kv_heads in ((False, 4), (True, 2)):
@@ -63,8 +63,8 @@ def _check_lasp(size):
 
 @pytest.mark.parametrize("size", [2, 4])
 def test_lasp_packed_documents_match_per_document_reference(pool, size):
-    for checked in pool.run(_check_lasp, size):
-        assert len(checked) == 2 * len(LASP_CASES) * 2, checked
+    for checked in pool.run(scan_blocks_of, _check_lasp, size):
+        assert len(checked) == len(MODES) * len(LASP_CASES) * 2, checked
 
 
 def test_lasp_chain_states_cross_only_document_boundaries():

@@ -10,7 +10,7 @@ BAD_CONFIGS = [
     ({"strategy": "rung", "size": 2}, ["sequence_parallel.strategy='rung'", "choose one of: ulysses, ring"]),
     ({"strategy": "ring", "size": 2, "backend": "cudnn"}, ["sequence_parallel.backend='cudnn'", "auto, flash_attn"]),
     ({"strategy": "ring", "size": 2, "overlapp": True}, ["sequence_parallel.overlapp is not a known key", "overlap"]),
-    ({"strategy": "lasp", "size": 2, "lasp_comm": "p2p"}, ["sequence_parallel.lasp_comm='p2p'", "allgather, ring"]),
+    ({"strategy": "lasp", "size": 2, "lasp_comm": "p2p"}, ["sequence_parallel.lasp_comm='p2p'", "allgather, ring, allscan"]),
     ({"strategy": "ring", "size": 0}, ["sequence_parallel.size=0"]),
     ({"strategy": "ring", "size": 3}, ["sequence_parallel.size=3 does not divide the world size 4", "[1, 2, 4]"]),
     ({"strategy": "ring", "size": 8}, ["sequence_parallel.size=8 does not divide the world size 4",

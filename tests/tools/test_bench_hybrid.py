@@ -21,6 +21,8 @@ def test_hybrid_bench_runs_bytes_match_closed_forms_and_page_is_written(pool, tm
     assert list(dict.fromkeys(r.case for r in layer)) == list(FAMILIES)
     for fam in FAMILIES:
         assert [r.variant for r in layer if r.case == fam] == family_cases(fam), fam
+    paired = [(r.case, r.variant) for r in found if r.metric.startswith("All-Scan against") and r.value > 0]
+    assert paired == [(f, f"lasp_allscan / {o}") for f in FAMILIES if f != "conv" for o in ("lasp_allgather", "lasp_ring")]
     sent = {(r.case, r.variant): r for r in found if r.metric.startswith("Bytes per rank")}
     assert list(sent) == [(f, c) for f in FAMILIES for c in family_cases(f) if c in SP_CASES], list(sent)
     for key, r in sent.items():

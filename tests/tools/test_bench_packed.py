@@ -17,7 +17,7 @@ def test_packed_bench_runs_and_bytes_match_closed_forms(pool):
                 sweep=sweep, sweep_trials=4)
     found = rows(per_rank, args, meta)
     ratio = [r.case for r in found if r.metric.startswith("Time of 8 equal")]
-    assert ratio == ["single", "single_linear", "ulysses", "ring", "zigzag", "striped", "lasp2", "lasp1"], ratio
+    assert ratio == ["single", "single_linear", "ulysses", "ring", "zigzag", "striped", "lasp2", "lasp1", "allscan"], ratio
     sent = {(r.case, r.variant): r for r in found if r.metric.startswith("Bytes per rank")}
     assert list(sent) == [(name, v) for name in ratio[2:] for v in ("one", "equal", "mixed")], list(sent)
     for key, r in sent.items():

@@ -34,7 +34,8 @@ def test_tiny_bench_writes_json_markdown_and_plots(pool, solo, tmp_path, capsys,
     monkeypatch.setitem(train_step.TRAIN_PRESETS, "quick", TINY_MODEL)
     argv = TINY + ["--out", str(tmp_path)]
     res = run(resolve(build_parser().parse_args(argv)), argv, pools=(pool, solo))
-    assert res["meta"]["cases"] == ["single", "zigzag", "single_linear", "lasp2", "lasp1", "halves"], res["meta"]
+    assert res["meta"]["cases"] == ["single", "zigzag", "single_linear", "lasp2", "lasp1", "allscan", "halves"], \
+        res["meta"]
     rows, facts = load_rows(str(tmp_path / "tiny.rows.json"))
     table = lambda metric: {(r.case, r.variant): r for r in rows if r.metric.startswith(metric)}  # noqa: E731
     speed, sent, mem = table(SPEEDUP), table(BYTES), table(MEMORY)
@@ -43,7 +44,7 @@ def test_tiny_bench_writes_json_markdown_and_plots(pool, solo, tmp_path, capsys,
             r = speed[case, n]
             assert r.detail["wall s"] > 0 and r.value > 0, (n, case, r)
             assert all(c > 0 for c in r.detail["CPU s per rank"]) and mem[case, n].value > 0, (n, case, r)
-            if case in ("zigzag", "lasp2", "lasp1"):
+            if case in ("zigzag", "lasp2", "lasp1", "allscan"):
                 assert sent[case, n].ratios() == [1.0] * P, f"{n} {case}: bytes vs closed form {sent[case, n]}"
                 imbalance = float(r.detail["imbalance (expected)"].split()[0])
                 assert len(r.detail["CPU s per rank"]) == P and imbalance >= 1.0, r
@@ -62,7 +63,7 @@ def test_tiny_bench_writes_json_markdown_and_plots(pool, solo, tmp_path, capsys,
     assert checks["zigzag", "Attention fwd+bwd speedup over one process"] in ("PASS", "SHORT"), checks
     md = (tmp_path / "tiny.md").read_text()
     for row in ("| Bytes per rank against the closed form | every case |", "| lasp2 |", "| lasp1 |", "| single |",
-                "| halves |", "LASP-2 / halves time", "| last rank (state_in in, dstate_in out) |",
+                "| allscan |", "| halves |", "LASP-2 / halves time", "All-Scan / LASP-2 time", "| last rank (state_in in, dstate_in out) |",
                 "## Whole training step", "Machine: ", "load average before", "Command: `ds-seqpar bench "):
         assert row in md, f"{row!r} missing from the markdown:\n{md}"
     for png in ("speedup", "bytes", "memory", "imbalance"):

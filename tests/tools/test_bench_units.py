@@ -22,6 +22,9 @@ def test_closed_form_bytes_edge_cases():
     state = 2 * 8 * 64 * 64 * 4
     assert closed_form_by_kind("lasp", 4, sh, rank=0, lasp_comm="ring") == {"lasp_state": state}
     assert closed_form_by_kind("lasp", 4, sh, rank=3, lasp_comm="ring") == {"lasp_dstate": state}
+    for rank in range(4):                   # All-Scan sends what the ring does, in blocks
+        assert closed_form_by_kind("lasp", 4, sh, rank, lasp_comm="allscan") == \
+            closed_form_by_kind("lasp", 4, sh, rank, lasp_comm="ring")
     assert closed_form_bytes("lasp", 4, sh, rank=1) == 2 * 3 * state
     with pytest.raises(ValueError, match="no closed form for strategy 'nope'"):
         closed_form_bytes("nope", 2, sh)
@@ -64,10 +67,10 @@ def test_cli_lists_bench_and_report(capsys):
 
 
 @pytest.mark.parametrize("preset,cases,breakdown", [
-    ("quick", ["single", "ulysses", "ring", "zigzag", "striped", "ds_ulysses", "single_linear", "lasp2", "lasp1"],
-     False),
+    ("quick", ["single", "ulysses", "ring", "zigzag", "striped", "ds_ulysses", "single_linear", "lasp2", "lasp1",
+                "allscan"], False),
     ("ring", ["single", "ulysses", "ring", "zigzag", "striped", "zigzag_no_overlap"], False),
-    ("lasp", ["single_linear", "lasp2", "lasp1", "halves"], True),
+    ("lasp", ["single_linear", "lasp2", "lasp1", "allscan", "halves"], True),
 ])
 def test_presets(preset, cases, breakdown):
     # ring and lasp are the former python -m ds_seqpar.bench_ring / bench_lasp: one family at N=8192

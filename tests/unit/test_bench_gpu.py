@@ -21,7 +21,12 @@ def test_tiny_run_writes_every_row(tmp_path):
     by = {}
     for r in rows:
         by.setdefault(r.metric, []).append(r)
-    assert list(by) == [gpu.KERNELS, gpu.SCHEDULE, gpu.BYTES, gpu.MEMORY] and set(facts["metrics"]) == set(by)
+    assert list(by) == [gpu.KERNELS, gpu.SCHEDULE, gpu.BYTES, gpu.MEMORY, gpu.LASP_HOP, gpu.LASP_BYTES]
+    assert set(facts["metrics"]) == set(by)
+    hop = {r.case: r for r in by[gpu.LASP_HOP]}
+    assert list(hop) == ["lasp1", "allscan"] and all(r.unit == "ms" and r.value > 0 for r in hop.values()), hop
+    growth = {r.case: r.value for r in by[gpu.LASP_BYTES]}          # P=4 -> 8: the all-gather's 7/3, the chains' 1
+    assert growth == {"lasp2": 7 / 3, "lasp1": 1.0, "allscan": 1.0}, growth
 
     kernels = {(r.case, r.variant): r for r in by[gpu.KERNELS]}
     ran = [kernels["ds_seqpar torch", f"{v} N=128"] for v in VARIANTS] + [kernels["sdpa flash", "plain N=128"]]

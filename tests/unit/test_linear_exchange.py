@@ -12,7 +12,10 @@ from ds_seqpar.sharding.documents import Documents
 from ds_seqpar.sharding.layouts import make_layout
 from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind, linear_state_bytes, state_exchange_bytes
 from ds_seqpar.strategies.lasp_chain import LaspChain, StatePlan, cut_at_documents, fragments
+from ds_seqpar.errors import ConfigError
+from ds_seqpar.strategies.exchanges import EXCHANGES, exchange_for
 from ds_seqpar.strategies.state_exchange import FixedDecay, Transition
+from ds_seqpar.strategies.state_scan import LINK_BYTES, MAX_SCAN_BLOCKS, scan_blocks
 
 from .test_layers import imports_of, modules
 
@@ -41,7 +44,7 @@ def test_one_closed_form_for_the_own_lm_and_the_hybrids():
     """The own LM's LASP is the fixed transition on the contiguous plan: linear_state_bytes with one row,
     heads, dk, dv in fp32 gives closed_form_by_kind('lasp') rank by rank, for both exchanges."""
     frags = fragments(make_layout("contiguous", 4), 256)
-    for comm in ("allgather", "ring"):
+    for comm in ("allgather", "ring", "allscan"):
         for r in range(4):
             want = closed_form_by_kind("lasp", 4, Shapes(1, 256, 8, 8, 16, 4, v_head_dim=12), r, lasp_comm=comm)
             assert linear_state_bytes(frags, r, 1, 8, 16, 12, comm, "fixed") == want, (comm, r)
@@ -49,6 +52,39 @@ def test_one_closed_form_for_the_own_lm_and_the_hybrids():
     # a travelling transition adds its A to every slot, both ways; the ring never sends A
     assert state_exchange_bytes(plan, 1, 100, 7, "allgather") == {"lasp_state": 3 * 107, "lasp_dstate": 3 * 107}
     assert state_exchange_bytes(plan, 1, 100, 7, "ring") == {"lasp_state": 100, "lasp_dstate": 100}
+    # All-Scan: the ring's bytes in blocks, the same at every P (no A travels either); the allgather grows
+    for p in (3, 4, 8):                        # rank 1: a middle rank, fed and feeding
+        mid = StatePlan(fragments(make_layout("contiguous", p), 64 * p))
+        assert state_exchange_bytes(mid, 1, 100, 7, "allscan") == {"lasp_state": 100, "lasp_dstate": 100}
+        assert state_exchange_bytes(mid, 1, 100, 7, "allgather")["lasp_state"] == (p - 1) * 107
+
+
+def test_allscan_blocks_pipeline_only_past_one_hop_and_past_a_latencys_bytes():
+    mb = 1 << 20
+    assert [scan_blocks(p, 128, mb) for p in (1, 2, 3, 4, 8, 16)] == [1, 1, 2, 3, 5, 7]   # sqrt((P-2) S / LINK_BYTES)
+    assert scan_blocks(16, 128, 1 << 30) == MAX_SCAN_BLOCKS and scan_blocks(16, 3, 1 << 30) == 3   # <= columns
+    assert scan_blocks(4, 128, LINK_BYTES // 8) == 1          # a small state goes whole: a block would only add latency
+    # the pick is the least of the priced time (P - 2 + K)(alpha + S / (K beta)) when alpha beta = LINK_BYTES
+    for p, s in ((4, mb), (8, 4 * mb), (16, 16 * mb)):
+        price = {k: (p - 2 + k) * (LINK_BYTES + s / k) for k in range(1, MAX_SCAN_BLOCKS + 1)}
+        best = min(price, key=price.get)
+        assert abs(scan_blocks(p, 128, s) - best) <= 1 and price[scan_blocks(p, 128, s)] <= 1.02 * price[best]
+
+
+def test_an_unknown_lasp_comm_is_refused_by_name_where_the_exchanges_are_set_up():
+    """The config refuses it first; a caller that builds the strategy or the linear exchange itself is
+    refused there too, before any transfer (no process group is touched: ctx has none)."""
+    from types import SimpleNamespace
+    from ds_seqpar.strategies.lasp import LaspAttention
+    from ds_seqpar.strategies.state_passing import LinearExchange
+    ctx = SimpleNamespace(lasp_comm="p2p", layout=make_layout("contiguous", 2), sp_size=2, sp_rank=0, sp_group=None,
+                          stats=None)
+    for build in (lambda: exchange_for("p2p"), lambda: LaspAttention(ctx), lambda: LinearExchange("lasp", "p2p", ctx)):
+        with pytest.raises(ConfigError, match=r"sequence_parallel.lasp_comm='p2p' is not valid; choose one of: "
+                                              r"allgather, ring, allscan"):
+            build()
+    assert LinearExchange("ulysses", "p2p", ctx).heads_parallel          # ulysses exchanges no state: not read
+    assert [exchange_for(c) for c in ("allgather", "ring", "allscan")] == list(EXCHANGES.values())
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 4, 4), (2, 3, 1, 1), (2, 3, 4, 1)])

@@ -142,10 +142,36 @@ def test_own_linear_lm_is_planned_and_its_json_runs(tmp_path, capsys):
 def test_own_lm_lasp_bytes_are_the_closed_form():
     shape = ModelShape("own", 256, 4, 8, 8, 32, 688, 256, tied=True, kinds=("lasp",) * 4, lin_heads=8, lin_dk=32,
                        lin_dv=32, transition="fixed")
-    for comm in ("allgather", "ring"):
+    for comm in ("allgather", "ring", "allscan"):
         c = Candidate("lasp", 4, 1, 2, Features(), "lasp", comm)
         got = comm_per_layer(c, shape, 1024, 2)["lasp"]
         assert got == closed_form_by_kind("lasp", 4, Shapes(1, 4096, 8, 8, 32, 2), 0, lasp_comm=comm)
+
+
+def test_allscan_is_priced_as_p_minus_2_plus_k_block_hops():
+    from ds_seqpar.cost.times import lasp_chain_time
+    from ds_seqpar.strategies.state_scan import scan_blocks
+    link, mb = hardware.Link(10e-6, 25e9), 1 << 20
+    assert lasp_chain_time(link, 4 * mb, 2, "allscan", 128) == lasp_chain_time(link, 4 * mb, 2, "ring", 128)
+    for p in (4, 8, 16):
+        k = scan_blocks(p, 128, 4 * mb)
+        assert k > 1 and lasp_chain_time(link, 4 * mb, p, "allscan", 128) == pytest.approx((p - 2 + k) * link.time(4 * mb / k))
+        assert lasp_chain_time(link, 4 * mb, p, "allscan", 128) < lasp_chain_time(link, 4 * mb, p, "ring", 128)
+    # the bytes do not grow with P (the all-gather's do): what the planner's table shows per size
+    state = Shapes(1, 4096, 8, 8, 32, 2)
+    per_rank = [sum(closed_form_by_kind("lasp", p, state, 1, lasp_comm="allscan").values()) for p in (4, 8, 16)]
+    assert len(set(per_rank)) == 1
+
+
+def test_the_plan_says_which_lasp_comm_and_why(capsys):
+    from ds_seqpar.plan.main import main as plan_main
+    assert plan_main(["--model", OWN_LINEAR, "--seq-len", str(1 << 22), "--gpus", "16", "--top", "3"]) == 0
+    why = [line for line in capsys.readouterr().out.splitlines() if line.startswith("why: size")]
+    assert len(why) >= 2, why
+    for line in why:                      # every exchange priced, the first named is the pick
+        assert all(c in line for c in ("allgather", "ring", "allscan")) and " ms, " in line and "MB/layer" in line, line
+        picked = line.split("lasp_comm ")[1].split(" ")[0]
+        assert line.split("rank: ")[1].startswith(picked), line
 
 
 def test_bad_own_lm_config_names_the_keys(tmp_path, capsys):
