@@ -166,7 +166,7 @@ def check_left_padded(family, cases):
     """On every rank: generate on a left-padded batch (as TRL pads rollouts) against the unsharded model's generate
     on the same batch: greedy tokens equal, every step's scores within the derived bound, seeded sampling equal.
     The float64 reference is each prompt generated alone (transformers' own float64 eager run of the padded batch
-    is NaN: its fully masked pad rows' NaN values reach the real rows through 0 * NaN); the unsharded float32 run
+    gives NaN scores for the padded rows); the unsharded float32 run
     of the padded batch must give its tokens, and its error against it sets the bound. No stop token
     (eos_token_id=None): every row runs all NEW steps, alone as in the batch."""
     from ds_seqpar.hf import apply_sequence_parallel
