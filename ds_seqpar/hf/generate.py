@@ -90,8 +90,9 @@ def _named(value):
 class GenerationRun:
     """One generate call on one rank: the cache and how this rank routes each forward."""
 
-    def __init__(self, sp, cache):
+    def __init__(self, sp, cache, padded: bool = False):
         self.sp, self.cache = sp, cache
+        self.padded = padded             # the caller's attention_mask has (left-padding) zeros
         self.position = 0                # the decode step's global position
         self.step_ids: Optional[torch.Tensor] = None
         self.checked = False             # has this step's first merge carried the tokens?
@@ -120,6 +121,12 @@ class GenerationRun:
             pos = sp.position_ids(n, device=ids.device)
             mask = call.get("attention_mask")
             lead = None if mask is None or bool((mask != 0).all()) else (mask == 0).sum(1).to(ids.device)
+            if (lead is not None) != self.padded:   # the forward must see the mask generate was given
+                raise UnsupportedModelError(f"ds_seqpar.hf: the prefill forward got "
+                                            f"{'no' if self.padded else 'an unexpected'} left-padded attention_mask "
+                                            f"(the call's mask {'has' if self.padded else 'has no'} zeros): this "
+                                            f"model's generate does not pass the mask on; generate a batch of equal "
+                                            f"lengths")
             if lead is not None:                 # left padding: each row's real tokens lead (module doc)
                 ids = rotate(ids, lead)
             kwargs["input_ids"] = sp.shard(ids, dim=1)
@@ -276,7 +283,7 @@ def sharded_generate(model, state, original, args, kwargs):
     config = text_config(model)
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     cache = ShardedKVCache(config.num_hidden_layers, [t == "sliding_attention" for t in layer_types], sp.size, sp.rank)
-    state.generation = GenerationRun(sp, cache)
+    state.generation = GenerationRun(sp, cache, padded=mask is not None and not bool((mask == 1).all()))
     try:
         out = original(*args, **dict(kwargs, past_key_values=cache, use_cache=True))
     finally:

@@ -149,20 +149,21 @@ def test_generate_batch_of_equal_lengths(pool):
 
 
 LENGTHS = (PROMPT, 19, 11)             # a left-padded batch: prompts of 27, 19 and 11 tokens
+EVERY_ROW_PADDED = (23, 19, 11)        # no row fills the batch's 27 tokens: 4 columns of pads in every row
 
 
-def _left_padded(vocab):
-    """input_ids [3, PROMPT] of prompts of LENGTHS, padded on the left with 0 (pad_token_id), and its mask."""
-    ids = torch.zeros(len(LENGTHS), PROMPT, dtype=torch.long)
+def _left_padded(vocab, lengths):
+    """input_ids [rows, PROMPT] of prompts of ``lengths``, padded on the left with 0 (pad_token_id), and its mask."""
+    ids = torch.zeros(len(lengths), PROMPT, dtype=torch.long)
     mask = torch.zeros_like(ids)
     gen = torch.Generator().manual_seed(5)
-    for b, n in enumerate(LENGTHS):
+    for b, n in enumerate(lengths):
         ids[b, PROMPT - n:] = torch.randint(3, vocab, (n,), generator=gen)
         mask[b, PROMPT - n:] = 1
     return ids, mask
 
 
-def check_left_padded(family, cases):
+def check_left_padded(family, cases, lengths=LENGTHS):
     """On every rank: generate on a left-padded batch (as TRL pads rollouts) against the unsharded model's generate
     on the same batch: greedy tokens equal, every step's scores within the derived bound, seeded sampling equal.
     The float64 reference is each prompt generated alone (transformers' own float64 eager run of the padded batch
@@ -171,15 +172,17 @@ def check_left_padded(family, cases):
     (eos_token_id=None): every row runs all NEW steps, alone as in the batch."""
     from ds_seqpar.hf import apply_sequence_parallel
     state = _model(family).state_dict()
-    ids, mask = _left_padded(_config(family).vocab_size)
+    ids, mask = _left_padded(_config(family).vocab_size, lengths)
     ref32 = _greedy(_model(family, state), ids, attention_mask=mask, eos_token_id=None)
     alone = [_greedy(_model(family, state, torch.float64), ids[b:b + 1, PROMPT - n:], eos_token_id=None)
-             for b, n in enumerate(LENGTHS)]
-    new = torch.cat([a.sequences[:, n:] for a, n in zip(alone, LENGTHS)])
+             for b, n in enumerate(lengths)]
+    new = torch.cat([a.sequences[:, n:] for a, n in zip(alone, lengths)])
     ref64 = SimpleNamespace(sequences=torch.cat([ids, new], 1),
                             scores=[torch.cat([a.scores[i] for a in alone]) for i in range(NEW)])
     assert torch.equal(ref64.sequences, ref32.sequences), f"{family}: padded float32 and alone float64 differ"
     sampled = _sampled(_model(family, state), ids, seed=13, attention_mask=mask, eos_token_id=None)
+    several = _sampled(_model(family, state), ids, seed=14, attention_mask=mask, eos_token_id=None,
+                       num_return_sequences=2)
     checked = []
     for cfg in cases:
         sp = SequenceParallel(cfg)
@@ -187,7 +190,7 @@ def check_left_padded(family, cases):
         what = f"{family} left-padded {cfg} sp_rank={sp.rank}"
         sp.stats.reset()
         out = _greedy(model, ids, attention_mask=mask, eos_token_id=None)
-        _check_bytes(what, sp, model.config, len(LENGTHS))
+        _check_bytes(what, sp, model.config, len(lengths))
         assert torch.equal(out.sequences, ref64.sequences), f"{what}: {out.sequences} != {ref64.sequences}"
         assert len(out.scores) == NEW
         for i, (s, r64, r32) in enumerate(zip(out.scores, ref64.scores, ref32.scores)):
@@ -196,12 +199,15 @@ def check_left_padded(family, cases):
         _check_cache(what, cache, sp, PROMPT + NEW - 1, getattr(model.config, "sliding_window", None), padded=True)
         for layer in cache.layers:       # each row's pads are masked slots; its decode tokens count on from its length
             real = (layer.row_positions >= 0).sum(1)
-            assert layer.row_positions.shape == (len(LENGTHS), layer.positions.numel()), what
+            assert layer.row_positions.shape == (len(lengths), layer.positions.numel()), what
             if not layer.is_sliding:
-                mine = layer.positions[None] < torch.tensor(LENGTHS)[:, None]
+                mine = layer.positions[None] < torch.tensor(lengths)[:, None]
                 assert torch.equal(real, (mine | (layer.positions >= PROMPT)[None]).sum(1)), what
         got = _sampled(model, ids, seed=13, attention_mask=mask, eos_token_id=None)
         assert torch.equal(got, sampled), f"{what} sampling: {got} != {sampled}"
+        if not checked:                  # the padded rows and their masks repeated before the prefill
+            got = _sampled(model, ids, seed=14, attention_mask=mask, eos_token_id=None, num_return_sequences=2)
+            assert torch.equal(got, several), f"{what} num_return_sequences=2: {got} != {several}"
         checked.append((what, [s.numpy().tobytes() for s in out.scores]))
     return checked
 
@@ -217,8 +223,9 @@ def test_generate_left_padded_batch(pool):
 
 @pytest.mark.parametrize("family", ["mistral", "gpt_oss"])
 def test_generate_left_padded_windows(pool, family):
-    """Sliding windows (mistral: every layer; gpt-oss: alternating, with sinks) over the rows' own positions."""
-    results = pool.run(check_left_padded, family, [{"strategy": "zigzag", "size": 4}])
+    """Sliding windows (mistral: every layer; gpt-oss: alternating, with sinks) over the rows' own positions; every
+    row padded (the rotated batch ends in pads in every row)."""
+    results = pool.run(check_left_padded, family, [{"strategy": "zigzag", "size": 4}], EVERY_ROW_PADDED)
     assert all(len(r) == 1 for r in results), results
 
 
