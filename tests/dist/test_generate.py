@@ -221,10 +221,11 @@ def test_generate_left_padded_batch(pool):
         assert all(r[i][1] == results[0][i][1] for r in results[:cfg["size"]]), f"{cfg}: scores differ across ranks"
 
 
-@pytest.mark.parametrize("family", ["mistral", "gpt_oss"])
-def test_generate_left_padded_windows(pool, family):
-    """Sliding windows (mistral: every layer; gpt-oss: alternating, with sinks) over the rows' own positions; every
-    row padded (the rotated batch ends in pads in every row)."""
+@pytest.mark.parametrize("family", ["mistral", "gpt_oss", "deepseek_v3", "gemma2"])
+def test_generate_left_padded_families(pool, family):
+    """Sliding windows (mistral: every layer; gpt-oss: alternating, with sinks) over the rows' own positions, MLA
+    (deepseek_v3: the cache holds latents), softcap (gemma2); every row padded (the rotated batch ends in pads
+    in every row)."""
     results = pool.run(check_left_padded, family, [{"strategy": "zigzag", "size": 4}], EVERY_ROW_PADDED)
     assert all(len(r) == 1 for r in results), results
 
