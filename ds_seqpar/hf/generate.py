@@ -6,7 +6,8 @@ output whole on every rank. The wrapper installed by apply (``install``):
   1. refuses, before any collective and identically on every rank, what it cannot do exactly (the
      options below, by name), then checks with ONE all-reduce (max of a few int64 hashes and their
      negations) that the prompt, the generation options and, when sampling, the random state are the
-     same on every rank of the group; then refuses a padded batch (left padding);
+     same on every rank of the group; then refuses a mask other than left padding (inner or right zeros,
+     a row without real tokens);
   2. runs transformers' generate with a ShardedKVCache (kv_cache.py) as past_key_values, while
      ``state.generation`` routes the model's forwards (the hooks and the attention function ask it):
        * prefill (the prompt): sharded by the layout and run through the configured strategy as a
@@ -16,6 +17,21 @@ output whole on every rank. The wrapper installed by apply (``install``):
        * decode (one token, whole on every rank): each attention layer merges the ranks' partial
          attention over their shards (strategies/decode.py: one all-gather per layer); the new K/V
          goes to the rank with the smallest share (ties: the lowest rank);
+  Left padding (prompts of different lengths, as transformers and TRL pad for generation): the unsharded
+     generate gives a row's real tokens the positions cumsum(mask) - 1 = 0 .. L_b - 1, masks the pads out
+     of every real query's keys, and gives decode step t of the row the position L_b + t. Here each row is
+     rotated left by its padding, so its real tokens lead (global indices 0 .. L_b - 1, their positions
+     exactly the sharded prefill's global position ids) and its pads trail (right padding): a causal
+     strategy lets no real query see a later key, so every real token's K/V and hidden state is the
+     unsharded one's, without any mask. The cache keeps one tensor per layer for the whole batch, so the
+     rotated pads keep their slots but carry the position PAD in that row (kv_cache.py), which decode
+     masks out (strategies/decode.py), as the unsharded padding mask does; each decode step's token takes
+     one slot in every row with the row's own position L_b + t. A sliding window compares the rows' own
+     positions, whose differences are the unsharded model's index differences. The first token's logits
+     of row b are its last real token's (global index L_b - 1): each rank computes those of the rows whose
+     last real token it holds (logits_to_keep: their local indices), zeros for the others, and the same
+     one all-reduce of b x vocab values gives every row's logits to every rank, exactly. A batch without
+     zeros runs as before, bit for bit.
   3. every rank samples from the same logits with the same random state, so the tokens agree; the
      first layer's merge of every step carries the step's input tokens (a disagreement raises on every
      rank), and one all-reduce of the output's hash checks the last token.
@@ -23,7 +39,7 @@ output whole on every rank. The wrapper installed by apply (``install``):
 Refused by name: beam search (num_beams > 1), assisted decoding
 (assistant_model, prompt_lookup_num_tokens), a cache or past_key_values of the caller, use_cache=False,
 cache_implementation, chunked prefill, inputs_embeds, output_attentions / output_hidden_states,
-classifier-free guidance, custom_generate, left-padded batches (a batch of equal lengths works),
+classifier-free guidance, custom_generate, masks other than left padding (inner or right zeros, an empty row),
 hybrid models with linear-attention / SSM layers, DeepSeek sparse attention, multimodal models,
 Llama 4's chunked and temperature-tuned layers, shared-KV layers, dynamic groups, lasp.
 """
@@ -38,6 +54,7 @@ import torch
 from .. import comm
 from .attention import is_chunked
 from .checks import UnsupportedModelError
+from .trl_rows import rotate     # row b rotated left by lead[b]: its real tokens lead
 
 GENERATE_ATTR = "_ds_seqpar_own_generate"     # what the instance had under "generate" before apply (usually nothing)
 
@@ -73,13 +90,16 @@ def _named(value):
 class GenerationRun:
     """One generate call on one rank: the cache and how this rank routes each forward."""
 
-    def __init__(self, sp, cache):
+    def __init__(self, sp, cache, padded: bool = False):
         self.sp, self.cache = sp, cache
+        self.padded = padded             # the caller's attention_mask has (left-padding) zeros
         self.position = 0                # the decode step's global position
         self.step_ids: Optional[torch.Tensor] = None
         self.checked = False             # has this step's first merge carried the tokens?
         self.last_owner, self.last_index = 0, 0
         self.kept_rows = False           # did the prefill pass logits_to_keep (the holder's row only)?
+        self.row_index: Optional[torch.Tensor] = None    # left padding: [b] where each row's logits are, -1: not here
+        self.row_position: Optional[torch.Tensor] = None  # left padding: [b] the decode step's position per row
 
     @property
     def decoding(self) -> bool:
@@ -99,27 +119,60 @@ class GenerationRun:
             n = ids.shape[1]
             padded = sp.padded_len(n)
             pos = sp.position_ids(n, device=ids.device)
+            mask = call.get("attention_mask")
+            lead = None if mask is None or bool((mask != 0).all()) else (mask == 0).sum(1).to(ids.device)
+            if (lead is not None) != self.padded:   # the forward must see the mask generate was given
+                raise UnsupportedModelError(f"ds_seqpar.hf: the prefill forward got "
+                                            f"{'no' if self.padded else 'an unexpected'} left-padded attention_mask "
+                                            f"(the call's mask {'has' if self.padded else 'has no'} zeros): this "
+                                            f"model's generate does not pass the mask on; generate a batch of equal "
+                                            f"lengths")
+            if lead is not None:                 # left padding: each row's real tokens lead (module doc)
+                ids = rotate(ids, lead)
             kwargs["input_ids"] = sp.shard(ids, dim=1)
             kwargs["position_ids"] = pos.unsqueeze(0).expand(b, -1)
-            self.cache.begin_prefill(sp.layout, n, padded, pos)
-            self.last_owner, self.last_index = _holder(sp.layout, padded, n - 1)
             self.kept_rows = "logits_to_keep" in params
-            if self.kept_rows:
-                index = self.last_index if sp.rank == self.last_owner else 0
-                kwargs["logits_to_keep"] = torch.tensor([index], device=ids.device)
+            if lead is None:
+                self.cache.begin_prefill(sp.layout, n, padded, pos)
+                self.last_owner, self.last_index = _holder(sp.layout, padded, n - 1)
+                if self.kept_rows:
+                    index = self.last_index if sp.rank == self.last_owner else 0
+                    kwargs["logits_to_keep"] = torch.tensor([index], device=ids.device)
+            else:
+                lengths = n - lead
+                self.cache.begin_prefill(sp.layout, n, padded, pos, lengths)
+                # this rank's local index of each row's last real token (global index L_b - 1), -1: another rank's
+                hit = pos[None, :] == (lengths - 1)[:, None]                        # [b, local]
+                here = hit.any(1)
+                self.row_index = torch.where(here, hit.to(torch.int64).argmax(1), torch.full_like(lengths, -1))
+                if self.kept_rows:               # the distinct local rows this rank computes logits for
+                    kept = torch.unique(self.row_index[here]) if bool(here.any()) else self.row_index.new_zeros(1)
+                    kwargs["logits_to_keep"] = kept
+                    self.row_index = torch.where(here, torch.searchsorted(kept, self.row_index), self.row_index)
         else:                                    # decode: one token, whole on every rank
             if ids.shape[1] != 1:
                 raise UnsupportedModelError(f"ds_seqpar.hf: a decode step of {ids.shape[1]} tokens; the "
                                             f"sequence-sharded cache decodes one token per step")
             self.position = self.cache.begin_decode()
-            kwargs["position_ids"] = torch.full((b, 1), self.position, dtype=torch.long, device=ids.device)
+            if self.cache.lengths is None:
+                kwargs["position_ids"] = torch.full((b, 1), self.position, dtype=torch.long, device=ids.device)
+            else:                                # each row's own: L_b + steps (the unsharded cumsum(mask) - 1)
+                self.row_position = self.cache.row_positions_of(torch.tensor([self.position], device=ids.device))[:, 0]
+                kwargs["position_ids"] = self.row_position[:, None]
             self.step_ids = ids[:, 0]
             self.checked = False
         return kwargs
 
     def post_forward(self, output):
         """Prefill: every rank gets the last prompt token's logits from the rank that holds it."""
-        if self.cache.phase == "prefill":
+        if self.cache.phase == "prefill" and self.row_index is not None:     # left padding: per row
+            logits, index = output.logits, self.row_index
+            here = index >= 0
+            rows = logits[torch.arange(logits.shape[0], device=logits.device), index.clamp(min=0)]   # [b, vocab]
+            rows = torch.where(here.to(rows.device)[:, None], rows, torch.zeros_like(rows))
+            output.logits = comm.all_reduce(rows[:, None].contiguous(), self.sp.group, self.sp.stats,
+                                            kind="prefill_logits")
+        elif self.cache.phase == "prefill":
             logits = output.logits
             if not self.kept_rows:                    # the model computed every local row: the holder's one
                 logits = logits[:, self.last_index:self.last_index + 1]
@@ -142,7 +195,10 @@ class GenerationRun:
             raise UnsupportedModelError(f"ds_seqpar.hf: {type(module).__name__} attends over {key.shape[2]} keys but "
                                         f"its cache shard holds {layer.positions.numel()}: this layer does not attend "
                                         f"over what the cache returns; generate on one process")
-        out = self.sp.strategy.decode(query[:, :, 0], key, value, layer.positions, self.position,
+        padded = layer.row_positions is not None          # left padding: each row's positions, PAD masked
+        key_pos = layer.row_positions if padded else layer.positions
+        q_pos = self.row_position if padded else self.position
+        out = self.sp.strategy.decode(query[:, :, 0], key, value, key_pos, q_pos,
                                       float(scale), window, kwargs.get("softcap"), kwargs.get("s_aux"), checks)
         layer.trim(window, self.position + 1)
         return out.unsqueeze(1)
@@ -152,6 +208,27 @@ class GenerationRun:
         window = kwargs.get("sliding_window")
         if window is not None:
             self.cache.layers[module.layer_idx].trim(int(window), self.cache.prompt_len)
+
+
+def check_left_padding(name: str, ids, mask) -> None:
+    """The attention_mask (the same on every rank: checked) must be ones, or left padding: each row zeros then
+    at least one one. Inner zeros (padding between real tokens), right padding (whose last token the unsharded
+    generate would continue from a pad) and other values are refused by name (pure, every rank alike)."""
+    if mask is None:
+        return
+    if not torch.is_tensor(mask) or tuple(mask.shape) != tuple(ids.shape):
+        raise UnsupportedModelError(f"ds_seqpar.hf: {name}.generate with an attention_mask of shape "
+                                    f"{tuple(getattr(mask, 'shape', ()))} for input_ids {tuple(ids.shape)} under "
+                                    f"sequence parallelism; pass a [batch, tokens] mask of ones and left padding zeros")
+    if bool((mask == 1).all()):
+        return
+    binary = bool(((mask == 0) | (mask == 1)).all())
+    left = binary and bool((mask[:, 1:] >= mask[:, :-1]).all()) and bool((mask[:, -1] == 1).all())
+    if not left:
+        raise UnsupportedModelError(f"ds_seqpar.hf: {name}.generate with an attention_mask that is not left padding "
+                                    f"(zeros between or after real tokens, a row without real tokens, or values "
+                                    f"other than 0 / 1) under sequence parallelism is not supported; pad prompts on "
+                                    f"the left (tokenizer padding_side='left'), as generate expects")
 
 
 def _holder(layout, padded: int, position: int):
@@ -202,14 +279,11 @@ def sharded_generate(model, state, original, args, kwargs):
                                     f"[batch, tokens] (the same prompt on every rank of the group)")
     mask = kwargs.get("attention_mask")
     check_agreement(sp, name, ids, mask, gen)             # the first collective
-    if mask is not None and not bool((mask == 1).all()):
-        raise UnsupportedModelError(f"ds_seqpar.hf: {name}.generate with a padded batch (attention_mask with zeros: "
-                                    f"prompts of different lengths, left padding) under sequence parallelism is not "
-                                    f"supported; generate a batch of 1 or of prompts of equal length")
+    check_left_padding(name, ids, mask)
     config = text_config(model)
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     cache = ShardedKVCache(config.num_hidden_layers, [t == "sliding_attention" for t in layer_types], sp.size, sp.rank)
-    state.generation = GenerationRun(sp, cache)
+    state.generation = GenerationRun(sp, cache, padded=mask is not None and not bool((mask == 1).all()))
     try:
         out = original(*args, **dict(kwargs, past_key_values=cache, use_cache=True))
     finally:

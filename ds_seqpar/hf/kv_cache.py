@@ -14,7 +14,17 @@ hf/generate.py sets before each forward:
     decode attention merges across the group.
 
 A sliding-window layer drops, after each attention call, the keys the next query can no longer see
-(``trim``): it never holds more than ``window`` keys on any rank.
+(``trim``): it never holds more than ``window`` keys on any rank (a left-padded batch: the union of the
+rows' windows, which are shifted by the rows' padding).
+
+Left-padded batches (hf/generate.py rotates each row so its real tokens lead): the cache stays one
+tensor per layer for the whole batch, so every row keeps the same slots, but the slots mean different
+things per row. ``positions`` [m] stays the slot's global index (the same for every row: ownership and
+shares count slots); ``row_positions`` [b, m] is each row's position id of the token in the slot, the
+one the unsharded generate gives it (cumsum(mask) - 1), and ``PAD`` (-1) for a rotated-away pad, which
+decode never attends (strategies/decode.py masks it). A prompt slot g holds row b's real token iff
+g < lengths[b] (position g); decode step t's slot holds position lengths[b] + t in every row. Without
+padding ``row_positions`` is None and everything runs as before.
 """
 from __future__ import annotations
 
@@ -26,9 +36,12 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..strategies.decode import next_owner, prompt_shares
 from .checks import UnsupportedModelError
 
+PAD = -1                     # row_positions of a slot that holds a pad of this row (never attended)
+
 
 class ShardedLayer(CacheLayerMixin):
-    """One attention layer's shard: keys [b, hkv, m, d], values [b, hkv, m, dv], positions [m]."""
+    """One attention layer's shard: keys [b, hkv, m, d], values [b, hkv, m, dv], positions [m] (the slots'
+    global indices); row_positions [b, m] (left padding only, else None): each row's position of the slot."""
 
     is_compileable = False
     is_croppable = False
@@ -38,10 +51,13 @@ class ShardedLayer(CacheLayerMixin):
         self.cache = cache
         self.is_sliding = sliding
         self.positions: Optional[torch.Tensor] = None
+        self.row_positions: Optional[torch.Tensor] = None
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
         self.positions = torch.empty(0, dtype=torch.long, device=key_states.device)
+        if self.cache.lengths is not None:
+            self.row_positions = torch.empty(key_states.shape[0], 0, dtype=torch.long, device=key_states.device)
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -66,16 +82,26 @@ class ShardedLayer(CacheLayerMixin):
     def _append(self, k, v, pos) -> None:
         self.keys = torch.cat([self.keys, k], dim=-2)
         self.values = torch.cat([self.values, v], dim=-2)
-        self.positions = torch.cat([self.positions, pos.to(self.positions.device)])
+        pos = pos.to(self.positions.device)
+        self.positions = torch.cat([self.positions, pos])
+        if self.row_positions is not None:
+            self.row_positions = torch.cat([self.row_positions, self.cache.row_positions_of(pos)], dim=1)
 
     def trim(self, window: Optional[int], next_pos: int) -> None:
         """Drop the keys the query at ``next_pos`` (and every later one) cannot see: j <= next_pos - window."""
         if window is None or not self.is_initialized:
             return
         self.is_sliding = True          # also where the config names no layer_types (Mistral's one window)
-        keep = self.positions > next_pos - window
+        if self.row_positions is None:
+            keep = self.positions > next_pos - window
+        else:                           # a slot stays while some row still sees its real token there
+            rows = self.row_positions
+            nxt = self.cache.row_positions_of(torch.tensor([next_pos], device=rows.device))
+            keep = ((rows != PAD) & (rows > nxt - window)).any(0)
         if not bool(keep.all()):
             self.keys, self.values, self.positions = self.keys[:, :, keep], self.values[:, :, keep], self.positions[keep]
+            if self.row_positions is not None:
+                self.row_positions = self.row_positions[:, keep]
 
     def get_seq_length(self) -> int:
         return self.cache.seen
@@ -122,13 +148,26 @@ class ShardedKVCache(Cache):
         self.local_positions: Optional[torch.Tensor] = None
         self.shares = [0] * sp_size
         self.owner: Optional[int] = None
+        self.lengths: Optional[torch.Tensor] = None     # [b] each row's real prompt tokens (left padding only)
 
-    def begin_prefill(self, layout, prompt_len: int, padded_len: int, local_positions: torch.Tensor) -> None:
+    def begin_prefill(self, layout, prompt_len: int, padded_len: int, local_positions: torch.Tensor,
+                      lengths: Optional[torch.Tensor] = None) -> None:
+        """``lengths`` [b]: each row's real prompt tokens, its real tokens leading (a rotated left-padded
+        batch); None: every row is ``prompt_len`` real tokens."""
         if self.seen:
             raise UnsupportedModelError("ds_seqpar.hf: a second prefill into a filled sequence-sharded cache "
                                         "(continuing from a cache) is not supported; start a new generate call")
         self.phase, self.prompt_len, self.local_positions = "prefill", prompt_len, local_positions
+        self.lengths = None if lengths is None else lengths.to(torch.long)
         self.shares = prompt_shares(layout, prompt_len, padded_len)
+
+    def row_positions_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """[b, k] each row's position id of global slots [k] (left padding): a prompt slot g < prompt_len holds
+        row b's real token g iff g < lengths[b] (else PAD); decode slot prompt_len + t holds lengths[b] + t."""
+        lengths = self.lengths.to(slots.device)[:, None]
+        slots = slots[None]
+        prompt = torch.where(slots < lengths, slots, torch.full_like(slots, PAD))
+        return torch.where(slots < self.prompt_len, prompt, slots - self.prompt_len + lengths)
 
     def begin_decode(self) -> int:
         """The step's token goes to the rank with the smallest share; returns its global position."""
@@ -149,4 +188,4 @@ class ShardedKVCache(Cache):
         return sum(layer.local_bytes() for layer in self.layers)
 
 
-__all__ = ["ShardedKVCache", "ShardedLayer"]
+__all__ = ["ShardedKVCache", "ShardedLayer", "PAD"]

@@ -11,6 +11,9 @@ folds the parts in rank order, so every rank's result is bitwise the same (the r
 logits and the sampling then agree across ranks without further communication). Sinks (gpt-oss) add
 one logit per head to the denominator: folded once, after the merge.
 
+Left-padded batches: every row has the same slots (one cache tensor per layer), so a pad slot of a
+row is masked there by its position (negative); the partial and the merge are otherwise unchanged.
+
 Shares: the prompt's tokens stay on the rank the layout put them on (padding excluded); each
 generated token's K/V goes to the rank whose share is smallest (ties: the lowest rank), so the shares
 stay within one token of balanced once the prompt's imbalance (at most one layout block) is filled.
@@ -45,6 +48,9 @@ def partial_attention(q_bhd, k_bhmd, v_bhmd, key_pos, q_pos: int, scale: float, 
 
     q_bhd [b, h, d]; k_bhmd [b, hkv, m, d], v_bhmd [b, hkv, m, dv]; key_pos [m] their global positions
     (all <= q_pos). ``window``: transformers' sliding_window, keys j with q_pos - window < j are seen.
+    A left-padded batch (hf/kv_cache.py): key_pos [b, m] each row's positions, negative for a pad slot
+    (never seen: its score is -inf, exactly the 0 weight the unsharded model's padding mask gives it),
+    and q_pos [b] each row's query position.
     Returns (out [b, h, dv], lse [b, h]); a row that sees no key here has out = 0, lse = -inf."""
     b, h, _ = q_bhd.shape
     dtype = acc_dtype(q_bhd.dtype)
@@ -56,7 +62,13 @@ def partial_attention(q_bhd, k_bhmd, v_bhmd, key_pos, q_pos: int, scale: float, 
     scores = torch.einsum("bkgd,bkmd->bkgm", q, k_bhmd.to(dtype)) * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    if window is not None:
+    if key_pos.dim() == 2:                                               # per row: [b, 1, 1, m] against [b, 1, 1, 1]
+        rows = key_pos.to(scores.device)[:, None, None, :]
+        seen = rows >= 0
+        if window is not None:
+            seen = seen & (rows > torch.as_tensor(q_pos, device=scores.device).view(-1, 1, 1, 1) - window)
+        scores = scores.masked_fill(~seen, NEG_INF)
+    elif window is not None:
         seen = key_pos.to(scores.device) > q_pos - window
         scores = scores.masked_fill(~seen, NEG_INF)
     lse = torch.logsumexp(scores, dim=-1)                                # [b, hkv, g]

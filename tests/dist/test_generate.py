@@ -3,7 +3,10 @@ model's (float64 and float32 runs, which must agree, are the reference), every s
 the bound the float32 run's own error against float64 sets, seeded sampling gives the unsharded run's
 tokens, every rank returns the same output, and each rank's cache holds only its share of the tokens
 (shares within one token of balanced; a sliding-window layer never more than its window).
-Every softmax strategy and the 2D hybrid, P = 2 and 4, GQA with fewer K/V heads than ranks."""
+Every softmax strategy and the 2D hybrid, P = 2 and 4, GQA with fewer K/V heads than ranks; a left-padded
+batch of prompts of different lengths (as TRL pads rollouts), with and without sliding windows."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -105,16 +108,20 @@ def _check_bytes(what, sp, config, batch):
     assert sp.stats.bytes["prefill_logits"] == prefill_logits_bytes(sp.size, batch, config.vocab_size), what
 
 
-def _check_cache(what, cache, sp, tokens, window):
+def _check_cache(what, cache, sp, tokens, window, padded=False):
     """Shares sum to the tokens whose K/V were computed and stay balanced; each layer holds this rank's share
-    (a window layer: only keys the next query can see)."""
+    (a window layer: only keys the next query can see; left-padded rows: some row's next query)."""
     assert sum(cache.shares) == tokens == cache.seen, f"{what}: shares {cache.shares}, {tokens} tokens"
     assert max(cache.shares) - min(cache.shares) <= max(1, sp.padded_len(PROMPT) // sp.size), cache.shares
     sizes = []
     for i, layer in enumerate(cache.layers):
         m = layer.keys.shape[2]            # MLA (deepseek_v3): the latents, one "head"
         assert layer.positions.numel() == m
-        if layer.is_sliding:
+        if layer.is_sliding and padded:        # each slot is a real token some row's next query still sees
+            nxt = cache.row_positions_of(torch.tensor([tokens]))
+            seen = (layer.row_positions >= 0) & (layer.row_positions > nxt - window)
+            assert bool(seen.any(0).all()) and bool((seen.sum(1) <= window).all()), f"{what} layer {i}: {m} keys"
+        elif layer.is_sliding:
             assert m <= window and bool((layer.positions > tokens - window).all()), f"{what} layer {i}: {m} keys"
         else:
             assert m == cache.shares[sp.rank], f"{what} layer {i}: {m} keys, share {cache.shares[sp.rank]}"
@@ -139,6 +146,88 @@ def test_generate_batch_of_equal_lengths(pool):
              {"strategy": "striped", "size": 4, "ulysses_size": 2}]
     results = pool.run(check_generate, "llama", cases, 2)
     assert all(len(r) == len(cases) for r in results), results
+
+
+LENGTHS = (PROMPT, 19, 11)             # a left-padded batch: prompts of 27, 19 and 11 tokens
+EVERY_ROW_PADDED = (23, 19, 11)        # no row fills the batch's 27 tokens: 4 columns of pads in every row
+
+
+def _left_padded(vocab, lengths):
+    """input_ids [rows, PROMPT] of prompts of ``lengths``, padded on the left with 0 (pad_token_id), and its mask."""
+    ids = torch.zeros(len(lengths), PROMPT, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    gen = torch.Generator().manual_seed(5)
+    for b, n in enumerate(lengths):
+        ids[b, PROMPT - n:] = torch.randint(3, vocab, (n,), generator=gen)
+        mask[b, PROMPT - n:] = 1
+    return ids, mask
+
+
+def check_left_padded(family, cases, lengths=LENGTHS):
+    """On every rank: generate on a left-padded batch (as TRL pads rollouts) against the unsharded model's generate
+    on the same batch: greedy tokens equal, every step's scores within the derived bound, seeded sampling equal.
+    The float64 reference is each prompt generated alone (transformers' own float64 eager run of the padded batch
+    gives NaN scores for the padded rows); the unsharded float32 run
+    of the padded batch must give its tokens, and its error against it sets the bound. No stop token
+    (eos_token_id=None): every row runs all NEW steps, alone as in the batch."""
+    from ds_seqpar.hf import apply_sequence_parallel
+    state = _model(family).state_dict()
+    ids, mask = _left_padded(_config(family).vocab_size, lengths)
+    ref32 = _greedy(_model(family, state), ids, attention_mask=mask, eos_token_id=None)
+    alone = [_greedy(_model(family, state, torch.float64), ids[b:b + 1, PROMPT - n:], eos_token_id=None)
+             for b, n in enumerate(lengths)]
+    new = torch.cat([a.sequences[:, n:] for a, n in zip(alone, lengths)])
+    ref64 = SimpleNamespace(sequences=torch.cat([ids, new], 1),
+                            scores=[torch.cat([a.scores[i] for a in alone]) for i in range(NEW)])
+    assert torch.equal(ref64.sequences, ref32.sequences), f"{family}: padded float32 and alone float64 differ"
+    sampled = _sampled(_model(family, state), ids, seed=13, attention_mask=mask, eos_token_id=None)
+    several = _sampled(_model(family, state), ids, seed=14, attention_mask=mask, eos_token_id=None,
+                       num_return_sequences=2)
+    checked = []
+    for cfg in cases:
+        sp = SequenceParallel(cfg)
+        model = apply_sequence_parallel(_model(family, state), sp)
+        what = f"{family} left-padded {cfg} sp_rank={sp.rank}"
+        sp.stats.reset()
+        out = _greedy(model, ids, attention_mask=mask, eos_token_id=None)
+        _check_bytes(what, sp, model.config, len(lengths))
+        assert torch.equal(out.sequences, ref64.sequences), f"{what}: {out.sequences} != {ref64.sequences}"
+        assert len(out.scores) == NEW
+        for i, (s, r64, r32) in enumerate(zip(out.scores, ref64.scores, ref32.scores)):
+            assert_derived_close(f"{what} scores step {i}", s, r64, r32)
+        cache = out.past_key_values
+        _check_cache(what, cache, sp, PROMPT + NEW - 1, getattr(model.config, "sliding_window", None), padded=True)
+        for layer in cache.layers:       # each row's pads are masked slots; its decode tokens count on from its length
+            real = (layer.row_positions >= 0).sum(1)
+            assert layer.row_positions.shape == (len(lengths), layer.positions.numel()), what
+            if not layer.is_sliding:
+                mine = layer.positions[None] < torch.tensor(lengths)[:, None]
+                assert torch.equal(real, (mine | (layer.positions >= PROMPT)[None]).sum(1)), what
+        got = _sampled(model, ids, seed=13, attention_mask=mask, eos_token_id=None)
+        assert torch.equal(got, sampled), f"{what} sampling: {got} != {sampled}"
+        if not checked:                  # the padded rows and their masks repeated before the prefill
+            got = _sampled(model, ids, seed=14, attention_mask=mask, eos_token_id=None, num_return_sequences=2)
+            assert torch.equal(got, several), f"{what} num_return_sequences=2: {got} != {several}"
+        checked.append((what, [s.numpy().tobytes() for s in out.scores]))
+    return checked
+
+
+def test_generate_left_padded_batch(pool):
+    cases = [{"strategy": s, "size": p} for p in (2, 4) for s in ("zigzag", "ulysses")] \
+        + [{"strategy": "ring", "size": 4, "ulysses_size": 2}]
+    results = pool.run(check_left_padded, "llama", cases)
+    assert all(len(r) == len(cases) for r in results), results
+    for i, cfg in enumerate(cases):      # the ranks of a group saw bitwise the same scores
+        assert all(r[i][1] == results[0][i][1] for r in results[:cfg["size"]]), f"{cfg}: scores differ across ranks"
+
+
+@pytest.mark.parametrize("family", ["mistral", "gpt_oss", "deepseek_v3", "gemma2"])
+def test_generate_left_padded_families(pool, family):
+    """Sliding windows (mistral: every layer; gpt-oss: alternating, with sinks) over the rows' own positions, MLA
+    (deepseek_v3: the cache holds latents), softcap (gemma2); every row padded (the rotated batch ends in pads
+    in every row)."""
+    results = pool.run(check_left_padded, family, [{"strategy": "zigzag", "size": 4}], EVERY_ROW_PADDED)
+    assert all(len(r) == 1 for r in results), results
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt_oss", "deepseek_v3"])
@@ -190,6 +279,10 @@ def generate_refusals():
     mask = torch.ones_like(padded)
     mask[1, :3] = 0
     out["left padding"] = _message(gen(padded, attention_mask=mask))
+    inner = torch.ones_like(padded)
+    inner[1, 4:6] = 0
+    out["inner zeros"] = _message(gen(padded, attention_mask=inner))
+    out["right padding"] = _message(gen(padded, attention_mask=mask.flip(1)))
     out["equal lengths"] = _message(gen(padded, attention_mask=torch.ones_like(mask)))
     hybrid = hybrid_config("qwen3_5_text")
     linear = apply_sequence_parallel(build(hybrid, torch.float32), sp)
@@ -225,7 +318,9 @@ REFUSED = {
     "cache": "with past_key_values=DynamicCache", "no cache": "with use_cache=False",
     "hidden states": "with output_hidden_states=True",
     "prompt differs": "got a different input_ids on the ranks", "seed differs": "random state (torch.manual_seed)",
-    "same seed": "no error", "left padding": "with a padded batch (attention_mask with zeros",
+    "same seed": "no error", "left padding": "no error",
+    "inner zeros": "with an attention_mask that is not left padding (zeros between or after real tokens",
+    "right padding": "with an attention_mask that is not left padding (zeros between or after real tokens",
     "equal lengths": "no error", "linear layers": "with linear-attention / SSM layers",
     "checkpointing": "with gradient checkpointing in training mode", "checkpointing, eval": "no error",
     "ranks diverge": "the ranks of a sequence group decode different tokens",

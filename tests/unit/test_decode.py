@@ -56,3 +56,38 @@ def test_partials_merged_in_rank_order_equal_dense_attention(window, softcap, si
     out, lse = fold_parts(torch.stack(parts), h, dv)
     got = fold_sinks(out, lse, s)
     assert (got - want).abs().max().item() < 1e-12
+
+
+@pytest.mark.parametrize("window,softcap,sinks", [(None, None, False), (5, None, False), (4, 0.7, True)])
+def test_left_padded_rows_mask_their_pad_slots(window, softcap, sinks):
+    """A left-padded batch's cache (hf/kv_cache.py): every row has the same slots, a row's rotated-away pads carry
+    a negative position and hold garbage K/V; each row's merged attention equals dense attention of its last real
+    token over its real tokens alone (its positions, its window)."""
+    g = torch.Generator().manual_seed(1)
+    b, h, hkv, d, dv, n, steps, p = 2, 4, 2, 8, 6, 19, 3, 4
+    lengths = [19, 12]                       # row 1: 7 pads rotated to the end of the prompt's slots
+    slots = n + steps
+    k = 50 * torch.randn(b, slots, hkv, d, generator=g, dtype=torch.float64)      # the pads' K/V: large garbage
+    v = 50 * torch.randn(b, slots, hkv, dv, generator=g, dtype=torch.float64)
+    q = torch.randn(b, slots, h, d, generator=g, dtype=torch.float64)
+    s = torch.randn(h, generator=g, dtype=torch.float64) if sinks else None
+    row_pos = torch.full((b, slots), -1, dtype=torch.long)
+    for r, length in enumerate(lengths):
+        row_pos[r, :length] = torch.arange(length)
+        row_pos[r, n:] = torch.arange(length, length + steps)
+    q_pos = torch.tensor([length + steps - 1 for length in lengths])
+    scale = d ** -0.5
+    owner = torch.randint(0, p, (slots,), generator=g)
+    parts = []
+    for r in range(p):
+        mine = (owner == r).nonzero().flatten()
+        kr, vr = (t[:, mine].transpose(1, 2) for t in (k, v))
+        out, lse = partial_attention(q[:, -1].contiguous(), kr, vr, row_pos[:, mine], q_pos, scale, window, softcap)
+        parts.append(torch.cat([out.reshape(b, -1), lse], dim=1))
+    out, lse = fold_parts(torch.stack(parts), h, dv)
+    got = fold_sinks(out, lse, s)
+    for r in range(b):
+        real = (row_pos[r] >= 0).nonzero().flatten()            # the row's real tokens, in position order
+        want = dense_attention(q[r:r + 1, real], k[r:r + 1, real], v[r:r + 1, real], True, scale, window, softcap,
+                               s)[:, -1]
+        assert (got[r] - want[0]).abs().max().item() < 1e-12, r

@@ -53,3 +53,32 @@ def test_the_cache_refuses_what_generate_does_not_do():
         cache.reorder_cache(torch.tensor([0]))
     with pytest.raises(UnsupportedModelError, match="assisted decoding"):
         cache.crop(-1)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_left_padded_rows_keep_slots_with_their_own_positions(rank):
+    """Rows rotated so their real tokens lead (hf/generate.py): one slot per global index in every row, a row's
+    pads at PAD, its decode tokens at its length + steps; a window layer keeps the slots some row still sees."""
+    from ds_seqpar.hf.kv_cache import PAD, ShardedKVCache
+    layout, n, padded = make_layout("zigzag", 2), 13, 16
+    lengths = torch.tensor([13, 9])
+    cache = ShardedKVCache(2, [False, True], 2, rank)
+    pos = layout.indices(padded, rank)
+    cache.begin_prefill(layout, n, padded, pos, lengths)
+    for i in range(2):
+        cache.update(torch.zeros(2, 2, pos.numel(), 4), torch.zeros(2, 2, pos.numel(), 4), i)
+    full, window = cache.layers
+    kept = torch.tensor([p for p in pos.tolist() if p < n])
+    assert torch.equal(full.positions, kept)
+    assert full.row_positions[0].tolist() == kept.tolist()
+    assert full.row_positions[1].tolist() == [p if p < 9 else PAD for p in kept.tolist()]
+    window.trim(4, n)             # row 0's next query (13) sees 10..12, row 1's (9) sees 6..8
+    assert window.positions.tolist() == [p for p in kept.tolist() if 6 <= p <= 8 or 10 <= p <= 12]
+    cache.end_step()
+    for step in range(3):
+        assert cache.begin_decode() == n + step
+        cache.update(torch.zeros(2, 2, 1, 4), torch.zeros(2, 2, 1, 4), 0)
+        if cache.owner == rank:
+            assert full.row_positions[:, -1].tolist() == [13 + step, 9 + step]
+        cache.end_step()
+    assert full.row_positions.shape == (2, full.positions.numel()) == (2, cache.shares[rank])
