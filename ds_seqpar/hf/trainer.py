@@ -34,7 +34,7 @@ Refused on every rank before any collective, naming the option: what would not b
 from __future__ import annotations
 
 import inspect
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Optional
 
@@ -152,11 +152,15 @@ class SequenceParallelMixin:
             return super()._prepare_inputs(inputs)
 
     def _generate(self, prompts):
-        """The rollouts: TRL's own generation, on whole prompts with sequence parallelism lifted (every rank of the
-        group decodes the replica's prompts from the same generator state: the same completions)."""
+        """The rollouts: TRL's own call of the model's generate, the scoring hooks paused. Over the sequence-sharded
+        KV cache (hf/generate.py: every rank of the group decodes the replica's prompts from the same generator
+        state, the plain run's tokens), or, for a model the sharded decode does not cover, on the whole prompts
+        with sequence parallelism lifted for the call (trl_rollouts.whole_model)."""
         if self.sp is None or not self._sp_rollout:
             return super()._generate(prompts)
-        with self._sp_rows.paused(), trl_rollouts.whole_model(_base_model(_hf_module(self.model)), self.sp):
+        model = _base_model(_hf_module(self.model))
+        lifted = nullcontext() if trl_rollouts.decodes_sharded(model) else trl_rollouts.whole_model(model, self.sp)
+        with self._sp_rows.paused(), lifted:
             return super()._generate(prompts)
 
     def _scored_models(self):

@@ -8,9 +8,12 @@ What TRL does per process, and what each rank of replica d does here instead:
     before TRL sizes anything from it): every rank of replica d reads what process d of the plain run reads.
   * sampling: TRL seeds each process with seed + process index; the ranks of replica d are re-seeded with
     seed + d after TRL's init, so they all draw the same completions, those of plain process d, from the same
-    generator state (``reseed``). Generation runs on the model as TRL calls it (``model.generate``), with
-    sequence parallelism lifted for the call (``whole_model``): every rank decodes the whole prompts, as the plain
-    process does. Prompts are checked equal across the group first (one all-reduce of a fingerprint).
+    generator state (``reseed``). Generation runs on the model as TRL calls it (``model.generate``): the applied
+    model's, which prefills through the strategy and decodes over a sequence-sharded KV cache (hf/generate.py:
+    left-padded prompts, sampling alike on every rank); for a model that decode does not cover (hybrids' linear
+    layers, gradient checkpointing in training mode, ...) with sequence parallelism lifted for the call
+    (``whole_model``: every rank decodes the whole prompts, as the plain process does). Prompts are checked
+    equal across the group first (one all-reduce of a fingerprint).
   * scoring: the policy's, old policy's and reference's per-token log-probs and entropies come from TRL's fused
     LM head on whole rows (left-padded prompt, right-padded completion), which trl_rows.py shards inside the
     model and gathers back: every rank holds the replica's whole per-token vectors.
@@ -189,6 +192,22 @@ def replica_view(trainer, owner: type):
                 setattr(module, name, fn)
 
 
+def decodes_sharded(model) -> bool:
+    """Whether the applied model's generate decodes over the sequence-sharded cache (hf/generate.py checks the
+    model's features, purely and alike on every rank); else the rollouts lift sequence parallelism."""
+    from .apply import STATE_ATTR
+    from .checks import UnsupportedModelError
+    from .generate import check_model
+    state = getattr(model, STATE_ATTR, None)
+    if state is None:
+        return False
+    try:
+        check_model(model, state)
+    except UnsupportedModelError:
+        return False
+    return True
+
+
 @contextmanager
 def whole_model(model, sp):
     """Sequence parallelism lifted from ``model`` for the duration (generation on whole prompts, every rank alike),
@@ -204,5 +223,5 @@ def whole_model(model, sp):
         apply_sequence_parallel(model, sp)
 
 
-__all__ = ["ROLLOUT_TRAINERS", "is_rollout", "fit_generation_batch", "refuse_inexact", "reseed",
+__all__ = ["ROLLOUT_TRAINERS", "decodes_sharded", "is_rollout", "fit_generation_batch", "refuse_inexact", "reseed",
            "check_group_prompts", "ReplicaAccelerator", "replica_view", "whole_model"]

@@ -3,7 +3,8 @@ processes as there are replicas (examples/trl_grpo.py).
 
 Sequence parallel: size 2 on 4 ranks, 2 replicas. Plain: size 1 on the 2-rank pool (tests/conftest.py: 2 processes): the
 same data-parallel degree, so each replica reads the prompts plain process d reads and is seeded as TRL seeds it
-(seed + d). Every rank of a replica then samples the plain process's completions (compared through the logged
+(seed + d). Every rank of a replica then samples the plain process's completions (decoding over the
+sequence-sharded KV cache: the applied model's generate, left-padded prompts) (compared through the logged
 completion lengths and the rewards, which are functions of them), and every loss, advantage and metric TRL
 logs is a function of per-token log-probs that the plain run computes in one process: equal to fp32 rounding
 (1e-5 relative to the value's scale; counts and lengths exactly), as are the final parameters."""
@@ -20,14 +21,25 @@ REQUIRED = ("loss", "grad_norm", "reward", "reward_std", "entropy", "completions
 
 
 def run_grpo(cfg, **options):
+    """On every rank: one run; rank 0 returns (steps, params, how many generate calls decoded over the sharded
+    cache)."""
+    from ds_seqpar.hf import generate
     example = _example("trl_grpo")
     if options.get("reference"):      # a directory every rank of both pools sees (the model is the same)
         options["reference"] = os.path.join(tempfile.gettempdir(), f"ds_seqpar_grpo_model_{os.getppid()}")
+    calls, sharded = [], generate.sharded_generate
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return sharded(*args, **kwargs)
+    generate.sharded_generate = counted
     with tempfile.TemporaryDirectory() as out:
         try:
-            return example.train(cfg, out, **options)
+            result = example.train(cfg, out, **options)
         finally:
+            generate.sharded_generate = sharded
             reset_worker_state()
+    return None if result is None else (*result, len(calls))
 
 
 def initial_parameters():
@@ -47,8 +59,8 @@ def plain(pool2, stage, **options):
 
 
 def assert_same_grpo(what, got, want, extra=()):
-    steps, params = got
-    ref_steps, ref_params = want
+    steps, params = got[:2]
+    ref_steps, ref_params = want[:2]
     assert [s["step"] for s in steps] == [s["step"] for s in ref_steps] and steps, what
     compared = set()
     for g, w in zip(steps, ref_steps):
@@ -89,4 +101,5 @@ def test_grpo_trainer_equals_plain_data_parallelism(pool, pool2, stage, sp, opti
     what = f"GRPOTrainer {sp} ZeRO-{stage} {options}"
     got = pool.run(run_grpo, ds_config(stage, **sp), **options)[0]
     want = plain(pool2, stage, **options)
+    assert got[2] >= 1 and want[2] == 0, f"{what}: the rollouts did not decode over the sharded cache ({got[2]})"
     assert_same_grpo(what, got, want, extra=("kl",) if options.get("reference") else ())
