@@ -63,13 +63,18 @@ def step_rows(step: int):
     return ids, labels
 
 
+def load(ds) -> dict:
+    """A copy of the DeepSpeed JSON (a path or a dict)."""
+    if not isinstance(ds, dict):
+        with open(ds) as f:
+            return json.load(f)
+    return json.loads(json.dumps(ds))
+
+
 def resolve(ds, dp_size: int) -> dict:
     """The DeepSpeed JSON (path or dict) with "auto" values filled in (the Trainer fills them from its
     arguments; this loop from the constants above); no train_batch_size (DeepSpeed derives it from the mpu)."""
-    if not isinstance(ds, dict):
-        with open(ds) as f:
-            ds = json.load(f)
-    ds = json.loads(json.dumps(ds))
+    ds = load(ds)
     auto = dict(AUTO, train_micro_batch_size_per_gpu=ROWS // dp_size)
     for key, value in auto.items():
         if ds.get(key, "auto") == "auto":
@@ -91,9 +96,9 @@ def train(ds, steps: int = 100):
 
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    cfg = ds if isinstance(ds, dict) else json.load(open(ds))
-    size = int(cfg.get("sequence_parallel", {}).get("size", 1))
-    ds = resolve(cfg, comm.world_size() // size)
+    ds = load(ds)
+    size = int(ds.get("sequence_parallel", {}).get("size", 1))
+    ds = resolve(ds, comm.world_size() // size)
     sp = SequenceParallel.from_ds_config(ds)
     torch.manual_seed(0)
     model = apply_sequence_parallel(tiny_model(), sp)
