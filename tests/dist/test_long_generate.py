@@ -3,8 +3,8 @@ ZeRO-2, the Trainer's JSON with its "auto" values) finds every needle through mo
 sequence-sharded KV cache (each needle on a rank other than the query's), and its greedy tokens equal the
 unsharded model's (one process, float32 and float64 agreeing). The trained weights then generate under two
 more layouts at P=4 (ring, ulysses with fewer K/V heads than ranks): the same answers."""
-
 from .test_hf_trainer import _example, ds_config
+
 
 def train_and_generate():
     from ds_seqpar import SequenceParallel
@@ -19,6 +19,7 @@ def train_and_generate():
         model.load_state_dict(state)
         results.append((cfg, example.check(apply_sequence_parallel(model, other), other)))
     return losses, results
+
 
 def test_needles_come_back_through_the_sharded_cache(pool):
     for rank, (losses, results) in enumerate(pool.run(train_and_generate, timeout=400)):
