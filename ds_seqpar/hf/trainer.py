@@ -43,7 +43,7 @@ import torch
 from .. import comm
 from ..config import ConfigError, SequenceParallelConfig
 from ..sequence_parallel import SequenceParallel
-from . import trl_rollouts, trl_support
+from . import trainer_generate, trl_rollouts, trl_support
 from .apply import apply_sequence_parallel
 from .ds_config import trainer_deepspeed_config
 from .metrics import StepMeter, meter_callback
@@ -68,6 +68,8 @@ class SequenceParallelMixin:
             _refuse_inexact(targs, kwargs)
             _refuse_unverified_loss(type(self))
             _refuse_unverified_eval(type(self), targs, kwargs)
+            trainer_generate.refuse_inexact(targs, trainer_deepspeed_config(targs),
+                                            _owner(type(self), "prediction_step").__name__)
             if trl_rollouts.is_rollout(owner):         # before TRL sizes its buffers from the generation batch
                 trl_rollouts.refuse_inexact(targs, kwargs, owner.__name__)
                 trl_rollouts.fit_generation_batch(targs, self.sp, owner.__name__)
@@ -261,12 +263,16 @@ class SequenceParallelMixin:
         return out
 
     # -- eval and predict: sequence-parallel, gathered over the replicas -------------------------
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
         """The step on this rank's shard, then the replica's view: the loss of the group (each rank
         holds its shard's share: their mean is what one plain data-parallel process reports), the
-        logits unsharded to full length, the labels as the collator gave them."""
+        logits unsharded to full length, the labels as the collator gave them. Seq2SeqTrainer's
+        predict_with_generate: generated tokens instead of logits (trainer_generate.py)."""
         if self.sp is None:
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys, **gen_kwargs)
+        if self._sp_rows is None and trainer_generate.generates(self, _owner(type(self), "prediction_step").__name__,
+                                                                prediction_loss_only):
+            return trainer_generate.prediction_step(self, model, inputs, ignore_keys, gen_kwargs)
         if self._sp_rows is not None:      # TRL's own step on whole rows (its compute_loss: the replica's loss)
             check_group_batch(inputs, self.sp)
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)

@@ -32,13 +32,12 @@ def _refuse_inexact(targs, kwargs) -> None:
                "False} (each process then iterates its own IterableDatasetShard)")
     if kwargs.get("model_init") is not None:
         refuse("model_init", "the model must exist when sequence parallelism is applied", "pass model=")
-    if getattr(targs, "predict_with_generate", False):
-        refuse("predict_with_generate", "generation runs one token at a time", "evaluate the loss instead")
 
 
 ROW_TRAINERS = ("DPOTrainer",) + ROLLOUT_TRAINERS   # TRL trainers whose model calls score whole rows (trl_rows.py)
 VERIFIED_LOSSES = ("Trainer", "SFTTrainer") + ROW_TRAINERS   # compute_loss tested equal to plain dp
-VERIFIED_EVAL = ("Trainer", "SFTTrainer", "DPOTrainer")      # prediction_step tested equal to plain dp
+VERIFIED_EVAL = ("Trainer", "SFTTrainer", "DPOTrainer",      # prediction_step tested equal to plain dp
+                 "Seq2SeqTrainer")                          # causal LMs; predict_with_generate: trainer_generate.py
 
 
 def _refuse_unverified_loss(cls) -> None:

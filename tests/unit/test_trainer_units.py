@@ -26,11 +26,26 @@ def test_options_that_cannot_be_exact_are_refused_by_name():
     cases = [(dict(label_smoothing_factor=0.1), {}, "label_smoothing_factor=0.1"),
              (dict(average_tokens_across_devices=False), {}, "average_tokens_across_devices=False"),
              ({}, {"compute_loss_func": lambda *a: 0}, "compute_loss_func"),
-             ({}, {"model_init": lambda: None}, "model_init"),
-             (dict(predict_with_generate=True), {}, "predict_with_generate")]
+             ({}, {"model_init": lambda: None}, "model_init")]
     for args, kwargs, name in cases:
         with pytest.raises(ConfigError, match=name):
             _refuse_inexact(SimpleNamespace(**dict(vars(ok), **args)), kwargs)
+
+
+def test_predict_with_generate_is_refused_where_not_verified():
+    """Seq2SeqTrainer's predict_with_generate runs (tests/dist/test_trainer_generate.py) except beam search and
+    ZeRO-3; the Trainer's own prediction_step ignores the flag (as plain transformers does)."""
+    from types import SimpleNamespace
+    from ds_seqpar.hf.trainer_generate import refuse_inexact
+    zero2, zero3 = {"zero_optimization": {"stage": 2}}, {"zero_optimization": {"stage": 3}}
+    greedy = SimpleNamespace(predict_with_generate=True, generation_num_beams=None)
+    refuse_inexact(greedy, zero2, "Seq2SeqTrainer")
+    refuse_inexact(greedy, zero3, "Trainer")
+    refuse_inexact(SimpleNamespace(predict_with_generate=False, generation_num_beams=4), zero3, "Seq2SeqTrainer")
+    with pytest.raises(ConfigError, match="generation_num_beams=4"):
+        refuse_inexact(SimpleNamespace(predict_with_generate=True, generation_num_beams=4), zero2, "Seq2SeqTrainer")
+    with pytest.raises(ConfigError, match="zero_optimization.stage=3"):
+        refuse_inexact(greedy, zero3, "Seq2SeqTrainer")
 
 
 def test_trainers_with_their_own_loss_are_refused_until_verified():
