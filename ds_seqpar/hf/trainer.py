@@ -49,6 +49,7 @@ from .ds_config import trainer_deepspeed_config
 from .metrics import StepMeter, meter_callback
 from .trainer_refusals import (ROW_TRAINERS, VERIFIED_LOSSES, _owner, _refuse_inexact,  # noqa: F401
                                _refuse_unverified_eval, _refuse_unverified_loss)
+from .trainer_batches import check_group_batch, drop_right_padding, replica_batch_size  # noqa: F401
 from .trl_rows import WholeRowScoring
 from .vision import has_vision_inputs, rope_positions
 from .wandb_run import one_wandb_run, run_config_callback
@@ -373,52 +374,6 @@ def _sequence_parallel(targs) -> Optional[SequenceParallel]:
     cfg.check_world(world)
     replica_batch_size(ds, world, cfg.size, targs.per_device_train_batch_size, targs.gradient_accumulation_steps)
     return SequenceParallel.from_ds_config(ds)
-
-
-def replica_batch_size(ds: dict, world: int, size: int, micro: int, accumulation: int) -> None:
-    """transformers fills ``train_batch_size`` ("auto") with world x micro x accumulation and refuses any
-    other literal at train(); with ``size`` ranks per replica the global batch is (world / size) x micro x
-    accumulation. The world value (HF's fill, or that literal) is removed from ``ds``: DeepSpeed derives
-    the replica value from the mpu. Any other value is refused here, with the fix."""
-    filled = ds.get("train_batch_size")
-    if filled is None:
-        return
-    if filled == world * micro * accumulation:
-        del ds["train_batch_size"]
-        return
-    replicas = world // size
-    raise ConfigError(f"train_batch_size={filled}: transformers requires world x micro batch x accumulation = "
-                      f"{world} x {micro} x {accumulation} = {world * micro * accumulation} (it refuses another "
-                      f"value at train()); with sequence_parallel.size={size} the {replicas} data-parallel "
-                      f"replicas' batch is {replicas * micro * accumulation}, which ds_seqpar hands DeepSpeed "
-                      f"itself: set train_batch_size to 'auto' or remove it")
-
-
-def check_group_batch(batch, sp) -> None:
-    """Every rank of the sequence group holds the same batch: one all-reduce (max of h and -h) of a
-    fingerprint of input_ids; a group that disagrees stops the run on every rank."""
-    ids = batch.get("input_ids")
-    if ids is None:
-        raise ConfigError("ds_seqpar.hf: the batch has no input_ids")
-    weights = torch.arange(1, ids.numel() + 1, dtype=torch.int64) % 1_000_003
-    h = int((ids.reshape(-1).to(torch.int64).cpu() * weights).sum()) % (1 << 61) + ids.shape[1] * 1_000_033
-    pair = torch.tensor([h, -h], dtype=torch.int64, device=sp.device)
-    high, neg_low = comm.all_reduce(pair, sp.group, op="max", stats=sp.stats, kind="batch_check").tolist()
-    if high != -neg_low:
-        raise ConfigError("ds_seqpar.hf: the ranks of one sequence group got different batches (a loader sharded per "
-                          "world rank, or a random collator seeded per rank); every rank of a group must read the "
-                          "same batch")
-
-
-def drop_right_padding(batch) -> None:
-    """A mask of ones, or right padding (every row ones then zeros) -> removed; anything else refused."""
-    mask = batch.pop("attention_mask", None)
-    if mask is None or bool((mask != 0).all()):
-        return
-    if bool((mask[:, 1:] > mask[:, :-1]).any()):
-        raise ConfigError("ds_seqpar.hf: a batch with left or inner padding (attention_mask zeros before real tokens) "
-                          "cannot be exact under sequence parallelism; pad on the right (padding_side='right') or "
-                          "pack the samples (DataCollatorWithFlattening)")
 
 
 __all__ = ["SequenceParallelMixin", "sequence_parallel", "check_group_batch", "drop_right_padding"]
