@@ -180,10 +180,9 @@ class SequenceParallelMixin:
         accelerator = self.accelerator
         own = {name: vars(accelerator).get(name) for name in ("gather", "gather_for_metrics")}
 
-        def gather(data, truncate):      # accelerate gathers a scalar as one value per process
-            return _map_tensors(lambda t: self._gather_replicas(t.reshape(1) if t.dim() == 0 else t, truncate), data)
-        accelerator.gather = partial(gather, truncate=False)
-        accelerator.gather_for_metrics = lambda data, **_: gather(data, True)
+        accelerator.gather = lambda data: trl_rollouts.replica_gather(data, self._gather_replicas, truncate=False)
+        accelerator.gather_for_metrics = lambda data, **_: trl_rollouts.replica_gather(data, self._gather_replicas,
+                                                                                       truncate=True)
         try:
             with self._sp_rows.scoring(models):
                 yield

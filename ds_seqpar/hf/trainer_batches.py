@@ -36,12 +36,17 @@ def check_group_batch(batch, sp) -> None:
         raise ConfigError("ds_seqpar.hf: the batch has no input_ids")
     weights = torch.arange(1, ids.numel() + 1, dtype=torch.int64) % 1_000_003
     h = int((ids.reshape(-1).to(torch.int64).cpu() * weights).sum()) % (1 << 61) + ids.shape[1] * 1_000_033
-    pair = torch.tensor([h, -h], dtype=torch.int64, device=sp.device)
-    high, neg_low = comm.all_reduce(pair, sp.group, op="max", stats=sp.stats, kind="batch_check").tolist()
-    if high != -neg_low:
+    if not group_agrees(h, sp):
         raise ConfigError("ds_seqpar.hf: the ranks of one sequence group got different batches (a loader sharded per "
                           "world rank, or a random collator seeded per rank); every rank of a group must read the "
                           "same batch")
+
+
+def group_agrees(h: int, sp) -> bool:
+    """Whether every rank of the sequence group holds the same fingerprint ``h``: one all-reduce (max of h, -h)."""
+    pair = torch.tensor([h, -h], dtype=torch.int64, device=sp.device)
+    high, neg_low = comm.all_reduce(pair, sp.group, op="max", stats=sp.stats, kind="batch_check").tolist()
+    return high == -neg_low
 
 
 def drop_right_padding(batch) -> None:
@@ -55,4 +60,4 @@ def drop_right_padding(batch) -> None:
                           "pack the samples (DataCollatorWithFlattening)")
 
 
-__all__ = ["check_group_batch", "drop_right_padding", "replica_batch_size"]
+__all__ = ["check_group_batch", "drop_right_padding", "group_agrees", "replica_batch_size"]

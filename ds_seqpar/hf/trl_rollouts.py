@@ -40,6 +40,7 @@ import torch
 
 from .. import comm
 from ..errors import ConfigError
+from .trainer_batches import group_agrees
 
 ROLLOUT_TRAINERS = ("GRPOTrainer", "RLOOTrainer")
 
@@ -92,9 +93,7 @@ def check_group_prompts(batch, sp) -> None:
     """Every rank of the group holds the same prompts (the replica's rows): one all-reduce (max of h and -h)."""
     text = repr([row.get("prompt") if isinstance(row, dict) else row for row in batch]).encode()
     h = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") % (1 << 61)   # not hash(): salted
-    pair = torch.tensor([h, -h], dtype=torch.int64, device=sp.device)
-    high, neg_low = comm.all_reduce(pair, sp.group, op="max", stats=sp.stats, kind="batch_check").tolist()
-    if high != -neg_low:
+    if not group_agrees(h, sp):
         raise ConfigError("ds_seqpar.hf: the ranks of one sequence group got different prompts (a loader sharded per "
                           "world rank?); every rank of a group must read the same generation batch")
 
