@@ -10,6 +10,14 @@ at every step, so one call gives
     all-gather merge per layer);
 and, after it, each rank's KV-cache bytes against the unsharded cache's, and the merge's bytes on the wire
 against cost/decode.py's closed form.
+
+Decode where attention over the cache counts (``--decode_contexts``): the tiny model's attention is a few
+thousand operations per key, so at any length one collective per layer outweighs it. These rows time one
+decode step of one layer with Llama-3-8B's sizes (hidden 4096, 32 heads / 8 KV heads of 128, MLP 14336)
+over a cache of N tokens filled directly (seeded random K/V: a decode step's time does not depend on the
+values; a prefill at 64K tokens of this width would take hours on CPU). P=2 runs the applied model's real
+decode path (hf/generate.py's routing, the sharded cache, the all-gather merge); P=1 transformers' own over
+a DynamicCache holding the same K/V; both decode greedily and must produce the same tokens.
 """
 from __future__ import annotations
 
@@ -29,14 +37,68 @@ PREFILL, DECODE = "prefill speedup, P=2 vs 1", "decode time per token, P=1 / P=2
 CACHE, MERGE = "KV cache bytes per rank / unsharded", "decode merge bytes per step"
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=256)
+WIDE = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=1, num_attention_heads=32,
+            num_key_value_heads=8, vocab_size=256)          # one layer of Llama-3-8B (a small vocabulary)
+FILLED = "decode time per token over a filled cache, P=1 / P=2"
 
 
-def tiny_llama(max_len: int):
+def tiny_llama(max_len: int, shape: Dict[str, int] = SHAPE):
     import transformers as T
-    config = T.LlamaConfig(**SHAPE, max_position_embeddings=max_len, attention_dropout=0.0, pad_token_id=0,
+    config = T.LlamaConfig(**shape, max_position_embeddings=max_len, attention_dropout=0.0, pad_token_id=0,
                            eos_token_id=None, bos_token_id=None)
     torch.manual_seed(0)
     return T.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
+def _filled_kv(n: int, batch: int, layer: int):
+    """The seeded K/V [b, hkv, n, d] of ``layer`` over n tokens (the same on every rank and for P=1)."""
+    g = torch.Generator().manual_seed(1000 * layer + n)
+    dims = (batch, WIDE["num_key_value_heads"], n, WIDE["hidden_size"] // WIDE["num_attention_heads"])
+    return torch.randn(dims, generator=g), torch.randn(dims, generator=g)
+
+
+def _decode_steps(model, cache, n: int, batch: int, steps: int, position: bool):
+    """``steps`` greedy decode forwards after n cached tokens: (tokens [b, steps], median wall, median CPU)."""
+    tok = torch.ones(batch, 1, dtype=torch.long)
+    tokens, gaps = [], []
+    with torch.no_grad():
+        for t in range(steps):
+            kwargs = {"position_ids": torch.full((batch, 1), n + t)} if position else {}
+            w, c = time.perf_counter(), time.thread_time()
+            out = model(input_ids=tok, past_key_values=cache, use_cache=True, **kwargs)
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)
+            gaps.append((time.perf_counter() - w, time.thread_time() - c))
+            tokens.append(tok)
+    return torch.cat(tokens, 1), statistics.median(g[0] for g in gaps), statistics.median(g[1] for g in gaps)
+
+
+def filled_decode(model, sp, n: int, batch: int, steps: int):
+    """One decode run over a cache of n tokens filled directly: P=1 (``sp`` None, transformers' DynamicCache)
+    or this rank's share of the applied ``model``'s sharded cache, decoded through hf/generate.py's routing."""
+    from transformers import DynamicCache
+    from ..hf.apply import STATE_ATTR
+    from ..hf.generate import GenerationRun
+    from ..hf.kv_cache import ShardedKVCache
+    layers = model.config.num_hidden_layers
+    if sp is None:
+        cache = DynamicCache()
+        for i in range(layers):
+            cache.update(*_filled_kv(n, batch, i), i)
+        return _decode_steps(model, cache, n, batch, steps, position=True)
+    cache = ShardedKVCache(layers, [False] * layers, sp.size, sp.rank)
+    pos = sp.position_ids(n)
+    cache.begin_prefill(sp.layout, n, sp.padded_len(n), pos)
+    for i, layer in enumerate(cache.layers):
+        k, v = _filled_kv(n, batch, i)
+        keep = pos.clamp(max=n - 1)              # the layout's end padding: dropped by the cache (pos >= n)
+        layer.update(k[:, :, keep], v[:, :, keep])
+    cache.end_step()
+    state = getattr(model, STATE_ATTR)
+    state.generation = GenerationRun(sp, cache)
+    try:
+        return _decode_steps(model, cache, n, batch, steps, position=False)
+    finally:
+        state.generation = None
 
 
 class Stamps:
@@ -93,8 +155,49 @@ def _rank(args) -> Dict[str, Any]:
                     times[case].append(t)
         result["lengths"][n] = {"times": times, "merge_bytes": merge, "cache_bytes": cache, "tokens": tokens,
                                 "same_tokens": same if sp.rank == 0 else None}
+    contexts = _ints(args.decode_contexts)
+    if contexts:
+        del plain, sharded
+        wide_plain = tiny_llama(max(contexts) + args.steps + 8, WIDE) if sp.rank == 0 else None
+        wide = apply_sequence_parallel(tiny_llama(max(contexts) + args.steps + 8, WIDE), sp)
+        result["filled"] = {}
+        for n, batch in [(n, b) for b in _ints(args.decode_batch) for n in contexts]:
+            times = {"P=1": [], "P=2": []}
+            for rnd in range(args.warmup + args.repeats):
+                for case in ("P=2", "P=1"):
+                    comm.barrier(sp.group)
+                    if case == "P=2":
+                        tokens, wall, cpu = filled_decode(wide, sp, n, batch, args.steps)
+                    elif wide_plain is not None:
+                        ref, wall, cpu = filled_decode(wide_plain, None, n, batch, args.steps)
+                        same = torch.equal(ref, tokens)
+                    else:
+                        continue
+                    if rnd >= args.warmup:
+                        times[case].append((wall, cpu))
+            result["filled"][(n, batch)] = {"times": times, "same_tokens": same if sp.rank == 0 else None}
     result["load_1min"] = os.getloadavg()[0]
     return result
+
+
+def _ints(text: str) -> List[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _filled_rows(n, batch, per_rank, args) -> List[Row]:
+    """Decode over a filled cache: P=1's step time over the slowest P=2 rank's, per round (CPU: the busiest)."""
+    one = next(r for r in per_rank if r["rank"] == 0)["filled"][(n, batch)]
+    two = [r["filled"][(n, batch)]["times"]["P=2"] for r in per_rank]
+    walls = [one["times"]["P=1"][i][0] / max(t[i][0] for t in two) for i in range(args.repeats)]
+    cpus = [one["times"]["P=1"][i][1] / max(t[i][1] for t in two) for i in range(args.repeats)]
+    return [Row("generate", "decode, filled cache", f"N={n} b={batch}", FILLED, "x",
+                statistics.median(walls), (min(walls), max(walls)),
+                target="generate.decode" if n >= 16384 else None,
+                detail={"cpu_ratio": statistics.median(cpus), "same_tokens_as_P1": one["same_tokens"],
+                        "p1_s": statistics.median(x[0] for x in one["times"]["P=1"]),
+                        "p2_s": statistics.median(max(t[i][0] for t in two) for i in range(args.repeats)),
+                        "p1_cpu_s": statistics.median(x[1] for x in one["times"]["P=1"]),
+                        "p2_busiest_cpu_s": statistics.median(max(t[i][1] for t in two) for i in range(args.repeats))})]
 
 
 def _ratio_rows(n, per_rank, args) -> List[Row]:
@@ -137,6 +240,9 @@ def measure(args, argv: List[str]) -> int:
                         predicted=decode_step_bytes(2, SHAPE["num_hidden_layers"], 1, SHAPE["num_attention_heads"],
                                                     head), target="bytes",
                         detail={"same_tokens_as_P1": mine[0]["same_tokens"]}))
+    for batch in _ints(args.decode_batch):
+        for n in _ints(args.decode_contexts):
+            rows += _filled_rows(n, batch, per_rank, args)
     meta.update(machine_facts())
     facts = suite_facts(
         meta, "Generation with a sequence-sharded KV cache",
@@ -147,7 +253,9 @@ def measure(args, argv: List[str]) -> int:
         {PREFILL: "P=1 prefill time / the slowest rank's at P=2 (bound 2); the call's start to the first logits",
          DECODE: "P=1 median time between steps / the slowest rank's at P=2 (above 1: P=2 is faster)",
          CACHE: "each rank's K/V bytes after the call over the unsharded cache's; predicted: its share of the tokens",
-         MERGE: "bytes a rank sends per decode step in the merges; predicted: cost/decode.py decode_step_bytes"},
+         MERGE: "bytes a rank sends per decode step in the merges; predicted: cost/decode.py decode_step_bytes",
+         FILLED: "one layer of Llama-3-8B's sizes over a cache of N tokens filled directly (module doc): P=1's "
+                 "median step time over the slowest P=2 rank's, per round (above 1: P=2 is faster)"},
         rounds=True)
     return write_page(args.out, args.name, rows, dict(facts, meta=meta), PROG)
 
@@ -157,6 +265,11 @@ def parser():
     ap.add_argument("--strategy", default="zigzag")
     ap.add_argument("--lengths", default="2048,8192,16384", help="prompt lengths, comma-separated")
     ap.add_argument("--steps", type=int, default=8, help="decode steps timed per call")
+    ap.add_argument("--decode_contexts", default="4096,16384,65536",
+                    help="cached tokens of the filled-cache decode rows (one Llama-3-8B layer), comma-separated; "
+                         "empty: none")
+    ap.add_argument("--decode_batch", default="1,4",
+                    help="rows decoded at once in the filled-cache rows (a rollout batch decodes many), comma-separated")
     return ap
 
 
