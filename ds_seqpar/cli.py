@@ -12,8 +12,8 @@ from typing import Optional
 # command -> (module with main(argv), one-line help)
 COMMANDS = {
     "train": ("ds_seqpar.train.main", "train a small causal LM with sequence x ZeRO data parallelism"),
-    "bench": ("ds_seqpar.bench.main", "benchmark a suite (attention, packed, window, hybrid, trainer, memory), side "
-                                      "by side in one run: ds-seqpar bench [SUITE] [options]"),
+    "bench": ("ds_seqpar.bench.main", "benchmark a suite ({suites}), side by side in one run: "
+                                      "ds-seqpar bench [SUITE] [options]; --list: what each measures"),
     "report": ("ds_seqpar.report.main", "compare training runs (runs/*/metrics.jsonl): tables and plots"),
     "dashboard": ("ds_seqpar.dashboard", "create a saved wandb workspace view comparing strategies (--dry-run: JSON)"),
     "plan": ("ds_seqpar.plan.main", "predict the ranked configurations (strategy, sizes, ZeRO, memory features) "
@@ -22,8 +22,10 @@ COMMANDS = {
 
 
 def usage() -> str:
+    from .bench.suites import SUITES          # the one list of bench suites (names only: nothing heavy loads)
     width = max(len(c) for c in COMMANDS)
-    lines = [f"  {name:<{width}}  {help_}" for name, (_, help_) in sorted(COMMANDS.items())]
+    lines = [f"  {name:<{width}}  {help_.format(suites=', '.join(SUITES))}"
+             for name, (_, help_) in sorted(COMMANDS.items())]
     return ("usage: ds-seqpar <command> [options]   (ds-seqpar <command> --help for its options)\n\ncommands:\n"
             + "\n".join(lines))
 

@@ -31,6 +31,7 @@ from .attention_rows import write_plots
 from .cases import BASELINE, CASES, DTYPES, BenchSpec
 from .harness import (command_line, fresh_pool, loads, log_rows, machine_facts, suite_main, suite_parser,
                       write_page)
+from .suites import SUITES
 
 ALIASES = {"lasp": ["lasp2", "lasp1", "allscan"], "deepspeed": ["ds_ulysses"]}
 # every registered strategy (lasp: both exchanges) and DeepSpeed's Ulysses
@@ -61,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = suite_parser("ds-seqpar bench [attention]", __doc__, None, repeats=None, P=None, heads=None, head_dim=None)
     ap.description = ("The attention suite: every sequence-parallel strategy, the single-process kernels and "
                       "DeepSpeed's Ulysses side by side in one run; write <out>/<name>.{md,rows.json} and plots. Other "
-                      "suites: ds-seqpar bench {packed,window,hybrid,trainer,memory,dynamic} --help.")
+                      f"suites: ds-seqpar bench {{{','.join(s for s in SUITES if s != 'attention')}}} --help "
+                      "(ds-seqpar bench --list: what each measures).")
     ap.epilog = "presets: " + "; ".join(f"{k}: P={v['P']}, N={','.join(map(str, v['seq_lens']))}, {v['heads']} heads x "
                                         f"{v['head_dim']}, cases {v['strategies']}, training {v['train_strategies']}"
                                         for k, v in PRESETS.items())

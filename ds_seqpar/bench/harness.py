@@ -1,4 +1,4 @@
-"""The harness every suite of ``ds-seqpar bench`` runs on (one module per suite beside it, main.py's
+"""The harness every suite of ``ds-seqpar bench`` runs on (one module per suite beside it, suites.py's
 SUITES; each turns its measurements into report/rows.py's rows): the case vocabulary, timing,
 interleaved rounds after a barrier, a fresh local rank pool, the machine and load facts, the options
 every suite shares, and the page, rows and wandb runs each writes.

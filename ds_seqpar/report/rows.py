@@ -4,7 +4,9 @@ as a JSON list and rendered by report/render.py, whichever suite measured it.
 A row names where it comes from (suite, case, variant), what it is (metric, unit), the measured value
 with its spread over rounds, and what it is held against: the cost model's prediction, the
 theoretical bound and the target (a key of report/targets.py). ``value`` is one number, or one per
-rank (bytes sent, CPU seconds): the renderer writes those "a / b".
+rank (bytes sent, CPU seconds): the renderer writes those "a / b". The suite is a name of
+bench/suites.py's list (the one list of suites; report reads no bench module), "plan" (``plan
+--calibrate``) or "train" (report/main.py's training runs).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ Number = Union[float, int]
 
 @dataclass(frozen=True)
 class Row:
-    suite: str                                     # attention | packed | window | hybrid | trainer | memory
+    suite: str                                     # a bench suite (bench/suites.py, its one list), plan, train
     case: str                                      # a strategy, a baseline, a model family
     variant: str                                   # what the case ran: "N=8192", "window=1024", "P=2 on"
     metric: str                                    # the table the row lands in: "speedup", "bytes / form"

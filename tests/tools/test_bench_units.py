@@ -1,6 +1,7 @@
 """``ds-seqpar bench`` pieces that start no rank: the closed-form oracle's edge cases, the option
 checks and presets, the summary's bounds and search, and the markdown pages of the committed reports
 re-rendered from their rows."""
+import glob
 import os
 
 import pytest
@@ -126,9 +127,13 @@ def test_bench_runs_a_suite_by_name_and_the_old_flags_as_aliases(capsys):
         main(["packed", "--seq", "100"])           # the suite's own options and checks
 
 
-@pytest.mark.parametrize("name", ["cpu_full", "ring_cpu", "lasp_cpu", "packed_cpu", "window_cpu", "hybrid_cpu",
-                                  "hf_trainer_cpu", "hf_train_step/hf_qwen2_small_cpu",
-                                  "hf_train_step/hf_llama_small_cpu"])
+# every committed page with its rows beside it (reports/lasp_allscan_cpu/'s rows feed one page of several runs)
+COMMITTED = sorted(os.path.relpath(p, REPORTS)[:-len(".rows.json")]
+                   for p in glob.glob(os.path.join(REPORTS, "**", "*.rows.json"), recursive=True)
+                   if os.path.exists(p[:-len(".rows.json")] + ".md"))
+
+
+@pytest.mark.parametrize("name", COMMITTED)
 def test_every_committed_suite_page_is_its_rows_rendered(name):
     # the page is a function of the saved rows: a change to the layout must re-render the committed
     # reports (ds-seqpar bench [SUITE] --render reports/NAME.rows.json)

@@ -1,5 +1,5 @@
-"""Two of 2026's long-context model kinds, a training step at P ranks against the unsharded model on one
-rank, through the bench harness (ds_seqpar/bench/harness.py: interleaved rounds after a barrier, one
+"""``ds-seqpar bench models``: two of 2026's long-context model kinds, a training step at P ranks against the
+unsharded model on one rank, through the bench harness (harness.py: interleaved rounds after a barrier, one
 thread per rank, rows and page by report/render.py):
 
   dsa  DeepSeek-V3.2-style indexed attention (hf/indexed.py): a one-layer DeepseekV32 model (hidden 256,
@@ -12,23 +12,20 @@ Per round: "unsharded" (rank 0, the unapplied model on the whole row, the others
 applied model under --strategy on every rank; speedup = unsharded / sharded per round, median (min-max).
 Bytes per rank of the sharded step against strategies/closed_form.py: dsa ``indexed_attention_bytes``,
 vlm the strategy's ``closed_form_by_kind`` times the text layers (other kinds, the whole row's token
-ids and the loss, listed beside). Run from the repository root:
+ids and the loss, listed beside). reports/long_context_models_cpu.md came from
 
-    PYTHONPATH=$PWD python reports/long_context_models_cpu.py --repeats 3
+    ds-seqpar bench models --repeats 3
 """
 from __future__ import annotations
 
 import copy
-import sys
 from typing import Dict, List, Optional
 
-sys.path.insert(0, ".")
+from ..report.rows import Row
+from .harness import (case_times, command_line, measure_on_pool, rank_rounds, suite_facts, suite_main, suite_parser,
+                      versus, write_page)
 
-from ds_seqpar.bench.harness import (case_times, command_line, measure_on_pool, rank_rounds,  # noqa: E402
-                                     suite_facts, suite_main, suite_parser, versus, write_page)
-from ds_seqpar.report.rows import Row  # noqa: E402
-
-PROG = "reports/long_context_models_cpu.py"
+PROG = "ds-seqpar bench models"
 CASES = ("dsa", "vlm")
 DSA = dict(hidden_size=256, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
            q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, index_n_heads=4,
@@ -48,8 +45,9 @@ VIDEO_GRID = (8, 32, 32)             # (t, h, w) in patches: t * h * w / 4 place
 def _models(auto, cfg, args):
     """The unsharded model and an equal copy with sequence parallelism applied, and its SequenceParallel."""
     import torch
-    from ds_seqpar import SequenceParallel
-    from ds_seqpar.hf import apply_sequence_parallel
+
+    from ..hf import apply_sequence_parallel
+    from ..sequence_parallel import SequenceParallel
     torch.manual_seed(0)
     plain = auto.from_config(cfg, attn_implementation="sdpa").train()
     sharded = auto.from_config(copy.deepcopy(cfg), attn_implementation="sdpa").train()
@@ -118,7 +116,7 @@ def bench_rank(args):
 
 def closed_forms(case: str, args) -> List[Dict[str, int]]:
     """{CommStats kind: bytes} per rank the closed forms give for one step of ``case``'s model."""
-    from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind, indexed_attention_bytes
+    from ..strategies.closed_form import Shapes, closed_form_by_kind, indexed_attention_bytes
     if case == "dsa":
         one = indexed_attention_bytes(args.P, 1, args.seq, DSA["kv_lora_rank"] + DSA["qk_rope_head_dim"],
                                       DSA["index_head_dim"], 4)
@@ -185,7 +183,7 @@ def measure(args, argv: List[str]) -> int:
     if not args.cases or set(args.cases) - set(CASES) or args.seq % (2 * args.P):
         raise SystemExit(f"{PROG}: --cases {args.cases} must name some of {', '.join(CASES)}; --seq {args.seq} a "
                          f"multiple of 2 x --P {args.P}")
-    per_rank, meta = measure_on_pool(bench_rank, args, command_line("PYTHONPATH=$PWD python " + PROG, argv),
+    per_rank, meta = measure_on_pool(bench_rank, args, command_line(PROG, argv),
                                      versions=True)
     meta.update(transformers=transformers.__version__)
     return write_page(args.out, meta["name"], rows(per_rank, args, meta), dict(facts(meta), meta=meta), PROG)
@@ -195,5 +193,4 @@ def main(argv: Optional[List[str]] = None) -> int:
     return suite_main(argv, build_parser(), measure)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+__all__ = ["main", "CASES"]

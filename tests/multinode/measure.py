@@ -1,9 +1,11 @@
 """Step time and the bytes that cross hosts: the main job on two network-namespace hosts x 2 ranks vs
 one host x 4 ranks, for zigzag and the 2D hybrid (Ulysses 2 inside a host, a ring of 2 across).
 
-Run as root on a machine where `ip netns` works (the tests' hosts, tests/multinode/netns.py):
+It lives beside the multi-node tests because it stands on their hosts and jobs (netns.py, jobs.py): root, network
+namespaces, torchrun inside them, nothing the package ships. Run as root on a machine where `ip netns` works,
+from the repository root:
 
-    PYTHONPATH=. python reports/multinode_cpu.py --rounds 2 > reports/multinode_cpu.md
+    python -m tests.multinode.measure --rounds 2 > reports/multinode_cpu.md
 
 Bytes on the link are the hosts' interface counters (tx of both hosts), sampled while the job runs,
 between the end of step FIRST and the end of the last step, per step. They are set against:
@@ -28,7 +30,7 @@ import threading
 import time
 
 from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind
-from tests.multinode import jobs, netns
+from . import jobs, netns
 
 MODEL = ["--seq_len", "2048", "--dim", "128", "--n_layers", "2", "--n_heads", "4", "--corpus_bytes", "1048576",
          "--no_progress", "--no_wandb", "--micro_batch", "1"]
@@ -98,7 +100,7 @@ def main(argv=None) -> int:
     finally:
         netns.cleanup()
     print("# The main job across two hosts vs one host (CPU ranks, network namespaces)\n")
-    print(f"Command: `PYTHONPATH=. python reports/multinode_cpu.py --rounds {args.rounds}`; own LM, "
+    print(f"Command: `python -m tests.multinode.measure --rounds {args.rounds}`; own LM, "
           f"{' '.join(MODEL[:8])}, fp32, ZeRO-2, {STEPS} steps, medians of steps {FIRST + 1}-{STEPS}; "
           f"2 hosts x 2 ranks (torchrun on each host) vs 1 host x 4 ranks (torchrun); load average "
           f"{load[0]:.1f} at the start, {load[-1]:.1f} at the end, on 2 cores shared by the 4 ranks.\n")
