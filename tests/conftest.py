@@ -11,6 +11,12 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 WORLD = 4
+COLLECTED = pytest.StashKey[set]()      # the test files this session collected (tests/unit/test_collection.py)
+
+
+def pytest_itemcollected(item):
+    # before any -k / -m deselection: what the command line collects, not what it runs
+    item.config.stash.setdefault(COLLECTED, set()).add(item.nodeid.split("::")[0])
 
 
 @pytest.fixture(scope="session")
