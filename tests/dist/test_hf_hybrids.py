@@ -159,7 +159,7 @@ def _bypass_and_broken_halo():
     from ds_seqpar import SequenceParallel
     from ds_seqpar.config import ConfigError
     from ds_seqpar.hf import apply_sequence_parallel
-    from ds_seqpar.strategies import state_passing
+    from ds_seqpar.strategies import linear_exchange
     from ..hf_hybrids import batch, build, hybrid_config
     cfg = hybrid_config("lfm2")
     sp = SequenceParallel(dict(strategy="ring", size=2))
@@ -175,16 +175,16 @@ def _bypass_and_broken_halo():
         bypass = str(err)
     finally:
         module.causal_conv1d_fn = seam
-    real = state_passing.halos
+    real = linear_exchange.halos
     used = []
     def zeros(x, w, *a, **k):
         used.append(1)
         return [torch.zeros_like(h) for h in real(x, w, *a, **k)]
-    state_passing.halos = zeros
+    linear_exchange.halos = zeros
     try:
         broken = check_hybrid("lfm2", [dict(strategy="ring", size=2)])[0][1]
     finally:
-        state_passing.halos = real
+        linear_exchange.halos = real
     return bypass, broken, len(used)
 
 
@@ -209,7 +209,7 @@ def _bytes(setting, model_type="qwen3_5_text"):
     from ds_seqpar import SequenceParallel
     from ds_seqpar.hf import apply_sequence_parallel
     from ds_seqpar.strategies.closed_form import conv_halo_bytes, linear_state_bytes, linear_ulysses_bytes
-    from ds_seqpar.strategies.state_passing import fragments
+    from ds_seqpar.strategies.lasp_chain import fragments
     from ds_seqpar.strategies.ulysses import kv_replication
     from ..hf_hybrids import batch, build, hybrid_config, seq_of
     cfg = hybrid_config(model_type, **({"num_hidden_layers": 1} if model_type == "mamba" else {}))
