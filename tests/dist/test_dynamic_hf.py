@@ -56,8 +56,8 @@ def _reference(name, state, dtype):
 def _step(dsp, engine, documents):
     """The own loop of docs/dynamic.md with the model's own loss; the gradients before the optimizer."""
     from deepspeed.utils import safe_get_full_grad
-    plan = dsp.schedule([int(d.numel()) for d in documents])
-    mine = plan.for_rank(dsp.global_rank)
+    schedule = dsp.schedule([int(d.numel()) for d in documents])
+    mine = schedule.for_rank(dsp.global_rank)
     share = 0.0
     for k, mb in enumerate(mine):
         engine.set_gradient_accumulation_boundary(k == len(mine) - 1)
@@ -66,7 +66,7 @@ def _step(dsp, engine, documents):
             engine.backward(out.loss, scale_wrt_gas=False)
         share += out.loss.item()
     grads = {n: safe_get_full_grad(p).detach().clone() for n, p in engine.module.named_parameters()}
-    return dsp.step_loss(share), grads, plan.group_sizes, len(mine)
+    return dsp.step_loss(share), grads, schedule.group_sizes, len(mine)
 
 
 def _runner(runners, keys):
