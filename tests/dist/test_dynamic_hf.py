@@ -5,16 +5,16 @@ ranks and an empty micro-batch gives the loss (token-level mean of the batch, fr
 ``model(**batch).loss``) and every parameter gradient of the unsharded model run document by
 document. Bounds derived as in the other HF tests: K x the float32-vs-float64 error of the unsharded
 model (K = 5 for the dense model, 10 with a floor of 1e-5 of the largest entry for a hybrid, whose
-linear ops compute in float32 whatever the input: tests/hf_hybrids.py)."""
+linear ops compute in float32 whatever the input: tests/zoo/hybrids.py)."""
 import contextlib
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from ..hf_hybrids import build, hybrid_config
+from ..zoo.hybrids import build, hybrid_config
 from ..hf_models import tiny_model
-from ..hf_zoo import _worst
+from ..zoo.decoders import _worst
 
 T = 16
 # at 4 ranks and T = 16: 50 tokens need 4 ranks, 17-30 need 2, the rest fit on one (an empty micro-batch)
