@@ -247,15 +247,16 @@ class DynamicSequenceParallel:
 
 def train_step(dsp: DynamicSequenceParallel, engine, documents: Sequence[torch.Tensor],
                forward: Optional[Callable] = None, clock: Callable[[], float] = time.process_time,
-               plan: Optional[Schedule] = None) -> Dict[str, Any]:
+               schedule: Optional[Schedule] = None) -> Dict[str, Any]:
     """One optimizer step of a DeepSpeed engine over a global batch of documents (token id tensors,
     the same list on every rank): schedule, then every round's micro-batch forward + backward on
     its group, the engine's accumulation boundary at the last round, one engine.step().
     ``forward(engine, batch) -> logits`` (default: the own LM's call). Returns the step's loss
-    (token-level mean), this rank's compute seconds and tokens, and the schedule."""
+    (token-level mean), this rank's compute seconds and tokens, and the schedule (``schedule``: one made
+    already, else dsp.schedule's of the documents)."""
     forward = forward or (lambda eng, b: eng(b["input_ids"], b["position_ids"], cu_seqlens=b.get("cu_seqlens")))
-    plan = plan or dsp.schedule([int(d.numel()) for d in documents])
-    mine = plan.for_rank(dsp.global_rank)
+    schedule = schedule or dsp.schedule([int(d.numel()) for d in documents])
+    mine = schedule.for_rank(dsp.global_rank)
     share, compute_s, tokens = 0.0, 0.0, 0
     for k, mb in enumerate(mine):
         engine.set_gradient_accumulation_boundary(k == len(mine) - 1)
@@ -269,7 +270,7 @@ def train_step(dsp: DynamicSequenceParallel, engine, documents: Sequence[torch.T
         share += loss.item()
         tokens += mb.tokens // mb.group.size
     engine.step()
-    return {"loss": dsp.step_loss(share), "compute_s": compute_s, "tokens": tokens, "schedule": plan,
+    return {"loss": dsp.step_loss(share), "compute_s": compute_s, "tokens": tokens, "schedule": schedule,
             "rounds": len(mine)}
 
 

@@ -34,7 +34,7 @@ from .sharding.masks import BatchMasks
 from .sharding.padding import check_seq_len, pad_to, padded_len
 from .cost.chunks import chunk_rule
 from .strategies import StrategyContext, get_strategy
-from .strategies.state_passing import LinearExchange
+from .strategies.linear_exchange import LinearExchange
 from .topology import ParallelDims, ProcessGroups, SequenceParallelMPU
 from .zero import check_ds_config, loss_grad_scale
 

@@ -52,8 +52,8 @@ def main():
     lengths = np.loadtxt(LENGTHS, dtype=np.int64)
     for step in range(STEPS):
         docs = documents(step, lengths, dsp.capacity)
-        plan = dsp.schedule([d.numel() for d in docs])      # pure: the same on every rank
-        mine = plan.for_rank(dsp.global_rank)               # one micro-batch per round (some empty)
+        schedule = dsp.schedule([d.numel() for d in docs])  # pure: the same on every rank
+        mine = schedule.for_rank(dsp.global_rank)           # one micro-batch per round (some empty)
         share = 0.0
         for k, mb in enumerate(mine):
             engine.set_gradient_accumulation_boundary(k == len(mine) - 1)
@@ -67,7 +67,7 @@ def main():
         step_loss = dsp.step_loss(share)
         if dsp.global_rank == 0:
             print(f"step {step + 1}: loss {step_loss:.4f}, {len(docs)} documents, {len(mine)} rounds, "
-                  f"groups {plan.group_sizes}, priced imbalance {plan.imbalance:.3f}", flush=True)
+                  f"groups {schedule.group_sizes}, priced imbalance {schedule.imbalance:.3f}", flush=True)
 
 
 if __name__ == "__main__":

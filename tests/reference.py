@@ -151,3 +151,10 @@ def band_visible(nq, nk, lo, hi):
     if hi is not None:
         ok &= d <= hi
     return ok
+
+
+def block_pairs(nq, nk, causal):
+    """The (q, k) pairs one kernel call on an [nq, nk] block computes: all of them, or causal from the
+    top-left corner (query row i sees key columns j <= i: the band with hi = 0, so the rows of a tall
+    block past nk see every key), counted on band_visible's predicate."""
+    return int(band_visible(nq, nk, None, 0 if causal else None).sum())

@@ -102,15 +102,15 @@ def bench_rank(args) -> Dict[str, Any]:
                 comm.barrier()
                 runner.reset_stats()
                 wall, cpu = time.perf_counter(), time.process_time()
-                plan = runner.schedule([int(d.numel()) for d in docs], shape=shape)
-                res = train_step(runner, engines[c][0], docs, plan=plan)
+                schedule = runner.schedule([int(d.numel()) for d in docs], shape=shape)
+                res = train_step(runner, engines[c][0], docs, schedule=schedule)
                 cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
                 if rnd >= args.warmup:
                     sent = sum(b for k, b in runner.stats.bytes.items() if k != "loss")
                     per[c].append({"cpu": cpu, "wall": wall, "loss": res["loss"], "rounds": res["rounds"],
                                    "bytes": sent, "tokens": sum(int(d.numel()) for d in docs), "cut": cut,
-                                   "priced_imbalance": plan.imbalance, "sizes": plan.group_sizes,
-                                   "work": rank_work(plan, args.strategy, shape)})
+                                   "priced_imbalance": schedule.imbalance, "sizes": schedule.group_sizes,
+                                   "work": rank_work(schedule, args.strategy, shape)})
         out[os.path.basename(path)] = per
     return {"rank": comm.global_rank(), "per": out, "load_1min": os.getloadavg()[0]}
 

@@ -247,7 +247,7 @@ def lasp_rows(args, device) -> List[Row]:
     from ..kernels import linear as la
     from ..kernels.linear.common import scan_states
     from ..strategies.closed_form import closed_form_by_kind
-    from ..strategies.state_scan import scan_blocks
+    from ..strategies.lasp_comm.allscan import scan_blocks
     n = args.sched_seq // args.P
     q, k, v, _ = attention_inputs(n, args.heads, args.head_dim, device=device)     # fp32: LASP keeps states fp32
     decay = torch.linspace(0.9, 0.999, args.heads, device=device)

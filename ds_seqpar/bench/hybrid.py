@@ -82,7 +82,7 @@ def layer_bytes(fam: str, case: str, args) -> List[int]:
     and output (ulysses)."""
     from ..sharding.layouts import make_layout
     from ..strategies.closed_form import conv_halo_bytes, linear_state_bytes, linear_ulysses_bytes
-    from ..strategies.state_passing import fragments
+    from ..strategies.lasp_chain import fragments
     c, p, t = family_config(fam, args.hidden), args.P, args.seq // args.P
     frags = fragments(make_layout("contiguous", p), args.seq)
     state = halo = None             # (heads, dk, dv) of the state and its transition; (channels, width) of the conv
@@ -120,7 +120,7 @@ def _mixer(cfg, sp=None):
     import torch
     from transformers import AutoModelForCausalLM
     from ..hf import apply_sequence_parallel
-    from ..hf.linear_layers import linear_modules
+    from ..hf.linear.families import linear_modules
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float().train()
     if sp is not None:
@@ -206,7 +206,8 @@ def _captured_call(fam: str, args):
 def _op_runs(fam: str, original, call: dict):
     """(plain op fwd+bwd, ds_seqpar's map call(s) fwd+bwd) on the same inputs, gradients for every float input."""
     import torch
-    from ..hf.linear_layers import delta_rule_map, ssd_map
+    from ..hf.linear.delta_rule import delta_rule_map
+    from ..hf.linear.ssd import ssd_map
 
     def leaves():
         return {k: (v.detach().requires_grad_() if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 1

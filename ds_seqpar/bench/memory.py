@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def plan(args) -> List[MemorySpec]:
+def points(args) -> List[MemorySpec]:
     """Every point in a fixed order: the per-strategy comparison (P=1 at each of its lengths, every strategy
     at P=2 and 4, hybrid = zigzag x Ulysses 2 at P=4 only, the short runs), then per model and P the scaling
     points, without the features before with, short before long."""
@@ -199,7 +199,7 @@ def measure_timing(model: str, world: int, args) -> Dict[str, Any]:
 
 
 def run(args, argv: List[str]) -> None:
-    """The points ``plan`` lists and the step times (with --resume those the rows file lacks); the rows file
+    """The points ``points`` lists and the step times (with --resume those the rows file lacks); the rows file
     (the record in its facts) and the page are rewritten after every point: a stop loses only that one."""
     path = os.path.join(args.out, f"{args.name}.rows.json")
     res = load_rows(path)[1] if args.resume and os.path.exists(path) else {"measurements": [], "timing": {}}
@@ -214,7 +214,7 @@ def run(args, argv: List[str]) -> None:
         res["elapsed_s"] = before + time.monotonic() - start
         finish(res, args.out)
 
-    for spec in (s for s in plan(args) if s not in done):
+    for spec in (s for s in points(args) if s not in done):
         print(f"{PROG}: {spec.model} P={spec.world} {spec.strategy} features={spec.features} "
               f"{spec.tokens_per_rank} tokens/rank ({spec.purpose}) ...", flush=True)
         res["measurements"].append(measure_one(spec, args.malloc))
@@ -234,7 +234,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         finish(load_rows(args.render)[1], os.path.dirname(args.render) or ".")
         return 0
     try:
-        plan(args)
+        points(args)
         require_matplotlib("the report's plots", MemoryBenchError)     # before measuring, not after
     except MemoryBenchError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)

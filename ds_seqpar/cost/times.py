@@ -25,7 +25,7 @@ from ..masks import Mask, cut_documents
 from ..strategies import RING_STRATEGIES
 from ..strategies.closed_form import Shapes
 from ..strategies.ulysses import chunk_counts, kv_replication
-from ..strategies.state_scan import scan_blocks
+from ..strategies.lasp_comm.allscan import scan_blocks
 from .bytes import SPAN_BUDGET, comm_per_layer, exact_spans, layer_mask
 from .candidate import SOFTMAX_KINDS
 from .chunks import choose, comm_overlap, ulysses_exposed_s, why
@@ -176,7 +176,7 @@ def comm_s(c, shape, per_layer, attn_s: Dict[str, float], gpu, gpus_per_node: in
 def lasp_chain_time(link, state_bytes: float, p: int, lasp_comm: str, columns: int) -> float:
     """One direction of a state that walks the ranks (forward; the backward's dstate the same):
     LASP-1 ("ring") waits P - 1 hops of one whole state; All-Scan ("allscan") cuts it into
-    K = state_scan.scan_blocks(P, columns, state_bytes) blocks, each hop forwarding a block as soon as it came,
+    K = lasp_comm.allscan.scan_blocks(P, columns, state_bytes) blocks, each hop forwarding a block as soon as it came,
     so the last block is out after P - 2 + K hops of one block."""
     if p <= 1 or state_bytes <= 0:
         return 0.0

@@ -33,7 +33,7 @@ def load_model(path: str) -> ModelShape:
     """The HF config through the project's loader, checked as the main job checks it; or the
     project's own LM (own_lm_shape)."""
     from ..hf.checks import check_config, text_config
-    from ..hf.linear_layers import HYBRID_MODEL_TYPES
+    from ..hf.linear.families import HYBRID_MODEL_TYPES
     from ..hf.model_io import load_config
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
         raise PlanError(f"--model {path!r} is a directory without config.json; pass a Hugging Face model directory "

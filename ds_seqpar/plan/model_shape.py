@@ -55,7 +55,7 @@ class ModelShape:
     latent_dim: int = 0                      # indexed layers: MLA latents per token (kv_lora_rank + rope dim)
     index_dim: int = 0                       # indexed layers: the indexer key per token (0: a shared selection)
     model_type: str = ""
-    hybrid: bool = False                     # transformers hybrid (linear layers through hf/linear_layers)
+    hybrid: bool = False                     # transformers hybrid (linear layers through hf/linear/)
 
     @property
     def dv(self) -> int:

@@ -15,10 +15,10 @@ from .cost import ModelShape, work
 from .rounds import Schedule
 
 
-def critical_path_s(plan: Schedule, round_s: float = 0.0, barrier: bool = False) -> float:
+def critical_path_s(schedule: Schedule, round_s: float = 0.0, barrier: bool = False) -> float:
     """The time at which the last rank finishes its last round (the step's fixed cost not included)."""
-    done = [0.0] * plan.world_size
-    for row in plan.rounds:
+    done = [0.0] * schedule.world_size
+    for row in schedule.rounds:
         begin = max(done) if barrier else None
         seen = set()
         for mb in row:
@@ -32,12 +32,12 @@ def critical_path_s(plan: Schedule, round_s: float = 0.0, barrier: bool = False)
     return max(done) if done else 0.0
 
 
-def rank_work(plan: Schedule, strategy: str, shape: ModelShape = ModelShape()) -> List[Tuple[float, float, float]]:
+def rank_work(schedule: Schedule, strategy: str, shape: ModelShape = ModelShape()) -> List[Tuple[float, float, float]]:
     """(linear operations, attention operations, bytes sent) of each rank over the step: its
     micro-batches' documents, each priced on its micro-batch's group (schedule.cost.work, the parts
     ``price`` adds up)."""
-    out = [[0.0, 0.0, 0.0] for _ in range(plan.world_size)]
-    for row in plan.rounds:
+    out = [[0.0, 0.0, 0.0] for _ in range(schedule.world_size)]
+    for row in schedule.rounds:
         for r, mb in enumerate(row):
             for n in mb.lengths:
                 for i, part in enumerate(work(n, mb.group.size, strategy, shape)):

@@ -32,7 +32,7 @@ import torch
 from ..masks import block_starts
 from ..sharding.documents import Documents
 from . import RING_STRATEGIES
-from .lasp_chain import LaspChain, StatePlan
+from .lasp_chain import LaspChain, StateChain
 from .ulysses import kv_replication
 
 E_ACC = 4            # ring dK/dV accumulators are fp32 whatever the input dtype (ring_loop.py)
@@ -103,7 +103,7 @@ def lasp_state_bytes(sh: Shapes) -> int:
 
 def lasp_bytes(p: int, sh: Shapes, rank: int, lasp_comm: str, cu_seqlens: Optional[Sequence[int]] = None
                ) -> Dict[str, int]:
-    """The own LM's LASP: the exchange's form on the contiguous plan (lasp_chain.LaspChain, packed
+    """The own LM's LASP: the exchange's form on the contiguous chain (lasp_chain.LaspChain, packed
     documents cut it), fixed transition. Without documents LASP-1 ("ring") sends one state forward to
     r+1 and one dstate backward to r-1; LASP-2 ("allgather") all-gathers (P-1 states) and
     reduce-scatters ((P-1)/P of P states). Independent of the sequence length."""
@@ -111,8 +111,8 @@ def lasp_bytes(p: int, sh: Shapes, rank: int, lasp_comm: str, cu_seqlens: Option
     return state_exchange_bytes(LaspChain(p, sh.seq // p, docs), rank, lasp_state_bytes(sh), 0, lasp_comm)
 
 
-def state_exchange_bytes(plan, rank: int, state_bytes: int, map_bytes: int, lasp_comm: str) -> Dict[str, int]:
-    """One fwd+bwd through state_exchange.py over ``plan`` (lasp_chain.StatePlan), CommStats kinds
+def state_exchange_bytes(chain, rank: int, state_bytes: int, map_bytes: int, lasp_comm: str) -> Dict[str, int]:
+    """One fwd+bwd through lasp_comm/ over ``chain`` (lasp_chain.StateChain), CommStats kinds
     "lasp_state" (forward) and "lasp_dstate" (backward). allgather: the widest rank's slots (fragments
     that feed another) of B, and of A where the transition travels (``map_bytes`` per slot; 0 for the
     fixed decay), all-gathered (P-1 pieces) and reduce-scattered back ((P-1)/P of P pieces); nothing
@@ -123,28 +123,28 @@ def state_exchange_bytes(plan, rank: int, state_bytes: int, map_bytes: int, lasp
     if lasp_comm not in ("allgather", "ring", "allscan"):
         raise ValueError(f"lasp_comm {lasp_comm!r}: allgather, ring or allscan")
     if lasp_comm == "allgather":
-        each = (plan.p - 1) * plan.width * (state_bytes + map_bytes)
+        each = (chain.p - 1) * chain.width * (state_bytes + map_bytes)
         return {"lasp_state": each, "lasp_dstate": each}
-    mine = [(rank, j) for j in plan.local(rank)]
-    out = sum(1 for key in mine if plan.feeds[key] and plan.next[key][0] != rank)
-    back = sum(1 for key in mine if plan.fed[key] and plan.prev[key][0] != rank)
+    mine = [(rank, j) for j in chain.local(rank)]
+    out = sum(1 for key in mine if chain.feeds[key] and chain.next[key][0] != rank)
+    back = sum(1 for key in mine if chain.fed[key] and chain.prev[key][0] != rank)
     return {"lasp_state": out * state_bytes, "lasp_dstate": back * state_bytes}
 
 
-# -- hybrids' linear layers (state_passing.py) -------------------------------------------------
+# -- hybrids' linear layers (linear_exchange.py) -----------------------------------------------
 
 
 def linear_state_bytes(frags, rank: int, rows: int, heads: int, dk: int, dv: int, lasp_comm: str,
                        transition: str = "matrix") -> Dict[str, int]:
     """One linear layer, forward + backward, under linear_strategy lasp; ``frags`` = the layout's
-    runs (state_passing.fragments). Maps are fp32: B [rows, heads, dk, dv] and A by ``transition``:
+    runs (lasp_chain.fragments). Maps are fp32: B [rows, heads, dk, dv] and A by ``transition``:
     "matrix" [.., dk, dk] (the delta rule), "scalar" [.., 1, 1] (Mamba2 SSD: a data-dependent decay per
     head), "diagonal" [.., dk, 1] (Mamba-1: one decay per channel and state entry; heads = channels,
     dv = 1), "fixed" (lightning attention: lambda^n, derived on every rank, never sent). Kinds that send
     nothing are left out."""
     map_elems = {"matrix": rows * heads * dk * dk, "scalar": rows * heads, "diagonal": rows * heads * dk,
                  "fixed": 0}[transition]
-    out = state_exchange_bytes(StatePlan(frags), rank, rows * heads * dk * dv * 4, map_elems * 4, lasp_comm)
+    out = state_exchange_bytes(StateChain(frags), rank, rows * heads * dk * dv * 4, map_elems * 4, lasp_comm)
     return {kind: n for kind, n in out.items() if n}
 
 

@@ -23,14 +23,14 @@ the block start, and dS_r starts the reverse scan, so dk, dv through the chunk s
 
 How states travel is kept apart from what is computed on them: each rank's block is a fragment
 whose transition is the fixed lambda^L, and the states go through the exchange the hybrids' linear
-layers use (state_exchange.py, state_scan.py; lasp_comm picks it, exchanges.py):
+layers use (lasp_comm/: one file per lasp_comm value, picked by name):
 
 - "ring" (LASP-1). Forward: rank r receives state_in from r-1 and forwards
   lambda^L state_in + S_r to r+1: P-1 sequential hops. Backward walks the ring in reverse:
   dstate flows from r+1 to r; rank r receives D_{r+1} (= dS_r, the gradient of the state it sent)
   and forwards D_r = G_r + lambda^L D_{r+1} to r-1.
 - "allscan" (All-Scan). The ring's order, but every rank has S_r before state_in comes and the
-  state travels in K blocks along Dv (state_scan.scan_blocks): rank r forwards block k of
+  state travels in K blocks along Dv (lasp_comm/allscan.py, scan_blocks): rank r forwards block k of
   lambda^L state_in + S_r as soon as block k of state_in came, so a hop waits for one block, not
   for the rank's scan. Backward the same in reverse with D_r = G_r + lambda^L D_{r+1} per block.
 - "allgather" (LASP-2). Forward: all-gather every S_r', then a local decay-weighted
@@ -82,8 +82,8 @@ from ..kernels.linear import (backward_begin, backward_finish, backward_local, c
                                 state_dtype)
 from .base import Strategy
 from .lasp_chain import LaspChain
-from .exchanges import exchange_for
-from .state_exchange import FixedDecay
+from .lasp_comm import exchange_for
+from .lasp_comm.common import FixedDecay
 
 CHUNK_SIZE = 64          # the kernel's chunk, as single-process linear_attention uses
 

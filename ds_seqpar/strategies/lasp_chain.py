@@ -1,7 +1,7 @@
-"""Which recurrent states cross which rank boundaries: the plan every state exchange follows (the own
-LM's LASP and the hybrids' linear layers alike), for one sequence or for packed documents (the state
+"""Which recurrent states cross which rank boundaries: the chain every state exchange (lasp_comm/) follows
+(the own LM's LASP and the hybrids' linear layers alike), for one sequence or for packed documents (the state
 restarts at every document start). Pure arithmetic on the layout and the global cu_seqlens, so every
-rank derives the same plan; unit-tested without processes.
+rank derives the same chain; unit-tested without processes.
 
 A *fragment* is a maximal run of consecutive global positions one rank holds, cut at every document
 start inside it: ``(global start, length, offset in the local order)``. The contiguous layout gives one
@@ -68,7 +68,7 @@ def global_order(frags: Sequence[Sequence[Fragment]]) -> List[Key]:
     return sorted(((r, j) for r, fr in enumerate(frags) for j in range(len(fr))), key=lambda rj: frags[rj[0]][rj[1]][0])
 
 
-class StatePlan:
+class StateChain:
     """fed, feeds, chains and slots of every fragment (module doc); ``resets``: the global
     positions where a document starts."""
 
@@ -108,8 +108,8 @@ class StatePlan:
         return self.slots[key[0]].index(key[1])
 
 
-class LaspChain(StatePlan):
-    """The contiguous layout's plan, per rank: ``segments`` (local [lo, hi) of each fragment),
+class LaspChain(StateChain):
+    """The contiguous layout's chain, per rank: ``segments`` (local [lo, hi) of each fragment),
     ``takes_in[r]`` (the first segment), ``carry[r]`` (one segment that takes in: the state after the
     block is lambda^L state_in + S_r), ``sends[r]`` (the last segment), ``chain(r)`` (ranks)."""
 
@@ -136,4 +136,4 @@ class LaspChain(StatePlan):
         return sum(self.sends)
 
 
-__all__ = ["Fragment", "StatePlan", "LaspChain", "fragments", "cut_at_documents", "global_order"]
+__all__ = ["Fragment", "StateChain", "LaspChain", "fragments", "cut_at_documents", "global_order"]

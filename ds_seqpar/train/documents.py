@@ -86,15 +86,15 @@ class DocumentTrainer(Trainer):
         t0, bytes0 = time.perf_counter(), self.metrics.attn_bytes()
         docs, cut = data.documents_for_step(self.tokens, self.lengths, step, self.tokens_per_step,
                                             self.runner.capacity, self.opts.seed)
-        plan = self.runner.schedule([int(d.numel()) for d in docs], shape=self.shape)
-        out = train_step(self.runner, self.engine, docs, clock=self.metrics.clock, plan=plan)
+        schedule = self.runner.schedule([int(d.numel()) for d in docs], shape=self.shape)
+        out = train_step(self.runner, self.engine, docs, clock=self.metrics.clock, schedule=schedule)
         norm = self.engine.get_global_grad_norm()
         return {"loss": out["loss"], "grad_norm": float("nan" if norm is None else norm),
                 "compute_s": out["compute_s"], "step_s": time.perf_counter() - t0,
                 "attn_comm_bytes": self.metrics.attn_bytes() - bytes0, "rank_tokens": out["tokens"],
                 "tokens": sum(int(d.numel()) for d in docs),
                 "documents": len(docs), "cut": cut, "rounds": out["rounds"],
-                "group_sizes": plan.group_sizes, "priced_imbalance": plan.imbalance}
+                "group_sizes": schedule.group_sizes, "priced_imbalance": schedule.imbalance}
 
     def reduce(self, step: int, local: Dict[str, Any]) -> Dict[str, Any]:
         """Per-rank compute seconds, tokens and bytes gathered; the busiest rank sets the step."""

@@ -79,7 +79,7 @@ def load_config(opts):
 def check_run(sp, opts, config, vocab_size: int) -> None:
     """Model features against the strategy and sequence (hf/checks.py), and the data's vocabulary."""
     from ..hf.checks import check_config, text_config
-    from ..hf.linear_layers import HYBRID_MODEL_TYPES
+    from ..hf.linear.families import HYBRID_MODEL_TYPES
     hybrid = getattr(text_config(config), "model_type", None) in HYBRID_MODEL_TYPES
     vision = is_vision_language(config)       # its decoder alone turns sequence-parallel (hf/vision.py)
     check_config(config, training=True, linear_ok=hybrid, vision_ok=vision)   # heads: main.check_run

@@ -10,7 +10,7 @@ for fp32 runs that differ only in the order of sums, REL x the tensor's largest 
 bound is derived (inductor_vs_eager)."""
 import torch
 
-from ..hf_hybrids import batch, build, hybrid_config
+from ..zoo.hybrids import batch, build, hybrid_config
 
 REL = 1e-5
 SEQ = 64
@@ -161,7 +161,7 @@ def inductor_vs_eager(rounds, cache_dir):
 
 def _inductor_case(model_type, setting):
     """One case of inductor_vs_eager on this rank."""
-    from ..hf_zoo import _worst
+    from ..zoo.decoders import _worst
     seq, layers = INDUCTOR_TOKENS * setting["size"], INDUCTOR_LAYERS[model_type]
     state = build(hybrid_config(model_type, **layers), torch.float32).state_dict()
     ref = _step(model_type, setting, state, seq=seq, dtype=torch.float64, layers=layers)

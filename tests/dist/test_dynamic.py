@@ -109,10 +109,10 @@ def _dynamic_step(section, runs, clip_at):
         after = _weights(model, run)
         norm = engine.get_global_grad_norm()
         engine.destroy()
-        plan = step["schedule"]
+        schedule = step["schedule"]
         out[run] = {"loss": step["loss"], "grads": {n: before[n] - after[n] for n in after},
-                    "norm": float(norm) if norm is not None else None, "sizes": plan.group_sizes,
-                    "rounds": step["rounds"], "empty": sum(mb.empty for mb in plan.for_rank(dsp.global_rank)),
+                    "norm": float(norm) if norm is not None else None, "sizes": schedule.group_sizes,
+                    "rounds": step["rounds"], "empty": sum(mb.empty for mb in schedule.for_rank(dsp.global_rank)),
                     "all_to_all": dsp.stats.calls.get("all_to_all", 0)}
     return out
 

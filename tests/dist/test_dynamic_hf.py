@@ -5,16 +5,16 @@ ranks and an empty micro-batch gives the loss (token-level mean of the batch, fr
 ``model(**batch).loss``) and every parameter gradient of the unsharded model run document by
 document. Bounds derived as in the other HF tests: K x the float32-vs-float64 error of the unsharded
 model (K = 5 for the dense model, 10 with a floor of 1e-5 of the largest entry for a hybrid, whose
-linear ops compute in float32 whatever the input: tests/hf_hybrids.py)."""
+linear ops compute in float32 whatever the input: tests/zoo/hybrids.py)."""
 import contextlib
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from ..hf_hybrids import build, hybrid_config
+from ..zoo.hybrids import build, hybrid_config
 from ..hf_models import tiny_model
-from ..hf_zoo import _worst
+from ..zoo.decoders import _worst
 
 T = 16
 # at 4 ranks and T = 16: 50 tokens need 4 ranks, 17-30 need 2, the rest fit on one (an empty micro-batch)
@@ -56,8 +56,8 @@ def _reference(name, state, dtype):
 def _step(dsp, engine, documents):
     """The own loop of docs/dynamic.md with the model's own loss; the gradients before the optimizer."""
     from deepspeed.utils import safe_get_full_grad
-    plan = dsp.schedule([int(d.numel()) for d in documents])
-    mine = plan.for_rank(dsp.global_rank)
+    schedule = dsp.schedule([int(d.numel()) for d in documents])
+    mine = schedule.for_rank(dsp.global_rank)
     share = 0.0
     for k, mb in enumerate(mine):
         engine.set_gradient_accumulation_boundary(k == len(mine) - 1)
@@ -66,7 +66,7 @@ def _step(dsp, engine, documents):
             engine.backward(out.loss, scale_wrt_gas=False)
         share += out.loss.item()
     grads = {n: safe_get_full_grad(p).detach().clone() for n, p in engine.module.named_parameters()}
-    return dsp.step_loss(share), grads, plan.group_sizes, len(mine)
+    return dsp.step_loss(share), grads, schedule.group_sizes, len(mine)
 
 
 def _runner(runners, keys):

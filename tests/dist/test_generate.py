@@ -24,7 +24,7 @@ def _config(family):
     if family in ("llama", "deepseek_v3"):   # llama: 4 q heads, 2 k/v heads (fewer than the 4 ranks); MLA: v head 8
         from ..hf_models import tiny_config  # != q/k head 24
         return tiny_config(family, pad_token_id=0)
-    from ..hf_zoo import tiny_config   # sliding windows of 8 (mistral), softcap (gemma2), sinks (gpt_oss)
+    from ..zoo.decoders import tiny_config   # sliding windows of 8 (mistral), softcap (gemma2), sinks (gpt_oss)
     config = tiny_config(family)
     if family == "gemma2":          # scores large enough that the softcap bends them (random init's are ~1e-3)
         config.initializer_range, config.attn_logit_softcapping = 0.5, 1.0
@@ -254,7 +254,7 @@ def generate_refusals():
 
     from ds_seqpar import comm
     from ds_seqpar.hf import apply_sequence_parallel
-    from ..hf_hybrids import build, hybrid_config
+    from ..zoo.hybrids import build, hybrid_config
     sp = SequenceParallel({"strategy": "zigzag", "size": 4})
     model = apply_sequence_parallel(_model("llama"), sp)
     prompt = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(0))

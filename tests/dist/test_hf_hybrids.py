@@ -1,11 +1,11 @@
 """Hybrid models (gated DeltaNet, Kimi delta attention, Mamba2 SSD, short convolutions next to softmax attention)
 under sequence parallelism on the shared pool: logits, loss and every parameter gradient equal the
-unsharded model (tests/hf_hybrids.py derives the bound), for each family, both state exchanges
+unsharded model (tests/zoo/hybrids.py derives the bound), for each family, both state exchanges
 (lasp_comm allgather / ring / allscan), linear_strategy ulysses, softmax strategies ulysses, ring and zigzag,
 P = 2 and 4; what cannot be exact is refused by name on every rank."""
 import pytest
 
-from ..hf_hybrids import check_hybrid, check_hybrids, check_packed
+from ..zoo.hybrids import check_hybrid, check_hybrids, check_packed
 from .test_lasp import scan_blocks_of
 
 P2 = dict(size=2)
@@ -81,7 +81,7 @@ def _scan_refusals():
     import torch
     from ds_seqpar import SequenceParallel
     from ds_seqpar.hf import apply_sequence_parallel
-    from ..hf_hybrids import batch, build, hybrid_config, seq_of
+    from ..zoo.hybrids import batch, build, hybrid_config, seq_of
     out = {}
     for name, setting, over in (("striped", dict(strategy="striped", size=2), {}),
                                 ("channels", dict(strategy="ring", size=4, linear_strategy="ulysses"),
@@ -116,7 +116,7 @@ def _refusals():
     import torch
     from ds_seqpar import SequenceParallel
     from ds_seqpar.hf import apply_sequence_parallel
-    from ..hf_hybrids import batch, build, hybrid_config
+    from ..zoo.hybrids import batch, build, hybrid_config
     cfg = hybrid_config("qwen3_5_text")
     ids, labels = batch(cfg.vocab_size, rows=2)
     out = {}
@@ -159,8 +159,8 @@ def _bypass_and_broken_halo():
     from ds_seqpar import SequenceParallel
     from ds_seqpar.config import ConfigError
     from ds_seqpar.hf import apply_sequence_parallel
-    from ds_seqpar.strategies import state_passing
-    from ..hf_hybrids import batch, build, hybrid_config
+    from ds_seqpar.strategies import linear_exchange
+    from ..zoo.hybrids import batch, build, hybrid_config
     cfg = hybrid_config("lfm2")
     sp = SequenceParallel(dict(strategy="ring", size=2))
     model = apply_sequence_parallel(build(cfg, torch.float32), sp)
@@ -175,16 +175,16 @@ def _bypass_and_broken_halo():
         bypass = str(err)
     finally:
         module.causal_conv1d_fn = seam
-    real = state_passing.halos
+    real = linear_exchange.halos
     used = []
     def zeros(x, w, *a, **k):
         used.append(1)
         return [torch.zeros_like(h) for h in real(x, w, *a, **k)]
-    state_passing.halos = zeros
+    linear_exchange.halos = zeros
     try:
         broken = check_hybrid("lfm2", [dict(strategy="ring", size=2)])[0][1]
     finally:
-        state_passing.halos = real
+        linear_exchange.halos = real
     return bypass, broken, len(used)
 
 
@@ -209,9 +209,9 @@ def _bytes(setting, model_type="qwen3_5_text"):
     from ds_seqpar import SequenceParallel
     from ds_seqpar.hf import apply_sequence_parallel
     from ds_seqpar.strategies.closed_form import conv_halo_bytes, linear_state_bytes, linear_ulysses_bytes
-    from ds_seqpar.strategies.state_passing import fragments
+    from ds_seqpar.strategies.lasp_chain import fragments
     from ds_seqpar.strategies.ulysses import kv_replication
-    from ..hf_hybrids import batch, build, hybrid_config, seq_of
+    from ..zoo.hybrids import batch, build, hybrid_config, seq_of
     cfg = hybrid_config(model_type, **({"num_hidden_layers": 1} if model_type == "mamba" else {}))
     sp = SequenceParallel(setting)
     model = apply_sequence_parallel(build(cfg, torch.float32), sp)

@@ -1,4 +1,4 @@
-"""Vision-language models (tests/hf_vlm.py) on the shared pool: each family trains one step exactly under
+"""Vision-language models (tests/zoo/vlm.py) on the shared pool: each family trains one step exactly under
 every softmax strategy at P=2 (logits, loss, every gradient incl. the vision tower's), with image and video
 placeholders straddling the shard boundaries (Gemma 3's bidirectional image blocks also at P=4 and in the
 2D hybrid; Llama 4's chunked layer and NoPE layer with temperature tuning from global positions; GLM-4.6V's
@@ -7,13 +7,13 @@ merge, ERNIE's paired frames and HunYuan's row-end placeholders through the grid
 cross-attention); bad vision inputs stop every rank with the input named."""
 import torch
 
-from ..hf_vlm import CONFIGS, STRATEGIES, build, check_vlm, positions, row, sweep, train_vlm
+from ..zoo.vlm import CONFIGS, STRATEGIES, build, check_vlm, positions, row, sweep, train_vlm
 from .test_hf_trainer import assert_same_training, ds_config
 
 # smolvlm is idefics3's code under another name; glm4v, glm_ocr, glm4v_moe, glmga and qwen3_vl_moe share the
 # vision path of glm46v and qwen3_vl; minicpmv4_6 / 4_7, qwen3_5, qwen3_5_moe, the Omni thinkers, step3p7 and
 # qwen4_exp (refused), muse_spark (muse_glimmer's tower), janus (LLaVA's path) and emu3 (a visual vocabulary, as
-# ovis2) add no path of ours either (the sweep script, tests/hf_vlm_zoo.py, covers them)
+# ovis2) add no path of ours either (the sweep script, tests/zoo/vlm_table.py, covers them)
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "mistral3", "idefics3", "gemma3", "gemma4",
             "llama4", "glm46v", "fuyu", "llava_onevision", "llava_next_video", "video_llava", "idefics2", "cohere2_vision",
             "deepseek_vl", "ovis2", "aria", "kimi_k25", "muse_glimmer", "video_llama_3", "paddleocr_vl", "minimax_m3_vl",
@@ -135,7 +135,7 @@ def _gemma3_image_blocks(sp):
     """Gemma 3 image tokens (token_type_ids) that one mask cannot hold, on one rank's shard only: two rows with
     images at different positions, and images in packed documents. Every rank refuses each."""
     from ds_seqpar.hf import apply_sequence_parallel
-    from ..hf_zoo import tiny_config
+    from ..zoo.decoders import tiny_config
     model = apply_sequence_parallel(build(tiny_config("gemma3"), torch.float32), sp)
     ids = torch.randint(3, 100, (2, 64))
     types = torch.zeros_like(ids)

@@ -1,7 +1,7 @@
-"""The zoo sweep (tests/hf_zoo.py) on the shared pool: every decoder-only causal LM of the installed
+"""The zoo sweep (tests/zoo/decoders.py) on the shared pool: every decoder-only causal LM of the installed
 transformers under every softmax strategy at P=2 trains exactly or is refused by name, the same on
 both ranks of each sequence group; never a silent mismatch. docs/models.md is this sweep's page."""
-from ..hf_zoo import STRATEGIES, causal_lm_types, merged, rounding_bounded_ratios, sweep
+from ..zoo.decoders import STRATEGIES, causal_lm_types, merged, rounding_bounded_ratios, sweep
 
 # architectures whose masks this wave made exact; they must stay exact under every strategy (Llama 4's own
 # row: chunked layers and NoPE layers with attention temperature tuning from global positions; the variant
@@ -59,7 +59,7 @@ def _sweep_verdict_with_wrong_backward(error):
     ``error``: outputs exact, gradients wrong by about that much relative."""
     from ds_seqpar import SequenceParallel
     from ds_seqpar.strategies import ring_loop
-    from ..hf_zoo import check_model
+    from ..zoo.decoders import check_model
     real = ring_loop._band_grads
 
     def shifted(dout, q, kv, out, lse, *rest):

@@ -27,13 +27,13 @@ def scan_blocks_of(fn, *args, blocks=5):
     """fn(*args) with All-Scan cutting even these tiny states into up to ``blocks`` blocks past P = 2
     (its rule would send them whole: they are far below a link's latency-bandwidth product), so the
     pipelined path, uneven blocks included (12 columns in 5: 3, 3, 2, 2, 2), is what runs."""
-    from ds_seqpar.strategies import state_scan
-    saved = state_scan.LINK_BYTES, state_scan.MAX_SCAN_BLOCKS
-    state_scan.LINK_BYTES, state_scan.MAX_SCAN_BLOCKS = 1, blocks
+    from ds_seqpar.strategies.lasp_comm import allscan
+    saved = allscan.LINK_BYTES, allscan.MAX_SCAN_BLOCKS
+    allscan.LINK_BYTES, allscan.MAX_SCAN_BLOCKS = 1, blocks
     try:
         return fn(*args)
     finally:
-        state_scan.LINK_BYTES, state_scan.MAX_SCAN_BLOCKS = saved
+        allscan.LINK_BYTES, allscan.MAX_SCAN_BLOCKS = saved
 
 
 def lasp_inputs(seed, seq_len, heads, kv_heads):

@@ -11,7 +11,7 @@ from ds_seqpar import SequenceParallel
 from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind
 
 from ..dist_checks import global_inputs
-from ..reference import assert_derived_close, assert_shards_close, mask_of, masked_attention_with_grads
+from ..reference import assert_derived_close, assert_shards_close, masked_attention_with_grads, pairs_per_query_set
 from .test_ring import counted_fwd_bwd
 
 HEAD_DIM = 8
@@ -89,7 +89,7 @@ def _window_work_and_bytes(cfgs, seq, window, causal):
         want = closed_form_by_kind(cfg["strategy"], sp.size, Shapes(1, seq, 4, 2, HEAD_DIM), sp.rank,
                                    cfg.get("ulysses_size", 1), causal=causal, window=window)
         mine = sp.layout.indices(seq, sp.rank)
-        visible = int(mask_of(seq, causal, window)[mine].sum())
+        visible = pairs_per_query_set(seq, causal, window, None, [mine])[0]
         out.append((cfg, sp.rank, calls, visible, got, want))
     return out
 

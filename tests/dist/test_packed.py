@@ -11,7 +11,7 @@ from ds_seqpar import SequenceParallel
 from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind
 
 from ..dist_checks import global_inputs
-from ..reference import assert_shards_close, packed_attention_with_grads
+from ..reference import assert_shards_close, packed_attention_with_grads, pairs_per_query_set
 from .test_ring import counted_fwd_bwd
 
 HEAD_DIM = 16
@@ -75,14 +75,9 @@ def test_long_documents_cut_into_kernel_tiles_stay_exact(pool):
 
 
 def _visible_pairs(sp, seq, bounds, causal):
-    """(q, k) pairs inside documents whose query this rank holds (end padding: none)."""
-    g = sp.layout.indices(sp.padded_len(seq), sp.rank)
-    doc = torch.searchsorted(torch.tensor(bounds), g, right=True) - 1
-    total = 0
-    for t, d in zip(g.tolist(), doc.tolist()):
-        if t < bounds[-1]:
-            total += (t - bounds[d] + 1) if causal else (bounds[d + 1] - bounds[d])
-    return total
+    """(q, k) pairs inside documents whose query this rank holds (end padding: none), the oracle's count."""
+    n = sp.padded_len(seq)
+    return pairs_per_query_set(n, causal, None, bounds, [sp.layout.indices(n, sp.rank)])[0]
 
 
 def _work_and_bytes(cfgs, seq, bounds, causal):

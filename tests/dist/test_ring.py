@@ -8,11 +8,10 @@ import torch
 
 from ds_seqpar import SequenceParallel
 from ds_seqpar.kernels import AttentionKernel
-from ds_seqpar.masks import Mask
-from ds_seqpar.cost.pairs import layout_pairs
 from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind
 
 from ..dist_checks import HEAD_CASES, check_attention_exact, global_inputs, sharded_attention_grads
+from ..reference import block_pairs, pairs_per_query_set
 
 RING_STRATEGIES = ("ring", "zigzag", "striped")
 SEQ, BATCH, HEAD_DIM, E = 64, 2, 16, 4
@@ -100,28 +99,23 @@ def test_hybrid_bytes_match_closed_form(pool):
 
 
 class CountingKernel(AttentionKernel):
-    """Delegates to a real kernel and records the (q, k) pairs each call computes."""
+    """Delegates to a real kernel and records the (q, k) pairs each call computes (the oracle's block_pairs)."""
 
     def __init__(self, inner):
         self.inner, self.name = inner, inner.name
         self.calls = {"forward": [], "backward": [], "tall": []}     # tall: forward calls with sq > sk
 
-    @staticmethod
-    def _pairs(sq, sk, causal):
-        m = min(sq, sk)                     # causal: top-left, tall blocks' rows past sk see every key
-        return m * (m + 1) // 2 + (sq - m) * sk if causal else sq * sk
-
     def pieces(self, nq, nk, lo, hi, device):
         return self.inner.pieces(nq, nk, lo, hi, device)       # the inner kernel's cut, counted here
 
     def forward(self, q, k, v, causal, scale, softcap=None):
-        self.calls["forward"].append(self._pairs(q.shape[1], k.shape[1], causal))
+        self.calls["forward"].append(block_pairs(q.shape[1], k.shape[1], causal))
         if causal and q.shape[1] > k.shape[1]:
             self.calls["tall"].append(self.calls["forward"][-1])
         return self.inner.forward(q, k, v, causal, scale, softcap)
 
     def backward(self, dout, q, k, v, out, lse, causal, scale, softcap=None):
-        self.calls["backward"].append(self._pairs(q.shape[1], k.shape[1], causal))
+        self.calls["backward"].append(block_pairs(q.shape[1], k.shape[1], causal))
         return self.inner.backward(dout, q, k, v, out, lse, causal, scale, softcap)
 
 
@@ -148,7 +142,7 @@ def _work_per_rank(cfgs, causal):
         sp.strategy.ctx.kernel = counter
         q, k, v, dout = global_inputs(3, 1, SEQ, 2, 2, HEAD_DIM)
         sharded_attention_grads(sp, q, k, v, dout, causal)
-        visible = layout_pairs(sp.layout, SEQ, SEQ, Mask(True))[sp.rank] if causal else (SEQ // sp.size) * SEQ
+        visible = pairs_per_query_set(SEQ, causal, None, None, [sp.layout.indices(SEQ, sp.rank)])[0]
         out.append((sp.rank, counter.calls, visible))
     return out
 

@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from ..hf_hybrids import hybrid_config
+from ..zoo.hybrids import hybrid_config
 from ..hf_models import save_tiny
-from ..hf_vlm import CONFIGS as VLM_CONFIGS
+from ..zoo.vlm import CONFIGS as VLM_CONFIGS
 from ..train_reference import reference_losses
 from .test_train_e2e import (CONFIGS, NORM_REL, TINY, _train, assert_close_losses, assert_refused_before_training,
                              config_error_of, shipped_config)
@@ -21,7 +21,7 @@ def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_models")
     hybrid = root / "qwen3_5"            # gated DeltaNet + conv layer next to a softmax layer (docs/hybrids.md)
     hybrid_config("qwen3_5_text", vocab_size=300).save_pretrained(hybrid)
-    vlm = root / "qwen2_5_vl"            # tests/hf_vlm.py's tiny Qwen2.5-VL, its image token above the byte corpus
+    vlm = root / "qwen2_5_vl"            # tests/zoo/vlm.py's tiny Qwen2.5-VL, its image token above the byte corpus
     vlm_config = VLM_CONFIGS["qwen2_5_vl"]()
     vlm_config.text_config.vocab_size, vlm_config.image_token_id = 300, 260
     vlm_config.save_pretrained(vlm)

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from ds_seqpar.bench import memory_rows as R
-from ds_seqpar.bench.memory import MemorySpec, build_parser, measure_peak, plan
+from ds_seqpar.bench.memory import MemorySpec, build_parser, measure_peak, points
 from ds_seqpar.cost.memory import max_tokens
 from ds_seqpar.report.render import result
 
@@ -87,24 +87,24 @@ def test_implied_step_time_ratio_counts_the_recompute():
     assert [result(r) for r in _goals(timing_rows({"lm/P2": slow})).values()] == ["SHORT"]
 
 
-def test_plan_follows_the_preset_and_rejects_unknown_models():
-    specs = plan(build_parser().parse_args(["--models", "lm", "--P", "1,4", "--strategies", ""]))
+def test_points_follow_the_preset_and_reject_unknown_models():
+    specs = points(build_parser().parse_args(["--models", "lm", "--P", "1,4", "--strategies", ""]))
     assert [(s.world, s.features, s.tokens_per_rank) for s in specs] == [
         (1, False, 1024), (1, False, 2048), (1, True, 2048), (1, True, 8192), (1, True, 16384),
         (4, False, 1024), (4, False, 2048), (4, True, 2048), (4, True, 4096)]
     with pytest.raises(ValueError, match="unknown model 'gpt'"):
-        plan(build_parser().parse_args(["--models", "gpt"]))
+        points(build_parser().parse_args(["--models", "gpt"]))
     with pytest.raises(ValueError, match=r"--strategies: unknown \['lasp'\]"):
-        plan(build_parser().parse_args(["--strategies", "zigzag,lasp"]))
+        points(build_parser().parse_args(["--strategies", "zigzag,lasp"]))
 
 
 def test_strategy_comparison_plans_every_strategy_at_the_same_tokens_per_rank():
-    specs = [s for s in plan(build_parser().parse_args(["--models", "lm", "--strategies", "ring,hybrid",
+    specs = [s for s in points(build_parser().parse_args(["--models", "lm", "--strategies", "ring,hybrid",
                                                         "--compare-tokens", "4096"])) if s.purpose == "strategies"]
     assert [(s.world, s.strategy, s.ulysses_size, s.tokens_per_rank) for s in specs] == [
         (1, "zigzag", 1, 4096), (2, "ring", 1, 4096), (4, "ring", 1, 4096), (4, "zigzag", 2, 4096),
         (1, "zigzag", 1, 256), (2, "zigzag", 1, 256)]
-    default = [(s.world, s.tokens_per_rank) for s in plan(build_parser().parse_args(["--strategies", "ulysses"]))
+    default = [(s.world, s.tokens_per_rank) for s in points(build_parser().parse_args(["--strategies", "ulysses"]))
                if s.purpose == "strategies"]
     assert default == [(1, 8192), (1, 4096), (2, 8192), (4, 4096), (1, 256), (2, 256)]
     # the shipped long-context recipe's memory features

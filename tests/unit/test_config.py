@@ -113,7 +113,7 @@ def test_the_config_names_are_the_registries():
     assert config.STRATEGY_NAMES == tuple(strategies.STRATEGIES)
     assert config.RING_STRATEGIES == strategies.RING_STRATEGIES
     assert config.BACKENDS == kernels.BACKENDS
-    from ds_seqpar.strategies.exchanges import EXCHANGES
+    from ds_seqpar.strategies.lasp_comm import EXCHANGES
     assert config.LASP_COMMS == tuple(EXCHANGES)
 
 

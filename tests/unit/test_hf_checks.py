@@ -148,7 +148,7 @@ def test_head_dim_padding_is_exact(d, dv):
 
 
 def test_shipped_model_configs_load_small_gqa_and_supported():
-    from ds_seqpar.hf.linear_layers import LINEAR_LAYER_TYPES
+    from ds_seqpar.hf.linear.families import LINEAR_LAYER_TYPES
     from ds_seqpar.hf.model_io import load_config
     paths = sorted(glob.glob(os.path.join(ROOT, "configs", "models", "*.json")))
     kinds = {}

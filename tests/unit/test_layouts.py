@@ -7,6 +7,8 @@ from ds_seqpar.cost.pairs import layout_pairs
 from ds_seqpar.sharding.layouts import (LAYOUTS, ContiguousLayout, HybridLayout, Layout, StripedLayout,
                                         ZigzagLayout, make_layout)
 
+from ..reference import pairs_per_query_set
+
 # (name, ring_size, ulysses_size): every plain layout at P = 1..4, and 2D hybrids
 CASES = [(name, p, 1) for name in LAYOUTS for p in (1, 2, 3, 4)]
 CASES += [(name, r, u) for name in LAYOUTS for r, u in ((2, 2), (1, 4), (4, 1), (2, 3), (3, 2))]
@@ -174,8 +176,8 @@ def test_bad_names_sizes_ranks_and_shards_raise():
 # -- load balance ------------------------------------------------------------------------------
 
 def _brute_force_work(layout, n):
-    causal = torch.ones(n, n).tril().bool()  # [q, k]: k <= q
-    return [int(causal[layout.indices(n, r)].sum()) for r in range(layout.size)]
+    """Per rank, the causal (q, k) pairs its queries see, counted pair by pair by the oracle."""
+    return pairs_per_query_set(n, True, None, None, [layout.indices(n, r) for r in range(layout.size)])
 
 
 def _causal_work(layout, n):

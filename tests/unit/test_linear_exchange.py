@@ -1,4 +1,4 @@
-"""The one LASP state exchange without processes: the plan both the own LM and the hybrids follow,
+"""The one LASP state exchange without processes: the chain both the own LM and the hybrids follow,
 the transitions' apply / transpose / grad against autograd, and how hf/ reaches it (through
 sp.linear_exchange, with no import circle)."""
 import ast
@@ -11,50 +11,50 @@ import ds_seqpar
 from ds_seqpar.sharding.documents import Documents
 from ds_seqpar.sharding.layouts import make_layout
 from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind, linear_state_bytes, state_exchange_bytes
-from ds_seqpar.strategies.lasp_chain import LaspChain, StatePlan, cut_at_documents, fragments
+from ds_seqpar.strategies.lasp_chain import LaspChain, StateChain, cut_at_documents, fragments
 from ds_seqpar.errors import ConfigError
-from ds_seqpar.strategies.exchanges import EXCHANGES, exchange_for
-from ds_seqpar.strategies.state_exchange import FixedDecay, Transition
-from ds_seqpar.strategies.state_scan import LINK_BYTES, MAX_SCAN_BLOCKS, scan_blocks
+from ds_seqpar.strategies.lasp_comm import EXCHANGES, exchange_for
+from ds_seqpar.strategies.lasp_comm.common import FixedDecay, Transition
+from ds_seqpar.strategies.lasp_comm.allscan import LINK_BYTES, MAX_SCAN_BLOCKS, scan_blocks
 
 from .test_layers import imports_of, modules
 
 ROOT = os.path.dirname(ds_seqpar.__file__)
 
 
-def test_the_own_lms_chain_is_the_plan_of_its_contiguous_fragments():
+def test_the_own_lms_chain_is_the_chain_of_its_contiguous_fragments():
     docs = [0, 3, 170, 240, 320]
     chain = LaspChain(4, 80, Documents(docs, 320))
-    plan = StatePlan(cut_at_documents(fragments(make_layout("contiguous", 4), 320), docs), frozenset(docs[1:-1]))
-    assert chain.frags == plan.frags and chain.fed == plan.fed and chain.feeds == plan.feeds
-    assert [len(s) for s in plan.slots] == [1, 1, 0, 0] and plan.width == 1
-    assert plan.chain_of((2, 0)) == [(1, 0), (0, 1)]
+    general = StateChain(cut_at_documents(fragments(make_layout("contiguous", 4), 320), docs), frozenset(docs[1:-1]))
+    assert chain.frags == general.frags and chain.fed == general.fed and chain.feeds == general.feeds
+    assert [len(s) for s in general.slots] == [1, 1, 0, 0] and general.width == 1
+    assert general.chain_of((2, 0)) == [(1, 0), (0, 1)]
 
 
 def test_slots_are_the_fragments_whose_state_another_reads():
     # zigzag P=2: rank 0's second run is the sequence's last, nobody reads its state: one slot per rank
-    assert StatePlan(fragments(make_layout("zigzag", 2), 16)).width == 1
-    assert StatePlan(fragments(make_layout("zigzag", 4), 32)).width == 2
+    assert StateChain(fragments(make_layout("zigzag", 2), 16)).width == 1
+    assert StateChain(fragments(make_layout("zigzag", 4), 32)).width == 2
     at_boundaries = [0, 8, 16, 24, 32]
     cut = cut_at_documents(fragments(make_layout("contiguous", 4), 32), at_boundaries)
-    assert StatePlan(cut, frozenset(at_boundaries[1:-1])).width == 0
+    assert StateChain(cut, frozenset(at_boundaries[1:-1])).width == 0
 
 
 def test_one_closed_form_for_the_own_lm_and_the_hybrids():
-    """The own LM's LASP is the fixed transition on the contiguous plan: linear_state_bytes with one row,
+    """The own LM's LASP is the fixed transition on the contiguous chain: linear_state_bytes with one row,
     heads, dk, dv in fp32 gives closed_form_by_kind('lasp') rank by rank, for both exchanges."""
     frags = fragments(make_layout("contiguous", 4), 256)
     for comm in ("allgather", "ring", "allscan"):
         for r in range(4):
             want = closed_form_by_kind("lasp", 4, Shapes(1, 256, 8, 8, 16, 4, v_head_dim=12), r, lasp_comm=comm)
             assert linear_state_bytes(frags, r, 1, 8, 16, 12, comm, "fixed") == want, (comm, r)
-    plan = StatePlan(frags)
+    chain = StateChain(frags)
     # a travelling transition adds its A to every slot, both ways; the ring never sends A
-    assert state_exchange_bytes(plan, 1, 100, 7, "allgather") == {"lasp_state": 3 * 107, "lasp_dstate": 3 * 107}
-    assert state_exchange_bytes(plan, 1, 100, 7, "ring") == {"lasp_state": 100, "lasp_dstate": 100}
+    assert state_exchange_bytes(chain, 1, 100, 7, "allgather") == {"lasp_state": 3 * 107, "lasp_dstate": 3 * 107}
+    assert state_exchange_bytes(chain, 1, 100, 7, "ring") == {"lasp_state": 100, "lasp_dstate": 100}
     # All-Scan: the ring's bytes in blocks, the same at every P (no A travels either); the allgather grows
     for p in (3, 4, 8):                        # rank 1: a middle rank, fed and feeding
-        mid = StatePlan(fragments(make_layout("contiguous", p), 64 * p))
+        mid = StateChain(fragments(make_layout("contiguous", p), 64 * p))
         assert state_exchange_bytes(mid, 1, 100, 7, "allscan") == {"lasp_state": 100, "lasp_dstate": 100}
         assert state_exchange_bytes(mid, 1, 100, 7, "allgather")["lasp_state"] == (p - 1) * 107
 
@@ -76,7 +76,7 @@ def test_an_unknown_lasp_comm_is_refused_by_name_where_the_exchanges_are_set_up(
     refused there too, before any transfer (no process group is touched: ctx has none)."""
     from types import SimpleNamespace
     from ds_seqpar.strategies.lasp import LaspAttention
-    from ds_seqpar.strategies.state_passing import LinearExchange
+    from ds_seqpar.strategies.linear_exchange import LinearExchange
     ctx = SimpleNamespace(lasp_comm="p2p", layout=make_layout("contiguous", 2), sp_size=2, sp_rank=0, sp_group=None,
                           stats=None)
     for build in (lambda: exchange_for("p2p"), lambda: LaspAttention(ctx), lambda: LinearExchange("lasp", "p2p", ctx)):
@@ -110,7 +110,7 @@ def test_hf_linear_reads_no_config_and_no_layout():
     """The linear layers get everything about ranks from sp.linear_exchange (resolved once by sp)."""
     folder = os.path.join(ROOT, "hf", "linear")
     reads = []
-    for f in sorted(os.listdir(folder)) + ["../linear_layers.py"]:
+    for f in sorted(os.listdir(folder)):
         if f.endswith(".py"):
             tree = ast.parse(open(os.path.join(folder, f)).read())
             reads += [f"{f}:{n.lineno} .{n.attr}" for n in ast.walk(tree)

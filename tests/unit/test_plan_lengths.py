@@ -51,8 +51,8 @@ def test_the_balance_bound_is_every_documents_work_on_one_rank_over_the_gpus(cas
 
 def test_power_of_two_puts_each_document_on_the_smallest_power_of_two_group_holding_it():
     lengths, t = [700, 90, 300, 60, 250, 1300, 120, 40], 400
-    plan = schedule(lengths, 8, t, (1, 2, 4, 8), fill_groups=False)
-    for row in plan.rounds:
+    sched = schedule(lengths, 8, t, (1, 2, 4, 8), fill_groups=False)
+    for row in sched.rounds:
         for mb in row:
             for d in mb.documents:
                 smallest = min(g for g in (1, 2, 4, 8) if g * t >= lengths[d])
@@ -73,10 +73,10 @@ def test_ours_is_not_slower_than_power_of_two_on_a_constructed_case():
 
 def test_rounds_strung_along_their_ranks():
     price = lambda n, g: float(n) / g   # noqa: E731
-    plan = schedule([800, 300, 100, 400], 2, 400, (1, 2), pricer=price)
+    sched = schedule([800, 300, 100, 400], 2, 400, (1, 2), pricer=price)
     # round 0: [800] on both ranks (400 each); then 300 + 100 on one rank and 400 on the other
-    assert [len(plan.rounds), sorted(plan.rank_costs)] == [2, [800.0, 800.0]]
-    assert critical_path_s(plan, 10.0) == pytest.approx(820.0)
+    assert [len(sched.rounds), sorted(sched.rank_costs)] == [2, [800.0, 800.0]]
+    assert critical_path_s(sched, 10.0) == pytest.approx(820.0)
     skewed = schedule([800, 399, 1], 2, 400, (1, 2), pricer=price)
     assert critical_path_s(skewed, 0.0) == pytest.approx(799.0)
     assert critical_path_s(skewed, 0.0, barrier=True) == pytest.approx(799.0)

@@ -150,7 +150,7 @@ def test_own_lm_lasp_bytes_are_the_closed_form():
 
 def test_allscan_is_priced_as_p_minus_2_plus_k_block_hops():
     from ds_seqpar.cost.times import lasp_chain_time
-    from ds_seqpar.strategies.state_scan import scan_blocks
+    from ds_seqpar.strategies.lasp_comm.allscan import scan_blocks
     link, mb = hardware.Link(10e-6, 25e9), 1 << 20
     assert lasp_chain_time(link, 4 * mb, 2, "allscan", 128) == lasp_chain_time(link, 4 * mb, 2, "ring", 128)
     for p in (4, 8, 16):

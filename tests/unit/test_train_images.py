@@ -10,7 +10,7 @@ from ds_seqpar.train.args import DEFAULT_DS_CONFIG, TrainConfigError, resolve_ar
 from ds_seqpar.train.images import RandomImages
 from ds_seqpar.train.main import load_hf_config
 
-from ..hf_vlm import CONFIGS, build
+from ..zoo.vlm import CONFIGS, build
 
 SEQ = 64
 

@@ -1,5 +1,5 @@
 """LinearMixers: the sequence-parallel ops of one applied (sp, model) pair. Everything about ranks
-comes from ``sp.linear_exchange`` (strategies/state_passing.py), which SequenceParallel resolved once
+comes from ``sp.linear_exchange`` (strategies/linear_exchange.py), which SequenceParallel resolved once
 from linear_strategy and lasp_comm; the families (conv, delta_rule, ssd, selective_scan, lightning) only cut
 their problem into the runs it names and hand their maps to it."""
 from __future__ import annotations

@@ -7,8 +7,9 @@ import torch
 
 from ds_seqpar.config import ConfigError, SequenceParallelConfig
 from ds_seqpar.sharding.layouts import make_layout
-from ds_seqpar.strategies.state_exchange import Transition
-from ds_seqpar.strategies.state_passing import check_fragments, cut_at_documents, fragments, global_order
+from ds_seqpar.strategies.lasp_chain import cut_at_documents, fragments, global_order
+from ds_seqpar.strategies.lasp_comm.common import Transition
+from ds_seqpar.strategies.linear_exchange import check_fragments
 
 
 def test_fragments_are_the_runs_of_consecutive_positions():
@@ -75,7 +76,8 @@ def _ops():
 @pytest.mark.parametrize("op_name", ["gated_delta_rule", "kimi_delta_attention"])
 @pytest.mark.parametrize("layout,p", [("contiguous", 2), ("zigzag", 2), ("contiguous", 4), ("zigzag", 4)])
 def test_widened_maps_folded_in_global_order_equal_the_whole_sequence(op_name, layout, p):
-    from ds_seqpar.hf.linear_layers import delta_rule_map, with_state_in
+    from ds_seqpar.hf.linear.delta_rule import delta_rule_map
+    from ds_seqpar.hf.linear.fold import with_state_in
     op, kda = _ops()[op_name]
     n = 8 * 19                                    # fragments of 19..76 tokens: partial 64-token chunks
     q, k, v, gate, beta = _gdn_inputs(0, n, hk=4 if kda else 2, kda=kda, dk=16 if kda else 8)
@@ -109,7 +111,7 @@ def test_widened_maps_folded_in_global_order_equal_the_whole_sequence(op_name, l
 def test_seams_delegate_when_no_applied_layer_runs():
     """The replaced globals run transformers' op untouched for models without sequence parallelism."""
     import torch.nn as nn
-    from ds_seqpar.hf import linear_layers as ll
+    from ds_seqpar.hf.linear import seams
     from transformers.models.lfm2 import modeling_lfm2 as lfm2
     original = lfm2.causal_conv1d_fn
 
@@ -118,10 +120,10 @@ def test_seams_delegate_when_no_applied_layer_runs():
 
     Lfm2ShortConv.__module__ = lfm2.__name__
     try:
-        ll.install_seams([("conv", Lfm2ShortConv())])
+        seams.install_seams([("conv", Lfm2ShortConv())])
         seam = lfm2.causal_conv1d_fn
         assert seam is not original and seam._ds_seqpar_original is original
-        ll.install_seams([("conv", Lfm2ShortConv())])              # once per process
+        seams.install_seams([("conv", Lfm2ShortConv())])           # once per process
         assert lfm2.causal_conv1d_fn is seam
         x, w = torch.randn(1, 6, 10), torch.randn(6, 3)
         assert torch.equal(seam(x, w, None), original(x, w, None))
@@ -130,7 +132,7 @@ def test_seams_delegate_when_no_applied_layer_runs():
 
 
 def test_runs_are_cut_at_document_starts_with_local_offsets():
-    from ds_seqpar.strategies.state_passing import cut_at_documents
+    from ds_seqpar.strategies.lasp_chain import cut_at_documents
     frags = fragments(make_layout("zigzag", 2), 16)           # rank 0: [0,4) and [12,16); rank 1: [4,12)
     cut = cut_at_documents(frags, [0, 2, 5, 13, 16])
     assert cut[0] == [(0, 2, 0), (2, 2, 2), (12, 1, 4), (13, 3, 5)]

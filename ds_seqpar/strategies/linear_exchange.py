@@ -12,8 +12,8 @@ Every such mixer runs a block of tokens as an affine map of the state that enter
 so a rank needs, for each of its fragments (lasp_chain.py: maximal runs of consecutive global
 positions, cut at document starts; one per rank in the contiguous layout, two in zigzag), the state
 entering it: the fold of the maps of every fragment before it in global order. The states go through
-state_exchange.py / state_scan.py, the exchanges the own LM's LASP uses (allgather: LASP-2, ring: LASP-1,
-allscan: All-Scan; exchanges.py by name).
+lasp_comm/, the exchanges the own LM's LASP uses (allgather: LASP-2, ring: LASP-1, allscan: All-Scan; one
+file each, looked up by name).
 
 linear_strategy "ulysses": all-to-all to whole sequences of a P-th of the heads, the layer's own op,
 all-to-all back.
@@ -35,9 +35,9 @@ from torch import Tensor
 
 from .. import comm
 from ..errors import ConfigError
-from .lasp_chain import StatePlan, cut_at_documents, fragments, global_order
-from .exchanges import exchange_for
-from .state_exchange import FixedDecay, TravellingMaps
+from .lasp_chain import StateChain, cut_at_documents, fragments, global_order
+from .lasp_comm import exchange_for
+from .lasp_comm.common import FixedDecay, TravellingMaps
 
 
 class LinearExchange:
@@ -72,8 +72,8 @@ class LinearExchange:
         (fp32); the transition: a_f [nf, .., K, K or 1] (data-dependent, differentiable) or the fixed
         decay_h [heads] (lambda^n, no gradient). Differentiable in b_f and a_f."""
         maps = TravellingMaps(a_f) if a_f is not None else FixedDecay(decay_h, b_f.dtype)
-        exchange = exchange_for(self.lasp_comm)(StatePlan(frags, resets), self.rank, self.group, self.stats,
-                                             b_f[0], maps)
+        exchange = exchange_for(self.lasp_comm)(StateChain(frags, resets), self.rank, self.group, self.stats,
+                                                b_f[0], maps)
         return _EnteringStates.apply(b_f, a_f, exchange)
 
     def halos(self, x_bcl: Tensor, width: int, frags, resets) -> List[Tensor]:
@@ -103,7 +103,7 @@ class _EnteringStates(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, b_f, a_f, exchange):
-        mine = exchange.plan.local(exchange.r)
+        mine = exchange.chain.local(exchange.r)
         exchange.post({j: b_f[j] for j in mine if exchange.needs_local_state(j)})
         s_in = torch.zeros_like(b_f)
         for j in mine:
@@ -120,7 +120,7 @@ class _EnteringStates(torch.autograd.Function):
     def backward(ctx, g_in):
         s_in, = ctx.saved_tensors
         exchange = ctx.exchange
-        mine = exchange.plan.local(exchange.r)
+        mine = exchange.chain.local(exchange.r)
         g_in = g_in.contiguous()
         exchange.post_dstate({j: g_in[j] for j in mine if exchange.fed(j)})
         db = torch.zeros_like(s_in)

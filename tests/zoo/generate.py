@@ -1,7 +1,7 @@
-"""The generate sweep: decoder families of the installed transformers (tests/hf_zoo.py's tiny configs),
+"""The generate sweep: decoder families of the installed transformers (tests/zoo/decoders.py's tiny configs),
 each applied at P=2 (zigzag) and generating 6 greedy tokens from a 27-token prompt: exact (tokens equal
 the unsharded model's float64 and float32 runs, every step's scores within the bound the float32 run's
-own error sets) or refused by name. ``python -m tests.hf_generate_zoo`` starts 2 local ranks and prints
+own error sets) or refused by name. ``python -m tests.zoo.generate`` starts 2 local ranks and prints
 the table docs/generation.md quotes (about a minute and a half on 2 busy cores); not part of the suite,
 which tests the families with a window, softcap, sinks and MLA in tests/dist/test_generate.py."""
 import torch
@@ -26,8 +26,8 @@ def _build(cfg, dtype, state=None):
 def verdict(family, sp) -> str:
     from ds_seqpar.hf import UnsupportedModelError, apply_sequence_parallel
 
-    from .hf_zoo import tiny_config
-    from .reference import assert_derived_close
+    from .decoders import tiny_config
+    from ..reference import assert_derived_close
     cfg = tiny_config(family)
     state = _build(cfg, torch.float32).state_dict()
     prompt = torch.randint(3, 100, (1, 27), generator=torch.Generator().manual_seed(2))

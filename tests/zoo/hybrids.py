@@ -104,7 +104,7 @@ def batch(vocab, rows=2, seq=SEQ):
 
 
 def unsharded(cfg, state, ids, labels, dtype):
-    from .hf_models import textbook_loss
+    from ..hf_models import textbook_loss
     model = build(cfg, dtype, state)
     logits = model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None].expand_as(ids)).logits
     loss = textbook_loss(logits, labels)
@@ -133,8 +133,8 @@ def _worst_ratio(sp, model, res, ref, plain, what, rows=False):
     another order). A wrong state, halo or fold is off by orders of magnitude more
     (test_a_bypassed_seam_and_a_wrong_halo_are_caught). ``rows``: each row of a weight's gradient
     against its own bound too (_row_ratio)."""
-    from .dist.test_hf import _summed_grads
-    from .hf_zoo import _worst
+    from ..dist.test_hf import _summed_grads
+    from .decoders import _worst
 
     def ratio(got, r, p):
         return _worst(got, r, p, k=10.0, floor=1e-5)

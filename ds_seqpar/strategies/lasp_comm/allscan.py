@@ -1,8 +1,9 @@
-"""All-Scan (ZeCO), lasp_comm "allscan": the third state exchange (state_exchange.py has LASP-1 and LASP-2
-and the protocol all three keep). One running state goes through the fragments in global order as
-LASP-1's does, but every owner has its B before the state comes and the state travels in K blocks, so
-an owner forwards block k of A . S_in + B as soon as block k of S_in came: a hop waits for one block,
-not for the owner's local work, and the bytes per rank are one state each way, whatever P.
+"""All-Scan (ZeCO), lasp_comm "allscan": the third state exchange (ring.py has LASP-1, allgather.py
+LASP-2, this package's __init__ the protocol all three keep). One running state goes through the
+fragments in global order as LASP-1's does, but every owner has its B before the state comes and the
+state travels in K blocks, so an owner forwards block k of A . S_in + B as soon as block k of S_in came:
+a hop waits for one block, not for the owner's local work, and the bytes per rank are one state each
+way, whatever P.
 
 The blocks are value columns (the state's last dimension; the one before it where that has a single
 entry, Mamba-1's [.., N, 1] with its diagonal decay): the delta rule's K x K transition acts on S's
@@ -17,9 +18,10 @@ from typing import Dict, List, Optional
 import torch
 from torch import Tensor
 
-from .. import comm
-from .lasp_chain import Key
-from .state_exchange import DSTATE, STATE, RingStates, Transition
+from ... import comm
+from ..lasp_chain import Key
+from .common import DSTATE, STATE, Transition
+from .ring import RingStates
 
 
 def scan_blocks(p: int, columns: int, state_bytes: int) -> int:
@@ -41,14 +43,14 @@ MAX_SCAN_BLOCKS = 16
 
 
 class ScannedStates(RingStates):
-    """All-Scan over RingStates' plan, messages and carries (module doc); K = scan_blocks."""
+    """All-Scan over RingStates' chain, messages and carries (module doc); K = scan_blocks."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         matrix = self.maps.travels and self.maps.a_f.shape[-1] != 1
         self.dim = -1 if self.like.shape[-1] > 1 or matrix else -2       # a matrix acts on whole columns only
         size = self.like.shape[self.dim]
-        self.k = scan_blocks(self.plan.p, size, self.like.numel() * self.like.element_size())
+        self.k = scan_blocks(self.chain.p, size, self.like.numel() * self.like.element_size())
         cuts = torch.tensor_split(torch.arange(size), self.k)
         self.spans = [(int(c[0]), int(c[-1]) + 1) for c in cuts]
         self._b: Dict[int, Tensor] = {}
@@ -100,45 +102,45 @@ class ScannedStates(RingStates):
 
     def post(self, b: Dict[int, Tensor]) -> None:
         self._b = b
-        mine = self.plan.local(self.r)
+        mine = self.chain.local(self.r)
         for j in mine:                          # unfed fragments' B leaves at once
             if self.feeds(j) and not self.fed(j):
                 for k, part in enumerate(self._blocks(b[j])):
-                    self._send_block(part, self.plan.next[self.r, j], k, STATE)
+                    self._send_block(part, self.chain.next[self.r, j], k, STATE)
         first_fed = next((j for j in mine if self.fed(j)), None)
         if first_fed is not None:               # posted before the local work, which it overlaps
-            self._post_blocks(first_fed, self.plan.prev[self.r, first_fed], STATE)
+            self._post_blocks(first_fed, self.chain.prev[self.r, first_fed], STATE)
 
     def state_in(self, j: int) -> Optional[Tensor]:
         if not self.fed(j):
             return None
-        to = self.plan.next[self.r, j] if self.feeds(j) else None
+        to = self.chain.next[self.r, j] if self.feeds(j) else None
         b = self._blocks(self._b[j]) if to is not None else None
         a = self.transition((self.r, j))
-        return self._relay(j, self.plan.prev[self.r, j], to, lambda k, s: self._block_map(a, k).apply(s) + b[k], STATE)
+        return self._relay(j, self.chain.prev[self.r, j], to, lambda k, s: self._block_map(a, k).apply(s) + b[k], STATE)
 
     def pass_on(self, j: int, state_after: Tensor) -> None:
         pass                                    # every block went on as it came (state_in)
 
     def post_dstate(self, g: Dict[int, Tensor]) -> None:
         self._g = g
-        mine = self.plan.local(self.r)
+        mine = self.chain.local(self.r)
         for j in reversed(mine):                # dS_in is G alone: it leaves before the local work
             if self.fed(j) and not self.feeds(j):
                 for k, part in enumerate(self._blocks(g[j])):
-                    self._send_block(part, self.plan.prev[self.r, j], k, DSTATE)
+                    self._send_block(part, self.chain.prev[self.r, j], k, DSTATE)
         last_feeding = next((j for j in reversed(mine) if self.feeds(j)), None)
         if last_feeding is not None:
-            self._post_blocks(last_feeding, self.plan.next[self.r, last_feeding], DSTATE)
+            self._post_blocks(last_feeding, self.chain.next[self.r, last_feeding], DSTATE)
 
     def dstate_out(self, j: int) -> Optional[Tensor]:
         """dS_out of local fragment j; a fed fragment sends dS_in[k] = G[k] + A^T dS_out[k] back per block."""
         if not self.feeds(j):
             return None
-        to = self.plan.prev[self.r, j] if self.fed(j) else None
+        to = self.chain.prev[self.r, j] if self.fed(j) else None
         g = self._blocks(self._g[j]) if to is not None else None
         a = self.transition((self.r, j))
-        return self._relay(j, self.plan.next[self.r, j], to, lambda k, d: g[k] + self._block_map(a, k).transpose(d),
+        return self._relay(j, self.chain.next[self.r, j], to, lambda k, d: g[k] + self._block_map(a, k).transpose(d),
                            DSTATE)
 
 

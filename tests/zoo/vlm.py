@@ -2,7 +2,7 @@
 text with images (and a video) whose placeholders straddle the shard boundaries of every layout at P=2,
 trained one step under every softmax strategy: exact against the unsharded model (logits, loss, every
 parameter gradient summed over the sequence group, the vision tower's included; float64-derived bounds
-as in tests/hf_zoo.py) or refused by name. tests/dist/test_hf_vlm.py runs it.
+as in tests/zoo/decoders.py) or refused by name. tests/dist/test_hf_vlm.py runs it.
 
 Row layout (SEQ = 64 tokens; P=2 boundaries: contiguous 32, zigzag 16 / 32 / 48, striped every token):
 every image's (and video's) placeholders centred on one of 16, 32, 48 (row()).
@@ -13,10 +13,10 @@ import torch
 
 from ds_seqpar.hf.vision import VIDEO_AS_IMAGE_TOKENS
 
-from .hf_vlm_configs import CONFIGS as FIRST, FRAME_SPANS, fit_mrope  # noqa: F401 - fit_mrope: the tests' name
-from .hf_vlm_configs_more import CHW_PATCHES, CONFIGS as MORE, ONE_FRAME_VIDEOS
-from .hf_vlm_configs_rest import CONFIGS as REST
-from .hf_zoo import STRATEGIES, _gradient_ratio, _worst, message, verdict
+from .vlm_configs import CONFIGS as FIRST, FRAME_SPANS, fit_mrope  # noqa: F401 - fit_mrope: the tests' name
+from .vlm_configs_more import CHW_PATCHES, CONFIGS as MORE, ONE_FRAME_VIDEOS
+from .vlm_configs_rest import CONFIGS as REST
+from .decoders import STRATEGIES, _gradient_ratio, _worst, message, verdict
 
 
 SEQ = 64
@@ -201,7 +201,7 @@ def _cross_attention_row(g):
 def build(cfg, dtype, state=None):
     import transformers as T
     torch.manual_seed(0)
-    try:          # eager experts: grouped_mm has no float64 kernel (tests/hf_zoo.py)
+    try:          # eager experts: grouped_mm has no float64 kernel (tests/zoo/decoders.py)
         model = T.AutoModelForImageTextToText.from_config(cfg, attn_implementation="sdpa", experts_implementation="eager")
     except (ValueError, ImportError, TypeError):
         model = T.AutoModelForImageTextToText.from_config(cfg, attn_implementation="eager")
@@ -236,10 +236,10 @@ def positions(model, ids, types, vision):
 
 def unsharded(cfg, state, inputs, dtype, noise=None):
     """(logits, loss, gradients) of the whole row; ``noise``: a seed, every op's result carries a random
-    relative error of fp32's size (tests/hf_zoo.py's _RoundingNoise; float64 only)."""
+    relative error of fp32's size (tests/zoo/decoders.py's _RoundingNoise; float64 only)."""
     import contextlib
-    from .hf_models import textbook_loss
-    from .hf_zoo import _RoundingNoise
+    from ..hf_models import textbook_loss
+    from .decoders import _RoundingNoise
     ids, labels, types, vision = inputs
     model = build(cfg, dtype, state)
     pos = positions(model, ids, types, vision)
@@ -276,7 +276,7 @@ def check(cfg, make_inputs, sps):
     """{strategy: ("exact", worst ratio) | ("mismatch", what) | ("refused" | "error", message)}."""
     from ds_seqpar.config import ConfigError
     from ds_seqpar.hf import apply_sequence_parallel
-    from .dist.test_hf import _summed_grads
+    from ..dist.test_hf import _summed_grads
     from ds_seqpar.hf.versions import upstream_break
     model = build(cfg, torch.float32)
     if upstream_break(type(model).__name__):        # the installed transformers breaks the model by itself
@@ -319,9 +319,9 @@ def _refusal(model, sp):
 
 def _rounding_scale(cfg, state, inputs, ref):
     """{parameter: max |gradient error|} of the float64 model under fp32-sized random rounding, over the
-    zoo's samples (tests/hf_zoo.py's _rounding_scale): the bound where a gradient is a small sum of large
+    zoo's samples (tests/zoo/decoders.py's _rounding_scale): the bound where a gradient is a small sum of large
     terms (DeepSeek-VL-Hybrid's high_res_vision_alpha: one scalar gating every image feature)."""
-    from .hf_zoo import ROUNDING_SAMPLES
+    from .decoders import ROUNDING_SAMPLES
     worst = {}
     for seed in range(ROUNDING_SAMPLES):
         for n, g in unsharded(cfg, state, inputs, torch.float64, noise=1000 + seed)[2].items():
@@ -357,7 +357,7 @@ def train_vlm(cfg_ds, micro, steps=2):
     final parameters); the Trainer adds the whole rows' 3-D positions before sharding."""
     import tempfile
     from ds_seqpar.hf import SequenceParallelTrainer
-    from .dist.test_hf_trainer import _example, reset_worker_state
+    from ..dist.test_hf_trainer import _example, reset_worker_state
     example = _example()
     cfg = CONFIGS["qwen2_5_vl"]()
     model = build(cfg, torch.float32)

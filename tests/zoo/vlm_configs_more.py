@@ -1,6 +1,6 @@
-"""More tiny vision-language configs for tests/hf_vlm.py (the families beyond tests/hf_vlm_configs.py): the same
+"""More tiny vision-language configs for tests/zoo/vlm.py (the families beyond tests/zoo/vlm_configs.py): the same
 sizes (LLAMA decoders, 8 x 8 images in 2 x 2 patches, one-layer towers), image token 120."""
-from .hf_vlm_configs import LLAMA, TOWER
+from .vlm_configs import LLAMA, TOWER
 
 
 def _cohere2_vision():
@@ -133,12 +133,12 @@ VISION_TOKENS = dict(image_token_id=120, video_token_id=121, vision_start_token_
 
 
 def from_zoo(model_type, sub=None, built=None, **top):
-    """The zoo's generic tiny config (tests/hf_zoo.py: every size key shrunk, its text row exact) with the vision
+    """The zoo's generic tiny config (tests/zoo/decoders.py: every size key shrunk, its text row exact) with the vision
     token ids it has moved inside the 128-token vocabulary (120-123); ``sub``: {sub-config: {key: value}} (tiny
     images), ``top``: the top config's keys; ``built``: keys its constructor needs (validated there), as ``sub``."""
     from transformers import CONFIG_MAPPING
-    from .hf_vlm_configs import fit_mrope
-    from .hf_zoo import _tiny_kwargs, tiny_config
+    from .vlm_configs import fit_mrope
+    from .decoders import _tiny_kwargs, tiny_config
     if built:
         kw = _tiny_kwargs(CONFIG_MAPPING[model_type](), sizes=True)
         kw.update({k: dict(kw.get(k) or {}, **v) for k, v in built.items()})

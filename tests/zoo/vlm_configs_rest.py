@@ -1,8 +1,8 @@
-"""The last tiny vision-language configs for tests/hf_vlm.py: the types whose zoo config (tests/hf_zoo.py) does not
-build or whose towers need hand sizes; the sizes of tests/hf_vlm_configs.py (LLAMA decoders, 8 x 8 images in 2 x 2
+"""The last tiny vision-language configs for tests/zoo/vlm.py: the types whose zoo config (tests/zoo/decoders.py) does not
+build or whose towers need hand sizes; the sizes of tests/zoo/vlm_configs.py (LLAMA decoders, 8 x 8 images in 2 x 2
 patches, one-layer towers), image token 120."""
-from .hf_vlm_configs import LLAMA, TOWER
-from .hf_vlm_configs_more import from_zoo
+from .vlm_configs import LLAMA, TOWER
+from .vlm_configs_more import from_zoo
 
 # VQ image tokenizers: their GroupNorms have 32 groups, so 32 channels
 VQ = dict(base_channels=32, channel_multiplier=[1], num_res_blocks=1, latent_channels=32, embed_dim=8)

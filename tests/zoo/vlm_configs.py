@@ -1,4 +1,4 @@
-"""The tiny vision-language configs tests/hf_vlm.py builds its image rows for: each family at the smallest
+"""The tiny vision-language configs tests/zoo/vlm.py builds its image rows for: each family at the smallest
 sizes its code accepts, its image / video token ids inside a 128-token vocabulary (120-125), and the
 features that make it differ (windows, deepstack, bidirectional blocks, chunks, temperature tuning, MoE).
 """
