@@ -54,6 +54,8 @@ import torch
 from .. import comm
 from .attention import is_chunked
 from .checks import UnsupportedModelError
+from .linear.families import DECODES, family
+from .linear.prefill import PromptEnd
 from .trl_rows import rotate     # row b rotated left by lead[b]: its real tokens lead
 
 GENERATE_ATTR = "_ds_seqpar_own_generate"     # what the instance had under "generate" before apply (usually nothing)
@@ -90,8 +92,9 @@ def _named(value):
 class GenerationRun:
     """One generate call on one rank: the cache and how this rank routes each forward."""
 
-    def __init__(self, sp, cache, padded: bool = False):
+    def __init__(self, sp, cache, padded: bool = False, linear=None):
         self.sp, self.cache = sp, cache
+        self.linear = linear             # a hybrid's LinearMixers (hf/linear/prefill.py), or None
         self.padded = padded             # the caller's attention_mask has (left-padding) zeros
         self.position = 0                # the decode step's global position
         self.step_ids: Optional[torch.Tensor] = None
@@ -131,6 +134,9 @@ class GenerationRun:
                 ids = rotate(ids, lead)
             kwargs["input_ids"] = sp.shard(ids, dim=1)
             kwargs["position_ids"] = pos.unsqueeze(0).expand(b, -1)
+            if self.linear is not None:          # the ops return the state the prompt leaves, on every rank
+                self.linear.prefill = PromptEnd(n, padded)
+                self.linear.documents = self.linear.prefill.documents
             self.kept_rows = "logits_to_keep" in params
             if lead is None:
                 self.cache.begin_prefill(sp.layout, n, padded, pos)
@@ -161,7 +167,14 @@ class GenerationRun:
                 kwargs["position_ids"] = self.row_position[:, None]
             self.step_ids = ids[:, 0]
             self.checked = False
+            if self.linear is not None:          # the layers' own recurrent step on the replicated states
+                self.linear.decoding, self.linear.documents = True, None
         return kwargs
+
+    def end_linear(self) -> None:
+        """The hybrid's mixers back to training's routing (after every forward, and when generate ends)."""
+        if self.linear is not None:
+            self.linear.prefill, self.linear.decoding, self.linear.documents = None, False, None
 
     def post_forward(self, output):
         """Prefill: every rank gets the last prompt token's logits from the rank that holds it."""
@@ -179,6 +192,7 @@ class GenerationRun:
             logits = logits.contiguous() if self.sp.rank == self.last_owner else torch.zeros_like(logits)
             output.logits = comm.all_reduce(logits, self.sp.group, self.sp.stats, kind="prefill_logits")
         self.cache.end_step()
+        self.end_linear()
         return output
 
     def decode_attention(self, module, query, key, value, scaling, kwargs):
@@ -280,14 +294,23 @@ def sharded_generate(model, state, original, args, kwargs):
     mask = kwargs.get("attention_mask")
     check_agreement(sp, name, ids, mask, gen)             # the first collective
     check_left_padding(name, ids, mask)
+    padded = mask is not None and not bool((mask == 1).all())
+    if padded and state.linear is not None:
+        raise UnsupportedModelError(f"ds_seqpar.hf: {name}.generate with a left-padded attention_mask and "
+                                    f"linear-attention / SSM layers under sequence parallelism is not supported "
+                                    f"(their recurrent state would run over the rotated pads); generate prompts of "
+                                    f"equal length, or remove_sequence_parallel(model) and generate on one process")
     config = text_config(model)
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    cache = ShardedKVCache(config.num_hidden_layers, [t == "sliding_attention" for t in layer_types], sp.size, sp.rank)
-    state.generation = GenerationRun(sp, cache, padded=mask is not None and not bool((mask == 1).all()))
+    states = [idx for _, _, idx in state.linear.layer_info] if state.linear is not None else []
+    cache = ShardedKVCache(config.num_hidden_layers, [t == "sliding_attention" for t in layer_types], sp.size, sp.rank,
+                           states, sp.group, sp.stats)
+    run = state.generation = GenerationRun(sp, cache, padded=padded, linear=state.linear)
     try:
         out = original(*args, **dict(kwargs, past_key_values=cache, use_cache=True))
     finally:
         state.generation = None
+        run.end_linear()
     sequences = out if torch.is_tensor(out) else out.sequences
     same = _same_on_ranks(sp, [_crc(sequences)])
     if not same[0]:
@@ -314,8 +337,7 @@ def check_model(model, state) -> None:
     if state.sp.config.strategy == "lasp":
         refuse("strategy 'lasp' (linear attention)", "a softmax strategy (ulysses, ring, zigzag, striped)")
     if state.linear is not None:
-        refuse("linear-attention / SSM layers (their recurrent and conv states are not sharded in decode)",
-               "remove_sequence_parallel(model) and generate on one process")
+        check_linear_layers(state, refuse)
     if state.indexed is not None:
         refuse("DeepSeek sparse attention (indexer keys)", "remove_sequence_parallel(model) and generate on one process")
     if state.vision is not None:
@@ -334,6 +356,19 @@ def check_model(model, state) -> None:
             refuse(f"chunked attention ({where})", "generate on one process")
         if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
             refuse(f"attention temperature tuning ({where})", "attn_temperature_tuning=False, or one process")
+
+
+def check_linear_layers(state, refuse) -> None:
+    """A hybrid's linear layers decode from the states the prefill leaves (hf/linear/prefill.py) where their
+    family's decode is verified exact (families.DECODES) and the layer has a cache slot of its own."""
+    attention = {getattr(m, "layer_idx", None) for _, m in state.layers}
+    for where, cls, idx in state.linear.layer_info:
+        if cls not in DECODES:
+            refuse(f"{family(cls)} layers ({where}): their decode from the prefill's states is not verified",
+                   "remove_sequence_parallel(model) and generate on one process")
+        if not isinstance(idx, int) or idx in attention:
+            refuse(f"a linear layer sharing its cache slot with an attention layer ({where}, layer_idx {idx})",
+                   "remove_sequence_parallel(model) and generate on one process")
 
 
 def check_agreement(sp, name: str, ids, mask, gen) -> None:
