@@ -66,7 +66,7 @@ _OPTIONS = (
     ("assistant_model", lambda g, kw: _named(kw.get("assistant_model")), "generate without an assistant"),
     ("prompt_lookup_num_tokens", lambda g, kw: g.prompt_lookup_num_tokens, "generate without prompt lookup"),
     ("assistant_early_exit", lambda g, kw: getattr(g, "assistant_early_exit", None), "generate without self-speculation"),
-    ("past_key_values", lambda g, kw: _named(kw.get("past_key_values", kw.get("cache"))),
+    ("past_key_values", lambda g, kw: _named(kw.get("past_key_values", kw.get("cache", kw.get("cache_params")))),
      "pass no cache: ds_seqpar builds the sequence-sharded one"),
     ("use_cache", lambda g, kw: False if kw.get("use_cache") is False
      or getattr(kw.get("generation_config"), "use_cache", None) is False else None,
@@ -304,10 +304,10 @@ def sharded_generate(model, state, original, args, kwargs):
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     states = [idx for _, _, idx in state.linear.layer_info] if state.linear is not None else []
     cache = ShardedKVCache(config.num_hidden_layers, [t == "sliding_attention" for t in layer_types], sp.size, sp.rank,
-                           states, sp.group, sp.stats)
+                           states, sp.group, sp.stats, {getattr(m, "layer_idx", None) for _, m in state.layers})
     run = state.generation = GenerationRun(sp, cache, padded=padded, linear=state.linear)
     try:
-        out = original(*args, **dict(kwargs, past_key_values=cache, use_cache=True))
+        out = original(*args, **dict(kwargs, use_cache=True, **{cache_argument(model): cache}))
     finally:
         state.generation = None
         run.end_linear()
@@ -317,6 +317,14 @@ def sharded_generate(model, state, original, args, kwargs):
         raise RuntimeError(f"ds_seqpar.hf: {name}.generate produced different tokens on the ranks of a sequence "
                            f"group; run it with the same prompt, options and random seed on every rank")
     return out
+
+
+def cache_argument(model) -> str:
+    """The name the model's forward takes its cache by: past_key_values, or cache_params (Mamba, Falcon-Mamba,
+    Mamba2: models without attention layers)."""
+    import inspect
+    params = inspect.signature(model.forward).parameters
+    return "cache_params" if "cache_params" in params and "past_key_values" not in params else "past_key_values"
 
 
 def text_config(model):
@@ -361,14 +369,12 @@ def check_model(model, state) -> None:
 def check_linear_layers(state, refuse) -> None:
     """A hybrid's linear layers decode from the states the prefill leaves (hf/linear/prefill.py) where their
     family's decode is verified exact (families.DECODES) and the layer has a cache slot of its own."""
-    attention = {getattr(m, "layer_idx", None) for _, m in state.layers}
     for where, cls, idx in state.linear.layer_info:
         if cls not in DECODES:
-            refuse(f"{family(cls)} layers ({where}): their decode from the prefill's states is not verified",
+            refuse(f"{family(cls)} layers ({where}; decoding them from the prefill's states is not verified)",
                    "remove_sequence_parallel(model) and generate on one process")
-        if not isinstance(idx, int) or idx in attention:
-            refuse(f"a linear layer sharing its cache slot with an attention layer ({where}, layer_idx {idx})",
-                   "remove_sequence_parallel(model) and generate on one process")
+        if not isinstance(idx, int):
+            refuse(f"a linear layer without a layer_idx ({where})", "generate on one process")
 
 
 def check_agreement(sp, name: str, ids, mask, gen) -> None:

@@ -166,6 +166,25 @@ class ReplicatedStateLayer(LinearAttentionLayer):
                    for t in states.values() if t is not None)
 
 
+class ShardedHybridLayer(ReplicatedStateLayer, ShardedLayer):
+    """A layer with softmax attention and a linear mixer side by side (Falcon-H1): this rank's K/V shard and the
+    replicated states in one cache slot, as transformers' LinearAttentionAndFullAttentionLayer pairs them."""
+
+    is_compileable = False
+
+    def __init__(self, cache: "ShardedKVCache", sliding: bool = False):
+        ShardedLayer.__init__(self, cache, sliding)
+        LinearAttentionLayer.__init__(self)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        if len(args) == 2 and not kwargs:            # update(k, v): the attention part
+            return ShardedLayer.lazy_initialization(self, *args)
+        return LinearAttentionLayer.lazy_initialization(self, *args, **kwargs)
+
+    def local_bytes(self) -> int:
+        return ShardedLayer.local_bytes(self) + ReplicatedStateLayer.local_bytes(self)
+
+
 class ShardedKVCache(Cache):
     """The cache of one sequence group's generate call: every rank holds one, with its own tokens.
 
@@ -173,11 +192,15 @@ class ShardedKVCache(Cache):
     token on ``next_owner(shares)``); the same numbers on every rank, computed, never communicated."""
 
     def __init__(self, num_layers: int, sliding: List[bool], sp_size: int, rank: int, states: Collection[int] = (),
-                 group=None, stats=None):
-        """``states``: the layer indices of linear-attention / SSM / conv layers (ReplicatedStateLayer);
+                 group=None, stats=None, attention: Optional[Collection[int]] = None):
+        """``states``: the layer indices of linear-attention / SSM / conv layers (ReplicatedStateLayer), those
+        also in ``attention`` (the softmax layers' indices; None: every other layer) both (ShardedHybridLayer);
         ``group``, ``stats``: the sequence group the prefill gathers their conv states over."""
-        super().__init__(layers=[ReplicatedStateLayer(self) if i in states else ShardedLayer(self, s)
-                                 for i, s in enumerate(sliding[:num_layers])])
+        def layer(i, s):
+            if i not in states:
+                return ShardedLayer(self, s)
+            return ShardedHybridLayer(self, s) if attention is not None and i in attention else ReplicatedStateLayer(self)
+        super().__init__(layers=[layer(i, s) for i, s in enumerate(sliding[:num_layers])])
         self.rank, self.size = rank, sp_size
         self.group, self.stats = group, stats
         self.phase: Optional[str] = None
@@ -233,4 +256,4 @@ class ShardedKVCache(Cache):
         return sum(layer.local_bytes() for layer in self.layers)
 
 
-__all__ = ["ShardedKVCache", "ShardedLayer", "ReplicatedStateLayer", "PAD"]
+__all__ = ["ShardedKVCache", "ShardedLayer", "ReplicatedStateLayer", "ShardedHybridLayer", "PAD"]

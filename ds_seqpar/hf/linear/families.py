@@ -46,7 +46,14 @@ LINEAR_LAYER_TYPES = ("linear_attention", "conv", "mamba", "hybrid")
 
 # layer classes whose generate decodes from the states the sharded prefill leaves, tested exact against the
 # unsharded model's generate (hf/linear/prefill.py; tests/dist/test_generate_hybrids.py); generate refuses the others
-DECODES = frozenset(c for c, ops in LAYER_OPS.items() if LIGHTNING not in ops)
+# (the others: MiniMax's lightning attention, whose replaced forward takes no cache; Zamba's and Zamba2's Mamba
+# layers, whose shared attention blocks have no cache slot of their own)
+DECODES = frozenset({
+    "Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "OlmoHybridGatedDeltaNet",
+    "KimiLinearDeltaAttention", "BailingHybridDeltaAttention",
+    "Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv",
+    "Mamba2Mixer", "BambaMixer", "GraniteMoeHybridMambaLayer", "NemotronHMamba2Mixer", "FalconH1Mixer",
+    "MambaMixer", "FalconMambaMixer", "JambaMambaMixer"})
 
 # the op that names a layer's family in messages: the layer's last op (its token mixer after the conv)
 FAMILY_OF_OP = {CONV: "short causal convolution", _GDN[1]: "gated DeltaNet", _KDA[1]: "Kimi delta attention",
