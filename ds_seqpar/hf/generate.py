@@ -295,11 +295,8 @@ def sharded_generate(model, state, original, args, kwargs):
     check_agreement(sp, name, ids, mask, gen)             # the first collective
     check_left_padding(name, ids, mask)
     padded = mask is not None and not bool((mask == 1).all())
-    if padded and state.linear is not None:
-        raise UnsupportedModelError(f"ds_seqpar.hf: {name}.generate with a left-padded attention_mask and "
-                                    f"linear-attention / SSM layers under sequence parallelism is not supported "
-                                    f"(their recurrent state would run over the rotated pads); generate prompts of "
-                                    f"equal length, or remove_sequence_parallel(model) and generate on one process")
+    if padded:                                            # the mask agrees on every rank now
+        check_model(model, state, left_padded=True)
     config = text_config(model)
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     states = [idx for _, _, idx in state.linear.layer_info] if state.linear is not None else []
@@ -332,8 +329,9 @@ def text_config(model):
     return getattr(model.config, "get_text_config", lambda: model.config)()
 
 
-def check_model(model, state) -> None:
-    """Model features the sequence-sharded decode does not cover: refused by name (pure, every rank)."""
+def check_model(model, state, left_padded: bool = False) -> None:
+    """Model features the sequence-sharded decode does not cover: refused by name (pure, every rank).
+    ``left_padded``: also those a left-padded batch adds (a hybrid's linear layers)."""
     name = type(model).__name__
 
     def refuse(feature, fix):
@@ -346,6 +344,10 @@ def check_model(model, state) -> None:
         refuse("strategy 'lasp' (linear attention)", "a softmax strategy (ulysses, ring, zigzag, striped)")
     if state.linear is not None:
         check_linear_layers(state, refuse)
+    if state.linear is not None and left_padded:
+        refuse("a left-padded attention_mask and linear-attention / SSM layers (their recurrent state would run over "
+               "the rotated pads)", "generate prompts of equal length, or remove_sequence_parallel(model) and "
+                                   "generate on one process")
     if state.indexed is not None:
         refuse("DeepSeek sparse attention (indexer keys)", "remove_sequence_parallel(model) and generate on one process")
     if state.vision is not None:
