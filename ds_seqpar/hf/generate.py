@@ -32,6 +32,9 @@ output whole on every rank. The wrapper installed by apply (``install``):
      last real token it holds (logits_to_keep: their local indices), zeros for the others, and the same
      one all-reduce of b x vocab values gives every row's logits to every rank, exactly. A batch without
      zeros runs as before, bit for bit.
+  Hybrids (linear-attention / SSM / conv layers): the prefill's linear ops return the state after the last prompt
+     token on every rank and the conv layers' cache keeps the prompt's last inputs (linear/prefill.py, kv_cache.py);
+     each decode step runs the layers' own recurrent step on those replicated states, identically on every rank.
   3. every rank samples from the same logits with the same random state, so the tokens agree; the
      first layer's merge of every step carries the step's input tokens (a disagreement raises on every
      rank), and one all-reduce of the output's hash checks the last token.
@@ -40,7 +43,8 @@ Refused by name: beam search (num_beams > 1), assisted decoding
 (assistant_model, prompt_lookup_num_tokens), a cache or past_key_values of the caller, use_cache=False,
 cache_implementation, chunked prefill, inputs_embeds, output_attentions / output_hidden_states,
 classifier-free guidance, custom_generate, masks other than left padding (inner or right zeros, an empty row),
-hybrid models with linear-attention / SSM layers, DeepSeek sparse attention, multimodal models,
+a left-padded batch of a hybrid, linear layers whose decode is not verified (linear.families.DECODES: lightning
+attention, Zamba's and Zamba2's Mamba layers), DeepSeek sparse attention, multimodal models,
 Llama 4's chunked and temperature-tuned layers, shared-KV layers, dynamic groups, lasp.
 """
 from __future__ import annotations
@@ -54,8 +58,7 @@ import torch
 from .. import comm
 from .attention import is_chunked
 from .checks import UnsupportedModelError
-from .linear.families import DECODES, family
-from .linear.prefill import PromptEnd
+from .linear.prefill import PromptEnd, check_decodes
 from .trl_rows import rotate     # row b rotated left by lead[b]: its real tokens lead
 
 GENERATE_ATTR = "_ds_seqpar_own_generate"     # what the instance had under "generate" before apply (usually nothing)
@@ -66,7 +69,8 @@ _OPTIONS = (
     ("assistant_model", lambda g, kw: _named(kw.get("assistant_model")), "generate without an assistant"),
     ("prompt_lookup_num_tokens", lambda g, kw: g.prompt_lookup_num_tokens, "generate without prompt lookup"),
     ("assistant_early_exit", lambda g, kw: getattr(g, "assistant_early_exit", None), "generate without self-speculation"),
-    ("past_key_values", lambda g, kw: _named(kw.get("past_key_values", kw.get("cache", kw.get("cache_params")))),
+    ("past_key_values",
+     lambda g, kw: _named(kw.get("past_key_values", kw.get("cache", kw.get("cache_params")))),
      "pass no cache: ds_seqpar builds the sequence-sharded one"),
     ("use_cache", lambda g, kw: False if kw.get("use_cache") is False
      or getattr(kw.get("generation_config"), "use_cache", None) is False else None,
@@ -343,7 +347,7 @@ def check_model(model, state, left_padded: bool = False) -> None:
     if state.sp.config.strategy == "lasp":
         refuse("strategy 'lasp' (linear attention)", "a softmax strategy (ulysses, ring, zigzag, striped)")
     if state.linear is not None:
-        check_linear_layers(state, refuse)
+        check_decodes(state.linear, refuse)
     if state.linear is not None and left_padded:
         refuse("a left-padded attention_mask and linear-attention / SSM layers (their recurrent state would run over "
                "the rotated pads)", "generate prompts of equal length, or remove_sequence_parallel(model) and "
@@ -366,17 +370,6 @@ def check_model(model, state, left_padded: bool = False) -> None:
             refuse(f"chunked attention ({where})", "generate on one process")
         if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
             refuse(f"attention temperature tuning ({where})", "attn_temperature_tuning=False, or one process")
-
-
-def check_linear_layers(state, refuse) -> None:
-    """A hybrid's linear layers decode from the states the prefill leaves (hf/linear/prefill.py) where their
-    family's decode is verified exact (families.DECODES) and the layer has a cache slot of its own."""
-    for where, cls, idx in state.linear.layer_info:
-        if cls not in DECODES:
-            refuse(f"{family(cls)} layers ({where}; decoding them from the prefill's states is not verified)",
-                   "remove_sequence_parallel(model) and generate on one process")
-        if not isinstance(idx, int):
-            refuse(f"a linear layer without a layer_idx ({where})", "generate on one process")
 
 
 def check_agreement(sp, name: str, ids, mask, gen) -> None:

@@ -199,7 +199,8 @@ class ShardedKVCache(Cache):
         def layer(i, s):
             if i not in states:
                 return ShardedLayer(self, s)
-            return ShardedHybridLayer(self, s) if attention is not None and i in attention else ReplicatedStateLayer(self)
+            both = attention is not None and i in attention
+            return ShardedHybridLayer(self, s) if both else ReplicatedStateLayer(self)
         super().__init__(layers=[layer(i, s) for i, s in enumerate(sliding[:num_layers])])
         self.rank, self.size = rank, sp_size
         self.group, self.stats = group, stats

@@ -163,5 +163,5 @@ def gather_heads(state_bh, group, stats=None):
     return comm.all_gather_nograd(state_bh.contiguous(), 1, group, stats, kind="prefill_state")
 
 
-__all__ = ["next_owner", "prompt_shares", "partial_attention", "merge_partials", "fold_parts", "fold_sinks", "decode_attention",
-           "prompt_tail", "from_owner", "gather_heads"]
+__all__ = ["next_owner", "prompt_shares", "partial_attention", "merge_partials", "fold_parts", "fold_sinks",
+           "decode_attention", "prompt_tail", "from_owner", "gather_heads"]

@@ -65,9 +65,10 @@ def check_hybrid_generate(model_type, cases, batch=1, sample=False):
     from ds_seqpar.hf import apply_sequence_parallel
     from ds_seqpar.hf.kv_cache import ReplicatedStateLayer, ShardedKVCache
     state = _model(model_type).state_dict()
-    prompt = torch.randint(3, _config(model_type).vocab_size, (batch, PROMPT), generator=torch.Generator().manual_seed(2))
+    vocab = _config(model_type).vocab_size
+    prompt = torch.randint(3, vocab, (batch, PROMPT), generator=torch.Generator().manual_seed(2))
     ref64, ref32 = _greedy(_model(model_type, state, torch.float64), prompt), _greedy(_model(model_type, state), prompt)
-    assert torch.equal(ref64.sequences, ref32.sequences), f"{model_type}: float32 and float64 greedy differ (test model)"
+    assert torch.equal(ref64.sequences, ref32.sequences), f"{model_type}: float32 and float64 greedy differ"
     states64, states32 = _states(ref64.past_key_values), _states(ref32.past_key_values)
     # the states the prompt leaves (one new token: no decode step), before a fast decay could hide an error
     prefill64, prefill32 = (_states(_greedy(_model(model_type, state, dtype), prompt, 1).past_key_values)

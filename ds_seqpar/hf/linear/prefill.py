@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ...errors import UnsupportedModelError
+from .families import DECODES, family
 
 
 class PromptEnd:
@@ -42,9 +43,20 @@ def wants_state(mixers, initial_state, asks_final, where: str, family: str = "")
                                 f"model builds its own)")
 
 
+def check_decodes(mixers, refuse) -> None:
+    """generate decodes a hybrid's linear layers where their family's decode is verified exact (families.DECODES)
+    and each has a cache slot (a layer_idx); ``refuse(feature, fix)`` raises (hf/generate.py: check_model)."""
+    for where, cls, idx in mixers.layer_info:
+        if cls not in DECODES:
+            refuse(f"{family(cls)} layers ({where}; decoding them from the prefill's states is not verified)",
+                   "remove_sequence_parallel(model) and generate on one process")
+        if not isinstance(idx, int):
+            refuse(f"a linear layer without a layer_idx ({where})", "generate on one process")
+
+
 def prefill_end(mixers, final: bool) -> Optional[int]:
     """The prompt's end when the op call returns the final state (fold's ``end``), else None."""
     return mixers.prefill.end if final else None
 
 
-__all__ = ["PromptEnd", "wants_state", "prefill_end"]
+__all__ = ["PromptEnd", "wants_state", "check_decodes", "prefill_end"]
