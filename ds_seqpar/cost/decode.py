@@ -5,7 +5,8 @@ Per decode step and attention layer, one all-gather of every rank's partial (out
 accumulator dtype (fp32; fp64 for fp64 models): a rank sends its b x h x (dv + 1) values to P - 1 peers.
 The first layer's buffer also carries the step's b input tokens (the agreement check). None of it
 depends on the context length. Prefill: the training forward's bytes (bytes.py), plus one all-reduce
-of the last prompt token's b x vocab logits (ring all-reduce: 2 (P - 1) / P of the buffer per rank).
+of the last prompt token's b x vocab logits (ring all-reduce: 2 (P - 1) / P of the buffer per rank), and for a
+hybrid's linear layers the states the prompt leaves (prefill_state_bytes); their decode steps send nothing.
 """
 from __future__ import annotations
 
@@ -33,6 +34,17 @@ def prefill_logits_bytes(size: int, batch: int, vocab: int, logit_bytes: int = 4
     return 2 * batch * vocab * logit_bytes * (size - 1) // size if size > 1 else 0
 
 
+def prefill_state_bytes(size: int, state_bytes: int, conv_bytes: int, heads_parallel: bool = False):
+    """(recurrent, conv) bytes one rank sends in generate's prefill for one linear layer of a hybrid: the state
+    after the last prompt token (``state_bytes``: the whole state, fp32) from its owner, an all-reduce (under
+    linear_strategy ulysses: an all-gather of every rank's heads, (P - 1) / P of it), and the prompt's last K
+    conv inputs (``conv_bytes``: b x channels x K in the model's dtype), an all-reduce. 0 where a layer has none."""
+    if size <= 1:
+        return 0, 0
+    state = state_bytes // size * (size - 1) if heads_parallel else 2 * state_bytes * (size - 1) // size
+    return state, 2 * conv_bytes * (size - 1) // size
+
+
 def kv_cache_bytes(tokens: int, layers: int, batch: int, kv_heads: int, head_dim: int, head_dim_v: int,
                    elem: int) -> int:
     """The whole (unsharded) cache of ``tokens`` tokens over full-attention layers."""
@@ -47,4 +59,5 @@ def cache_shares(prompt_shares: Sequence[int], generated: int) -> list:
     return shares
 
 
-__all__ = ["decode_merge_bytes", "decode_step_bytes", "prefill_logits_bytes", "kv_cache_bytes", "cache_shares"]
+__all__ = ["decode_merge_bytes", "decode_step_bytes", "prefill_logits_bytes", "prefill_state_bytes", "kv_cache_bytes",
+           "cache_shares"]

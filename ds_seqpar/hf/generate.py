@@ -32,6 +32,9 @@ output whole on every rank. The wrapper installed by apply (``install``):
      last real token it holds (logits_to_keep: their local indices), zeros for the others, and the same
      one all-reduce of b x vocab values gives every row's logits to every rank, exactly. A batch without
      zeros runs as before, bit for bit.
+  Hybrids (linear-attention / SSM / conv layers): the prefill's linear ops return the state after the last prompt
+     token on every rank and the conv layers' cache keeps the prompt's last inputs (linear/prefill.py, kv_cache.py);
+     each decode step runs the layers' own recurrent step on those replicated states, identically on every rank.
   3. every rank samples from the same logits with the same random state, so the tokens agree; the
      first layer's merge of every step carries the step's input tokens (a disagreement raises on every
      rank), and one all-reduce of the output's hash checks the last token.
@@ -40,7 +43,8 @@ Refused by name: beam search (num_beams > 1), assisted decoding
 (assistant_model, prompt_lookup_num_tokens), a cache or past_key_values of the caller, use_cache=False,
 cache_implementation, chunked prefill, inputs_embeds, output_attentions / output_hidden_states,
 classifier-free guidance, custom_generate, masks other than left padding (inner or right zeros, an empty row),
-hybrid models with linear-attention / SSM layers, DeepSeek sparse attention, multimodal models,
+a left-padded batch of a hybrid, linear layers whose decode is not verified (linear.families.DECODES: lightning
+attention, Zamba's and Zamba2's Mamba layers), DeepSeek sparse attention, multimodal models,
 Llama 4's chunked and temperature-tuned layers, shared-KV layers, dynamic groups, lasp.
 """
 from __future__ import annotations
@@ -54,6 +58,7 @@ import torch
 from .. import comm
 from .attention import is_chunked
 from .checks import UnsupportedModelError
+from .linear.prefill import PromptEnd, check_decodes
 from .trl_rows import rotate     # row b rotated left by lead[b]: its real tokens lead
 
 GENERATE_ATTR = "_ds_seqpar_own_generate"     # what the instance had under "generate" before apply (usually nothing)
@@ -64,7 +69,8 @@ _OPTIONS = (
     ("assistant_model", lambda g, kw: _named(kw.get("assistant_model")), "generate without an assistant"),
     ("prompt_lookup_num_tokens", lambda g, kw: g.prompt_lookup_num_tokens, "generate without prompt lookup"),
     ("assistant_early_exit", lambda g, kw: getattr(g, "assistant_early_exit", None), "generate without self-speculation"),
-    ("past_key_values", lambda g, kw: _named(kw.get("past_key_values", kw.get("cache"))),
+    ("past_key_values",
+     lambda g, kw: _named(kw.get("past_key_values", kw.get("cache", kw.get("cache_params")))),
      "pass no cache: ds_seqpar builds the sequence-sharded one"),
     ("use_cache", lambda g, kw: False if kw.get("use_cache") is False
      or getattr(kw.get("generation_config"), "use_cache", None) is False else None,
@@ -90,8 +96,9 @@ def _named(value):
 class GenerationRun:
     """One generate call on one rank: the cache and how this rank routes each forward."""
 
-    def __init__(self, sp, cache, padded: bool = False):
+    def __init__(self, sp, cache, padded: bool = False, linear=None):
         self.sp, self.cache = sp, cache
+        self.linear = linear             # a hybrid's LinearMixers (hf/linear/prefill.py), or None
         self.padded = padded             # the caller's attention_mask has (left-padding) zeros
         self.position = 0                # the decode step's global position
         self.step_ids: Optional[torch.Tensor] = None
@@ -131,6 +138,9 @@ class GenerationRun:
                 ids = rotate(ids, lead)
             kwargs["input_ids"] = sp.shard(ids, dim=1)
             kwargs["position_ids"] = pos.unsqueeze(0).expand(b, -1)
+            if self.linear is not None:          # the ops return the state the prompt leaves, on every rank
+                self.linear.prefill = PromptEnd(n, padded)
+                self.linear.documents = self.linear.prefill.documents
             self.kept_rows = "logits_to_keep" in params
             if lead is None:
                 self.cache.begin_prefill(sp.layout, n, padded, pos)
@@ -161,7 +171,14 @@ class GenerationRun:
                 kwargs["position_ids"] = self.row_position[:, None]
             self.step_ids = ids[:, 0]
             self.checked = False
+            if self.linear is not None:          # the layers' own recurrent step on the replicated states
+                self.linear.decoding, self.linear.documents = True, None
         return kwargs
+
+    def end_linear(self) -> None:
+        """The hybrid's mixers back to training's routing (after every forward, and when generate ends)."""
+        if self.linear is not None:
+            self.linear.prefill, self.linear.decoding, self.linear.documents = None, False, None
 
     def post_forward(self, output):
         """Prefill: every rank gets the last prompt token's logits from the rank that holds it."""
@@ -179,6 +196,7 @@ class GenerationRun:
             logits = logits.contiguous() if self.sp.rank == self.last_owner else torch.zeros_like(logits)
             output.logits = comm.all_reduce(logits, self.sp.group, self.sp.stats, kind="prefill_logits")
         self.cache.end_step()
+        self.end_linear()
         return output
 
     def decode_attention(self, module, query, key, value, scaling, kwargs):
@@ -280,14 +298,20 @@ def sharded_generate(model, state, original, args, kwargs):
     mask = kwargs.get("attention_mask")
     check_agreement(sp, name, ids, mask, gen)             # the first collective
     check_left_padding(name, ids, mask)
+    padded = mask is not None and not bool((mask == 1).all())
+    if padded:                                            # the mask agrees on every rank now
+        check_model(model, state, left_padded=True)
     config = text_config(model)
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    cache = ShardedKVCache(config.num_hidden_layers, [t == "sliding_attention" for t in layer_types], sp.size, sp.rank)
-    state.generation = GenerationRun(sp, cache, padded=mask is not None and not bool((mask == 1).all()))
+    states = [idx for _, _, idx in state.linear.layer_info] if state.linear is not None else []
+    cache = ShardedKVCache(config.num_hidden_layers, [t == "sliding_attention" for t in layer_types], sp.size, sp.rank,
+                           states, sp.group, sp.stats, {getattr(m, "layer_idx", None) for _, m in state.layers})
+    run = state.generation = GenerationRun(sp, cache, padded=padded, linear=state.linear)
     try:
-        out = original(*args, **dict(kwargs, past_key_values=cache, use_cache=True))
+        out = original(*args, **dict(kwargs, use_cache=True, **{cache_argument(model): cache}))
     finally:
         state.generation = None
+        run.end_linear()
     sequences = out if torch.is_tensor(out) else out.sequences
     same = _same_on_ranks(sp, [_crc(sequences)])
     if not same[0]:
@@ -296,13 +320,22 @@ def sharded_generate(model, state, original, args, kwargs):
     return out
 
 
+def cache_argument(model) -> str:
+    """The name the model's forward takes its cache by: past_key_values, or cache_params (Mamba, Falcon-Mamba,
+    Mamba2: models without attention layers)."""
+    import inspect
+    params = inspect.signature(model.forward).parameters
+    return "cache_params" if "cache_params" in params and "past_key_values" not in params else "past_key_values"
+
+
 def text_config(model):
     """The decoder's config (a multimodal model's text config; here: the model's own)."""
     return getattr(model.config, "get_text_config", lambda: model.config)()
 
 
-def check_model(model, state) -> None:
-    """Model features the sequence-sharded decode does not cover: refused by name (pure, every rank)."""
+def check_model(model, state, left_padded: bool = False) -> None:
+    """Model features the sequence-sharded decode does not cover: refused by name (pure, every rank).
+    ``left_padded``: also those a left-padded batch adds (a hybrid's linear layers)."""
     name = type(model).__name__
 
     def refuse(feature, fix):
@@ -314,8 +347,11 @@ def check_model(model, state) -> None:
     if state.sp.config.strategy == "lasp":
         refuse("strategy 'lasp' (linear attention)", "a softmax strategy (ulysses, ring, zigzag, striped)")
     if state.linear is not None:
-        refuse("linear-attention / SSM layers (their recurrent and conv states are not sharded in decode)",
-               "remove_sequence_parallel(model) and generate on one process")
+        check_decodes(state.linear, refuse)
+    if state.linear is not None and left_padded:
+        refuse("a left-padded attention_mask and linear-attention / SSM layers (their recurrent state would run over "
+               "the rotated pads)", "generate prompts of equal length, or remove_sequence_parallel(model) and "
+                                   "generate on one process")
     if state.indexed is not None:
         refuse("DeepSeek sparse attention (indexer keys)", "remove_sequence_parallel(model) and generate on one process")
     if state.vision is not None:

@@ -25,15 +25,23 @@ one the unsharded generate gives it (cumsum(mask) - 1), and ``PAD`` (-1) for a r
 decode never attends (strategies/decode.py masks it). A prompt slot g holds row b's real token iff
 g < lengths[b] (position g); decode step t's slot holds position lengths[b] + t in every row. Without
 padding ``row_positions`` is None and everything runs as before.
+
+Hybrids: a linear-attention / SSM / short-convolution layer holds no per-token keys but a conv state (its
+last K inputs) and a recurrent state, which its decode steps read through transformers' own cache API
+(``get_conv_state``, ``update_recurrent_state``). Those layers get a ``ReplicatedStateLayer``, the same on
+every rank: in the prefill its conv state is the whole prompt's last K inputs (one all-reduce,
+strategies/decode.py: prompt_tail) and its recurrent state the one the op's seam returned (already the
+state after the last prompt token on every rank, hf/linear/prefill.py); the decode steps then update both
+in place exactly as transformers' LinearAttentionLayer does, identically on every rank.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Collection, List, Optional
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
 
-from ..strategies.decode import next_owner, prompt_shares
+from ..strategies.decode import next_owner, prompt_shares, prompt_tail
 from .checks import UnsupportedModelError
 
 PAD = -1                     # row_positions of a slot that holds a pad of this row (never attended)
@@ -133,15 +141,69 @@ class ShardedLayer(CacheLayerMixin):
         raise UnsupportedModelError("ds_seqpar.hf: selecting rows of a sequence-sharded cache is not supported")
 
 
+class ReplicatedStateLayer(LinearAttentionLayer):
+    """One linear-attention / SSM / conv layer's states, the same on every rank of the group (module doc)."""
+
+    def __init__(self, cache: "ShardedKVCache"):
+        super().__init__()
+        self.cache = cache
+
+    def update_conv_state(self, conv_states, state_idx: int = 0, conv_kernel_size: Optional[int] = None, **kwargs):
+        c = self.cache
+        if c.phase != "prefill":
+            return super().update_conv_state(conv_states, state_idx, conv_kernel_size, **kwargs)
+        if conv_kernel_size is None:
+            raise UnsupportedModelError("ds_seqpar.hf: a conv layer that caches its prompt without its kernel width "
+                                        "(update_conv_state without conv_kernel_size); generate on one process")
+        # conv_states: this rank's shard [b, c, local]; the cache keeps the whole prompt's last K inputs
+        tail = prompt_tail(conv_states, c.local_positions, c.prompt_len, conv_kernel_size, c.group, c.stats)
+        super().update_conv_state(tail, state_idx, conv_kernel_size=conv_kernel_size)
+        return conv_states           # the shard, for the layer's sequence-parallel conv (its halo)
+
+    def local_bytes(self) -> int:
+        """Bytes of the states this rank holds (every rank holds the same)."""
+        return sum(t.numel() * t.element_size() for states in (self.conv_states, self.recurrent_states)
+                   for t in states.values() if t is not None)
+
+
+class ShardedHybridLayer(ReplicatedStateLayer, ShardedLayer):
+    """A layer with softmax attention and a linear mixer side by side (Falcon-H1): this rank's K/V shard and the
+    replicated states in one cache slot, as transformers' LinearAttentionAndFullAttentionLayer pairs them."""
+
+    is_compileable = False
+
+    def __init__(self, cache: "ShardedKVCache", sliding: bool = False):
+        ShardedLayer.__init__(self, cache, sliding)
+        LinearAttentionLayer.__init__(self)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        if len(args) == 2 and not kwargs:            # update(k, v): the attention part
+            return ShardedLayer.lazy_initialization(self, *args)
+        return LinearAttentionLayer.lazy_initialization(self, *args, **kwargs)
+
+    def local_bytes(self) -> int:
+        return ShardedLayer.local_bytes(self) + ReplicatedStateLayer.local_bytes(self)
+
+
 class ShardedKVCache(Cache):
     """The cache of one sequence group's generate call: every rank holds one, with its own tokens.
 
     ``shares[r]``: tokens rank r has received so far (prompt tokens by the layout, then each generated
     token on ``next_owner(shares)``); the same numbers on every rank, computed, never communicated."""
 
-    def __init__(self, num_layers: int, sliding: List[bool], sp_size: int, rank: int):
-        super().__init__(layers=[ShardedLayer(self, s) for s in sliding[:num_layers]])
+    def __init__(self, num_layers: int, sliding: List[bool], sp_size: int, rank: int, states: Collection[int] = (),
+                 group=None, stats=None, attention: Optional[Collection[int]] = None):
+        """``states``: the layer indices of linear-attention / SSM / conv layers (ReplicatedStateLayer), those
+        also in ``attention`` (the softmax layers' indices; None: every other layer) both (ShardedHybridLayer);
+        ``group``, ``stats``: the sequence group the prefill gathers their conv states over."""
+        def layer(i, s):
+            if i not in states:
+                return ShardedLayer(self, s)
+            both = attention is not None and i in attention
+            return ShardedHybridLayer(self, s) if both else ReplicatedStateLayer(self)
+        super().__init__(layers=[layer(i, s) for i, s in enumerate(sliding[:num_layers])])
         self.rank, self.size = rank, sp_size
+        self.group, self.stats = group, stats
         self.phase: Optional[str] = None
         self.seen = 0                   # global tokens whose K/V are in the group's cache
         self.prompt_len = 0
@@ -183,9 +245,16 @@ class ShardedKVCache(Cache):
             self.seen += 1
         self.phase = None
 
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The global tokens processed (also with no attention layer, or a linear layer first)."""
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0):
+        return self.seen + query_length, 0
+
     def local_bytes(self) -> int:
-        """Bytes of K/V this rank holds (every layer)."""
+        """Bytes of K/V (and hybrids' replicated states) this rank holds (every layer)."""
         return sum(layer.local_bytes() for layer in self.layers)
 
 
-__all__ = ["ShardedKVCache", "ShardedLayer", "PAD"]
+__all__ = ["ShardedKVCache", "ShardedLayer", "ReplicatedStateLayer", "ShardedHybridLayer", "PAD"]

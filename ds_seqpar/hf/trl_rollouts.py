@@ -193,7 +193,8 @@ def replica_view(trainer, owner: type):
 
 def decodes_sharded(model) -> bool:
     """Whether the applied model's generate decodes over the sequence-sharded cache (hf/generate.py checks the
-    model's features, purely and alike on every rank); else the rollouts lift sequence parallelism."""
+    model's features, purely and alike on every rank, for left-padded prompts: TRL pads them so); else the
+    rollouts lift sequence parallelism."""
     from .apply import STATE_ATTR
     from .checks import UnsupportedModelError
     from .generate import check_model
@@ -201,7 +202,7 @@ def decodes_sharded(model) -> bool:
     if state is None:
         return False
     try:
-        check_model(model, state)
+        check_model(model, state, left_padded=True)
     except UnsupportedModelError:
         return False
     return True

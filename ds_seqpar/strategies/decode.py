@@ -18,8 +18,16 @@ Shares: the prompt's tokens stay on the rank the layout put them on (padding exc
 generated token's K/V goes to the rank whose share is smallest (ties: the lowest rank), so the shares
 stay within one token of balanced once the prompt's imbalance (at most one layout block) is filled.
 
+Hybrids (gated DeltaNet, Mamba2, short convolutions): their decode steps need no cache shard at all but
+the states the whole prompt leaves, the same on every rank (replicated), so that every rank runs the
+layer's own recurrent step on the whole token identically. The prefill leaves them in one collective each
+per layer: ``prompt_tail`` (the conv state, the last K inputs of the prompt) and ``from_owner`` (the
+recurrent state after the last prompt token, which one rank's fragment holds) are all-reduces of one
+owner's values and zeros (exact); ``gather_heads`` (linear_strategy ulysses: each rank holds its heads'
+states) an all-gather along the heads.
+
 Legend: b = batch, h = q heads, hkv = k/v heads, m = this rank's cached keys, d = qk head dim,
-dv = v head dim, P = sequence-parallel size.
+dv = v head dim, P = sequence-parallel size, c = conv channels, K = conv kernel width.
 """
 from __future__ import annotations
 
@@ -130,4 +138,30 @@ def decode_attention(ctx, q_bhd, k_bhmd, v_bhmd, key_pos, q_pos: int, scale: flo
     return fold_sinks(out, lse, sinks).to(q_bhd.dtype)
 
 
-__all__ = ["next_owner", "prompt_shares", "partial_attention", "merge_partials", "fold_parts", "fold_sinks", "decode_attention"]
+def prompt_tail(x_bcl, local_positions, prompt_len: int, width: int, group, stats=None):
+    """The inputs at global positions prompt_len - width .. prompt_len - 1 ([b, c, width], zeros before
+    position 0), the same on every rank, from each rank's shard x_bcl [b, c, local] whose tokens are at
+    ``local_positions`` [local] (the layout's end padding, positions >= prompt_len, is never taken): one
+    all-reduce in which each slot has one owner and zeros elsewhere, so the sum is exact."""
+    slot = local_positions.to(x_bcl.device) - (prompt_len - width)
+    mine = (slot >= 0) & (slot < width)
+    tail = x_bcl.new_zeros(x_bcl.shape[0], x_bcl.shape[1], width)
+    tail[..., slot[mine]] = x_bcl[..., mine]
+    return comm.all_reduce(tail, group, stats, kind="prefill_conv_state")
+
+
+def from_owner(value: Optional[torch.Tensor], like: torch.Tensor, group, stats=None):
+    """``value`` on the one rank that has it (the others pass None), on every rank: one all-reduce of it and
+    zeros (exact). ``like``: a tensor of its shape and dtype that every rank holds."""
+    buf = torch.zeros_like(like) if value is None else value.to(like.dtype).clone().contiguous()
+    return comm.all_reduce(buf, group, stats, kind="prefill_state")
+
+
+def gather_heads(state_bh, group, stats=None):
+    """[b, heads / P, ...] this rank's block of heads -> [b, heads, ...] every rank's, in rank order (the
+    heads' order: rank r holds the r-th block)."""
+    return comm.all_gather_nograd(state_bh.contiguous(), 1, group, stats, kind="prefill_state")
+
+
+__all__ = ["next_owner", "prompt_shares", "partial_attention", "merge_partials", "fold_parts", "fold_sinks",
+           "decode_attention", "prompt_tail", "from_owner", "gather_heads"]

@@ -293,7 +293,9 @@ def generate_refusals():
     checkpointed.eval()
     out["checkpointing, eval"] = _message(lambda: checkpointed.generate(input_ids=prompt, max_new_tokens=2,
                                                                         pad_token_id=0))
-    out["linear layers"] = _message(lambda: linear.generate(input_ids=prompt, max_new_tokens=2, pad_token_id=0))
+    # hybrids decode (tests/dist/test_generate_hybrids.py), but not from a left-padded batch
+    out["linear layers"] = _message(lambda: linear.generate(input_ids=padded, attention_mask=mask, max_new_tokens=2,
+                                                            pad_token_id=0))
     # ranks that pick different tokens (here a logits processor of rank 1's own): the next step's first merge
     # carries the tokens, and every rank stops there with the same error
     from transformers import LogitsProcessorList
@@ -321,7 +323,8 @@ REFUSED = {
     "same seed": "no error", "left padding": "no error",
     "inner zeros": "with an attention_mask that is not left padding (zeros between or after real tokens",
     "right padding": "with an attention_mask that is not left padding (zeros between or after real tokens",
-    "equal lengths": "no error", "linear layers": "with linear-attention / SSM layers",
+    "equal lengths": "no error",
+    "linear layers": "with a left-padded attention_mask and linear-attention / SSM layers",
     "checkpointing": "with gradient checkpointing in training mode", "checkpointing, eval": "no error",
     "ranks diverge": "the ranks of a sequence group decode different tokens",
 }

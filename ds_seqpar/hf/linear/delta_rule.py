@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import UnsupportedModelError
 from .fold import fold, unused_map
+from .prefill import prefill_end, wants_state
 
 
 def delta_rule_map(original, q, k, v, g, beta, call: dict, enters_zero: bool = False):
@@ -28,20 +28,24 @@ def delta_rule_map(original, q, k, v, g, beta, call: dict, enters_zero: bool = F
 
 
 def delta_rule(mixers, original, call: dict, where: str):
-    if call.get("initial_state") is not None or call.get("output_final_state"):
-        raise UnsupportedModelError(f"ds_seqpar.hf: a recurrent state cache in {where} cannot be exact under "
-                                    f"sequence parallelism; train with use_cache=False")
+    """The op under sequence parallelism: (out, None), or in generate's prefill (out, the state after the
+    last prompt token [b, h, dk, dv] fp32, the same on every rank; prefill.py)."""
+    final = wants_state(mixers, call.get("initial_state"), call.get("output_final_state"), where)
     q, k, v, g, beta = (call.pop(n) for n in ("query", "key", "value", "g", "beta"))
     call.pop("initial_state"), call.pop("output_final_state")
     if mixers.exchange.heads_parallel:
         def local(q_, k_, v_, g_, beta_, mine):
-            return original(q_, k_, v_, g=g_, beta=beta_, initial_state=None, output_final_state=False, **call)[0]
-        return mixers.heads_parallel(local, (q, k, v, g, beta), where), None
+            out, state = original(q_, k_, v_, g=g_, beta=beta_, initial_state=None, output_final_state=final,
+                                  **call)
+            return (out, state) if final else out
+        got = mixers.heads_parallel(local, (q, k, v, g, beta), where, with_state=final)
+        return got if final else (got, None)
     frags, resets = mixers.runs(q.shape[1], 1, where)
     pieces = [delta_rule_map(original, q[:, off:off + n], k[:, off:off + n], v[:, off:off + n], g[:, off:off + n],
                              beta[:, off:off + n], call, start == 0 or start in resets)
               for start, n, off in frags[mixers.exchange.rank]]
-    return fold(mixers.exchange, pieces, frags, resets), None
+    got = fold(mixers.exchange, pieces, frags, resets, end=prefill_end(mixers, final))
+    return got if final else (got, None)
 
 
 __all__ = ["delta_rule_map", "delta_rule"]

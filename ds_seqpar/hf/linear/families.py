@@ -44,6 +44,17 @@ HYBRID_MODEL_TYPES = frozenset({
 LINEAR_LAYER_TYPES = ("linear_attention", "conv", "mamba", "hybrid")
 
 
+# layer classes whose generate decodes from the states the sharded prefill leaves, tested exact against the
+# unsharded model's generate (hf/linear/prefill.py; tests/dist/test_generate_hybrids.py); generate refuses the others
+# (the others: MiniMax's lightning attention, whose replaced forward takes no cache; Zamba's and Zamba2's Mamba
+# layers, whose shared attention blocks have no cache slot of their own)
+DECODES = frozenset({
+    "Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "OlmoHybridGatedDeltaNet",
+    "KimiLinearDeltaAttention", "BailingHybridDeltaAttention",
+    "Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv",
+    "Mamba2Mixer", "BambaMixer", "GraniteMoeHybridMambaLayer", "NemotronHMamba2Mixer", "FalconH1Mixer",
+    "MambaMixer", "FalconMambaMixer", "JambaMambaMixer"})
+
 # the op that names a layer's family in messages: the layer's last op (its token mixer after the conv)
 FAMILY_OF_OP = {CONV: "short causal convolution", _GDN[1]: "gated DeltaNet", _KDA[1]: "Kimi delta attention",
                 SSD: "Mamba2 SSD scan", SCAN: "Mamba-1 selective scan", LIGHTNING: "lightning attention"}
@@ -67,5 +78,5 @@ def linear_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if type(m).__name__ in LAYER_OPS]
 
 
-__all__ = ["LAYER_OPS", "HYBRID_MODEL_TYPES", "LINEAR_LAYER_TYPES", "CONV", "SSD", "SCAN",
+__all__ = ["LAYER_OPS", "DECODES", "HYBRID_MODEL_TYPES", "LINEAR_LAYER_TYPES", "CONV", "SSD", "SCAN",
            "FUSED", "OPTIONAL", "LIGHTNING", "calls_per_forward", "family", "linear_modules"]

@@ -9,6 +9,7 @@ import functools
 import torch
 
 from ...errors import UnsupportedModelError
+from ...strategies.decode import gather_heads
 from ...strategies.ulysses import kv_replication
 from .conv import conv
 from .delta_rule import delta_rule
@@ -26,7 +27,12 @@ class LinearMixers:
         # alike, in the same (first) linear layer of the step, so none is left waiting in a collective
         self.dynamic_sizes = dynamic_sizes
         self.names = {id(m): f"{n} ({type(m).__name__})" for n, m in layers}
+        # (name, class, layer_idx) of each layer: what generate's cache and refusals read (plain data: the state
+        # that holds the mixers outlives the model's modules)
+        self.layer_info = [(n, type(m).__name__, getattr(m, "layer_idx", None)) for n, m in layers]
         self.documents = None        # this forward's packed-document bounds (global cu_seqlens), set by the pre-hook
+        self.prefill = None          # generate's prefill forward: prefill.PromptEnd (the ops return the final state)
+        self.decoding = False        # generate's decode step: the layers run their own recurrent step (prefill.py)
 
     @property
     def exchange(self):
@@ -64,9 +70,11 @@ class LinearMixers:
     def lightning(self, module, call: dict, where: str):
         return lightning(self, decay_h=decay(module), where=where, **call)
 
-    def heads_parallel(self, local, tensors, where: str, unit: str = "heads"):
+    def heads_parallel(self, local, tensors, where: str, unit: str = "heads", with_state: bool = False):
         """linear_strategy ulysses for a mixer whose tensors all have the heads on dim 2: whole
-        sequences of this rank's head block, ``local(*tensors, heads slice)``, and back. A tensor with
+        sequences of this rank's head block, ``local(*tensors, heads slice)``, and back. ``with_state``
+        (generate's prefill): ``local`` returns (out, final state [b, heads / P, ..]); returns (out, the
+        state after the prompt's last token, every head's, on every rank). A tensor with
         fewer heads (groups: k heads under GQA, Mamba2's B/C groups) serves consecutive heads, as the
         ops' repeat_interleave has it; its groups are repeated just enough to split over the ranks,
         as Ulysses does for k/v heads, and autograd sums the copies' gradients back."""
@@ -85,14 +93,19 @@ class LinearMixers:
         tensors = [t.repeat_interleave(kv_replication(heads, t.shape[2], size), dim=2) if t.shape[2] < heads else t
                    for t in tensors]
         whole, mine = self.exchange.whole_heads(tensors, heads)
-        if self.documents is None:
-            out = local(*whole, mine)
-        else:                          # packed: each document from the zero state, whole on this rank
-            docs = [int(d) for d in self.documents]
-            if docs[-1] < whole[0].shape[1]:   # the layout's end padding: a run of its own, read by no target
-                docs.append(whole[0].shape[1])
-            out = torch.cat([local(*(t[:, a:b] for t in whole), mine) for a, b in zip(docs[:-1], docs[1:])], 1)
-        return self.exchange.back_to_tokens(out)
+        n = whole[0].shape[1]
+        docs = [0, n] if self.documents is None else [int(d) for d in self.documents]
+        if docs[-1] < n:                   # the layout's end padding: a run of its own, read by no target
+            docs.append(n)
+        # packed: each document from the zero state, whole on this rank
+        runs = [local(*(t[:, a:b] for t in whole), mine) if (a, b) != (0, n) else local(*whole, mine)
+                for a, b in zip(docs[:-1], docs[1:])]
+        outs = [r[0] for r in runs] if with_state else runs
+        out = self.exchange.back_to_tokens(outs[0] if len(outs) == 1 else torch.cat(outs, 1))
+        if not with_state:
+            return out
+        state = runs[docs[1:].index(self.prefill.end)][1]     # the run ending with the prompt
+        return out, gather_heads(state.float(), self.exchange.group, self.exchange.stats)
 
 
 __all__ = ["LinearMixers"]

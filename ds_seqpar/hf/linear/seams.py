@@ -95,12 +95,16 @@ def install_seams(layers) -> None:
 def layer_hooks(mixers, module) -> list:
     """The pre-hook that marks ``module`` running (and keeps the packing kwargs from its ops) and the
     post-hook that unmarks it and refuses a layer that did not call each of its ops as often as its
-    forward does (families.calls_per_forward)."""
+    forward does (families.calls_per_forward). In generate's decode steps neither does anything: the
+    layer runs transformers' own recurrent step on the whole token and the replicated states."""
     tokens = []
 
     def pre(module, args, kwargs):
         if torch.compiler.is_compiling():
             _TRACED.append((mixers, module, {}))
+        elif mixers.decoding:        # generate's decode step: the layer's own recurrent step (prefill.py)
+            tokens.append(None)
+            return None
         else:
             tokens.append(_RUNNING.set((mixers, module, {})))
         # the documents reach the mixers through mixers.documents; transformers' layers would pass
@@ -110,11 +114,14 @@ def layer_hooks(mixers, module) -> list:
     def post(module, args, kwargs, output):
         # always_call: also after an exception (a refusal inside the layer), so no stale mark
         # makes another model's op take the sequence-parallel path
-        calls = _running()[2]
         if torch.compiler.is_compiling():
-            _TRACED.pop()
+            calls = _TRACED.pop()[2]
         else:
-            _RUNNING.reset(tokens.pop())
+            token = tokens.pop()
+            if token is None:        # a decode step: nothing marked, nothing to count
+                return output
+            calls = _RUNNING.get()[2]
+            _RUNNING.reset(token)
         if output is None:
             return None
         want = calls_per_forward(module)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...errors import UnsupportedModelError
 from .fold import fold
+from .prefill import prefill_end, wants_state
 
 _TOKENWISE = ("z",)             # op arguments that carry a token axis besides the five popped ones
 
@@ -45,13 +45,13 @@ def scan_map(original, u, dt, a, b, c, call: dict, enters_zero: bool = False):
 
 
 def selective_scan(mixers, original, call: dict, where: str):
-    if call.get("return_last_state"):
-        raise UnsupportedModelError(f"ds_seqpar.hf: a recurrent state cache in {where} (Mamba-1 selective scan) "
-                                    f"cannot be exact under sequence parallelism; train with use_cache=False")
+    """The op under sequence parallelism: its output, or in generate's prefill (output, the state after the last
+    prompt token [b, channels, N] fp32, the same on every rank; prefill.py)."""
+    final = wants_state(mixers, None, call.get("return_last_state"), where, " (Mamba-1 selective scan)")
     u, dt, a, b, c = (call.pop(n) for n in ("hidden_states", "dt", "A", "B", "C"))
     call.pop("return_last_state")
     if mixers.exchange.heads_parallel:
-        return _channels_parallel(mixers, original, u, dt, a, b, c, call, where)
+        return _channels_parallel(mixers, original, u, dt, a, b, c, call, where, final)
     frags, resets = mixers.runs(u.shape[-1], 1, where)
 
     def part(off, n):
@@ -59,10 +59,13 @@ def selective_scan(mixers, original, call: dict, where: str):
     pieces = [scan_map(original, u[..., off:off + n], dt[..., off:off + n], a, b[..., off:off + n],
                        c[..., off:off + n], part(off, n), start == 0 or start in resets)
               for start, n, off in frags[mixers.exchange.rank]]
-    return fold(mixers.exchange, pieces, frags, resets)[..., 0].transpose(1, 2)
+    got = fold(mixers.exchange, pieces, frags, resets, end=prefill_end(mixers, final))
+    if not final:
+        return got[..., 0].transpose(1, 2)
+    return got[0][..., 0].transpose(1, 2), got[1][..., 0]
 
 
-def _channels_parallel(mixers, original, u, dt, a, b, c, call, where):
+def _channels_parallel(mixers, original, u, dt, a, b, c, call, where, final=False):
     """linear_strategy ulysses: the channels are independent scans, so each rank takes a P-th of them
     over the whole sequence; B and C (one group, shared by every channel) go to every rank."""
     z = call.pop("z", None)
@@ -77,9 +80,12 @@ def _channels_parallel(mixers, original, u, dt, a, b, c, call, where):
         mine_call = {k: (v[mine] if torch.is_tensor(v) and v.shape[:1] == (channels,) else v) for k, v in call.items()}
         if rest:
             mine_call["z"] = rest[0]
-        out = original(u_, dt_, a[mine], b_, c_, return_last_state=False, **mine_call)
+        out = original(u_, dt_, a[mine], b_, c_, return_last_state=final, **mine_call)
+        if final:                                                    # and the state [b, channels / P, N]
+            return out[0].transpose(1, 2), out[1]
         return out.transpose(1, 2)                                                           # [b, l, channels / P]
-    return mixers.heads_parallel(local, per_channel + shared, where, "channels").transpose(1, 2)
+    got = mixers.heads_parallel(local, per_channel + shared, where, "channels", with_state=final)
+    return (got[0].transpose(1, 2), got[1]) if final else got.transpose(1, 2)
 
 
 __all__ = ["scan_map", "selective_scan", "steps"]

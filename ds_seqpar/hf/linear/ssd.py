@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from ...errors import UnsupportedModelError
 from .fold import fold, unused_map
+from .prefill import prefill_end, wants_state
 
 
 def ssd_map(original, x, dt, b, c, call: dict, enters_zero: bool = False):
@@ -40,21 +40,21 @@ def probe_chunk(n: int) -> int:
 
 
 def ssd(mixers, original, call: dict, where: str):
-    if call.get("initial_states") is not None or call.get("return_final_states"):
-        raise UnsupportedModelError(f"ds_seqpar.hf: a recurrent state cache in {where} cannot be exact under "
-                                    f"sequence parallelism; train with use_cache=False")
+    """The op under sequence parallelism: its output, or in generate's prefill (output, the state after the last
+    prompt token [b, h, headdim, N] fp32, the same on every rank; prefill.py)."""
+    final = wants_state(mixers, call.get("initial_states"), call.get("return_final_states"), where)
     x, dt, b, c = (call.pop(n) for n in ("hidden_states", "dt", "B", "C"))
     call.pop("initial_states"), call.pop("return_final_states")
     if mixers.exchange.heads_parallel:
         def local(x_, dt_, b_, c_, mine):              # A, D, dt_bias: one entry per head
             per_head = {k: (v[mine] if torch.is_tensor(v) and v.dim() == 1 and v.shape[0] == x.shape[2] else v)
                         for k, v in call.items()}
-            return original(x_, dt_, B=b_, C=c_, initial_states=None, return_final_states=False, **per_head)
-        return mixers.heads_parallel(local, (x, dt, b, c), where)
+            return original(x_, dt_, B=b_, C=c_, initial_states=None, return_final_states=final, **per_head)
+        return mixers.heads_parallel(local, (x, dt, b, c), where, with_state=final)
     frags, resets = mixers.runs(x.shape[1], 1, where)
     pieces = [ssd_map(original, x[:, off:off + n], dt[:, off:off + n], b[:, off:off + n], c[:, off:off + n], call,
                       start == 0 or start in resets) for start, n, off in frags[mixers.exchange.rank]]
-    return fold(mixers.exchange, pieces, frags, resets, state_rows_are_values=True)
+    return fold(mixers.exchange, pieces, frags, resets, state_rows_are_values=True, end=prefill_end(mixers, final))
 
 
 __all__ = ["ssd_map", "probe_chunk", "ssd"]
