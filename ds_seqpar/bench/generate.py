@@ -161,7 +161,7 @@ def _rank(args) -> Dict[str, Any]:
         wide_plain = tiny_llama(max(contexts) + args.steps + 8, WIDE) if sp.rank == 0 else None
         wide = apply_sequence_parallel(tiny_llama(max(contexts) + args.steps + 8, WIDE), sp)
         result["filled"] = {}
-        for n, batch in [(n, b) for b in _ints(args.decode_batch) for n in contexts]:
+        for n, batch in _filled_cases(args):
             times = {"P=1": [], "P=2": []}
             for rnd in range(args.warmup + args.repeats):
                 for case in ("P=2", "P=1"):
@@ -182,6 +182,13 @@ def _rank(args) -> Dict[str, Any]:
 
 def _ints(text: str) -> List[int]:
     return [int(x) for x in text.split(",") if x]
+
+
+def _filled_cases(args) -> List[tuple]:
+    """(context, batch) of the filled-cache rows: those with batch x context <= --decode_max_tokens (the
+    unsharded GQA layer expands its K/V to every query head: 4 KiB per token and head group on P=1)."""
+    return [(n, b) for b in _ints(args.decode_batch) for n in _ints(args.decode_contexts)
+            if n * b <= args.decode_max_tokens]
 
 
 def _filled_rows(n, batch, per_rank, args) -> List[Row]:
@@ -240,9 +247,8 @@ def measure(args, argv: List[str]) -> int:
                         predicted=decode_step_bytes(2, SHAPE["num_hidden_layers"], 1, SHAPE["num_attention_heads"],
                                                     head), target="bytes",
                         detail={"same_tokens_as_P1": mine[0]["same_tokens"]}))
-    for batch in _ints(args.decode_batch):
-        for n in _ints(args.decode_contexts):
-            rows += _filled_rows(n, batch, per_rank, args)
+    for n, batch in _filled_cases(args):
+        rows += _filled_rows(n, batch, per_rank, args)
     meta.update(machine_facts())
     facts = suite_facts(
         meta, "Generation with a sequence-sharded KV cache",
@@ -270,6 +276,8 @@ def parser():
                          "empty: none")
     ap.add_argument("--decode_batch", default="1,4",
                     help="rows decoded at once in the filled-cache rows (a rollout batch decodes many), comma-separated")
+    ap.add_argument("--decode_max_tokens", type=int, default=65536,
+                    help="filled-cache cases with batch x context above this are skipped (memory of the P=1 side)")
     return ap
 
 
