@@ -120,7 +120,7 @@ def comm_per_layer(c, shape, n: int, e: int, causal: bool = True, docs: Optional
                    peers: Optional[Dict[str, int]] = None, span_budget: float = SPAN_BUDGET
                    ) -> Dict[str, Dict[str, float]]:
     """{layer kind: {CommStats kind: bytes}} the busiest rank sends per layer, forward + backward, for
-    candidate ``c`` on ``shape`` (plan.model_shape.ModelShape, read by attribute) at ``n`` tokens per
+    candidate ``c`` on ``shape`` (model_shape.ModelShape) at ``n`` tokens per
     rank of ``e`` bytes: softmax layers from the closed forms with each kind's mask (busiest_bytes: the
     window's and the documents' exact spans); ``peers`` (filled if given) the ring peers a softmax kind
     talks to."""

@@ -15,7 +15,7 @@ backward of the whole model, whatever its tokens. So a step costs
 On a GPU the documents are priced by times.step_time (compute at the profile's rates, the ring's
 or all-to-all's exposed time) and ZeRO's collectives by zero_times. On CPU ranks nothing is assumed:
 fit_rates finds the five rates from measured steps (``ds-seqpar bench
-dynamic``), the operations and bytes being the scheduler's (schedule.cost.work).
+dynamic``), the operations and bytes being the scheduler's (documents.work).
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class StepRates:
 
     @property
     def flops_per_byte(self) -> float:
-        """What a byte costs in operations: schedule.cost.ModelShape's ``flops_per_byte``."""
+        """What a byte costs in operations (SCHEDULER_RATES, documents.py: 100)."""
         return self.s_per_byte / self.s_per_op if self.s_per_op > 0 else float("inf")
 
     def seconds(self, ops: float, attention_ops: float, sent: float, rounds: float) -> float:

@@ -21,7 +21,7 @@ from ..cost.bytes import SPAN_BUDGET
 from ..cost.candidate import Candidate, Features
 from ..cost.pairs import padded_length
 from .hardware import Gpu
-from .model_shape import ModelShape
+from ..cost.model_shape import ModelShape
 
 HEADROOM = 0.10          # of the usable memory a configuration leaves free by default (--headroom)
 NEAR_TIE = 0.02          # predicted tokens/s closer than this are a tie: the model is not more precise

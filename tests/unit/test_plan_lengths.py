@@ -9,7 +9,7 @@ from ds_seqpar.cost.steps import StepRates, document_s, fit_rates
 from ds_seqpar.plan import hardware
 from ds_seqpar.plan.lengths import predict_cluster
 from ds_seqpar.plan.main import main
-from ds_seqpar.plan.model_shape import ModelShape
+from ds_seqpar.cost.model_shape import ModelShape
 from ds_seqpar.plan.search import Cluster
 from ds_seqpar.schedule import critical_path_s, read_lengths, schedule
 

@@ -1,5 +1,11 @@
-"""The numbers of a model the cost model needs, read from a Hugging Face config (any object with
-the config's attributes; nothing is built, no weights are read).
+"""The numbers of a model the cost model needs: the one reader of model sizes. Every price reads
+its model here: the dynamic scheduler's (cost/documents.py), the planner's and the benchmarks'.
+
+    ModelShape.of_lm(cfg)      the project's own LM (models/lm.py's ModelConfig, read by attribute)
+    from_hf_config(config)     a Hugging Face config (any object with the config's attributes; nothing
+                               is built, no weights are read)
+    ModelShape()               the own LM at its default sizes, its LM head left out (vocab 0): what
+                               the scheduler prices when it is told nothing of the model
 
 Legend: h hidden size, L layers, H / H_kv query / key-value heads, d head dim, I MLP width,
 V vocabulary. Layer kinds: "attention" (softmax over the whole sequence), "sliding" (softmax in a
@@ -13,11 +19,12 @@ without a token mixer).
 """
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-from ..cost.candidate import LINEAR_KINDS, SOFTMAX_KINDS
+from .candidate import LINEAR_KINDS, SOFTMAX_KINDS
 
 _KIND_OF = {"full_attention": "attention", "attention": "attention", "sliding_attention": "sliding",
             "chunked_attention": "sliding", "indexed_attention": "indexed", "linear_attention": "linear",
@@ -26,16 +33,19 @@ _KIND_OF = {"full_attention": "attention", "attention": "attention", "sliding_at
             "conv": "linear", "mlp": "mlp", "moe": "mlp"}
 
 
+OWN_LM = "ds_seqpar_lm"                 # the own LM's model_type (configs/plan/own_lm_linear.json)
+
+
 @dataclass(frozen=True)
 class ModelShape:
-    name: str
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
+    name: str = "lm"                         # (defaults: the own LM's default sizes, no head: module doc)
+    hidden: int = 128
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 4
+    head_dim: int = 32
+    intermediate: int = 352
+    vocab: int = 0
     tied: bool = False
     kinds: Tuple[str, ...] = ()              # one per layer; () = every layer "attention"
     window: Optional[int] = None
@@ -56,6 +66,17 @@ class ModelShape:
     index_dim: int = 0                       # indexed layers: the indexer key per token (0: a shared selection)
     model_type: str = ""
     hybrid: bool = False                     # transformers hybrid (linear layers through hf/linear_layers)
+
+    @classmethod
+    def of_lm(cls, cfg, name: str = "lm") -> "ModelShape":
+        """The project's own LM from its ModelConfig (models/lm.py; read by attribute, validated there):
+        softmax, a Llama-style shape; linear attention, every layer "lasp" (one [d, d] state per q head,
+        the decay fixed: transition "fixed")."""
+        linear = cfg.attention == "linear"
+        return cls(name, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_hidden,
+                   cfg.vocab_size, tied=cfg.tie_embeddings, kinds=("lasp",) * cfg.n_layers if linear else (),
+                   lin_heads=cfg.n_heads if linear else 0, lin_dk=cfg.head_dim if linear else 0,
+                   lin_dv=cfg.head_dim if linear else 0, transition="fixed", model_type=OWN_LM)
 
     @property
     def dv(self) -> int:
@@ -110,6 +131,14 @@ class ModelShape:
             return 3 * h * self.intermediate
         n = self.active_experts if active else self.experts
         return 3 * h * self.expert_intermediate * n + 3 * h * self.shared_intermediate + h * self.experts
+
+    @functools.cached_property
+    def matmul_params(self) -> int:
+        """Multiply-adds per token of the linear layers a token passes: every layer's mixer projections
+        and its MLP (the active experts), and the LM head (vocab x hidden; none when vocab is 0).
+        Cached: the scheduler asks for it once per document (a frozen dataclass keeps it in __dict__)."""
+        per_layer = sum(self.mixer_params(k) + self.mlp_params(active=True) for k in self.layer_kinds)
+        return per_layer + self.vocab * self.hidden
 
     def params(self) -> int:
         """All parameters (norm weights left out: h per norm, negligible)."""
@@ -203,4 +232,4 @@ def from_hf_config(config, name: str = "model", hybrid_types=()) -> ModelShape:
         **lin)
 
 
-__all__ = ["LINEAR_KINDS", "ModelShape", "SOFTMAX_KINDS", "from_hf_config"]
+__all__ = ["LINEAR_KINDS", "ModelShape", "OWN_LM", "SOFTMAX_KINDS", "from_hf_config"]
