@@ -33,11 +33,11 @@ from .documents import DocumentPricer, gpu_rates, price, work
 from .model_shape import ModelShape, from_hf_config
 from .flops import keys_per_query, model_flops_per_token, step_per_token
 from .memory import PHASES, fit_line, max_tokens, peak, phase_lines, phase_model
-from .pairs import (busiest_keys_per_token, computed_pairs, expected_imbalance, imbalance, padded_length,
-                    pairs_per_rank, pairs_total, position_pairs, speedup_bound)
+from .pairs import (busiest_keys_per_token, computed_pairs, expected_imbalance, imbalance, layout_of,
+                    pairs_per_rank, pairs_total, position_pairs, sharded_length, speedup_bound)
 
 __all__ = ["DocumentPricer", "ModelShape", "from_hf_config", "gpu_rates", "price", "work", "decode_merge_bytes", "decode_step_bytes", "kv_cache_bytes", "prefill_logits_bytes", "Candidate", "Features", "LINEAR_KINDS", "PHASES", "SOFTMAX_KINDS", "SPAN_BUDGET",
            "busiest_bytes", "busiest_keys_per_token", "comm_per_layer", "computed_pairs",
            "exact_spans", "expected_imbalance", "fit_line", "imbalance", "keys_per_query", "layer_mask",
-           "max_tokens", "model_flops_per_token", "padded_length", "pairs_per_rank", "pairs_total", "peak",
-           "phase_lines", "phase_model", "position_pairs", "rank_bytes", "speedup_bound", "step_per_token"]
+           "max_tokens", "model_flops_per_token", "layout_of", "pairs_per_rank", "pairs_total", "peak",
+           "phase_lines", "phase_model", "position_pairs", "rank_bytes", "sharded_length", "speedup_bound", "step_per_token"]

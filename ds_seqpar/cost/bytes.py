@@ -1,13 +1,13 @@
 """Bytes: what each rank sends per layer, forward + backward, for a layout and a mask.
 
 strategies/closed_form.py is the oracle the distributed tests hold the strategies to; with a window
-or documents it finds, key by key, the span of each block another ring position can see
-(``ring_key_ranges``, O(R N)) and turns the spans into bytes (``masked_ring_by_kind``).
-``closed_form_by_kind`` redoes the spans for every rank, which at a million tokens and 32 positions
-costs a second per call; here the spans are found once per (layout, length, mask) and every rank's
-bytes read off them. The spans cost ~0.2-2 s at 1M tokens x 32 positions on a quiet core, ten times
-that on a loaded one: past ``span_budget`` positions x tokens the masked layers' ring bytes are the
-no-mask closed form (an upper bound), and ``exact_spans`` says so.
+or documents a ring position sends another the span of its keys that position computes on, read from
+the mask's plan (``masked_key_ranges``: MaskPlan.key_range, the spans the runtime sends; tests/reference.py
+derives them key by key, the oracle) and turned into bytes (``masked_ring_by_kind``). Here the spans
+are found once per (layout, length, mask) and every rank's bytes read off them. Past ``span_budget``
+positions x tokens (the plan's segments are O(R N) to find at worst: ~0.1-1 s at 1M tokens x 32
+positions on a quiet core) the masked layers' ring bytes are the no-mask closed form (an upper bound),
+and ``exact_spans`` says so.
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from ..masks import Mask
 from ..sharding.layouts import make_layout
 from ..strategies import get_strategy
 from ..strategies.closed_form import (Shapes, closed_form_by_kind, conv_halo_bytes, indexed_attention_bytes,
-                                       linear_state_bytes, linear_ulysses_bytes, masked_ring_by_kind, ring_key_ranges)
+                                       linear_state_bytes, linear_ulysses_bytes, masked_key_ranges,
+                                       masked_ring_by_kind)
 from ..strategies.lasp_chain import fragments
 from .candidate import SOFTMAX_KINDS
 from .pairs import ring_of
@@ -44,9 +45,8 @@ def exact_spans(strategy: str, size: int, ulysses: int, shapes: Shapes, mask: Ma
 
 
 @functools.lru_cache(maxsize=64)
-def _ranges(layout_name: str, r: int, bounds: Tuple[int, ...], padded: int, causal: bool, window: Optional[int],
-            blocks: Optional[Tuple[Tuple[int, int], ...]]):
-    return ring_key_ranges(list(bounds), make_layout(layout_name, r), padded, causal, window, blocks)
+def _ranges(layout_name: str, r: int, mask: Mask, padded: int):
+    return masked_key_ranges(mask, make_layout(layout_name, r), padded)
 
 
 def _spans(strategy: str, size: int, ulysses: int, shapes: Shapes, mask: Mask, span_budget: float):
@@ -55,8 +55,9 @@ def _spans(strategy: str, size: int, ulysses: int, shapes: Shapes, mask: Mask, s
     if masked is None or masked[0] * shapes.seq > span_budget:
         return None
     r, real, mask = masked
-    return _ranges(get_strategy(strategy).layout_name, r, tuple(mask.bounds(real)), shapes.seq, mask.causal,
-                   mask.window, mask.blocks)
+    return _ranges(get_strategy(strategy).layout_name, r, Mask.from_boundaries(mask.bounds(real), mask.causal,
+                                                                                mask.window, blocks=mask.blocks),
+                   shapes.seq)
 
 
 def rank_bytes(strategy: str, size: int, ulysses: int, shapes: Shapes, mask: Mask,

@@ -22,13 +22,10 @@ from dataclasses import dataclass
 from typing import Tuple
 
 from ..masks import Mask
-from ..sharding.layouts import make_layout
-from ..sharding.padding import padded_len
-from ..strategies import get_strategy
 from ..strategies.closed_form import Shapes, closed_form_bytes
 from ..topology import ulysses_degree
 from .model_shape import ModelShape
-from .pairs import pairs_per_rank
+from .pairs import pairs_per_rank, sharded_length
 from .steps import StepRates
 
 FWD_BWD = 3                                          # a backward costs about twice its forward
@@ -42,8 +39,7 @@ def _parts(length: int, group_size: int, strategy: str, key: Tuple[int, int, int
     the shape's (layers, heads, kv heads, head dim, matmul params), all the price reads of it."""
     layers, heads, kv_heads, head_dim, matmul_params = key
     u = ulysses_degree(group_size, ulysses_size)
-    layout = make_layout(get_strategy(strategy).layout_name, group_size // u, u)
-    n = padded_len(layout, length)
+    n = sharded_length(strategy, group_size, u, length)
     linear = 2 * matmul_params * n // group_size
     if strategy == "lasp":
         # chunked linear attention: a [D, D] state update and read per token and head

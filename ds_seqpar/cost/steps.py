@@ -24,7 +24,7 @@ from typing import Sequence, Tuple
 
 import numpy as np
 
-from .pairs import padded_length
+from .pairs import sharded_length
 from .times import collective_time, step_time
 
 
@@ -71,7 +71,7 @@ def document_s(c, shape, length: int, gpu, gpus_per_node: int, dtype: str) -> fl
     """Seconds of one document of ``length`` tokens alone on candidate ``c``'s c.size ranks (the busiest
     rank's compute and exposed communication: times.step_time), without ZeRO and the offloaded
     optimizer (zero_times prices those per round and per step)."""
-    n = padded_length(c.size, length) // c.size
+    n = sharded_length(c.strategy, c.size, c.ulysses_size, length) // c.size
     t = step_time(c, shape, length, n, gpu, c.size, gpus_per_node, dtype)
     return t.compute_s + sum(v for k, v in t.comm_s.items() if k not in ("zero", "offload"))
 
