@@ -99,21 +99,21 @@ def layer_mask(shape, kind: str, causal: bool, docs) -> Mask:
     return Mask(causal, shape.window if kind == "sliding" else None, docs)
 
 
-def linear_layer_bytes(c, shape, kind: str, n: int, e: int) -> Dict[str, int]:
-    """{CommStats kind: bytes} one "linear" / "mamba" layer of ``shape`` sends per rank, forward + backward,
-    under candidate ``c`` at ``n`` tokens per rank (batch 1): the conv halo, then under linear_strategy
-    ulysses the op's inputs and output all-to-all (Mamba-1: x, dt, z and the output per channel, B and
-    C, one group, whole on every rank), under lasp the states (LASP-2). The transition is the shape's
-    (Mamba2: scalar)."""
+def linear_layer_bytes(c, shape, kind: str, n: int, e: int, rank: int = 0, lasp_comm: str = "allgather"
+                       ) -> Dict[str, int]:
+    """{CommStats kind: bytes} rank ``rank`` sends for one "linear" / "mamba" layer of ``shape``, forward +
+    backward, under candidate ``c`` at ``n`` tokens per rank (batch 1): the conv halo, then under
+    linear_strategy ulysses the op's inputs and output all-to-all (ModelShape.ulysses_tensors), under lasp
+    the states by ``lasp_comm`` (LASP-2 by default: what the planner prices). The transition is the
+    shape's (Mamba2: scalar). ``ds-seqpar bench hybrid`` holds its layers' measured bytes to this."""
     runs = _runs(c.strategy, c.size)
     out = dict(conv_halo_bytes(runs, 1, shape.conv_channels, max(shape.conv_width - 1, 0), e))
-    if c.linear_strategy == "ulysses" and shape.transition == "diagonal":
-        out.update(linear_ulysses_bytes(c.size, [n * shape.lin_heads] * 4 + [n * c.size * shape.lin_dk] * 2, e))
-    elif c.linear_strategy == "ulysses":
-        out.update(linear_ulysses_bytes(c.size, [n * shape.lin_heads * (2 * shape.lin_dk + 2 * shape.lin_dv)], e))
+    if c.linear_strategy == "ulysses":
+        out.update(linear_ulysses_bytes(c.size, list(shape.ulysses_tensors(n, c.size)), e))
     else:
         transition = "scalar" if kind == "mamba" and shape.transition != "diagonal" else shape.transition
-        out.update(linear_state_bytes(runs, 0, 1, shape.lin_heads, shape.lin_dk, shape.lin_dv, "allgather", transition))
+        out.update(linear_state_bytes(runs, rank, 1, shape.lin_heads, shape.lin_dk, shape.lin_dv, lasp_comm,
+                                      transition))
     return {k: v for k, v in out.items() if v}
 
 

@@ -57,8 +57,12 @@ class ModelShape:
     lin_heads: int = 0                       # linear / SSD layers: heads, key (state) and value dims
     lin_dk: int = 0
     lin_dv: int = 0
-    conv_channels: int = 0
+    lin_key_heads: int = 0                   # gated DeltaNet: q / k heads (0: lin_heads)
+    lin_groups: int = 1                      # SSD: the B / C groups
+    conv_channels: int = 0                   # the short conv before the op: its channels (the halo's width)
     conv_width: int = 0
+    linear_op: str = ""                      # the op: delta_rule | kda | ssd | selective_scan | lightning | conv
+    #                                          (its inputs and output are what linear_strategy ulysses sends)
     transition: str = "matrix"               # linear layers' state map: matrix (delta rule) | scalar (SSD)
     #                                          | diagonal (Mamba-1)
     dt_rank: int = 0                         # Mamba-1: the rank of the step's projection
@@ -120,7 +124,7 @@ class ModelShape:
             return 2 * h * c + c * (r + 2 * self.lin_dk) + r * c + c * h
         if kind == "mamba":                  # in_proj (x, z, B, C, dt) and out_proj
             inner = self.lin_heads * self.lin_dv
-            return h * (2 * inner + 2 * self.conv_channels + self.lin_heads) + inner * h
+            return h * (2 * inner + 2 * self.lin_groups * self.lin_dk + self.lin_heads) + inner * h
         return 0
 
     def mlp_params(self, active: bool = False) -> int:
@@ -139,6 +143,20 @@ class ModelShape:
         Cached: the scheduler asks for it once per document (a frozen dataclass keeps it in __dict__)."""
         per_layer = sum(self.mixer_params(k) + self.mlp_params(active=True) for k in self.layer_kinds)
         return per_layer + self.vocab * self.hidden
+
+    def ulysses_tensors(self, n: int, size: int) -> Tuple[int, ...]:
+        """Elements on one rank of each tensor a linear layer's op all-to-alls under linear_strategy
+        ulysses (its inputs and its output; each also back in backward), ``n`` tokens per rank of
+        ``size``: gated DeltaNet q, k, v, out, beta, g; Kimi delta attention q, k, v, g, out, beta; SSD
+        x, out, dt, B, C; Mamba-1 x, dt, z, out per channel, B and C whole; lightning q, k, v, out;
+        a short conv alone none (its halo is all it sends)."""
+        hv, hk, dk, dv = self.lin_heads, self.lin_key_heads or self.lin_heads, self.lin_dk, self.lin_dv
+        by_op = {"delta_rule": (n * hk * dk,) * 2 + (n * hv * dv,) * 2 + (n * hv,) * 2,
+                 "kda": (n * hv * dk,) * 5 + (n * hv,),
+                 "ssd": (n * hv * dv,) * 2 + (n * hv,) + (n * self.lin_groups * dk,) * 2,
+                 "selective_scan": (n * hv,) * 4 + (n * size * dk,) * 2,
+                 "lightning": (n * hv * dk,) * 4, "conv": ()}
+        return by_op.get(self.linear_op, (n * hv * (2 * dk + 2 * dv),))
 
     def params(self) -> int:
         """All parameters (norm weights left out: h per norm, negligible)."""
@@ -176,12 +194,39 @@ def _mamba1(tc, h: int, kinds: Tuple[str, ...], layers: int) -> Optional[dict]:
     rank = _get(tc, "time_step_rank", "mamba_dt_rank")
     out = dict(lin_heads=channels, lin_dk=int(_get(tc, "state_size", "mamba_d_state")), lin_dv=1,
                conv_channels=channels, conv_width=int(_get(tc, "conv_kernel", "mamba_d_conv", default=4)),
-               transition="diagonal", dt_rank=-(-h // 16) if rank == "auto" else int(rank))
+               transition="diagonal", dt_rank=-(-h // 16) if rank == "auto" else int(rank), linear_op="selective_scan")
     if pure:                            # mixer-only blocks: no MLP, no attention
         out.update(kinds=("mamba",) * layers, intermediate=0)
     else:
         out.update(kinds=tuple("mamba" if k == "linear" else k for k in kinds))
     return out
+
+
+def _linear_layers(tc, heads: int, head_dim: int) -> dict:
+    """ModelShape fields of the linear layers of a hybrid other than Mamba-1 (_mamba1), {} for none:
+    Mamba2 SSD (a conv over x, B and C), gated DeltaNet (a conv over q, k, v), Kimi delta attention (q,
+    k, v), MiniMax's lightning attention (the softmax heads' sizes, a fixed decay, no conv), LFM2's gated
+    short convolution (a conv over the hidden width, no state)."""
+    if _get(tc, "mamba_n_heads"):
+        h, state, d = (int(_get(tc, k)) for k in ("mamba_n_heads", "mamba_d_state", "mamba_d_head"))
+        groups = int(_get(tc, "mamba_n_groups", default=1))
+        return dict(lin_heads=h, lin_dk=state, lin_dv=d, lin_groups=groups, conv_channels=h * d + 2 * groups * state,
+                    conv_width=int(_get(tc, "mamba_d_conv", default=4)), transition="scalar", linear_op="ssd")
+    if _get(tc, "linear_num_value_heads"):
+        hk, hv = int(tc.linear_num_key_heads), int(tc.linear_num_value_heads)
+        dk, dv = int(tc.linear_key_head_dim), int(tc.linear_value_head_dim)
+        return dict(lin_heads=hv, lin_key_heads=hk, lin_dk=dk, lin_dv=dv, conv_channels=2 * hk * dk + hv * dv,
+                    conv_width=int(_get(tc, "linear_conv_kernel_dim", default=4)), transition="matrix",
+                    linear_op="delta_rule")
+    if _get(tc, "linear_num_heads"):
+        h, d = int(tc.linear_num_heads), int(tc.linear_head_dim)
+        return dict(lin_heads=h, lin_dk=d, lin_dv=d, conv_channels=3 * h * d,
+                    conv_width=int(_get(tc, "linear_conv_kernel_dim", default=4)), transition="matrix", linear_op="kda")
+    if getattr(tc, "model_type", "") == "minimax":
+        return dict(lin_heads=heads, lin_dk=head_dim, lin_dv=head_dim, transition="fixed", linear_op="lightning")
+    if _get(tc, "conv_L_cache"):
+        return dict(conv_channels=int(tc.hidden_size), conv_width=int(tc.conv_L_cache), linear_op="conv")
+    return {}
 
 
 def from_hf_config(config, name: str = "model", hybrid_types=()) -> ModelShape:
@@ -200,22 +245,7 @@ def from_hf_config(config, name: str = "model", hybrid_types=()) -> ModelShape:
     if window is not None and not _get(tc, "layer_types"):
         kinds = ("sliding",) * layers                    # Mistral-style: every layer windowed
     experts = int(_get(tc, "num_local_experts", "num_experts", "n_routed_experts", default=0) or 0)
-    mamba_heads = _get(tc, "mamba_n_heads")
-    lin = {}                                             # no linear layers: ModelShape's defaults
-    mamba1 = _mamba1(tc, h, kinds, layers)
-    if mamba1:
-        lin = mamba1
-    elif mamba_heads:
-        groups, state = int(_get(tc, "mamba_n_groups", default=1)), int(_get(tc, "mamba_d_state"))
-        lin = dict(lin_heads=int(mamba_heads), lin_dk=state, lin_dv=int(_get(tc, "mamba_d_head")),
-                   conv_channels=groups * state, conv_width=int(_get(tc, "mamba_d_conv", default=4)),
-                   transition="scalar")
-    elif _get(tc, "linear_num_value_heads"):
-        lin = dict(lin_heads=int(tc.linear_num_value_heads), lin_dk=int(tc.linear_key_head_dim),
-                   lin_dv=int(tc.linear_value_head_dim),
-                   conv_channels=int(tc.linear_num_key_heads) * int(tc.linear_key_head_dim) * 2
-                   + int(tc.linear_num_value_heads) * int(tc.linear_value_head_dim),
-                   conv_width=int(_get(tc, "linear_conv_kernel_dim", default=4)), transition="matrix")
+    lin = _mamba1(tc, h, kinds, layers) or _linear_layers(tc, heads, head_dim)   # {}: no linear layers
     shared = [i for i, t in enumerate(_get(tc, "indexer_types") or ()) if t == "shared"]
     kinds = tuple("indexed_shared" if k == "indexed" and i in shared else k for i, k in enumerate(kinds))
     if "indexed" in kinds:
