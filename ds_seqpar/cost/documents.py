@@ -18,8 +18,8 @@ Legend: L = document tokens, g = group size, H/Hkv = q/kv heads, D = head dim.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import Tuple
+from dataclasses import dataclass, field
+from typing import Dict, Tuple
 
 from ..masks import Mask
 from ..strategies.closed_form import Shapes, closed_form_bytes
@@ -87,9 +87,15 @@ class DocumentPricer:
     ulysses_size: int = 1
     rates: StepRates = SCHEDULER_RATES
     elem: int = 4
+    _seen: Dict[Tuple[int, int], float] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __call__(self, length: int, group_size: int) -> float:
-        return price(length, group_size, self.strategy, self.shape, self.ulysses_size, self.rates, self.elem)
+        # the placer asks for the same (length, size) many times per schedule: one dict lookup then
+        got = self._seen.get((length, group_size))
+        if got is None:
+            got = self._seen[length, group_size] = price(length, group_size, self.strategy, self.shape,
+                                                         self.ulysses_size, self.rates, self.elem)
+        return got
 
 
 def gpu_rates(gpu, dtype: str) -> StepRates:
