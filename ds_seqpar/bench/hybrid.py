@@ -5,7 +5,8 @@ Qwen3.5-style hybrid next to a Llama of equal size, in one run (not a test).
   layer  per family (FAMILIES) ONE transformers layer, the model's own mixer module, fwd+bwd of N
          tokens: "single" (rank 0, unapplied, all N tokens), "halves" (every rank unapplied on its N/P
          tokens: the bound no exact split beats) and the layer applied by ds_seqpar under each SP_CASES,
-         in the harness's interleaved rounds; bytes per rank against strategies/closed_form.py.
+         in the harness's interleaved rounds; bytes per rank against the cost model's (cost/bytes.py:
+         strategies/closed_form.py's forms on the shape read from the family's config).
   op     rank 0 after the rounds: the plain local op on N/P tokens against the call(s) ds_seqpar makes
          for a run's affine map (delta_rule_map, ssd_map), same captured inputs, fwd+bwd.
   train  a whole training step, P ranks vs one (train_step.measure_training), of --train-model and of a
@@ -293,8 +294,9 @@ def facts(meta) -> dict:
                 "single: rank 0, the unapplied layer on all N tokens (the baseline). halves: every rank the "
                 "unapplied layer on its N/P tokens, nothing exchanged: the bound no exact split beats here.",
             "Bytes per rank of one layer against the closed form":
-                "What CommStats recorded per rank for one fwd+bwd against strategies/closed_form.py "
-                "(`linear_state_bytes`, `conv_halo_bytes`, `linear_ulysses_bytes`).",
+                "What CommStats recorded per rank for one fwd+bwd against the cost model's "
+                "(`cost.bytes.linear_layer_bytes` on the shape read from the family's config: "
+                "strategies/closed_form.py's `linear_state_bytes`, `conv_halo_bytes`, `linear_ulysses_bytes`).",
             f"Whole training step at {meta.get('train_seq')} tokens, ZeRO-2":
                 "Through train.run_training: zigzag for the softmax layers, linear_strategy lasp (allgather) for the "
                 "linear ones; rounds alternate the 1-rank and the P-rank run. The Llama has the hybrid's sizes."},

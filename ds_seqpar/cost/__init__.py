@@ -36,8 +36,10 @@ from .memory import PHASES, fit_line, max_tokens, peak, phase_lines, phase_model
 from .pairs import (busiest_keys_per_token, computed_pairs, expected_imbalance, imbalance, layout_of,
                     pairs_per_rank, pairs_total, position_pairs, sharded_length, speedup_bound)
 
-__all__ = ["DocumentPricer", "ModelShape", "from_hf_config", "gpu_rates", "price", "work", "decode_merge_bytes", "decode_step_bytes", "kv_cache_bytes", "prefill_logits_bytes", "Candidate", "Features", "LINEAR_KINDS", "PHASES", "SOFTMAX_KINDS", "SPAN_BUDGET",
-           "busiest_bytes", "busiest_keys_per_token", "comm_per_layer", "computed_pairs",
-           "exact_spans", "expected_imbalance", "fit_line", "imbalance", "keys_per_query", "layer_mask",
-           "max_tokens", "model_flops_per_token", "layout_of", "pairs_per_rank", "pairs_total", "peak",
-           "phase_lines", "phase_model", "position_pairs", "rank_bytes", "sharded_length", "speedup_bound", "step_per_token"]
+__all__ = ["busiest_bytes", "busiest_keys_per_token", "Candidate", "comm_per_layer", "computed_pairs",
+           "decode_merge_bytes", "decode_step_bytes", "DocumentPricer", "exact_spans", "expected_imbalance",
+           "Features", "fit_line", "from_hf_config", "gpu_rates", "imbalance", "keys_per_query", "kv_cache_bytes",
+           "layer_mask", "layout_of", "LINEAR_KINDS", "max_tokens", "model_flops_per_token", "ModelShape",
+           "pairs_per_rank", "pairs_total", "peak", "phase_lines", "phase_model", "PHASES", "position_pairs",
+           "prefill_logits_bytes", "price", "rank_bytes", "sharded_length", "SOFTMAX_KINDS", "SPAN_BUDGET",
+           "speedup_bound", "step_per_token", "work"]

@@ -141,5 +141,6 @@ def computed_pairs(nq: int, nk: int, masked: bool) -> float:
 
 
 __all__ = ["KEY_TILE", "busiest_keys_per_token", "computed_pairs", "expected_imbalance", "imbalance", "layout_pairs",
-           "layout_of", "pairs_per_rank", "pairs_total", "plain_position_pairs", "position_pairs", "ring_of", "sharded_length",
+           "layout_of", "pairs_per_rank", "pairs_total", "plain_position_pairs", "position_pairs", "ring_of",
+           "sharded_length",
            "speedup_bound"]

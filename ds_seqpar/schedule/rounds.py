@@ -83,7 +83,8 @@ def schedule(lengths: Sequence[int], world_size: int, max_tokens_per_rank: int, 
     groups it runs on (topology.ulysses_degree). ``pricer(length, group size)``: what a document costs
     (default cost.documents.DocumentPricer(strategy, shape, ulysses_size): the cost model's price in
     operations; the planner passes the same price at a GPU's rates). ``fill_groups`` False: short
-    documents never fill the room of multi-rank micro-batches (Megatron's power-of-two rule, which the planner compares with).
+    documents never fill the room of multi-rank micro-batches (Megatron's power-of-two rule, which the
+    planner compares with).
     ``round_price``: what one more round costs in the pricer's units; given, a round is added for
     balance too, not only for room (room.py). None: a round only when nothing has room."""
     pricer = pricer or DocumentPricer(strategy, shape, ulysses_size)
