@@ -4,10 +4,10 @@ strategies/closed_form.py is the oracle the distributed tests hold the strategie
 or documents a ring position sends another the span of its keys that position computes on, read from
 the mask's plan (``masked_key_ranges``: MaskPlan.key_range, the spans the runtime sends; tests/reference.py
 derives them key by key, the oracle) and turned into bytes (``masked_ring_by_kind``). Here the spans
-are found once per (layout, length, mask) and every rank's bytes read off them. Past ``span_budget``
-positions x tokens (the plan's segments are O(R N) to find at worst: ~0.1-1 s at 1M tokens x 32
-positions on a quiet core) the masked layers' ring bytes are the no-mask closed form (an upper bound),
-and ``exact_spans`` says so.
+are found once per (layout, length, mask) and every rank's bytes read off them: 0.2-0.5 s at 1M tokens
+and 8-32 positions on a loaded 2-core machine (reports/cost_one_room_cpu.md). Past ``span_budget``
+positions x tokens the masked layers' ring bytes are the no-mask closed form (an upper bound), and
+``exact_spans`` says so.
 """
 from __future__ import annotations
 
