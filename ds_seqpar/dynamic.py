@@ -180,13 +180,16 @@ class DynamicSequenceParallel:
 
     # -- a step ----------------------------------------------------------------------------------
     def schedule(self, lengths: Sequence[int], loss_tokens: Optional[int] = None,
-                 shape: ModelShape = ModelShape(), round_price: Optional[float] = None) -> Schedule:
-        """The step's rounds for this global batch (the same on every rank: pure). ``round_price``:
-        what one more round costs in the price's units (schedule.cost.price); given, a round is also
-        added for balance when the rounds are full (schedule.rounds, rule 4)."""
+                 shape: ModelShape = ModelShape(), round_price: Optional[float] = None,
+                 pricer: Optional[Callable[[int, int], float]] = None) -> Schedule:
+        """The step's rounds for this global batch (the same on every rank: pure), each document priced
+        by the cost model (cost/documents.py: ``price`` of ``shape``, or ``pricer(length, group size)``,
+        e.g. a DocumentPricer at a GPU's rates, as ``ds-seqpar plan --lengths`` places). ``round_price``:
+        what one more round costs in the price's units; given, a round is also added for balance when
+        the rounds are full (schedule.rounds, rule 4)."""
         try:
             return schedule(lengths, self.world_size, self.max_tokens_per_rank, self.sizes, self.config.strategy,
-                            shape, loss_tokens, self.config.ulysses_size, round_price=round_price)
+                            shape, loss_tokens, self.config.ulysses_size, pricer=pricer, round_price=round_price)
         except ValueError as err:
             if self.heads is None or self.sizes[-1] == self.world_size:
                 raise

@@ -77,6 +77,13 @@ class Coords:
     ulysses_rank: int
 
 
+def ulysses_degree(size: int, ulysses_size: int) -> int:
+    """The all-to-all degree a group of ``size`` ranks runs with: ``ulysses_size`` where it divides
+    the size, else 1 (the ring strategy alone). Dynamic groups (schedule/family.py) are built by it
+    and priced by it (cost/documents.py)."""
+    return ulysses_size if size % ulysses_size == 0 else 1
+
+
 def placement_problems(dims: ParallelDims, hosts: Sequence[Mapping],
                        key: str = "sequence_parallel.ulysses_size") -> List[str]:
     """What is wrong with where the ranks run, from every rank's host as gathered at start

@@ -5,9 +5,12 @@ most K times the error of a plain same-precision implementation against that ref
 floor far below any real bug (a wrong mask or a lost block moves results by O(1e-2) or more).
 """
 
+from typing import List, Optional, Sequence, Tuple
+
 import torch
 
 from ds_seqpar.kernels import MathKernel
+from ds_seqpar.masks import block_starts
 
 K = 5.0
 
@@ -139,6 +142,43 @@ def ring_bytes_from_spans(spans, me, token_elems, elem, acc_elem=4):
     sent = sum(width(spans[o][me]) for o in range(len(spans)) if o != me)
     used = sum(width(spans[me][o]) for o in range(len(spans)) if o != me)
     return {"ring": sent * token_elems * 2 * elem, "ring_grad": used * token_elems * acc_elem}
+
+
+def ring_key_ranges(bounds: Sequence[int], ring_layout, padded: int, causal: bool,
+                    window: Optional[int] = None, blocks=None) -> List[List[Optional[Tuple[int, int]]]]:
+    """ranges[me][src] (me != src): the local slots [a, b) of src's block spanned by the keys some
+    query of ring position me can see (same document; causal: key <= query, or both in one of the
+    bidirectional ``blocks`` (global (start, end) pairs); window w: query - w < key, non-causal
+    |query - key| < w), or None. Computed key by key from the mask on global positions (each key's
+    visible queries are an interval, from the key, or its block's start, on; does me hold one?),
+    independently of the bands of the plan (mask_plan.py): the oracle of
+    strategies/closed_form.masked_key_ranges, which reads the spans from the runtime's MaskPlan. O(R N),
+    fast enough for the long sequences key_spans' dense mask cannot hold."""
+    p, real = ring_layout.size, bounds[-1]
+    cu = torch.tensor(bounds)
+    big = padded + (window or padded)
+    queries = []
+    for r in range(p):
+        g = ring_layout.indices(padded, r)
+        queries.append(torch.sort(g[g < real]).values)
+    out: List[List[Optional[Tuple[int, int]]]] = [[None] * p for _ in range(p)]
+    for src in range(p):
+        gk = ring_layout.indices(padded, src)
+        doc = torch.searchsorted(cu, gk.clamp(max=real - 1), right=True) - 1
+        start, stop = cu[doc], cu[doc + 1] - 1                      # the key's document [start, stop]
+        w = window or big
+        lo = block_starts(blocks, gk) if causal else torch.maximum(start, gk - w + 1)
+        hi = torch.minimum(stop, gk + w - 1)
+        for me in range(p):
+            if me == src:
+                continue
+            gq = queries[me]
+            seen = (torch.searchsorted(gq, hi, right=True) - torch.searchsorted(gq, lo)) > 0
+            seen &= gk < real                                        # end padding pairs with nothing
+            slots = torch.nonzero(seen).flatten()
+            if slots.numel():
+                out[me][src] = (int(slots[0]), int(slots[-1]) + 1)
+    return out
 
 
 def band_visible(nq, nk, lo, hi):

@@ -84,7 +84,8 @@ def bench_rank(args) -> Dict[str, Any]:
     import deepspeed
     from .. import comm
     from ..dynamic import train_step
-    from ..schedule import ModelShape, rank_work
+    from ..cost.model_shape import ModelShape
+    from ..schedule import rank_work
     from ..train import data
     deepspeed.init_distributed(dist_backend="gloo")
     table = cases(args.P, args.max_tokens_per_rank)

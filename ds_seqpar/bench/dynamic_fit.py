@@ -16,11 +16,12 @@ import dataclasses
 import statistics
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..cost.documents import SCHEDULER_RATES
 from ..cost.steps import StepRates, fit_rates
 from ..report.rows import Row
 
 FIT_ROUNDS = 4          # refits: the busiest rank is chosen with the previous fit's rates
-DEFAULT = StepRates(1.0, 1.0, 100.0, 0.0, 0.0)     # the scheduler's own weights (flops_per_byte = 100) to start
+DEFAULT = SCHEDULER_RATES          # the scheduler's own weights (a byte = 100 operations) to start
 
 
 def busiest(step, rates: StepRates):

@@ -30,7 +30,7 @@ from ..cost.chunks import auto_chunks, device_rates
 from ..kernels import empty_accumulators, flash_attn_kernel, get_kernel, merge_
 from ..masks import Mask
 from ..plan.hardware import known_gpus, load_gpu
-from ..plan.model_shape import ModelShape
+from ..cost.model_shape import ModelShape
 from ..report.rows import Row
 from ..sharding.layouts import make_layout
 from ..strategies import STRATEGIES as REGISTRY, StrategyContext

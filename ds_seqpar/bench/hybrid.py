@@ -5,7 +5,8 @@ Qwen3.5-style hybrid next to a Llama of equal size, in one run (not a test).
   layer  per family (FAMILIES) ONE transformers layer, the model's own mixer module, fwd+bwd of N
          tokens: "single" (rank 0, unapplied, all N tokens), "halves" (every rank unapplied on its N/P
          tokens: the bound no exact split beats) and the layer applied by ds_seqpar under each SP_CASES,
-         in the harness's interleaved rounds; bytes per rank against strategies/closed_form.py.
+         in the harness's interleaved rounds; bytes per rank against the cost model's (cost/bytes.py:
+         strategies/closed_form.py's forms on the shape read from the family's config).
   op     rank 0 after the rounds: the plain local op on N/P tokens against the call(s) ds_seqpar makes
          for a run's affine map (delta_rule_map, ssd_map), same captured inputs, fwd+bwd.
   train  a whole training step, P ranks vs one (train_step.measure_training), of --train-model and of a
@@ -77,42 +78,18 @@ def family_sizes(fam: str, hidden: int) -> str:
 
 
 def layer_bytes(fam: str, case: str, args) -> List[int]:
-    """Bytes per rank of one fwd+bwd of the family's layer (batch 1, fp32) under ``case``, from
-    strategies/closed_form.py: the conv halo, then the states (lasp) or the all-to-all of the op's inputs
-    and output (ulysses)."""
-    from ..sharding.layouts import make_layout
-    from ..strategies.closed_form import conv_halo_bytes, linear_state_bytes, linear_ulysses_bytes
-    from ..strategies.lasp_chain import fragments
-    c, p, t = family_config(fam, args.hidden), args.P, args.seq // args.P
-    frags = fragments(make_layout("contiguous", p), args.seq)
-    state = halo = None             # (heads, dk, dv) of the state and its transition; (channels, width) of the conv
-    if fam == "gdn":
-        hk, hv = c.linear_num_key_heads, c.linear_num_value_heads
-        dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
-        state, kind, elems = (hv, dk, dv), "matrix", [t * hk * dk] * 2 + [t * hv * dv] * 2 + [t * hv] * 2
-        halo = (2 * hk * dk + hv * dv, c.linear_conv_kernel_dim - 1)
-    elif fam == "kda":
-        h, d = c.linear_num_heads, c.linear_head_dim
-        state, kind, elems = (h, d, d), "matrix", [t * h * d] * 5 + [t * h]          # q, k, v, g, out; beta
-        halo = (3 * h * d, c.linear_conv_kernel_dim - 1)
-    elif fam == "ssd":
-        h, pd, n, g = c.mamba_n_heads, c.mamba_d_head, c.mamba_d_state, c.mamba_n_groups
-        state, kind, elems = (h, pd, n), "scalar", [t * h * pd] * 2 + [t * h] + [t * g * n] * 2   # x, out; dt; B, C
-        halo = (int(c.mamba_expand * c.hidden_size) + 2 * g * n, c.mamba_d_conv - 1)
-    elif fam == "lightning":
-        h, d = c.num_attention_heads, c.head_dim
-        state, kind, elems = (h, d, d), "fixed", [t * h * d] * 4
-    else:
-        halo = (c.hidden_size, c.conv_L_cache - 1)
-    out = []
-    for r in range(p):
-        total = conv_halo_bytes(frags, 1, halo[0], halo[1], 4)["conv_halo"] if halo else 0
-        if state and SP_CASES[case]["linear_strategy"] == "ulysses":
-            total += linear_ulysses_bytes(p, elems, 4)["linear_all_to_all"]
-        elif state:
-            total += sum(linear_state_bytes(frags, r, 1, *state, SP_CASES[case]["lasp_comm"], kind).values())
-        out.append(total)
-    return out
+    """Bytes per rank of one fwd+bwd of the family's layer (batch 1, fp32) under ``case``: the cost model's
+    (cost/bytes.linear_layer_bytes on the shape its one reader takes from the family's config), which the
+    measured bytes must equal."""
+    from ..cost.bytes import linear_layer_bytes
+    from ..cost.candidate import Candidate, Features
+    from ..cost.model_shape import from_hf_config
+    shape = from_hf_config(family_config(fam, args.hidden))
+    sp = SP_CASES[case]
+    c = Candidate("ring", args.P, 1, 0, Features(), sp["linear_strategy"], sp.get("lasp_comm", "allgather"))
+    (kind,) = set(shape.layer_kinds)
+    return [sum(linear_layer_bytes(c, shape, kind, args.seq // args.P, 4, r, c.lasp_comm).values())
+            for r in range(args.P)]
 
 
 def _mixer(cfg, sp=None):
@@ -318,8 +295,9 @@ def facts(meta) -> dict:
                 "single: rank 0, the unapplied layer on all N tokens (the baseline). halves: every rank the "
                 "unapplied layer on its N/P tokens, nothing exchanged: the bound no exact split beats here.",
             "Bytes per rank of one layer against the closed form":
-                "What CommStats recorded per rank for one fwd+bwd against strategies/closed_form.py "
-                "(`linear_state_bytes`, `conv_halo_bytes`, `linear_ulysses_bytes`).",
+                "What CommStats recorded per rank for one fwd+bwd against the cost model's "
+                "(`cost.bytes.linear_layer_bytes` on the shape read from the family's config: "
+                "strategies/closed_form.py's `linear_state_bytes`, `conv_halo_bytes`, `linear_ulysses_bytes`).",
             f"Whole training step at {meta.get('train_seq')} tokens, ZeRO-2":
                 "Through train.run_training: zigzag for the softmax layers, linear_strategy lasp (allgather) for the "
                 "linear ones; rounds alternate the 1-rank and the P-rank run. The Llama has the hybrid's sizes."},

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Tuple
 
 from ..cost.flops import step_per_token
 from ..cost.memory import max_tokens, peak as predict_peak, phase_model
-from ..plan.model_shape import ModelShape
+from ..cost.model_shape import ModelShape
 from ..report.plotting import line_figure
 from ..report.rows import Row
 from .harness import median_ratio, ratio_range, write_page

@@ -1,13 +1,13 @@
 """Bytes: what each rank sends per layer, forward + backward, for a layout and a mask.
 
 strategies/closed_form.py is the oracle the distributed tests hold the strategies to; with a window
-or documents it finds, key by key, the span of each block another ring position can see
-(``ring_key_ranges``, O(R N)) and turns the spans into bytes (``masked_ring_by_kind``).
-``closed_form_by_kind`` redoes the spans for every rank, which at a million tokens and 32 positions
-costs a second per call; here the spans are found once per (layout, length, mask) and every rank's
-bytes read off them. The spans cost ~0.2-2 s at 1M tokens x 32 positions on a quiet core, ten times
-that on a loaded one: past ``span_budget`` positions x tokens the masked layers' ring bytes are the
-no-mask closed form (an upper bound), and ``exact_spans`` says so.
+or documents a ring position sends another the span of its keys that position computes on, read from
+the mask's plan (``masked_key_ranges``: MaskPlan.key_range, the spans the runtime sends; tests/reference.py
+derives them key by key, the oracle) and turned into bytes (``masked_ring_by_kind``). Here the spans
+are found once per (layout, length, mask) and every rank's bytes read off them: 0.2-0.5 s at 1M tokens
+and 8-32 positions on a loaded 2-core machine (reports/cost_one_room_cpu.md). Past ``span_budget``
+positions x tokens the masked layers' ring bytes are the no-mask closed form (an upper bound), and
+``exact_spans`` says so.
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from ..masks import Mask
 from ..sharding.layouts import make_layout
 from ..strategies import get_strategy
 from ..strategies.closed_form import (Shapes, closed_form_by_kind, conv_halo_bytes, indexed_attention_bytes,
-                                       linear_state_bytes, linear_ulysses_bytes, masked_ring_by_kind, ring_key_ranges)
+                                       linear_state_bytes, linear_ulysses_bytes, masked_key_ranges,
+                                       masked_ring_by_kind)
 from ..strategies.lasp_chain import fragments
 from .candidate import SOFTMAX_KINDS
 from .pairs import ring_of
@@ -44,9 +45,8 @@ def exact_spans(strategy: str, size: int, ulysses: int, shapes: Shapes, mask: Ma
 
 
 @functools.lru_cache(maxsize=64)
-def _ranges(layout_name: str, r: int, bounds: Tuple[int, ...], padded: int, causal: bool, window: Optional[int],
-            blocks: Optional[Tuple[Tuple[int, int], ...]]):
-    return ring_key_ranges(list(bounds), make_layout(layout_name, r), padded, causal, window, blocks)
+def _ranges(layout_name: str, r: int, mask: Mask, padded: int):
+    return masked_key_ranges(mask, make_layout(layout_name, r), padded)
 
 
 def _spans(strategy: str, size: int, ulysses: int, shapes: Shapes, mask: Mask, span_budget: float):
@@ -55,8 +55,9 @@ def _spans(strategy: str, size: int, ulysses: int, shapes: Shapes, mask: Mask, s
     if masked is None or masked[0] * shapes.seq > span_budget:
         return None
     r, real, mask = masked
-    return _ranges(get_strategy(strategy).layout_name, r, tuple(mask.bounds(real)), shapes.seq, mask.causal,
-                   mask.window, mask.blocks)
+    return _ranges(get_strategy(strategy).layout_name, r, Mask.from_boundaries(mask.bounds(real), mask.causal,
+                                                                                mask.window, blocks=mask.blocks),
+                   shapes.seq)
 
 
 def rank_bytes(strategy: str, size: int, ulysses: int, shapes: Shapes, mask: Mask,
@@ -98,21 +99,21 @@ def layer_mask(shape, kind: str, causal: bool, docs) -> Mask:
     return Mask(causal, shape.window if kind == "sliding" else None, docs)
 
 
-def linear_layer_bytes(c, shape, kind: str, n: int, e: int) -> Dict[str, int]:
-    """{CommStats kind: bytes} one "linear" / "mamba" layer of ``shape`` sends per rank, forward + backward,
-    under candidate ``c`` at ``n`` tokens per rank (batch 1): the conv halo, then under linear_strategy
-    ulysses the op's inputs and output all-to-all (Mamba-1: x, dt, z and the output per channel, B and
-    C, one group, whole on every rank), under lasp the states (LASP-2). The transition is the shape's
-    (Mamba2: scalar)."""
+def linear_layer_bytes(c, shape, kind: str, n: int, e: int, rank: int = 0, lasp_comm: str = "allgather"
+                       ) -> Dict[str, int]:
+    """{CommStats kind: bytes} rank ``rank`` sends for one "linear" / "mamba" layer of ``shape``, forward +
+    backward, under candidate ``c`` at ``n`` tokens per rank (batch 1): the conv halo, then under
+    linear_strategy ulysses the op's inputs and output all-to-all (ModelShape.ulysses_tensors), under lasp
+    the states by ``lasp_comm`` (LASP-2 by default: what the planner prices). The transition is the
+    shape's (Mamba2: scalar). ``ds-seqpar bench hybrid`` holds its layers' measured bytes to this."""
     runs = _runs(c.strategy, c.size)
     out = dict(conv_halo_bytes(runs, 1, shape.conv_channels, max(shape.conv_width - 1, 0), e))
-    if c.linear_strategy == "ulysses" and shape.transition == "diagonal":
-        out.update(linear_ulysses_bytes(c.size, [n * shape.lin_heads] * 4 + [n * c.size * shape.lin_dk] * 2, e))
-    elif c.linear_strategy == "ulysses":
-        out.update(linear_ulysses_bytes(c.size, [n * shape.lin_heads * (2 * shape.lin_dk + 2 * shape.lin_dv)], e))
+    if c.linear_strategy == "ulysses":
+        out.update(linear_ulysses_bytes(c.size, list(shape.ulysses_tensors(n, c.size)), e))
     else:
         transition = "scalar" if kind == "mamba" and shape.transition != "diagonal" else shape.transition
-        out.update(linear_state_bytes(runs, 0, 1, shape.lin_heads, shape.lin_dk, shape.lin_dv, "allgather", transition))
+        out.update(linear_state_bytes(runs, rank, 1, shape.lin_heads, shape.lin_dk, shape.lin_dv, lasp_comm,
+                                      transition))
     return {k: v for k, v in out.items() if v}
 
 
@@ -120,7 +121,7 @@ def comm_per_layer(c, shape, n: int, e: int, causal: bool = True, docs: Optional
                    peers: Optional[Dict[str, int]] = None, span_budget: float = SPAN_BUDGET
                    ) -> Dict[str, Dict[str, float]]:
     """{layer kind: {CommStats kind: bytes}} the busiest rank sends per layer, forward + backward, for
-    candidate ``c`` on ``shape`` (plan.model_shape.ModelShape, read by attribute) at ``n`` tokens per
+    candidate ``c`` on ``shape`` (model_shape.ModelShape) at ``n`` tokens per
     rank of ``e`` bytes: softmax layers from the closed forms with each kind's mask (busiest_bytes: the
     window's and the documents' exact spans); ``peers`` (filled if given) the ring peers a softmax kind
     talks to."""

@@ -16,11 +16,13 @@ import functools
 from collections import Counter
 from typing import List, Sequence, Tuple
 
+from ..kernels.torch_kernel import CPU_KEY_TILE
 from ..masks import Mask, seen_keys
 from ..sharding.layouts import make_layout
+from ..sharding.padding import padded_len
 from ..strategies import RING_STRATEGIES, get_strategy
 
-KEY_TILE = 512        # keys per tile of torch's CPU flash kernel (kernels/torch_kernel.py's causal_tile note)
+KEY_TILE = CPU_KEY_TILE   # keys per tile of torch's CPU flash kernel: the kernel's own constant
 
 
 def pairs_total(seq: int, mask: Mask) -> int:
@@ -47,10 +49,18 @@ def ring_of(strategy: str, size: int, ulysses: int) -> int:
     return size // ulysses if strategy in RING_STRATEGIES else 1
 
 
-def padded_length(size: int, seq: int) -> int:
-    """The length a layout shards: a multiple of 2 x size (zigzag's chunks)."""
-    step = 2 * size
-    return step * -(-seq // step)
+def layout_of(strategy: str, size: int, ulysses: int = 1):
+    """The layout ``strategy`` shards with on ``size`` ranks, as SequenceParallel builds it: the ring
+    family's over size / U ring positions, each cut into U pieces for the 2D hybrid; Ulysses and LASP
+    contiguous over every rank."""
+    u = ulysses if strategy in RING_STRATEGIES else 1
+    return make_layout(get_strategy(strategy).layout_name, size // u, u)
+
+
+def sharded_length(strategy: str, size: int, ulysses: int, seq: int) -> int:
+    """The length that layout shards: ``seq`` padded at the end as the runtime pads it
+    (sharding/padding.padded_len: zigzag 2 x size, contiguous and striped size, the hybrid their lcm)."""
+    return padded_len(layout_of(strategy, size, ulysses), seq)
 
 
 def plain_position_pairs(layout_name: str, r: int, seq: int, causal: bool) -> List[int]:
@@ -89,9 +99,9 @@ def pairs_per_rank(strategy: str, size: int, ulysses: int, seq: int, mask: Mask)
     r = ring_of(strategy, size, ulysses)
     if r <= 1:
         return [pairs_total(real, mask) / size] * size
-    padded = padded_length(size, seq)
+    padded = sharded_length(strategy, size, ulysses, seq)
     name = get_strategy(strategy).layout_name
-    if mask.is_plain(real) and real == seq:              # (the < 2P padding tokens counted as real)
+    if mask.is_plain(real) and real == seq:              # (the end padding counted as real)
         per_pos = plain_position_pairs(name, r, padded, mask.causal)
     else:
         per_pos = position_pairs(name, r, real, padded, mask)
@@ -131,5 +141,6 @@ def computed_pairs(nq: int, nk: int, masked: bool) -> float:
 
 
 __all__ = ["KEY_TILE", "busiest_keys_per_token", "computed_pairs", "expected_imbalance", "imbalance", "layout_pairs",
-           "padded_length", "pairs_per_rank", "pairs_total", "plain_position_pairs", "position_pairs", "ring_of",
+           "layout_of", "pairs_per_rank", "pairs_total", "plain_position_pairs", "position_pairs", "ring_of",
+           "sharded_length",
            "speedup_bound"]

@@ -15,7 +15,7 @@ backward of the whole model, whatever its tokens. So a step costs
 On a GPU the documents are priced by times.step_time (compute at the profile's rates, the ring's
 or all-to-all's exposed time) and ZeRO's collectives by zero_times. On CPU ranks nothing is assumed:
 fit_rates finds the five rates from measured steps (``ds-seqpar bench
-dynamic``), the operations and bytes being the scheduler's (schedule.cost.work).
+dynamic``), the operations and bytes being the scheduler's (documents.work).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from typing import Sequence, Tuple
 
 import numpy as np
 
-from .pairs import padded_length
+from .pairs import sharded_length
 from .times import collective_time, step_time
 
 
@@ -41,7 +41,7 @@ class StepRates:
 
     @property
     def flops_per_byte(self) -> float:
-        """What a byte costs in operations: schedule.cost.ModelShape's ``flops_per_byte``."""
+        """What a byte costs in operations (SCHEDULER_RATES, documents.py: 100)."""
         return self.s_per_byte / self.s_per_op if self.s_per_op > 0 else float("inf")
 
     def seconds(self, ops: float, attention_ops: float, sent: float, rounds: float) -> float:
@@ -71,7 +71,7 @@ def document_s(c, shape, length: int, gpu, gpus_per_node: int, dtype: str) -> fl
     """Seconds of one document of ``length`` tokens alone on candidate ``c``'s c.size ranks (the busiest
     rank's compute and exposed communication: times.step_time), without ZeRO and the offloaded
     optimizer (zero_times prices those per round and per step)."""
-    n = padded_length(c.size, length) // c.size
+    n = sharded_length(c.strategy, c.size, c.ulysses_size, length) // c.size
     t = step_time(c, shape, length, n, gpu, c.size, gpus_per_node, dtype)
     return t.compute_s + sum(v for k, v in t.comm_s.items() if k not in ("zero", "offload"))
 

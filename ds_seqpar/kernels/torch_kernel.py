@@ -18,6 +18,8 @@ from .math_kernel import MathKernel
 from .merge import acc_dtype, empty_accumulators, merge_
 
 SOFTCAP_ROWS = 256
+CPU_KEY_TILE = 512      # the CPU flash kernel skips masked work only in whole tiles of this many keys (measured:
+#                         causal_tile's note); cost/pairs.py prices a masked block's computed pairs by it
 
 aten = torch.ops.aten
 
@@ -46,9 +48,9 @@ class TorchKernel(AttentionKernel):
                         lambda width: self.band_column(width, device))
 
     def causal_tile(self, size, device):
-        # The CPU flash kernel skips masked work only in whole key tiles of 512: a causal square of
-        # <= 512 tokens costs what the full square costs (fwd+bwd per visible pair, 8 heads x 64: 214 ns
-        # at 512, 149 at 1024, 113 at 4096; full blocks 100 at any size). Cut into 128-token tiles
+        # The CPU flash kernel skips masked work only in whole key tiles (CPU_KEY_TILE = 512): a causal
+        # square of <= 512 tokens costs what the full square costs (fwd+bwd per visible pair, 8 heads
+        # x 64: 214 ns at 512, 149 at 1024, 113 at 4096; full blocks 100 at any size). Cut into 128-token tiles
         # (256 past 1024), a 512 square runs 1.5x faster, 1024 ~1.1x; larger ones gain little.
         if torch.device(device).type != "cpu" or size <= 256:
             return None

@@ -19,7 +19,7 @@ from ..cost.candidate import Candidate, Features
 from ..cost.pairs import computed_pairs
 from .hardware import Link, PlanError
 from .measure import lstsq2
-from .model_shape import ModelShape
+from ..cost.model_shape import ModelShape
 
 SOFTMAX = ("ulysses", "ring", "zigzag", "striped")
 TRUSTED_RESIDUAL = 0.3     # a block fit worse than this was timed under load: its c_call is not used

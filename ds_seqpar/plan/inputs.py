@@ -6,15 +6,13 @@ import os
 from typing import Optional, Tuple
 
 from .hardware import PlanError, read_json
-from .model_shape import ModelShape, from_hf_config
-
-OWN_LM = "ds_seqpar_lm"
+from ..cost.model_shape import OWN_LM, ModelShape, from_hf_config
 
 
 def own_lm_shape(raw: dict, name: str) -> ModelShape:
     """The project's own LM (models/lm.py) from a JSON of its ModelConfig fields with "model_type":
-    "ds_seqpar_lm" (configs/plan/own_lm_linear.json); validated by ModelConfig itself. Softmax: a
-    Llama-style shape; linear: every layer "lasp" (strategy lasp, one [d, d] state per q head)."""
+    "ds_seqpar_lm" (configs/plan/own_lm_linear.json); validated by ModelConfig itself, read by the cost
+    model's one reader (ModelShape.of_lm)."""
     from ..models.lm import ModelConfig
     fields = {k: v for k, v in raw.items() if k != "model_type"}
     try:
@@ -22,11 +20,7 @@ def own_lm_shape(raw: dict, name: str) -> ModelShape:
     except (TypeError, ValueError) as err:
         raise PlanError(f"--model {name}: not a ds_seqpar_lm config ({err}); keys are ModelConfig's: "
                         f"{', '.join(ModelConfig.__dataclass_fields__)}") from None
-    linear = cfg.attention == "linear"
-    return ModelShape(name, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_hidden,
-                      cfg.vocab_size, tied=cfg.tie_embeddings, kinds=("lasp",) * cfg.n_layers if linear else (),
-                      lin_heads=cfg.n_heads if linear else 0, lin_dk=cfg.head_dim if linear else 0,
-                      lin_dv=cfg.head_dim if linear else 0, transition="fixed", model_type=OWN_LM)
+    return ModelShape.of_lm(cfg, name)
 
 
 def load_model(path: str) -> ModelShape:

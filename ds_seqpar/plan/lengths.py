@@ -6,9 +6,10 @@ balance bound.
 
 A step is ``--tokens-per-gpu`` x GPUs tokens of documents drawn from FILE (schedule.draw_lengths,
 seeded), each cut at ``--seq-len`` (the longest document a configuration must hold). Every case is
-placed by the real scheduler (schedule.schedule) and priced by the cost model (cost.steps: each
-document alone on its group, times.step_time; ZeRO's collectives per round and per step), the step
-being the rounds strung along the ranks (schedule.critical_path_s):
+placed by the real scheduler (schedule.schedule) with the runtime's own price of a document
+(cost/documents.py, at the GPU's rates: placement_pricer), then timed by the cost model (cost.steps:
+each document alone on its group, times.step_time; ZeRO's collectives per round and per step), the
+step being the rounds strung along the ranks (schedule.critical_path_s):
 
     static:<s>   every configuration the planner searches at size s <= MAX_SPLIT holding --seq-len tokens over s
                  ranks (search.plan), its best for one such sequence; the documents packed into rows
@@ -30,6 +31,7 @@ import time
 from typing import Callable, Dict, List, Optional
 
 from ..cost.candidate import Candidate
+from ..cost.documents import DocumentPricer, gpu_rates
 from ..cost.steps import document_s, zero_times
 from ..schedule import critical_path_s, draw_lengths, group_sizes, read_lengths, schedule
 from .search import Cluster, plan
@@ -39,35 +41,52 @@ MAX_SPLIT = 16          # sizes tried: T = --seq-len / s >= 8K at 128K (a smalle
                         # every document on hundreds of ring positions takes minutes)
 
 
-def pricer(make: Callable[[int], Candidate], shape, cl: Cluster) -> Callable[[int, int], float]:
-    """price(length, group size) in seconds, the candidate of each size from ``make``; cached."""
+def placement_pricer(strategy: str, shape, cl: Cluster) -> DocumentPricer:
+    """How the runtime's scheduler would price a document on this cluster: the cost model's one price
+    (cost/documents.py) at the GPU's rates and the run's element size. The runtime places exactly so
+    given ``pricer=placement_pricer(...)`` (DynamicSequenceParallel.schedule); its default prices in
+    operations instead (cost.documents.SCHEDULER_RATES)."""
+    return DocumentPricer(strategy, shape, 1, gpu_rates(cl.gpu, cl.dtype), 4 if cl.dtype == "fp32" else 2)
+
+
+def seconds_of(make: Callable[[int], Candidate], shape, cl: Cluster) -> Callable[[int, int], float]:
+    """seconds(length, group size) of a document alone on its group, the candidate of each size from
+    ``make`` (cost.steps.document_s: compute and exposed communication on the GPU); cached."""
     seen: Dict[tuple, float] = {}
 
-    def price(n: int, g: int) -> float:
+    def seconds(n: int, g: int) -> float:
         if (n, g) not in seen:
             seen[(n, g)] = document_s(make(g), shape, n, cl.gpu, cl.gpus_per_node, cl.dtype)
         return seen[(n, g)]
-    return price
+    return seconds
 
 
 def run_case(lengths: List[int], sizes, t: int, stages: List[Candidate], make, shape, cl: Cluster,
              barrier: bool = False, fill: bool = True) -> Dict:
-    """One case: the scheduler's rounds (placed once: a document's price does not depend on the ZeRO
-    stage), their critical path with each stage of ``stages`` that fits, the fastest kept."""
+    """One case: the scheduler's rounds, placed by the runtime's price (placement_pricer; once: a
+    document's price does not depend on the ZeRO stage), then timed in GPU seconds (each micro-batch its
+    documents' document_s on its group) along the ranks with each stage of ``stages`` that fits, the
+    fastest kept."""
     zero = [zero_times(shape, cl.gpu, cl.gpus, cl.gpus_per_node, c.zero, cl.dtype, c.features.offload_optimizer)
             for c in stages]
-    # ours adds a round for balance where it pays its ZeRO collectives (power-of-two: Megatron's rule, as published)
-    sched = schedule(lengths, cl.gpus, t, sizes, stages[0].strategy, pricer=pricer(make, shape, cl), fill_groups=fill,
-                     round_price=zero[0][0] if fill and len(sizes) > 1 else None)
+    # ours adds a round for balance where it pays its ZeRO collectives (power-of-two: Megatron's rule, as
+    # published); the price is in seconds at the GPU's rates, so a round's ZeRO seconds are in its units
+    strategy = stages[0].strategy
+    sched = schedule(lengths, cl.gpus, t, sizes, strategy, pricer=placement_pricer(strategy, shape, cl),
+                     fill_groups=fill, round_price=zero[0][0] if fill and len(sizes) > 1 else None)
+    seconds = seconds_of(make, shape, cl)
+    took = {id(mb): sum(seconds(n, mb.group.size) for n in mb.lengths) for row in sched.rounds for mb in row}
+    rank_s = [sum(took[id(row[r])] for row in sched.rounds) for r in range(cl.gpus)]
     best = None
     for c, (per_round, per_step) in zip(stages, zero):
-        step = critical_path_s(sched, per_round, barrier or c.zero == 3) + per_step
+        step = critical_path_s(sched, per_round, barrier or c.zero == 3, seconds=lambda mb: took[id(mb)]) + per_step
         if best is None or step < best[0]:
             best = (step, c, len(sched.rounds) * per_round + per_step)
     step, c, zero_s = best
     config = c.label() if len(sizes) == 1 else f"{c.strategy} zero={c.zero} features={c.features.label}"
+    mean = sum(rank_s) / cl.gpus
     return {"config": config, "T": t, "rounds": len(sched.rounds), "step_s": step, "zero_s": zero_s,
-            "work_s": sum(sched.rank_costs) / cl.gpus, "imbalance": sched.imbalance, "sizes": sched.group_sizes}
+            "work_s": mean, "imbalance": max(rank_s) / mean if mean > 0 else 1.0, "sizes": sched.group_sizes}
 
 
 def _same_but_zero(a: Candidate, b: Candidate) -> bool:
@@ -101,7 +120,7 @@ def predict_cluster(shape, lengths: List[int], cl: Cluster, cap: int) -> Dict[st
         if tries:
             out[name] = min(tries, key=lambda r: r["step_s"])
     first = _with_size((zigzag_of[min(zigzag_of)] if zigzag_of else next(iter(best_of.values())))[0], 1)
-    one = pricer(lambda g: first, shape, cl)
+    one = seconds_of(lambda g: first, shape, cl)
     out["bound"] = {"config": f"{first.strategy} features={first.features.label}, every document on one rank: no "
                               f"communication, rounds or ZeRO", "candidate": first,
                     "step_s": sum(one(n, 1) for n in lengths) / cl.gpus}
@@ -168,4 +187,4 @@ def run(opts) -> int:
     return 0
 
 
-__all__ = ["GPUS", "predict", "predict_cluster", "render", "run"]
+__all__ = ["GPUS", "placement_pricer", "predict", "predict_cluster", "render", "run", "seconds_of"]

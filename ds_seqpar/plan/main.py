@@ -17,7 +17,7 @@ from . import hardware
 from .ds_json import ds_config
 from ..cost.bytes import SPAN_BUDGET
 from .inputs import OWN_LM, check_args, equal_documents, load_model
-from .model_shape import ModelShape
+from ..cost.model_shape import ModelShape
 from .search import HEADROOM, Cluster, Prediction, gpus_needed, lasp_comm_reasons, longest_sequence, plan
 
 GB, KB, MB = 1e9, 1e3, 1e6

@@ -19,9 +19,9 @@ from ..strategies import RING_STRATEGIES
 from ..cost import flops, memory, times
 from ..cost.bytes import SPAN_BUDGET
 from ..cost.candidate import Candidate, Features
-from ..cost.pairs import padded_length
+from ..cost.pairs import sharded_length
 from .hardware import Gpu
-from .model_shape import ModelShape
+from ..cost.model_shape import ModelShape
 
 HEADROOM = 0.10          # of the usable memory a configuration leaves free by default (--headroom)
 NEAR_TIE = 0.02          # predicted tokens/s closer than this are a tie: the model is not more precise
@@ -127,7 +127,7 @@ def predict(c: Candidate, shape: ModelShape, seq: int, cl: Cluster, own_linear: 
         p.reason = reason
         return p
     e = 4 if cl.dtype == "fp32" else 2
-    n = padded_length(c.size, seq) // c.size
+    n = sharded_length(c.strategy, c.size, c.ulysses_size, seq) // c.size
     on_device = not (c.features.on and c.features.cpu_checkpointing)
     lines = memory.phase_lines(shape, c.strategy, c.size, c.ulysses_size, cl.gpus, c.zero, cl.dtype, c.features,
                                on_device)

@@ -22,6 +22,7 @@ from ..config import KEY
 from ..errors import ConfigError
 from ..sharding.layouts import make_layout
 from ..strategies import get_strategy
+from ..topology import ulysses_degree
 
 
 def group_sizes(world_size: int, heads: Optional[int] = None) -> Tuple[int, ...]:
@@ -30,12 +31,6 @@ def group_sizes(world_size: int, heads: Optional[int] = None) -> Tuple[int, ...]
     sizes = {s for s in (2 ** k for k in range(world_size.bit_length())) if world_size % s == 0}
     sizes.add(world_size)
     return tuple(sorted(s for s in sizes if heads is None or heads % s == 0))
-
-
-def ulysses_degree(size: int, ulysses_size: int) -> int:
-    """The all-to-all degree a group of ``size`` ranks runs with: ``ulysses_size`` where it divides
-    the size, else 1 (the ring strategy alone)."""
-    return ulysses_size if size % ulysses_size == 0 else 1
 
 
 def family_sizes(strategy: str, world_size: int, heads: Optional[int] = None, ulysses_size: int = 1) -> Tuple[int, ...]:

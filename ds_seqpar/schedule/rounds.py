@@ -38,8 +38,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..cost.documents import DocumentPricer
+from ..cost.model_shape import ModelShape
 from .batch import Group, MicroBatch
-from .cost import ModelShape, price
 from .family import group_sizes
 from .room import ShortPlacer
 
@@ -79,13 +80,14 @@ def schedule(lengths: Sequence[int], world_size: int, max_tokens_per_rank: int, 
     """Rounds of micro-batches for one global batch of documents (module docstring).
     ``loss_tokens``: target tokens of the global batch, default sum(length - 1) (labels shifted
     inside each document, every one counted). ``ulysses_size``: the 2D hybrid's U, priced on the
-    groups it runs on (family.ulysses_degree). ``pricer(length, group size)``: what a document costs
-    (default ``price`` with ``strategy``, ``shape`` and ``ulysses_size``; the planner passes the cost
-    model's seconds on a GPU). ``fill_groups`` False: short documents never fill the room of
-    multi-rank micro-batches (Megatron's power-of-two rule, which the planner compares with).
+    groups it runs on (topology.ulysses_degree). ``pricer(length, group size)``: what a document costs
+    (default cost.documents.DocumentPricer(strategy, shape, ulysses_size): the cost model's price in
+    operations; the planner passes the same price at a GPU's rates). ``fill_groups`` False: short
+    documents never fill the room of multi-rank micro-batches (Megatron's power-of-two rule, which the
+    planner compares with).
     ``round_price``: what one more round costs in the pricer's units; given, a round is added for
     balance too, not only for room (room.py). None: a round only when nothing has room."""
-    pricer = pricer or (lambda n, g: price(n, g, strategy, shape, ulysses_size))
+    pricer = pricer or DocumentPricer(strategy, shape, ulysses_size)
     lengths = [_check_length(i, n) for i, n in enumerate(lengths)]
     sizes = _check_sizes(sizes, world_size)
     t = max_tokens_per_rank

@@ -9,14 +9,20 @@ synchronises its groups between rounds, and ZeRO-3 gathers each layer's paramete
 """
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import Callable, List, Optional, Tuple
 
-from .cost import ModelShape, work
+from ..cost.documents import work
+from ..cost.model_shape import ModelShape
+from .batch import MicroBatch
 from .rounds import Schedule
 
 
-def critical_path_s(schedule: Schedule, round_s: float = 0.0, barrier: bool = False) -> float:
-    """The time at which the last rank finishes its last round (the step's fixed cost not included)."""
+def critical_path_s(schedule: Schedule, round_s: float = 0.0, barrier: bool = False,
+                    seconds: Optional[Callable[[MicroBatch], float]] = None) -> float:
+    """The time at which the last rank finishes its last round (the step's fixed cost not included).
+    ``seconds(mb)``: what a micro-batch takes (default: its price, ``mb.cost``; the planner places by
+    the price and times the placed micro-batches in GPU seconds)."""
+    seconds = seconds or (lambda mb: mb.cost)
     done = [0.0] * schedule.world_size
     for row in schedule.rounds:
         begin = max(done) if barrier else None
@@ -27,14 +33,15 @@ def critical_path_s(schedule: Schedule, round_s: float = 0.0, barrier: bool = Fa
             seen.add(id(mb))
             ranks = mb.group.ranks
             start = begin if barrier else max(done[r] for r in ranks)
+            end = start + seconds(mb) + round_s
             for r in ranks:
-                done[r] = start + mb.cost + round_s
+                done[r] = end
     return max(done) if done else 0.0
 
 
 def rank_work(schedule: Schedule, strategy: str, shape: ModelShape = ModelShape()) -> List[Tuple[float, float, float]]:
     """(linear operations, attention operations, bytes sent) of each rank over the step: its
-    micro-batches' documents, each priced on its micro-batch's group (schedule.cost.work, the parts
+    micro-batches' documents, each priced on its micro-batch's group (cost.documents.work, the parts
     ``price`` adds up)."""
     out = [[0.0, 0.0, 0.0] for _ in range(schedule.world_size)]
     for row in schedule.rounds:

@@ -18,7 +18,8 @@ LASP and the hybrids' linear layers share one state exchange and so one form (st
 
 Packed documents and sliding windows: Ulysses and the hybrid's all-to-alls are unchanged; the ring
 loop's K/V and dK/dV go only to the ranks whose queries see them, and only the span of keys they see
-(ring_masked_bytes: for a causal window w <= n on the contiguous ring, the last w-1 tokens of one
+(masked_key_ranges: the plan's spans, tests/reference.py's key-by-key derivation their oracle;
+ring_masked_bytes: for a causal window w <= n on the contiguous ring, the last w-1 tokens of one
 neighbour instead of P-1 blocks), LASP's states only across rank boundaries a document crosses
 (lasp_bytes).
 """
@@ -27,12 +28,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import torch
-
-from ..masks import block_starts
+from ..masks import Mask
 from ..sharding.documents import Documents
 from . import RING_STRATEGIES
 from .lasp_chain import LaspChain, StateChain
+from .mask_plan import masked_plan
 from .ulysses import kv_replication
 
 E_ACC = 4            # ring dK/dV accumulators are fp32 whatever the input dtype (ring_loop.py)
@@ -180,39 +180,15 @@ def indexed_attention_bytes(p: int, batch: int, seq: int, latent_dim: int, index
 # -- packed documents (cu_seqlens) -------------------------------------------------------------
 
 
-def ring_key_ranges(bounds: Sequence[int], ring_layout, padded: int, causal: bool,
-                    window: Optional[int] = None, blocks=None) -> List[List[Optional[Tuple[int, int]]]]:
-    """ranges[me][src] (me != src): the local slots [a, b) of src's block spanned by the keys some
-    query of ring position me can see (same document; causal: key <= query, or both in one of the
-    bidirectional ``blocks`` (global (start, end) pairs); window w: query - w < key, non-causal
-    |query - key| < w), or None. Computed key by key from the mask on global positions (each key's
-    visible queries are an interval, from the key, or its block's start, on; does me hold one?),
-    independently of the bands of the plan (mask_plan.py)."""
-    p, real = ring_layout.size, bounds[-1]
-    cu = torch.tensor(bounds)
-    big = padded + (window or padded)
-    queries = []
-    for r in range(p):
-        g = ring_layout.indices(padded, r)
-        queries.append(torch.sort(g[g < real]).values)
-    out: List[List[Optional[Tuple[int, int]]]] = [[None] * p for _ in range(p)]
-    for src in range(p):
-        gk = ring_layout.indices(padded, src)
-        doc = torch.searchsorted(cu, gk.clamp(max=real - 1), right=True) - 1
-        start, stop = cu[doc], cu[doc + 1] - 1                      # the key's document [start, stop]
-        w = window or big
-        lo = block_starts(blocks, gk) if causal else torch.maximum(start, gk - w + 1)
-        hi = torch.minimum(stop, gk + w - 1)
-        for me in range(p):
-            if me == src:
-                continue
-            gq = queries[me]
-            seen = (torch.searchsorted(gq, hi, right=True) - torch.searchsorted(gq, lo)) > 0
-            seen &= gk < real                                        # end padding pairs with nothing
-            slots = torch.nonzero(seen).flatten()
-            if slots.numel():
-                out[me][src] = (int(slots[0]), int(slots[-1]) + 1)
-    return out
+def masked_key_ranges(mask: Mask, ring_layout, padded: int) -> List[List[Optional[Tuple[int, int]]]]:
+    """ranges[me][src] (me != src): the local slots [a, b) of src's block that ring position me computes
+    on under ``mask`` (documents, a window, bidirectional blocks, end padding), or None: the runtime's own
+    spans, read from the mask's plan (mask_plan.masked_plan: MaskPlan.key_range, the span
+    transport.DirectKV sends). tests/reference.py derives the same spans key by key from the mask on
+    global positions, independently of the plan: the oracle a unit test holds these to."""
+    plan = masked_plan(mask, ring_layout, padded)
+    p = ring_layout.size
+    return [[None if me == src else plan.key_range(me, src) for src in range(p)] for me in range(p)]
 
 
 def ring_masked_bytes(ranges, me: int, token_elems: int, elem: int) -> Dict[str, int]:
@@ -237,12 +213,12 @@ def _masked_by_kind(strategy: str, p: int, sh: Shapes, rank: int, ulysses_size: 
     if strategy == "lasp":
         return lasp_bytes(p, sh, rank, lasp_comm, cu_seqlens)
     ring = make_layout(get_strategy(strategy).layout_name, p // ulysses_size)
-    return masked_ring_by_kind(ring_key_ranges(cu_seqlens, ring, sh.seq, causal, window, blocks), p, sh, rank,
-                               ulysses_size)
+    mask = Mask.from_boundaries(list(cu_seqlens), causal, window, blocks=blocks)
+    return masked_ring_by_kind(masked_key_ranges(mask, ring, sh.seq), p, sh, rank, ulysses_size)
 
 
 def masked_ring_by_kind(ranges, p: int, sh: Shapes, rank: int, ulysses_size: int) -> Dict[str, int]:
-    """The ring family's bytes under a mask, from its key spans (``ring_key_ranges``, which a caller
+    """The ring family's bytes under a mask, from its key spans (``masked_key_ranges``, which a caller
     pricing many ranks finds once): the 2D hybrid's all-to-all is the mask's no-mask one; after it a
     ring position holds U x n tokens of H_kv / U (f-replicated) heads, so one of its tokens is f x
     the local k/v elements over the position's tokens."""
@@ -333,5 +309,5 @@ def transient_bytes(strategy: str, p: int, shapes: Shapes, ulysses_size: int = 1
 
 
 __all__ = ["Shapes", "closed_form_bytes", "transient_bytes", "closed_form_by_kind", "kv_replication", "E_ACC",
-           "ring_key_ranges", "ring_masked_bytes", "masked_ring_by_kind", "lasp_bytes", "state_exchange_bytes",
+           "masked_key_ranges", "ring_masked_bytes", "masked_ring_by_kind", "lasp_bytes", "state_exchange_bytes",
            "indexed_attention_bytes"]

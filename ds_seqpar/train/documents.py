@@ -12,7 +12,7 @@ import torch
 
 from .. import comm
 from ..dynamic import DynamicSequenceParallel, train_step
-from ..schedule import ModelShape
+from ..cost.model_shape import ModelShape, from_hf_config
 from . import data
 from .args import TrainConfigError
 from .trainer import Trainer
@@ -52,15 +52,10 @@ def build_runner(ds_config, heads, kv_heads) -> DynamicSequenceParallel:
 
 def model_shape(model) -> ModelShape:
     """What the scheduler prices a token and an attention pair with: the own LM's sizes, or a
-    Hugging Face model's from its config (dense projections and MLP; a price, not exactness)."""
+    Hugging Face model's from its config, read by the cost model's one reader (cost/model_shape.py)."""
     if hasattr(model.cfg, "n_heads"):
         return ModelShape.of_lm(model.cfg)
-    c = model.cfg.config
-    c = c.get_text_config() if hasattr(c, "get_text_config") else c
-    d, heads = c.hidden_size, c.num_attention_heads
-    kv, hd = getattr(c, "num_key_value_heads", None) or heads, getattr(c, "head_dim", None) or d // heads
-    per_layer = d * heads * hd * 2 + d * 2 * kv * hd + 3 * d * (getattr(c, "intermediate_size", None) or 4 * d)
-    return ModelShape(c.num_hidden_layers, heads, kv, hd, c.num_hidden_layers * per_layer + d * c.vocab_size)
+    return from_hf_config(model.cfg.config)
 
 
 def runner_of(sp, opts) -> DynamicSequenceParallel:

@@ -255,7 +255,7 @@ def _check_cost_model(sp, cfg, seq, rows, got):
     """The plan's cost model (cost/bytes.py on the shape read from the config) against the measured bytes."""
     from ds_seqpar.cost.bytes import comm_per_layer
     from ds_seqpar.cost.candidate import Candidate, Features
-    from ds_seqpar.plan.model_shape import from_hf_config
+    from ds_seqpar.cost.model_shape import from_hf_config
     c = Candidate(sp.config.strategy, sp.size, 1, 0, Features(), sp.config.linear_strategy)
     priced = comm_per_layer(c, from_hf_config(cfg), seq // sp.size, 4)["mamba"]
     assert got == {k: rows * v for k, v in priced.items()}, (sp.config, got, priced)

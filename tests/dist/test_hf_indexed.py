@@ -10,7 +10,7 @@ import torch
 from ds_seqpar import SequenceParallel
 from ds_seqpar.cost.bytes import comm_per_layer
 from ds_seqpar.cost.candidate import Candidate, Features
-from ds_seqpar.plan.model_shape import from_hf_config
+from ds_seqpar.cost.model_shape import from_hf_config
 from ds_seqpar.strategies.closed_form import indexed_attention_bytes
 
 from ..hf_models import tiny_model, unsharded_run

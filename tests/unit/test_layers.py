@@ -40,7 +40,7 @@ ALLOWED = {
     "train": {"core", "models", "launch", "hf"},
     "bench": {"core", "models", "launch", "hf", "train", "report.plotting", "report.rows", "report.render",
               "report.targets",                     # bench writes rows and renders them; report never reads bench
-              "plan.hardware", "plan.model_shape"},  # the gpu suite: a device's peak and a model's shape
+              "plan.hardware"},                     # the gpu suite: a device's peak
     "report": {"core"},
     "plan": {"core", "models", "hf", "launch", "report.rows", "report.render"},   # the own LM's ModelConfig; HF
                                             # configs through hf/; --calibrate's ranks, the rows it reads and writes

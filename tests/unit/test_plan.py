@@ -13,7 +13,7 @@ from ds_seqpar.plan import hardware
 from ds_seqpar.cost import flops, memory
 from ds_seqpar.plan.main import main as plan_main
 from ds_seqpar.cost.candidate import Candidate, Features
-from ds_seqpar.plan.model_shape import ModelShape
+from ds_seqpar.cost.model_shape import ModelShape
 from ds_seqpar.cost.bytes import comm_per_layer
 from ds_seqpar.plan.search import NEAR_TIE, Cluster, longest_sequence, plan, predict
 from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind, transient_bytes

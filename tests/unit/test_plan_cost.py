@@ -141,7 +141,7 @@ def test_mamba1_layers_are_priced_as_a_diagonal_scan(tmp_path, capsys):
     from ds_seqpar.cost.bytes import comm_per_layer
     from ds_seqpar.cost.candidate import Candidate, Features
     from ds_seqpar.plan.main import main as plan_main
-    from ds_seqpar.plan.model_shape import from_hf_config
+    from ds_seqpar.cost.model_shape import from_hf_config
     from ds_seqpar.strategies.closed_form import linear_state_bytes
     cfg = T.MambaConfig(hidden_size=32, state_size=8, expand=2, conv_kernel=4, time_step_rank=8, num_hidden_layers=2,
                         vocab_size=64)
@@ -175,7 +175,7 @@ def test_indexed_layers_bytes_are_what_travels(tmp_path, capsys):
     from ds_seqpar.cost.bytes import comm_per_layer
     from ds_seqpar.cost.candidate import Candidate, Features
     from ds_seqpar.plan.main import main as plan_main
-    from ds_seqpar.plan.model_shape import from_hf_config
+    from ds_seqpar.cost.model_shape import from_hf_config
     from ds_seqpar.strategies.closed_form import indexed_attention_bytes
     cfg = T.GlmMoeDsaConfig(num_hidden_layers=3, indexer_types=["full", "shared", "full"], kv_lora_rank=16,
                             qk_rope_head_dim=8, index_head_dim=16, hidden_size=64, vocab_size=64)

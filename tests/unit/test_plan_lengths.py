@@ -9,7 +9,7 @@ from ds_seqpar.cost.steps import StepRates, document_s, fit_rates
 from ds_seqpar.plan import hardware
 from ds_seqpar.plan.lengths import predict_cluster
 from ds_seqpar.plan.main import main
-from ds_seqpar.plan.model_shape import ModelShape
+from ds_seqpar.cost.model_shape import ModelShape
 from ds_seqpar.plan.search import Cluster
 from ds_seqpar.schedule import critical_path_s, read_lengths, schedule
 
@@ -98,3 +98,42 @@ def test_lengths_without_a_model_or_with_no_tokens_is_refused(capsys):
     assert main(["--lengths", "data/lengths/wlbllm.txt", "--model", "configs/plan/llama3_8b.json",
                  "--tokens-per-gpu", "0"]) == 2
     assert "--tokens-per-gpu=0" in capsys.readouterr().err
+
+
+def test_the_scheduler_and_the_planner_price_a_document_identically(monkeypatch):
+    """One price of a document (cost/documents.py): the planner's placement price is the runtime's
+    function at the GPU's rates, its default the same function at the scheduler's rates, and the rounds
+    plan --lengths predicts for ours are the ones DynamicSequenceParallel.schedule makes given that price."""
+    import types
+    from ds_seqpar import schedule as sched
+    from ds_seqpar.config import SequenceParallelConfig
+    from ds_seqpar.cost import documents
+    from ds_seqpar.cost.candidate import Candidate, Features
+    from ds_seqpar.dynamic import DynamicSequenceParallel
+    from ds_seqpar.plan import lengths as plan_lengths
+    cl = Cluster(8, 8, hardware.load_gpu("h100"))
+    planner, rates = plan_lengths.placement_pricer("zigzag", SMALL, cl), documents.gpu_rates(cl.gpu, cl.dtype)
+    for n, g in [(1, 1), (100, 1), (900, 2), (1537, 4), (2048, 8)]:
+        linear, attention, sent = documents.work(n, g, "zigzag", SMALL, elem=2)
+        by_hand = linear * rates.s_per_op + attention * rates.s_per_attention_op + sent * rates.s_per_byte
+        assert planner(n, g) == documents.price(n, g, "zigzag", SMALL, rates=rates, elem=2) == by_hand > 0
+        linear, attention, sent = documents.work(n, g, "zigzag", SMALL)                       # fp32 bytes
+        assert sched.price(n, g, "zigzag", SMALL) == documents.price(n, g, "zigzag", SMALL) == \
+            linear + attention + 100.0 * sent                                                # operations
+    assert sched.price is documents.price and sched.DocumentPricer is documents.DocumentPricer
+    # the placement: plan --lengths' ours against the runtime's own schedule() with the planner's price
+    made = []
+    real = plan_lengths.schedule
+    monkeypatch.setattr(plan_lengths, "schedule", lambda *a, **k: made.append((a, k, real(*a, **k))) or made[-1][2])
+    lengths, t = [2000, 1500, 900] + [100] * 40 + [300] * 12, 256
+    c = Candidate("zigzag", 1, 1, 1, Features())
+    plan_lengths.run_case(lengths, sched.group_sizes(8), t, [c], lambda g: Candidate("zigzag", g, 1, 1, Features()),
+                          SMALL, cl)
+    (_, kwargs, predicted), = made
+    config = SequenceParallelConfig.parse({"strategy": "zigzag", "size": "dynamic", "max_tokens_per_rank": t})
+    runtime = types.SimpleNamespace(world_size=8, max_tokens_per_rank=t, sizes=sched.group_sizes(8), config=config,
+                                    heads=None)
+    ran = DynamicSequenceParallel.schedule(runtime, lengths, shape=SMALL, round_price=kwargs["round_price"],
+                                           pricer=plan_lengths.placement_pricer("zigzag", SMALL, cl))
+    assert ran.rounds == predicted.rounds and ran.rank_costs == predicted.rank_costs
+    assert len(predicted.group_sizes) > 1

@@ -15,7 +15,7 @@ from ds_seqpar.cost.bytes import comm_per_layer
 from ds_seqpar.cost.candidate import Candidate, Features
 from ds_seqpar.masks import Mask
 from ds_seqpar.plan.main import equal_documents
-from ds_seqpar.plan.model_shape import ModelShape, from_hf_config
+from ds_seqpar.cost.model_shape import ModelShape, from_hf_config
 from ds_seqpar.plan.search import Cluster, predict
 from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind
 from ..reference import pairs_per_query_set

@@ -12,7 +12,7 @@ from ds_seqpar.cost.candidate import Candidate, Features
 from ds_seqpar.plan.ds_json import ds_config
 from ds_seqpar.plan.hardware import load_gpu
 from ds_seqpar.plan.measure import cpu_profile
-from ds_seqpar.plan.model_shape import ModelShape
+from ds_seqpar.cost.model_shape import ModelShape
 from ds_seqpar.plan.search import Cluster, predict
 
 # 8 q / 8 kv heads: 4 k/v heads a rank at Ulysses size 2, so 1, 2 or 4 chunks

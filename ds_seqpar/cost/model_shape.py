@@ -1,5 +1,11 @@
-"""The numbers of a model the cost model needs, read from a Hugging Face config (any object with
-the config's attributes; nothing is built, no weights are read).
+"""The numbers of a model the cost model needs: the one reader of model sizes. Every price reads
+its model here: the dynamic scheduler's (cost/documents.py), the planner's and the benchmarks'.
+
+    ModelShape.of_lm(cfg)      the project's own LM (models/lm.py's ModelConfig, read by attribute)
+    from_hf_config(config)     a Hugging Face config (any object with the config's attributes; nothing
+                               is built, no weights are read)
+    ModelShape()               the own LM at its default sizes, its LM head left out (vocab 0): what
+                               the scheduler prices when it is told nothing of the model
 
 Legend: h hidden size, L layers, H / H_kv query / key-value heads, d head dim, I MLP width,
 V vocabulary. Layer kinds: "attention" (softmax over the whole sequence), "sliding" (softmax in a
@@ -13,11 +19,12 @@ without a token mixer).
 """
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-from ..cost.candidate import LINEAR_KINDS, SOFTMAX_KINDS
+from .candidate import LINEAR_KINDS, SOFTMAX_KINDS
 
 _KIND_OF = {"full_attention": "attention", "attention": "attention", "sliding_attention": "sliding",
             "chunked_attention": "sliding", "indexed_attention": "indexed", "linear_attention": "linear",
@@ -26,16 +33,19 @@ _KIND_OF = {"full_attention": "attention", "attention": "attention", "sliding_at
             "conv": "linear", "mlp": "mlp", "moe": "mlp"}
 
 
+OWN_LM = "ds_seqpar_lm"                 # the own LM's model_type (configs/plan/own_lm_linear.json)
+
+
 @dataclass(frozen=True)
 class ModelShape:
-    name: str
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
+    name: str = "lm"                         # (defaults: the own LM's default sizes, no head: module doc)
+    hidden: int = 128
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 4
+    head_dim: int = 32
+    intermediate: int = 352
+    vocab: int = 0
     tied: bool = False
     kinds: Tuple[str, ...] = ()              # one per layer; () = every layer "attention"
     window: Optional[int] = None
@@ -47,8 +57,12 @@ class ModelShape:
     lin_heads: int = 0                       # linear / SSD layers: heads, key (state) and value dims
     lin_dk: int = 0
     lin_dv: int = 0
-    conv_channels: int = 0
+    lin_key_heads: int = 0                   # gated DeltaNet: q / k heads (0: lin_heads)
+    lin_groups: int = 1                      # SSD: the B / C groups
+    conv_channels: int = 0                   # the short conv before the op: its channels (the halo's width)
     conv_width: int = 0
+    linear_op: str = ""                      # the op: delta_rule | kda | ssd | selective_scan | lightning | conv
+    #                                          (its inputs and output are what linear_strategy ulysses sends)
     transition: str = "matrix"               # linear layers' state map: matrix (delta rule) | scalar (SSD)
     #                                          | diagonal (Mamba-1)
     dt_rank: int = 0                         # Mamba-1: the rank of the step's projection
@@ -56,6 +70,17 @@ class ModelShape:
     index_dim: int = 0                       # indexed layers: the indexer key per token (0: a shared selection)
     model_type: str = ""
     hybrid: bool = False                     # transformers hybrid (linear layers through hf/linear/)
+
+    @classmethod
+    def of_lm(cls, cfg, name: str = "lm") -> "ModelShape":
+        """The project's own LM from its ModelConfig (models/lm.py; read by attribute, validated there):
+        softmax, a Llama-style shape; linear attention, every layer "lasp" (one [d, d] state per q head,
+        the decay fixed: transition "fixed")."""
+        linear = cfg.attention == "linear"
+        return cls(name, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_hidden,
+                   cfg.vocab_size, tied=cfg.tie_embeddings, kinds=("lasp",) * cfg.n_layers if linear else (),
+                   lin_heads=cfg.n_heads if linear else 0, lin_dk=cfg.head_dim if linear else 0,
+                   lin_dv=cfg.head_dim if linear else 0, transition="fixed", model_type=OWN_LM)
 
     @property
     def dv(self) -> int:
@@ -99,7 +124,7 @@ class ModelShape:
             return 2 * h * c + c * (r + 2 * self.lin_dk) + r * c + c * h
         if kind == "mamba":                  # in_proj (x, z, B, C, dt) and out_proj
             inner = self.lin_heads * self.lin_dv
-            return h * (2 * inner + 2 * self.conv_channels + self.lin_heads) + inner * h
+            return h * (2 * inner + 2 * self.lin_groups * self.lin_dk + self.lin_heads) + inner * h
         return 0
 
     def mlp_params(self, active: bool = False) -> int:
@@ -110,6 +135,28 @@ class ModelShape:
             return 3 * h * self.intermediate
         n = self.active_experts if active else self.experts
         return 3 * h * self.expert_intermediate * n + 3 * h * self.shared_intermediate + h * self.experts
+
+    @functools.cached_property
+    def matmul_params(self) -> int:
+        """Multiply-adds per token of the linear layers a token passes: every layer's mixer projections
+        and its MLP (the active experts), and the LM head (vocab x hidden; none when vocab is 0).
+        Cached: the scheduler asks for it once per document (a frozen dataclass keeps it in __dict__)."""
+        per_layer = sum(self.mixer_params(k) + self.mlp_params(active=True) for k in self.layer_kinds)
+        return per_layer + self.vocab * self.hidden
+
+    def ulysses_tensors(self, n: int, size: int) -> Tuple[int, ...]:
+        """Elements on one rank of each tensor a linear layer's op all-to-alls under linear_strategy
+        ulysses (its inputs and its output; each also back in backward), ``n`` tokens per rank of
+        ``size``: gated DeltaNet q, k, v, out, beta, g; Kimi delta attention q, k, v, g, out, beta; SSD
+        x, out, dt, B, C; Mamba-1 x, dt, z, out per channel, B and C whole; lightning q, k, v, out;
+        a short conv alone none (its halo is all it sends)."""
+        hv, hk, dk, dv = self.lin_heads, self.lin_key_heads or self.lin_heads, self.lin_dk, self.lin_dv
+        by_op = {"delta_rule": (n * hk * dk,) * 2 + (n * hv * dv,) * 2 + (n * hv,) * 2,
+                 "kda": (n * hv * dk,) * 5 + (n * hv,),
+                 "ssd": (n * hv * dv,) * 2 + (n * hv,) + (n * self.lin_groups * dk,) * 2,
+                 "selective_scan": (n * hv,) * 4 + (n * size * dk,) * 2,
+                 "lightning": (n * hv * dk,) * 4, "conv": ()}
+        return by_op.get(self.linear_op, (n * hv * (2 * dk + 2 * dv),))
 
     def params(self) -> int:
         """All parameters (norm weights left out: h per norm, negligible)."""
@@ -147,12 +194,39 @@ def _mamba1(tc, h: int, kinds: Tuple[str, ...], layers: int) -> Optional[dict]:
     rank = _get(tc, "time_step_rank", "mamba_dt_rank")
     out = dict(lin_heads=channels, lin_dk=int(_get(tc, "state_size", "mamba_d_state")), lin_dv=1,
                conv_channels=channels, conv_width=int(_get(tc, "conv_kernel", "mamba_d_conv", default=4)),
-               transition="diagonal", dt_rank=-(-h // 16) if rank == "auto" else int(rank))
+               transition="diagonal", dt_rank=-(-h // 16) if rank == "auto" else int(rank), linear_op="selective_scan")
     if pure:                            # mixer-only blocks: no MLP, no attention
         out.update(kinds=("mamba",) * layers, intermediate=0)
     else:
         out.update(kinds=tuple("mamba" if k == "linear" else k for k in kinds))
     return out
+
+
+def _linear_layers(tc, heads: int, head_dim: int) -> dict:
+    """ModelShape fields of the linear layers of a hybrid other than Mamba-1 (_mamba1), {} for none:
+    Mamba2 SSD (a conv over x, B and C), gated DeltaNet (a conv over q, k, v), Kimi delta attention (q,
+    k, v), MiniMax's lightning attention (the softmax heads' sizes, a fixed decay, no conv), LFM2's gated
+    short convolution (a conv over the hidden width, no state)."""
+    if _get(tc, "mamba_n_heads"):
+        h, state, d = (int(_get(tc, k)) for k in ("mamba_n_heads", "mamba_d_state", "mamba_d_head"))
+        groups = int(_get(tc, "mamba_n_groups", default=1))
+        return dict(lin_heads=h, lin_dk=state, lin_dv=d, lin_groups=groups, conv_channels=h * d + 2 * groups * state,
+                    conv_width=int(_get(tc, "mamba_d_conv", default=4)), transition="scalar", linear_op="ssd")
+    if _get(tc, "linear_num_value_heads"):
+        hk, hv = int(tc.linear_num_key_heads), int(tc.linear_num_value_heads)
+        dk, dv = int(tc.linear_key_head_dim), int(tc.linear_value_head_dim)
+        return dict(lin_heads=hv, lin_key_heads=hk, lin_dk=dk, lin_dv=dv, conv_channels=2 * hk * dk + hv * dv,
+                    conv_width=int(_get(tc, "linear_conv_kernel_dim", default=4)), transition="matrix",
+                    linear_op="delta_rule")
+    if _get(tc, "linear_num_heads"):
+        h, d = int(tc.linear_num_heads), int(tc.linear_head_dim)
+        return dict(lin_heads=h, lin_dk=d, lin_dv=d, conv_channels=3 * h * d,
+                    conv_width=int(_get(tc, "linear_conv_kernel_dim", default=4)), transition="matrix", linear_op="kda")
+    if getattr(tc, "model_type", "") == "minimax":
+        return dict(lin_heads=heads, lin_dk=head_dim, lin_dv=head_dim, transition="fixed", linear_op="lightning")
+    if _get(tc, "conv_L_cache"):
+        return dict(conv_channels=int(tc.hidden_size), conv_width=int(tc.conv_L_cache), linear_op="conv")
+    return {}
 
 
 def from_hf_config(config, name: str = "model", hybrid_types=()) -> ModelShape:
@@ -171,22 +245,7 @@ def from_hf_config(config, name: str = "model", hybrid_types=()) -> ModelShape:
     if window is not None and not _get(tc, "layer_types"):
         kinds = ("sliding",) * layers                    # Mistral-style: every layer windowed
     experts = int(_get(tc, "num_local_experts", "num_experts", "n_routed_experts", default=0) or 0)
-    mamba_heads = _get(tc, "mamba_n_heads")
-    lin = {}                                             # no linear layers: ModelShape's defaults
-    mamba1 = _mamba1(tc, h, kinds, layers)
-    if mamba1:
-        lin = mamba1
-    elif mamba_heads:
-        groups, state = int(_get(tc, "mamba_n_groups", default=1)), int(_get(tc, "mamba_d_state"))
-        lin = dict(lin_heads=int(mamba_heads), lin_dk=state, lin_dv=int(_get(tc, "mamba_d_head")),
-                   conv_channels=groups * state, conv_width=int(_get(tc, "mamba_d_conv", default=4)),
-                   transition="scalar")
-    elif _get(tc, "linear_num_value_heads"):
-        lin = dict(lin_heads=int(tc.linear_num_value_heads), lin_dk=int(tc.linear_key_head_dim),
-                   lin_dv=int(tc.linear_value_head_dim),
-                   conv_channels=int(tc.linear_num_key_heads) * int(tc.linear_key_head_dim) * 2
-                   + int(tc.linear_num_value_heads) * int(tc.linear_value_head_dim),
-                   conv_width=int(_get(tc, "linear_conv_kernel_dim", default=4)), transition="matrix")
+    lin = _mamba1(tc, h, kinds, layers) or _linear_layers(tc, heads, head_dim)   # {}: no linear layers
     shared = [i for i, t in enumerate(_get(tc, "indexer_types") or ()) if t == "shared"]
     kinds = tuple("indexed_shared" if k == "indexed" and i in shared else k for i, k in enumerate(kinds))
     if "indexed" in kinds:
@@ -203,4 +262,4 @@ def from_hf_config(config, name: str = "model", hybrid_types=()) -> ModelShape:
         **lin)
 
 
-__all__ = ["LINEAR_KINDS", "ModelShape", "SOFTMAX_KINDS", "from_hf_config"]
+__all__ = ["LINEAR_KINDS", "ModelShape", "OWN_LM", "SOFTMAX_KINDS", "from_hf_config"]
