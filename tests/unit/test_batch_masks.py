@@ -1,6 +1,6 @@
 """The mask seam (sp.masks, ds_seqpar/sharding/batch_masks.py) without processes: when a mask is built,
 which call finds it, when the documents are checked across the ranks (the check counted, not run), and the
-one size policy (KEEP entries per map, the least recently used out first) on each of its three maps."""
+one size policy (KEEP entries per map, the oldest out first) on each of its three maps."""
 from __future__ import annotations
 
 import pytest
@@ -62,15 +62,15 @@ def test_plans_are_found_by_the_masks_value_across_batches(seam):
     assert len(built) == 1 and plans[0] is plans[1] is plans[2]
 
 
-def test_documents_entries_keep_the_latest_and_the_recently_used(seam):
+def test_documents_entries_keep_the_latest_keep_the_oldest_out_first(seam):
     masks, checks = seam
     tensors = [torch.tensor([0, 1 + i, N]) for i in range(KEEP + 1)]
     for cu in tensors[:KEEP]:
         masks.agreed(cu, cu.tolist())
-    masks.mask(Q, True, None, tensors[0], None)                   # the first is used again: it stays
-    masks.agreed(tensors[KEEP], tensors[KEEP].tolist())           # one more pushes out the oldest unused
-    assert all(masks.documents(cu).agreed for cu in [tensors[0]] + tensors[2:])
-    assert not masks.documents(tensors[1]).agreed                 # (a lookup that misses makes a new entry)
+    masks.mask(Q, True, None, tensors[0], None)                   # a hit: one lookup, the entry keeps its place
+    masks.agreed(tensors[KEEP], tensors[KEEP].tolist())           # one more pushes out the oldest
+    assert all(masks.documents(cu).agreed for cu in tensors[1:])
+    assert not masks.documents(tensors[0]).agreed                 # (a lookup that misses makes a new entry)
     assert checks == []
 
 
@@ -81,9 +81,9 @@ def test_a_documents_entry_keeps_keep_masks_and_its_masks_go_with_it(seam):
     kinds = [masks.mask(Q, True, None, cu, w) for w in range(1, KEEP + 1)]        # KEEP layer kinds
     assert all(masks.mask(Q, True, None, cu, w) is kinds[w - 1] for w in range(1, KEEP + 1))
     masks.mask(Q, True, None, cu, KEEP + 1)                       # one more kind pushes out window 1
+    assert all(masks.mask(Q, True, None, cu, w) is kinds[w - 1] for w in range(2, KEEP + 1))
     rebuilt = masks.mask(Q, True, None, cu, 1)
-    assert rebuilt == kinds[0] and rebuilt is not kinds[0], "the least recently used mask was rebuilt"
-    assert masks.mask(Q, True, None, cu, KEEP) is kinds[KEEP - 1]
+    assert rebuilt == kinds[0] and rebuilt is not kinds[0], "the oldest mask was rebuilt"
     for i in range(KEEP):                                         # KEEP later batches push the entry out
         masks.agreed(torch.tensor([0, 1 + i, N]), [0, 1 + i, N])
     assert masks.mask(Q, True, None, cu, KEEP) is not kinds[KEEP - 1]
