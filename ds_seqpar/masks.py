@@ -17,6 +17,9 @@ so query i of a document [a, b) sees the keys [max(a, i - w + 1), i + 1) (causal
 Blocks lie inside one document and the real tokens, and only causal masks have them (``check_blocks``).
 
 A window that covers the sequence masks nothing; ``effective_window`` is the one place that says so.
+
+This file is the value only: which call builds a batch's masks and how long they are kept is the mask
+seam's (sp.masks, sharding/batch_masks.py).
 """
 from __future__ import annotations
 

@@ -24,13 +24,10 @@ from .kernels import get_kernel
 from .kernels.base import check_head_groups
 from . import logprobs
 from .loss import sequence_loss
-from .masks import Mask, check_blocks
 from .memory.tiled_loss import sequence_loss_from_hidden
-from .sharding.agreement import check_same_on_ranks
 from .sharding.batch import shard_batch
-from .sharding.documents import Documents, as_boundaries, check_documents
 from .sharding.layouts import make_layout
-from .sharding.masks import BatchMasks
+from .sharding.batch_masks import BatchMasks
 from .sharding.padding import check_seq_len, pad_to, padded_len
 from .cost.chunks import chunk_rule
 from .strategies import StrategyContext, get_strategy
@@ -60,14 +57,16 @@ class SequenceParallel:
         layout_name = get_strategy(config.strategy).layout_name
         self.layout = make_layout(layout_name, self.dims.ring_size, self.dims.ulysses_size)
         self.stats = comm.CommStats()
-        self._masks = BatchMasks()     # the running batch's Mask per layer kind (sharding/masks.py)
+        # the running batch's masks, their plans and its agreed documents (sharding/batch_masks.py): ops/ and
+        # shard_batch call it; the strategy gets its plans
+        self.masks = BatchMasks(self.groups.sp_group, self.stats, self.dims.sp_size, self.layout.required_multiple)
         c = self.groups.coords
         self.strategy = strategies.build(config, StrategyContext(
             sp_group=self.groups.sp_group, ulysses_group=self.groups.ulysses_group,
             ring_group=self.groups.ring_group, sp_size=self.dims.sp_size, sp_rank=c.sp_rank,
             ulysses_size=self.dims.ulysses_size, ulysses_rank=c.ulysses_rank,
             ring_size=self.dims.ring_size, ring_rank=c.ring_rank, kernel=self.kernel, stats=self.stats,
-            layout=self.layout, overlap=config.overlap, lasp_comm=config.lasp_comm,
+            layout=self.layout, plans=self.masks.plans, overlap=config.overlap, lasp_comm=config.lasp_comm,
             ulysses_chunks=chunk_rule(config.ulysses_chunks, self.device.type, _device_name(self.device),
                                       self.dims.ulysses_size, config.overlap)))
         # 5. the linear exchange, over the same groups, layout and stats as the strategy
@@ -168,7 +167,9 @@ class SequenceParallel:
         gradient on each rank is that rank's share (sum over the sequence group = the whole).
         ``blocks``: bidirectional blocks inside the causal mask, global (start, end) pairs in order, the
         same on every rank (Gemma 3's image tokens): a query in [start, end) also sees the block's later
-        keys; each block inside one document, the window still bounding a query's first key (masks.py)."""
+        keys; each block inside one document, the window still bounding a query's first key (masks.py).
+        The Mask of the call is built on the batch's first call of its kind and found by the others
+        (sp.masks: sharding/batch_masks.py)."""
         check_qkv(q, k, v)
         check_score_options(q, window, softcap, sinks)
         strategies.check_heads(self.config, q.shape[2], k.shape[2])
@@ -176,7 +177,7 @@ class SequenceParallel:
             check_seq_len(seq_len, q.shape[1] * self.size, self.layout.required_multiple)
         scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
         softcap = None if softcap is None else float(softcap)
-        # one opaque node for torch.compile (ops/attention.py): the mask is built inside, from these arguments
+        # one opaque node for torch.compile (ops/attention.py): sp.masks finds or builds the mask inside
         wire = self._comm_dtype(q.dtype)
         if wire == q.dtype:
             return ops.attention(self._handle, q, k, v, sinks, cu_seqlens, bool(causal), scale, seq_len, window,
@@ -184,52 +185,6 @@ class SequenceParallel:
         out = ops.attention(self._handle, q.to(wire), k.to(wire), v.to(wire), sinks, cu_seqlens, bool(causal), scale,
                             seq_len, window, softcap, blocks)
         return out.to(q.dtype)
-
-    def _mask(self, q: torch.Tensor, causal: bool, seq_len: Optional[int], cu_seqlens, window,
-              blocks: Optional[tuple] = None) -> Mask:
-        """This layer's Mask: the first call of a batch with these documents (or shard_batch) checks
-        them, every later layer finds its mask by one lookup (sharding/masks.py), and the strategy's
-        plan of it is built once (strategies/mask_plan.py: PlanCache). ``blocks``: flat (s0, e0, s1, ...)."""
-        docs = self._masks.documents(cu_seqlens)
-        key = (q.shape[0], q.shape[1], bool(causal), seq_len, window, blocks)
-        mask = docs.masks.get(key)
-        if mask is None:
-            bounds = None if cu_seqlens is None else self._check_documents(docs, cu_seqlens, q, seq_len)
-            pairs = None if not blocks else self._check_blocks(blocks, bounds, bool(causal), q, seq_len)
-            mask = docs.remember(key, Mask.from_boundaries(bounds, bool(causal), window, seq_len, pairs))
-        return mask
-
-    def _check_blocks(self, flat, bounds, causal: bool, q: torch.Tensor, seq_len: Optional[int]):
-        """Bidirectional blocks checked against the documents (masks.check_blocks), then agreed across the
-        ranks by one small all-reduce, as cu_seqlens: every rank raises, none waits in a later collective."""
-        real = seq_len if seq_len is not None else q.shape[1] * self.size
-        pairs, error = None, None
-        try:
-            pairs = check_blocks(list(zip(flat[::2], flat[1::2])), bounds or (0, real), causal)
-        except ValueError as err:
-            error = err
-        check_same_on_ranks(None if pairs is None else [x for p in pairs for x in p], error, self.group,
-                            self.stats, q.device, name="blocks",
-                            holds="the bidirectional blocks' global (start, end) pairs")
-        return pairs
-
-    def _check_documents(self, docs, cu_seqlens, q: torch.Tensor, seq_len: Optional[int]):
-        """The boundaries of ``cu_seqlens`` checked against shards shaped like ``q``: local checks, then
-        one small all-reduce that every rank joins (agreement.py) unless these documents were agreed
-        already (shard_batch's tensor, or an earlier layer's call). ValueError naming cu_seqlens."""
-        padded = q.shape[1] * self.size
-        if docs.agreed:
-            check_documents(docs.bounds, q.shape[0], padded, self.layout.required_multiple, seq_len)
-            return docs.bounds
-        bounds, error = None, None
-        try:
-            bounds = as_boundaries(cu_seqlens)
-            check_documents(bounds, q.shape[0], padded, self.layout.required_multiple, seq_len)
-        except ValueError as err:
-            error = err
-        check_same_on_ranks(bounds, error, self.group, self.stats, q.device)
-        docs.agree(bounds)
-        return bounds
 
     def linear_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          decay: Optional[torch.Tensor] = None, cu_seqlens=None) -> torch.Tensor:
@@ -246,15 +201,6 @@ class SequenceParallel:
     def _comm_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """sequence_parallel.comm_dtype: auto keeps the model's dtype (config.py)."""
         return _COMM_DTYPES.get(self.config.comm_dtype, dtype)
-
-    def _documents(self, cu_seqlens, q: torch.Tensor) -> Documents:
-        """Validated packed-document boundaries for linear attention's shards shaped like ``q``."""
-        bounds = self._check_documents(self._masks.documents(cu_seqlens), cu_seqlens, q, None)
-        return Documents(bounds, q.shape[1] * self.size)
-
-    def _remember_verified(self, cu_seqlens: torch.Tensor, bounds) -> None:
-        """shard_batch checked ``cu_seqlens`` across ranks: attention may skip the all-reduce for it."""
-        self._masks.documents(cu_seqlens).agree(tuple(bounds))
 
     # -- training helpers ----------------------------------------------------------------------
     def shard_batch(self, batch, ignore_index: int = -100):

@@ -28,8 +28,9 @@ UNSAFE_FOR_CUDA_GRAPHS = (torch.Tag.cudagraph_unsafe,)   # the body talks to oth
 
 
 def _mask(sp, q, causal, seq_len, cu_seqlens, cu_list, window, blocks):
-    return sp._mask(q, causal, seq_len, cu_seqlens if cu_seqlens is not None else cu_list, window,
-                    None if blocks is None else tuple(blocks))
+    """The call's Mask from the mask seam (sp.masks, sharding/batch_masks.py): built on the batch's first call."""
+    return sp.masks.mask(q, causal, seq_len, cu_seqlens if cu_seqlens is not None else cu_list, window,
+                         None if blocks is None else tuple(blocks))
 
 
 def _outputs(tensors: Sequence[Tensor], inputs: Sequence[Optional[Tensor]]) -> List[Tensor]:

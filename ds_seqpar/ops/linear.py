@@ -16,7 +16,7 @@ from .registry import resolve
 
 def _documents(owner, q, cu_seqlens, cu_list):
     cu = cu_seqlens if cu_seqlens is not None else cu_list
-    return None if cu is None else owner._documents(cu, q)
+    return None if cu is None else owner.masks.linear_documents(cu, q)     # sharding/batch_masks.py
 
 
 @torch.library.custom_op("ds_seqpar::linear_attention", mutates_args=(), tags=UNSAFE_FOR_CUDA_GRAPHS)

@@ -5,13 +5,14 @@ the config or the environment (``SequenceParallel`` resolves those and hands the
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 
 from ..comm import CommStats
 from ..kernels import AttentionKernel
+from ..sharding.batch_masks import MaskPlans
 from ..sharding.layouts import Layout
 from .decode import decode_attention
 
@@ -37,6 +38,9 @@ class StrategyContext:
     # (local tokens, q heads, kv heads, head dim, element size) -> Ulysses head chunks (ulysses.py);
     # SequenceParallel gives the configured count or cost/chunks.py's "auto" price
     ulysses_chunks: Callable[[int, int, int, int, int], Any] = lambda *shape: 1
+    # where the strategy keeps its MaskPlans: SequenceParallel gives its mask seam's (sp.masks.plans,
+    # sharding/batch_masks.py); a strategy built alone keeps its own
+    plans: MaskPlans = field(default_factory=MaskPlans)
 
 
 class Strategy:

@@ -1,7 +1,8 @@
 """The plan of one mask (masks.Mask) over a layout's positions: per (me, src) the bands of
 (my queries) x (src's keys) to compute, the span of src's keys they touch and their pairs. The ring
 loop and Ulysses (one position holding the whole sequence) both run a plan; strategies build one per
-mask and keep it (``PlanCache``), so a model's layers share the plan their first layer built.
+mask, kept by the mask seam (sharding/batch_masks.py: MaskPlans), so a model's layers share the plan their
+first layer built.
 
 Notation as in ring_loop.py (me, src, P positions, n local tokens) and sharding/documents.py
 (segments: runs of a local order inside one document, advancing by the layout's stride s).
@@ -40,7 +41,7 @@ slower than per-document bands for two documents in a 4096-token block and 8x fo
 """
 from __future__ import annotations
 
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..kernels.bands import Band, band_pairs, trimmed
@@ -193,26 +194,5 @@ def _by_doc(segments: Sequence[Segment]) -> Dict[int, List[Segment]]:
     return out
 
 
-class PlanCache:
-    """The plans of the last few (mask, padded length) pairs a strategy ran: a model's layers share the
-    mask of their batch, so the first layer builds the plan and the others find it (a model with
-    full and sliding layers keeps one plan of each); a new batch's documents replace the oldest."""
-
-    SIZE = 8
-
-    def __init__(self, build: Callable[[Mask, int], MaskPlan]):
-        self._build, self._plans = build, OrderedDict()
-
-    def get(self, mask: Mask, padded: int) -> MaskPlan:
-        key = (mask, padded)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plans[key] = self._build(mask, padded)
-            if len(self._plans) > self.SIZE:
-                self._plans.popitem(last=False)
-        return plan
-
-
-__all__ = ["ALL", "DIAGONAL", "FULL", "SKIP", "BlockPolicy", "MaskPlan", "PlanCache", "block_bands",
-           "diagonal_bounds",
+__all__ = ["ALL", "DIAGONAL", "FULL", "SKIP", "BlockPolicy", "MaskPlan", "block_bands", "diagonal_bounds",
            "masked_plan", "plain_blocks", "plan_mask"]

@@ -53,7 +53,7 @@ from ..kernels.merge import Merge, Sum
 from ..kernels.bands import Band
 from ..masks import Mask
 from .base import Strategy
-from .mask_plan import MaskPlan, PlanCache, plain_blocks, plan_mask  # plain_blocks: bench/window.py imports it here
+from .mask_plan import MaskPlan, plain_blocks, plan_mask  # plain_blocks: bench/window.py imports it here
 from .transport import DirectGrads, DirectKV, RelayGrads, RelayKV
 
 
@@ -224,8 +224,7 @@ class RingFamily(Strategy):
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        self._plans = PlanCache(lambda mask, padded: plan_mask(mask, self.ctx.layout.ring_layout, padded,
-                                                               self.blocks))
+        self._build = lambda mask, padded: plan_mask(mask, self.ctx.layout.ring_layout, padded, self.blocks)
 
     @staticmethod
     def blocks(me: int, src: int, p: int, causal: bool, n: int):
@@ -234,8 +233,8 @@ class RingFamily(Strategy):
 
     def plan(self, mask: Mask, n_ring: int) -> MaskPlan:
         """The plan of ``mask`` over the ring positions, each holding ``n_ring`` tokens (built once per
-        mask: PlanCache)."""
-        return self._plans.get(mask, n_ring * self.ctx.ring_size)
+        mask: the plans the context keeps, sharding/batch_masks.py)."""
+        return self.ctx.plans.get(mask, n_ring * self.ctx.ring_size, self._build)
 
     def forward(self, q_bshd, k_bshd, v_bshd, mask: Mask, scale, softcap=None, sinks=None):
         check_local_length(self.name, self.ctx, q_bshd.shape[1])

@@ -53,7 +53,7 @@ from ..kernels.base import check_head_groups
 from ..masks import Mask
 from ..sharding.layouts import make_layout
 from .base import Strategy
-from .mask_plan import PlanCache, plain_blocks, plan_mask
+from .mask_plan import plain_blocks, plan_mask
 from .ring_loop import ring_forward, ring_grads
 
 
@@ -223,7 +223,12 @@ class UlyssesAttention(Strategy):
     def __init__(self, ctx):
         super().__init__(ctx)
         whole = make_layout("contiguous", 1)            # after the all-to-all: one position, global order
-        self._plans = PlanCache(lambda mask, padded: plan_mask(mask, whole, padded, plain_blocks))
+        self._build = lambda mask, padded: plan_mask(mask, whole, padded, plain_blocks)
+
+    def plan(self, mask: Mask, padded: int):
+        """The one-position plan of ``mask`` over the whole ``padded`` sequence (built once per mask: the plans
+        the context keeps, sharding/batch_masks.py)."""
+        return self.ctx.plans.get(mask, padded, self._build)
 
     @staticmethod
     def _kernel_alone(mask: Mask, softcap, sinks) -> bool:
@@ -246,7 +251,7 @@ class UlyssesAttention(Strategy):
             # the whole sequence is here, in global order: the plan's bands through the ring loop's
             # single step (one position, nothing travels), which also applies softcap in the kernel and
             # sinks in the final merge
-            return ring_forward(q_u, k_u, v_u, scale, ctx, self._plans.get(mask, padded), softcap, sinks_h)
+            return ring_forward(q_u, k_u, v_u, scale, ctx, self.plan(mask, padded), softcap, sinks_h)
         return head_parallel_forward(ctx, q_bshd, k_bshd, v_bshd, sinks, inner)
 
     def backward(self, dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, saved, mask: Mask, scale, softcap=None,
@@ -261,7 +266,7 @@ class UlyssesAttention(Strategy):
                                                  mask.causal, scale)
                 pad = (0, 0, 0, 0, 0, padded - keys)     # the padding keys get no gradient
                 return dq, F.pad(dk, pad), F.pad(dv, pad), None
-            return ring_grads(dout_u, q_u, k_u, v_u, out_u, lse_u, scale, ctx, self._plans.get(mask, padded),
+            return ring_grads(dout_u, q_u, k_u, v_u, out_u, lse_u, scale, ctx, self.plan(mask, padded),
                               softcap, sinks_h)
         return head_parallel_backward(ctx, dout_bshd, k_bshd, saved, sinks, inner_grads)
 

@@ -98,14 +98,19 @@ def test_cuda_kernels_give_what_the_fake_promises(kernel, call, softcap):
         assert [_meta(g) for g in grads] == [_meta(t) for t in (q, k, v)], (kernel, call)
 
 
+class _Masks:
+    """The mask seam's call the op's body makes (sp.masks.mask, sharding/batch_masks.py)."""
+
+    def mask(self, q, causal, seq_len, cu_seqlens, window, blocks=None):
+        return Mask(causal, window)
+
+
 class _Owner:
-    """What the op's body and fake look up by handle: a strategy and the mask of a call."""
+    """What the op's body and fake look up by handle: a strategy and the mask seam."""
 
     def __init__(self, kernel):
         self.strategy = RingAttention(_ctx(kernel))
-
-    def _mask(self, q, causal, seq_len, cu_seqlens, window, blocks=None):
-        return Mask(causal, window)
+        self.masks = _Masks()
 
 
 def test_the_ops_fakes_keep_cuda_bf16():

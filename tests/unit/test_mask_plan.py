@@ -12,7 +12,8 @@ import torch
 from ds_seqpar.masks import Mask
 from ds_seqpar.sharding.layouts import make_layout
 from ds_seqpar.strategies import STRATEGIES
-from ds_seqpar.strategies.mask_plan import PlanCache, masked_plan, plain_blocks, plan_mask
+from ds_seqpar.sharding.batch_masks import KEEP, MaskPlans
+from ds_seqpar.strategies.mask_plan import masked_plan, plain_blocks, plan_mask
 
 
 def render(plan, me, src):
@@ -107,15 +108,15 @@ def test_plan_cache_builds_each_mask_once():
     def build(mask, padded):
         built.append((mask, padded))
         return object()
-    cache = PlanCache(build)
+    cache = MaskPlans()                                         # the mask seam's plans (sharding/batch_masks.py)
     docs = Mask.from_boundaries([0, 5, 16])
-    first = cache.get(docs, 16)
+    first = cache.get(docs, 16, build)
     for _ in range(5):                                          # the other layers of the model
-        assert cache.get(Mask.from_boundaries([0, 5, 16]), 16) is first
-    cache.get(docs.with_options(True, 3), 16)                   # a sliding layer: its own plan
-    cache.get(docs, 32)
+        assert cache.get(Mask.from_boundaries([0, 5, 16]), 16, build) is first
+    cache.get(docs.with_options(True, 3), 16, build)            # a sliding layer: its own plan
+    cache.get(docs, 32, build)
     assert len(built) == 3
-    for i in range(PlanCache.SIZE):                             # later batches push the first one out
-        cache.get(Mask(True, None, None, i + 1), 16)
-    cache.get(docs, 16)
-    assert len(built) == 3 + PlanCache.SIZE + 1
+    for i in range(KEEP):                                       # later batches push the first one out
+        cache.get(Mask(True, None, None, i + 1), 16, build)
+    cache.get(docs, 16, build)
+    assert len(built) == 3 + KEEP + 1

@@ -74,11 +74,12 @@ def test_chunked_attention_is_documents_cut_at_every_chunk():
 
 
 def test_batch_masks_know_documents_by_object_version_and_value():
-    """sp.attention's memo (sharding/masks.py): the same tensor is the same documents until written in
+    """sp.attention's memo (sp.masks, sharding/batch_masks.py): the same tensor is the same documents until written in
     place; a list by its values (the attention op receives a copy of the caller's list); None is one
     entry too."""
-    from ds_seqpar.sharding.masks import BatchMasks
-    memo = BatchMasks()
+    from ds_seqpar.comm import CommStats
+    from ds_seqpar.sharding.batch_masks import BatchMasks
+    memo = BatchMasks(None, CommStats(), 1, 1)
     cu = torch.tensor([0, 4, 8])
     first = memo.documents(cu)
     first.agree([0, 4, 8])
