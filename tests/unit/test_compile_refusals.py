@@ -10,6 +10,8 @@ from ds_seqpar.hf.linear.seams import count, layer_hooks
 
 
 class _Mixers:
+    decoding = False             # not inside generate's decode step (hf/linear/mixers.py)
+
     def where(self, module):
         return "model.layers.0.self_attn (MiniMaxLightningAttention)"
 
