@@ -28,12 +28,12 @@ graph constant anyway); ``None`` (no documents) is one entry like the others.
 
 The size policy: one constant, KEEP = 8, for each of the three maps: documents entries (the latest cu_seqlens
 objects named), masks per documents entry, plans (by mask value and length); the oldest entry goes first.
-One step uses few masks at once: a model's layer kinds (full, sliding, chunked: Gemma 3, Llama 4, gpt-oss use
-two or three) times its attention directions (a causal decoder beside a bidirectional encoder or blocked
-vision tokens), the same ones forward and backward. Eight holds a step's with room for the batch before, so
-its later layers find what its first layer built; more would only keep old batches' tensors alive. Oldest
-first, not least recently used: a hit is then one dict lookup, which every layer's call makes (moving the
-entry on each hit measured about 0.5 us more per call), and what goes is never wrong, only rebuilt: a
+One step uses few masks at once: a model's layer kinds (full beside sliding or chunked: Gemma 3, gpt-oss,
+Llama 4) times its attention directions (a causal decoder beside a bidirectional encoder or blocked vision
+tokens), the same ones forward and backward. Eight hold a step's with room for the batch before, so its later
+layers find what its first layer built; more would only keep old batches' tensors alive. Oldest first, not
+least recently used: a hit is then one dict lookup, which every layer's call makes (moving the entry on each
+hit measured about 0.5 us more per call: reports/mask_seam_cpu.md), and what goes is never wrong, only rebuilt: a
 documents entry agreed again (one all-reduce), a mask or a plan built again, identically on every rank
 since every rank makes the same calls.
 """
