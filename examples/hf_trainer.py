@@ -6,7 +6,7 @@ A tiny Llama-architecture model from a config (no hub), an embedded synthetic SF
 lengths, prompt tokens masked with -100, right padding by the collator), 2 data x 2 sequence ranks
 with the config above. With "size": 1 (or no sequence_parallel key) the same script is plain data
 parallelism: run it on 2 ranks and the logged loss, grad_norm and learning_rate per step and the
-final parameters are the same (tests/e2e/test_hf_trainer.py).
+final parameters are the same (tests/e2e/test_examples_launch.py).
 """
 import argparse
 import json

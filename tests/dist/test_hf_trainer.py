@@ -7,7 +7,7 @@ the loss is the mean over the same tokens, so the logged loss, grad_norm and lea
 and the final parameters must agree: gradient accumulation 3 (not a multiple of P), variable-length
 samples with -100 prompt masks, right padding in the sequence-parallel runs only, ZeRO 1/2/3.
 Tolerance: fp32 runs that differ only in the order of sums; 100x the few ulps observed (module doc of
-tests/e2e/test_hf_trainer.py)."""
+tests/e2e/test_examples_launch.py)."""
 import functools
 import importlib.util
 import json
@@ -63,7 +63,7 @@ _PLAIN = {}
 
 def plain_run(pool, stage, eval_samples=0, runner=None, *extra):
     """The plain data-parallel reference (size 1, micro batch 1), computed once per session: the
-    launcher test (tests/e2e/test_hf_trainer.py) compares against the same run."""
+    launcher test (tests/e2e/test_examples_launch.py) compares against the same run."""
     runner = runner or run_trainer
     key = (runner.__name__, stage, eval_samples, extra)
     if key not in _PLAIN:
