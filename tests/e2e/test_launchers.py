@@ -1,6 +1,6 @@
 """The main job under every launcher, at 4 ranks (subprocesses: slow, so tiny and few; deselect
 with ``-m "not launcher"``): deepspeed, mpirun, torchrun and no launcher (``--nprocs``) each train
-to the end; and under each, one rank failing at step 0 ends the whole job non-zero within
+to the end (under deepspeed a Hugging Face hybrid from a shipped config, wandb on); and under each, one rank failing at step 0 ends the whole job non-zero within
 seconds, its error said once with its rank. Plus: a bad config is said once per job, by rank 0, with or
 without a launcher. (A killed and a hung rank: test_failures.py.)"""
 import glob
@@ -87,17 +87,36 @@ def metrics_of(run_dir, steps):
         return rows, json.load(f)
 
 
+# what each launcher trains: the own LM under Ulysses, and under the deepspeed launcher a Hugging Face model from
+# a shipped config (random init: the Mamba2 hybrid, its SSD state maps and conv halos, docs/hybrids.md) under
+# zigzag with wandb on (offline). A dense model's --model run is the README's command, run on the pool's ranks
+# (tests/e2e/test_hf_train.py).
+HF_MODEL = ("bamba_small", "zigzag", "BambaConfig")
+
+
 @pytest.mark.parametrize("launcher", MATRIX)
 def test_launcher_trains_to_the_end(launcher, tmp_path):
     runs = tmp_path / "runs"
-    logs_wandb = launcher == "deepspeed"          # one launcher also checks the offline wandb run
-    cmd = [*LAUNCH[launcher](), "--deepspeed_config", "configs/ulysses_zero2.json", *TINY, "--run_dir", str(runs),
-           *([] if logs_wandb else ["--no_wandb"])]
+    hf = launcher == "deepspeed"
+    model, strategy, architecture = HF_MODEL if hf else (None, "ulysses", None)
+    cmd = [*LAUNCH[launcher](), "--deepspeed_config", f"configs/{strategy}_zero2.json", *TINY, "--run_dir", str(runs)]
+    if hf:
+        cmd[cmd.index("--dim"):cmd.index("--dim") + 4] = ["--model", f"configs/models/{model}.json"]
+    else:
+        cmd.append("--no_wandb")
     code, out = run(cmd)
+    port = cmd[cmd.index("--master_port") + 1] if "--master_port" in cmd else None
+    # DeepSpeed's CPU all-reduce creates a 66 MB /dev/shm buffer per rank and never removes it; the main job
+    # drops the names once every rank has mapped them (launch/env.release_deepspeed_shm)
+    leftovers = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*") if hf else []
+    for leftover in leftovers:
+        os.remove(leftover)
     assert code == 0, out[-4000:]
     _, run_config = metrics_of(runs, 2)
     assert (run_config["world_size"], run_config["sp_size"], run_config["dp_size"]) == (NPROC, 2, 2), run_config
-    if logs_wandb:
+    if hf:
+        assert not leftovers, f"the job left DeepSpeed's shared-memory buffers behind: {leftovers}"
+        assert run_config["model"]["architecture"] == architecture and run_config["strategy"] == strategy, run_config
         assert "wandb run ->" in out, out[-4000:]
         assert list((runs / os.listdir(runs)[0] / "wandb").glob("offline-run-*")), f"no offline wandb run in {runs}"
 
@@ -138,28 +157,3 @@ def test_launcher_bad_config_is_said_once_before_torch_loads(tmp_path):
     assert errors == ["ds_seqpar.train: error: sequence_parallel.strategy='stripe' is not valid (did you mean "
                       "'striped'?); choose one of: ulysses, ring, zigzag, striped, lasp"], out[-4000:]
     print(f"torchrun x{NPROC}: bad strategy said after {time.monotonic() - started:.1f}s")   # shown with -s
-
-
-@pytest.mark.skipif(shutil.which("deepspeed") is None, reason="deepspeed launcher not on PATH")
-@pytest.mark.parametrize("model,strategy,architecture", [("bamba_small", "zigzag", "BambaConfig")])
-def test_deepspeed_launcher_trains_a_hugging_face_model(tmp_path, model, strategy, architecture):
-    """--model with a shipped config (random init), wandb on (offline): the Mamba2 hybrid (SSD state
-    maps and conv halos, docs/hybrids.md) under zigzag. A dense model's --model run is the README's
-    command, run on the pool's ranks (tests/e2e/test_hf_train.py)."""
-    runs, port = tmp_path / "runs", free_port()
-    try:
-        code, out = run(["deepspeed", "--num_gpus", "2", "--master_port", str(port), "--module", "ds_seqpar.train",
-                         "--model", f"configs/models/{model}.json", "--deepspeed_config",
-                         f"configs/{strategy}_zero2.json", "--steps", "2", "--seq_len", "64", "--corpus_bytes",
-                         "65536", "--no_progress", "--run_dir", str(runs)])
-    finally:
-        # DeepSpeed's CPU all-reduce creates a 66 MB /dev/shm buffer per rank and never removes it; the
-        # main job drops the names once every rank has mapped them (launch/env.release_deepspeed_shm)
-        leftovers = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")
-        for leftover in leftovers:
-            os.remove(leftover)
-    assert code == 0, out[-4000:]
-    assert not leftovers, f"the job left DeepSpeed's shared-memory buffers behind: {leftovers}"
-    rows, config = metrics_of(runs, 2)
-    assert config["model"]["architecture"] == architecture and config["strategy"] == strategy, config
-    assert list((runs / os.listdir(runs)[0] / "wandb").glob("offline-run-*")), f"no offline wandb run under {runs}"
