@@ -129,8 +129,8 @@ def _compiled_counts(eager_calls):
 # Inductor builds C++ kernels for what surrounds the opaque ops (norms, gates, MLP, the loss): minutes of
 # compiling and lowering on this CPU. So one layer, the linear one (the attention op is compiled under
 # inductor in test_compile.py), and every case has the same per-rank shapes (16 tokens a rank: 32 at P=2,
-# 64 at P=4): the kernels' sources repeat, and with one cache directory for the test a kernel is built
-# once (the first rank takes its lock) and loaded by every other rank and round.
+# 64 at P=4): the kernels' sources repeat, and with one cache directory a kernel is built once (the first
+# rank takes its lock) and loaded by every other rank and round.
 INDUCTOR_ROUNDS = [[("qwen3_5_text", dict(size=2, strategy="ring")),
                     ("bamba", dict(size=2, strategy="zigzag", linear_strategy="ulysses"))],
                    [("bamba", dict(size=4, strategy="ulysses", lasp_comm="ring"))]]
@@ -139,24 +139,18 @@ INDUCTOR_LAYERS = {"qwen3_5_text": dict(layer_types=["linear_attention"], num_hi
 INDUCTOR_TOKENS = 16
 
 
-def inductor_vs_eager(rounds, cache_dir):
+def inductor_vs_eager(rounds):
     """[(model type, setting, worst error / bound, what, eager calls, compiled calls)]: the eager fp32
     run's error against the same applied model in fp64 bounds the inductor run's (k = 10; 1e-5 x the
     largest entry as floor, for transformers' ops that compute in fp32 whatever the dtype): inductor's
     fused kernels sum in other orders and round transcendentals differently, by the fp32 rounding the
-    eager run also makes."""
-    import os
-
+    eager run also makes. Inductor's cache is the machine's (TORCHINDUCTOR_CACHE_DIR), shared with
+    test_compile.py's inductor cases: its CPU checks and wrapper builds, seconds per rank when cold, are paid
+    once per session."""
     from ds_seqpar import comm
 
-    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir    # this test's own, fresh: its cost is the real one
     torch._inductor.config.compile_threads = 1            # no compile workers: the ranks share two cores
-    try:
-        return [_inductor_case(*cases[comm.global_rank() // setting_size(cases) % len(cases)]) for cases in rounds]
-    finally:
-        os.environ.pop("TORCHINDUCTOR_CACHE_DIR")
-        os.environ.update({} if before is None else {"TORCHINDUCTOR_CACHE_DIR": before})
+    return [_inductor_case(*cases[comm.global_rank() // setting_size(cases) % len(cases)]) for cases in rounds]
 
 
 def _inductor_case(model_type, setting):
@@ -175,8 +169,8 @@ def _inductor_case(model_type, setting):
     return model_type, setting, ratios[worst], worst, eager[3], got[3]
 
 
-def test_applied_hybrids_compile_fullgraph_under_inductor(pool, tmp_path):
-    results = pool.run(inductor_vs_eager, INDUCTOR_ROUNDS, str(tmp_path / "inductor"), timeout=600)
+def test_applied_hybrids_compile_fullgraph_under_inductor(pool):
+    results = pool.run(inductor_vs_eager, INDUCTOR_ROUNDS, timeout=600)
     for rank, rows in enumerate(results):
         assert len(rows) == len(INDUCTOR_ROUNDS)
         for model_type, setting, ratio, what, eager_calls, compiled_calls in rows:
