@@ -107,10 +107,26 @@ def _latest(save_dir: str) -> str:
 
 
 def maybe_save(engine, opts, step_done: int) -> None:
-    """Save after ``step_done`` steps when the interval (or the last step) says so."""
+    """Save after ``step_done`` steps when the interval (or the last step) says so.
+
+    ``latest`` names a tag only once every rank has written its files. DeepSpeed's own ``latest`` is written by
+    rank 0 before the save's closing barrier, so a rank killed while saving (a lost host) left it naming a tag
+    without that rank's optimizer partition, and the restart's --resume failed on the missing file. Here the
+    save's barrier comes first, then rank 0 replaces ``latest`` in one rename."""
     if opts.save_dir and opts.save_interval and (step_done % opts.save_interval == 0 or step_done == opts.steps):
-        engine.save_checkpoint(opts.save_dir, tag=f"step{step_done}",
+        tag = f"step{step_done}"
+        engine.save_checkpoint(opts.save_dir, tag=tag, save_latest=False,
                                client_state={"step": step_done, "seq_len": opts.seq_len, "seed": opts.seed})
+        if comm.global_rank() == 0:
+            write_latest(opts.save_dir, tag)
+
+
+def write_latest(save_dir: str, tag: str) -> None:
+    """``save_dir/latest`` = ``tag``, replaced atomically (a reader sees the old tag or the new one)."""
+    tmp = os.path.join(save_dir, "latest.partial")
+    with open(tmp, "w") as f:
+        f.write(tag)
+    os.replace(tmp, os.path.join(save_dir, "latest"))
 
 
 __all__ = ["maybe_save", "resume", "to_universal", "universal_tag"]

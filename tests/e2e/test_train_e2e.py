@@ -144,6 +144,43 @@ def test_checkpoint_resume_reproduces_losses(pool, tmp_path, stage):
         assert_close_losses(r["losses"], w["losses"][2:], f"rank {r['rank']} resumed at step 2")
 
 
+def _train_with_a_slow_saver(args):
+    """The main job with every rank but 0 writing its ZeRO files a second late: what ``latest`` named when rank 1
+    was about to write its own files (a rank killed then leaves only what was written before)."""
+    import time
+    from unittest import mock
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from ds_seqpar import comm
+    from ds_seqpar.train import run_training
+    real, seen = DeepSpeedEngine._save_zero_checkpoint, []
+
+    def slow(engine, save_dir, tag):
+        if comm.global_rank() != 0:
+            time.sleep(1.0)
+            latest = os.path.join(save_dir, "latest")
+            seen.append((tag, open(latest).read().strip() if os.path.exists(latest) else None))
+        return real(engine, save_dir, tag)
+
+    with mock.patch.object(DeepSpeedEngine, "_save_zero_checkpoint", slow):
+        run_training(args)
+    return seen
+
+
+def test_latest_names_a_checkpoint_only_once_every_rank_wrote_it(pool, tmp_path):
+    """A rank killed while saving must not leave ``latest`` naming a tag without its files (--resume would fail on
+    the missing optimizer partition): while rank 1-3 have not written theirs, ``latest`` names the previous tag."""
+    ds = shipped_config("zigzag")
+    save = str(tmp_path / "ckpt")
+    seen = pool.run(_train_with_a_slow_saver, dict(TINY, deepspeed_config=ds, steps=2, run_dir=str(tmp_path / "runs"),
+                                                   save_dir=save, save_interval=1))
+    for rank, rows in enumerate(seen[1:], start=1):
+        assert rows == [("step1", None), ("step2", "step1")], f"rank {rank}: (saving, latest) {rows}"
+    with open(os.path.join(save, "latest")) as f:
+        assert f.read() == "step2"
+
+
 BAD = [
     ({"strategy": "foo"}, "sequence_parallel.strategy='foo' is not valid"),
     ({"sp_size": 3}, "sequence_parallel.size=3 does not divide the world size 4"),
