@@ -1,7 +1,7 @@
 """The main job under every launcher, at 4 ranks (subprocesses: slow, so tiny and few; deselect
 with ``-m "not launcher"``): deepspeed, mpirun, torchrun and no launcher (``--nprocs``) each train
-to the end (under deepspeed a Hugging Face hybrid from a shipped config, wandb on); and under each, one rank failing at step 0 ends the whole job non-zero within
-seconds, its error said once with its rank. Plus: a bad config is said once per job, by rank 0, with or
+to the end (under deepspeed a Hugging Face hybrid from a shipped config, wandb on); and under each, one
+rank failing at step 0 ends the whole job non-zero within seconds, its error said once with its rank. Plus: a bad config is said once per job, by rank 0, with or
 without a launcher. (A killed and a hung rank: test_failures.py.)"""
 import glob
 import json
@@ -21,8 +21,8 @@ pytestmark = pytest.mark.launcher
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 NPROC = 4
-TINY = ["--steps", "2", "--seq_len", "64", "--dim", "32", "--n_layers", "2", "--corpus_bytes", "262144",
-        "--no_progress"]
+SHORT = ["--steps", "2", "--seq_len", "64", "--corpus_bytes", "262144", "--no_progress"]
+TINY = [*SHORT, "--dim", "32", "--n_layers", "2"]      # the own LM
 FAST_EXIT_S = 30          # from the fault to the end of the job
 FAULT_TIMEOUT_S = 60      # the collective timeout of the failure runs: waiting for it would fail FAST_EXIT_S
 
@@ -91,32 +91,31 @@ def metrics_of(run_dir, steps):
 # a shipped config (random init: the Mamba2 hybrid, its SSD state maps and conv halos, docs/hybrids.md) under
 # zigzag with wandb on (offline). A dense model's --model run is the README's command, run on the pool's ranks
 # (tests/e2e/test_hf_train.py).
-HF_MODEL = ("bamba_small", "zigzag", "BambaConfig")
+JOB = {"deepspeed": ["--model", "configs/models/bamba_small.json", "--deepspeed_config", "configs/zigzag_zero2.json",
+                     *SHORT]}
+OWN_LM_JOB = ["--deepspeed_config", "configs/ulysses_zero2.json", *TINY, "--no_wandb"]
 
 
 @pytest.mark.parametrize("launcher", MATRIX)
 def test_launcher_trains_to_the_end(launcher, tmp_path):
     runs = tmp_path / "runs"
     hf = launcher == "deepspeed"
-    model, strategy, architecture = HF_MODEL if hf else (None, "ulysses", None)
-    cmd = [*LAUNCH[launcher](), "--deepspeed_config", f"configs/{strategy}_zero2.json", *TINY, "--run_dir", str(runs)]
-    if hf:
-        cmd[cmd.index("--dim"):cmd.index("--dim") + 4] = ["--model", f"configs/models/{model}.json"]
-    else:
-        cmd.append("--no_wandb")
-    code, out = run(cmd)
-    port = cmd[cmd.index("--master_port") + 1] if "--master_port" in cmd else None
-    # DeepSpeed's CPU all-reduce creates a 66 MB /dev/shm buffer per rank and never removes it; the main job
-    # drops the names once every rank has mapped them (launch/env.release_deepspeed_shm)
-    leftovers = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*") if hf else []
-    for leftover in leftovers:
-        os.remove(leftover)
+    cmd = [*LAUNCH[launcher](), *JOB.get(launcher, OWN_LM_JOB), "--run_dir", str(runs)]
+    try:
+        code, out = run(cmd)
+    finally:
+        # DeepSpeed's CPU all-reduce creates a 66 MB /dev/shm buffer per rank and never removes it; the main job
+        # drops the names once every rank has mapped them (launch/env.release_deepspeed_shm)
+        port = cmd[cmd.index("--master_port") + 1] if hf else None
+        leftovers = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*") if hf else []
+        for leftover in leftovers:
+            os.remove(leftover)
     assert code == 0, out[-4000:]
     _, run_config = metrics_of(runs, 2)
     assert (run_config["world_size"], run_config["sp_size"], run_config["dp_size"]) == (NPROC, 2, 2), run_config
     if hf:
         assert not leftovers, f"the job left DeepSpeed's shared-memory buffers behind: {leftovers}"
-        assert run_config["model"]["architecture"] == architecture and run_config["strategy"] == strategy, run_config
+        assert run_config["model"]["architecture"] == "BambaConfig" and run_config["strategy"] == "zigzag", run_config
         assert "wandb run ->" in out, out[-4000:]
         assert list((runs / os.listdir(runs)[0] / "wandb").glob("offline-run-*")), f"no offline wandb run in {runs}"
 

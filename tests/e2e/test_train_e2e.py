@@ -159,13 +159,19 @@ def _train_with_a_slow_saver(args):
     def slow(engine, save_dir, tag):
         if comm.global_rank() != 0:
             time.sleep(1.0)
-            latest = os.path.join(save_dir, "latest")
-            seen.append((tag, open(latest).read().strip() if os.path.exists(latest) else None))
+            seen.append((tag, _read(os.path.join(save_dir, "latest"))))
         return real(engine, save_dir, tag)
 
     with mock.patch.object(DeepSpeedEngine, "_save_zero_checkpoint", slow):
         run_training(args)
     return seen
+
+
+def _read(path):
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return f.read().strip()
 
 
 def test_latest_names_a_checkpoint_only_once_every_rank_wrote_it(pool, tmp_path):
@@ -177,8 +183,7 @@ def test_latest_names_a_checkpoint_only_once_every_rank_wrote_it(pool, tmp_path)
                                                    save_dir=save, save_interval=1))
     for rank, rows in enumerate(seen[1:], start=1):
         assert rows == [("step1", None), ("step2", "step1")], f"rank {rank}: (saving, latest) {rows}"
-    with open(os.path.join(save, "latest")) as f:
-        assert f.read() == "step2"
+    assert _read(os.path.join(save, "latest")) == "step2"
 
 
 BAD = [
