@@ -239,6 +239,8 @@ def _measure_under_launcher(args, spec: BenchSpec):
     if args.device == "cuda":
         import torch
         torch.cuda.set_device(local_device(os.environ, torch.cuda.device_count()))   # nccl object collectives use it
+    from ..deepspeed_shm import skip_deepspeed_shm_op
+    skip_deepspeed_shm_op()
     deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo", auto_mpi_discovery=False)
     if args.device == "cpu":
         import torch

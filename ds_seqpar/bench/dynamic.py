@@ -87,6 +87,8 @@ def bench_rank(args) -> Dict[str, Any]:
     from ..cost.model_shape import ModelShape
     from ..schedule import rank_work
     from ..train import data
+    from ..deepspeed_shm import skip_deepspeed_shm_op
+    skip_deepspeed_shm_op()
     deepspeed.init_distributed(dist_backend="gloo")
     table = cases(args.P, args.max_tokens_per_rank)
     cap, tokens = args.P * args.max_tokens_per_rank, data.stdlib_corpus(1 << 20)

@@ -42,6 +42,7 @@ import torch
 
 from .. import comm
 from ..config import ConfigError, SequenceParallelConfig
+from ..deepspeed_shm import skip_deepspeed_shm_op
 from ..sequence_parallel import SequenceParallel
 from . import trainer_generate, trl_rollouts, trl_support
 from .apply import apply_sequence_parallel
@@ -53,6 +54,10 @@ from .trainer_batches import check_group_batch, drop_right_padding, replica_batc
 from .trl_rows import WholeRowScoring
 from .vision import has_vision_inputs, rope_positions
 from .wandb_run import one_wandb_run, run_config_callback
+
+# TrainingArguments starts DeepSpeed's comm backend (through accelerate) before any trainer exists, so the
+# shared-memory op that training never uses (launch/env.skip_deepspeed_shm_op) is skipped on import here
+skip_deepspeed_shm_op()
 
 
 class SequenceParallelMixin:

@@ -317,24 +317,5 @@ def local_device(env: Mapping[str, str], device_count: int) -> int:
     return cuda_device(int(env.get("LOCAL_RANK", 0)), int(local_world) if local_world else None, device_count)
 
 
-def deepspeed_shm_buffer(env: Mapping[str, str], uid: Optional[int] = None) -> str:
-    """The /dev/shm file DeepSpeed's CPU shared-memory all-reduce (its shm comm op) creates for this
-    rank at init_distributed and never removes: 66 MB of RAM per rank per job, until reboot."""
-    uid = os.getuid() if uid is None else uid
-    return (f"/dev/shm/deepspeed_allreduce_buffer_{uid}_{env.get('MASTER_ADDR')}_{env.get('MASTER_PORT')}_"
-            f"{env.get('RANK')}")
-
-
-def release_deepspeed_shm(env: Mapping[str, str]) -> bool:
-    """Unlink this rank's DeepSpeed shm buffer name. Call it once every rank is past
-    init_distributed (a barrier): each has then mapped its peers' buffers, and a mapping outlives
-    the name, so the all-reduce keeps working and the memory goes back when the job ends."""
-    path = deepspeed_shm_buffer(env)
-    if os.path.exists(path):
-        os.unlink(path)
-        return True
-    return False
-
-
-__all__ = ["Launch", "LaunchError", "READERS", "deepspeed_shm_buffer", "release_deepspeed_shm", "cuda_device", "detect", "first_host", "free_port",
+__all__ = ["Launch", "LaunchError", "READERS", "cuda_device", "detect", "first_host", "free_port",
            "launch_env", "local_device", "mpi_rank0_host", "rank_env", "slurm_tasks_on_node", "under_launcher"]

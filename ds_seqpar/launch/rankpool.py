@@ -27,7 +27,9 @@ def _worker(rank: int, world: int, port: int, timeout_s: float, threads: int, ta
     import torch
     torch.set_num_threads(threads)
     from ds_seqpar import comm
+    from ds_seqpar.deepspeed_shm import skip_deepspeed_shm_op
     comm.init_local(rank, world, port, timeout_s)
+    skip_deepspeed_shm_op()         # before any task starts DeepSpeed's comm backend
     results.put((rank, "ready", None))
     while True:
         task = tasks.get()

@@ -112,8 +112,10 @@ def _join_world(opts, timeout_s: float) -> None:
     import datetime
     import deepspeed
     from ..launch import rendezvous
+    from ..deepspeed_shm import skip_deepspeed_shm_op
     from ..launch.env import local_device
     fresh = not comm.is_initialized()
+    shm_skipped = skip_deepspeed_shm_op()
     if torch.cuda.is_available():
         # before the process group: NCCL binds its communicator to the current device
         torch.cuda.set_device(local_device(os.environ, torch.cuda.device_count()))
@@ -129,10 +131,10 @@ def _join_world(opts, timeout_s: float) -> None:
         deepspeed.init_distributed(dist_backend=comm.backend_name())   # adopt the existing world
     # while every host is reachable: the failure path names the hosts of lost ranks, run.json records them
     hosts.gather()
-    if not torch.cuda.is_available():
-        # DeepSpeed's CPU all-reduce leaves a 66 MB /dev/shm file per rank behind every job; once
-        # every rank has mapped its peers' (the barrier) the names can go
-        from ..launch.env import release_deepspeed_shm
+    if not torch.cuda.is_available() and not shm_skipped:
+        # kept by DS_SEQPAR_DEEPSPEED_SHM=1: DeepSpeed's CPU all-reduce leaves a 66 MB /dev/shm file per
+        # rank behind every job; once every rank has mapped its peers' (the barrier) the names can go
+        from ..deepspeed_shm import release_deepspeed_shm
         comm.barrier()
         release_deepspeed_shm(os.environ)
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from contextlib import contextmanager
 from typing import Optional
@@ -93,13 +94,16 @@ def wandb_env(enabled: bool, name: str, group: str, tags: list, run_dir: Optiona
         yield
 
 
+def _started_wandb():
+    """wandb if this process imported it (DeepSpeed's wandb monitor does, to start a run), else None: a run
+    with wandb off does not pay its import (a second per rank)."""
+    return sys.modules.get("wandb")
+
+
 def attach_wandb(config: dict) -> Optional[str]:
     """Add our config to the run DeepSpeed started; return the run directory (None: no run)."""
-    try:
-        import wandb
-    except ImportError:
-        return None
-    if wandb.run is None:
+    wandb = _started_wandb()
+    if wandb is None or wandb.run is None:
         return None
     wandb.run.config.update(config, allow_val_change=True)
     wandb.define_metric("train/*", step_metric="train/step")
@@ -118,11 +122,8 @@ def wandb_offline() -> bool:
 
 
 def wandb_finish() -> None:
-    try:
-        import wandb
-    except ImportError:
-        return
-    if wandb.run is not None:
+    wandb = _started_wandb()
+    if wandb is not None and wandb.run is not None:
         wandb.finish()
 
 

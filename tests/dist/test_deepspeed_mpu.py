@@ -165,3 +165,26 @@ def test_deepspeed_counts_replicas_in_train_batch_size(pool):
     every rank (1 x 1 x 4) is refused by DeepSpeed itself, on every rank, before any step."""
     results = pool.run(_direct_sp_training, {"stage": 2}, dict(MICRO_DP, train_batch_size=4))
     assert all("4 != 1 * 1 * 2" in r.get("refused", "") for r in results), results
+
+
+def _deepspeed_comm_without_its_shm_op():
+    import glob
+    import os
+
+    import deepspeed
+    from deepspeed.comm import comm as ds_comm
+
+    from ds_seqpar import comm
+    from ds_seqpar.deepspeed_shm import deepspeed_shm_buffer
+    deepspeed.init_distributed(dist_backend="gloo")
+    x = torch.full((3,), float(comm.global_rank() + 1), dtype=torch.float32)
+    deepspeed.comm.inference_all_reduce(x)          # the one verb that would use the op: the group's sum
+    return ds_comm.cdb.shm_comm_op is None, glob.glob(deepspeed_shm_buffer(os.environ)), x.tolist()
+
+
+def test_deepspeed_comm_starts_without_its_shm_op_and_still_sums(pool):
+    # the pool's ranks skip DeepSpeed's CPU shared-memory op (ds_seqpar/deepspeed_shm.py): not built, no
+    # /dev/shm file; DeepSpeed's inference all-reduce then takes the process group's path
+    for rank, (skipped, buffers, summed) in enumerate(pool.run(_deepspeed_comm_without_its_shm_op)):
+        assert skipped and buffers == [], (rank, skipped, buffers)
+        assert summed == [10.0] * 3, (rank, summed)

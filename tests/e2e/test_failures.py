@@ -7,7 +7,7 @@ import pytest
 
 from ds_seqpar.train import faults
 
-from .test_launchers import FAST_EXIT_S, LAUNCH, MATRIX, TINY, config, run_with_fault
+from .test_launchers import FAST_EXIT_S, FAULT_NPROC, LAUNCH, MATRIX, TINY, config, run_with_fault
 
 HANG_TIMEOUT_S = 10
 
@@ -15,8 +15,8 @@ HANG_TIMEOUT_S = 10
 @pytest.mark.launcher
 def test_killed_rank_ends_the_job_and_is_named(tmp_path):
     # no launcher: spawn_local is the launcher here, and says which rank died
-    cmd = [*LAUNCH["nprocs"](), "--deepspeed_config", config(tmp_path, timeout_s=60), *TINY, "--no_wandb",
-           "--run_dir", str(tmp_path / "runs")]
+    cmd = [*LAUNCH["nprocs"](FAULT_NPROC), "--deepspeed_config", config(tmp_path, timeout_s=60), *TINY,
+           "--no_wandb", "--run_dir", str(tmp_path / "runs")]
     code, out, secs = run_with_fault(cmd, "1:0:kill")
     assert code == 128 + 9, out[-3000:]
     assert "ds_seqpar.train: rank 1 was killed by SIGKILL" in out, out[-3000:]
@@ -26,8 +26,8 @@ def test_killed_rank_ends_the_job_and_is_named(tmp_path):
 @pytest.mark.launcher
 @pytest.mark.parametrize("launcher", [p for p in MATRIX if p.values == ("mpirun",)])
 def test_hung_rank_is_named_and_the_run_stops_within_the_timeout(launcher, tmp_path):
-    cmd = [*LAUNCH[launcher](), "--deepspeed_config", config(tmp_path, timeout_s=HANG_TIMEOUT_S), *TINY,
-           "--no_wandb", "--run_dir", str(tmp_path / "runs")]
+    cmd = [*LAUNCH[launcher](FAULT_NPROC), "--deepspeed_config", config(tmp_path, timeout_s=HANG_TIMEOUT_S),
+           *TINY, "--no_wandb", "--run_dir", str(tmp_path / "runs")]
     code, out, secs = run_with_fault(cmd, "1:0:hang")
     assert code != 0, out[-3000:]
     # rank 0 names the ranks missing from its monitored barrier: the hung one among them

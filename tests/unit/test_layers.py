@@ -1,7 +1,7 @@
 """The layer rule, read from the source with ``ast`` (nothing is imported):
 
-- the core (config, errors, sequence_parallel, topology, comm, loss, logprobs, zero, masks, sharding, strategies,
-  kernels, memory, schedule, dynamic, step_stats, ops, and cost: the cost model, which the runtime's
+- the core (config, errors, sequence_parallel, topology, comm, loss, logprobs, zero, deepspeed_shm, masks, sharding,
+  strategies, kernels, memory, schedule, dynamic, step_stats, ops, and cost: the cost model, which the runtime's
   scheduler prices documents with and the planner and bench read) imports nothing from models, launch,
   train, bench, report, hf or plan;
 - models, launch and hf import the core only; train the core, models, launch and hf; bench those,
@@ -29,7 +29,7 @@ import ds_seqpar
 PACKAGE = "ds_seqpar"
 CORE = frozenset({"config", "errors", "sequence_parallel", "topology", "comm", "loss", "logprobs", "zero",
                   "sharding", "strategies", "kernels", "memory", "masks", "schedule", "dynamic", "step_stats", "ops",
-                  "cost"})
+                  "cost", "deepspeed_shm"})
 TOOLS = frozenset({"models", "launch", "train", "bench", "report", "hf", "plan", "dashboard"})
 # layer -> the layers it may import besides itself ("report.plotting": that one module of report)
 ALLOWED = {
