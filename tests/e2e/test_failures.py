@@ -32,7 +32,10 @@ def test_hung_rank_is_named_and_the_run_stops_within_the_timeout(launcher, tmp_p
     assert code != 0, out[-3000:]
     # rank 0 names the ranks missing from its monitored barrier: the hung one among them
     assert re.search(r"rank\(s\) (\d+, )*1(, \d+)* stopped responding", out), out[-3000:]
-    assert f"Timed out waiting {HANG_TIMEOUT_S * 1000}ms" in out, out[-3000:]
+    # gloo's own words for the timeout: the monitored wait's (at 4 ranks, seen every run) or the pair's closure
+    # (at 2 ranks the peer's pair may time out first; seen on a fresh machine's run)
+    timed_out = f"Timed out waiting {HANG_TIMEOUT_S * 1000}ms" in out or "Application timeout caused pair closure" in out
+    assert timed_out and "sequence_parallel.timeout_s bounds the wait" in out, out[-3000:]
     assert secs < HANG_TIMEOUT_S + FAST_EXIT_S, f"took {secs:.0f}s after the hang"
 
 
