@@ -10,7 +10,7 @@ import torch
 from ds_seqpar import SequenceParallel
 from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind
 
-from ..dist_checks import global_inputs
+from ..dist_checks import assert_each_config_checked, global_inputs, group_shares
 from ..reference import assert_shards_close, masked_attention_with_grads
 
 HEAD_DIM = 8
@@ -25,17 +25,17 @@ HEADS = ((4, 4), (4, 2))
 
 
 def _check_blocks(cfgs):
-    counts = []
-    for cfg in cfgs:
-        sp = SequenceParallel(cfg)
-        n = 0
-        for seq, real, window, bounds, blocks in CASES:
-            for heads, kv_heads in HEADS:
-                q, k, v, dout = global_inputs(seq + kv_heads, 1, seq, heads, kv_heads, HEAD_DIM)
-                scale = HEAD_DIM ** -0.5
-                kw = dict(window=window, bounds=bounds, blocks=blocks)
-                ref64 = masked_attention_with_grads(q, k, v, dout, True, scale, torch.float64, **kw)
-                plain = masked_attention_with_grads(q, k, v, dout, True, scale, torch.float32, **kw)
+    """{config index: cases checked} of this rank's group_shares; each case's references computed once."""
+    shares = group_shares(cfgs)
+    counts = {i: 0 for i, _, _ in shares}
+    for seq, real, window, bounds, blocks in CASES:
+        for heads, kv_heads in HEADS:
+            q, k, v, dout = global_inputs(seq + kv_heads, 1, seq, heads, kv_heads, HEAD_DIM)
+            scale = HEAD_DIM ** -0.5
+            kw = dict(window=window, bounds=bounds, blocks=blocks)
+            ref64 = masked_attention_with_grads(q, k, v, dout, True, scale, torch.float64, **kw)
+            plain = masked_attention_with_grads(q, k, v, dout, True, scale, torch.float32, **kw)
+            for i, cfg, sp in shares:
                 q_l, k_l, v_l = (sp.shard(t).detach().requires_grad_() for t in (q, k, v))
                 sp.stats.reset()
                 out_l = sp.attention(q_l, k_l, v_l, causal=True, softmax_scale=scale, seq_len=real,
@@ -49,8 +49,7 @@ def _check_blocks(cfgs):
                 want = closed_form_by_kind(sp.config.strategy, sp.size, shapes, sp.rank, sp.config.ulysses_size,
                                            cu_seqlens=bounds, window=window, blocks=blocks)
                 assert sent == want, f"{case}: bytes {sent} != closed form {want}"
-                n += 1
-        counts.append(n)
+                counts[i] += 1
     return counts
 
 
@@ -59,8 +58,7 @@ def test_bidirectional_blocks_match_dense_reference(pool, size):
     cfgs = [{"strategy": s, "size": size} for s in ("ulysses", "ring", "zigzag", "striped")]
     if size == 4:
         cfgs.append({"strategy": "zigzag", "size": 4, "ulysses_size": 2})
-    for counts in pool.run(_check_blocks, cfgs):
-        assert counts == [len(CASES) * len(HEADS)] * len(cfgs), counts
+    assert_each_config_checked(pool.run(_check_blocks, cfgs), cfgs, len(CASES) * len(HEADS))
 
 
 def _bad_blocks():

@@ -18,6 +18,7 @@ from torch import nn
 from ds_seqpar import SequenceParallel, ops
 from ds_seqpar.kernels.linear.naive import linear_attention_reference
 
+from ..dist_checks import assert_each_config_checked, group_shares
 from ..reference import assert_derived_close, dense_attention
 from .test_lasp import scan_blocks_of
 
@@ -141,9 +142,8 @@ def _compiled_blocks(cfgs, backend, linear, kv_heads=KV_HEADS):
     cu = torch.tensor(BOUNDS)
     ref64, plain = (run_block(Block(_dense_linear if linear else _dense, linear, kv_heads).to(dtype),
                               ([x.to(dtype)], cu), dout.to(dtype)) for dtype in (torch.float64, torch.float32))
-    done = []
-    for cfg in cfgs:
-        sp = SequenceParallel(cfg)
+    done = {}
+    for i, cfg, sp in group_shares(cfgs):
         check_fakes(sp, linear, kv_heads)
         module = Block(sp.linear_attention if linear else sp.attention, linear, kv_heads)
         inputs, dout_l = ([sp.shard(x)], cu), sp.shard(dout)
@@ -155,7 +155,7 @@ def _compiled_blocks(cfgs, backend, linear, kv_heads=KV_HEADS):
         run_block(module, inputs, dout_l)
         assert compiled == _stats(sp), f"{cfg}: compiled sp.stats {compiled} != eager {_stats(sp)}"
         assert compiled, f"{cfg}: nothing counted"
-        done.append(cfg["strategy"])
+        done[i] = 1
     return done
 
 
@@ -167,8 +167,7 @@ LINEAR_SWEEP = {p: [{"strategy": "lasp", "size": p, "lasp_comm": c} for c in ("a
 
 @pytest.mark.parametrize("size", [2, 4])
 def test_attention_compiles_fullgraph_and_matches_dense_reference(pool, size):
-    for done in pool.run(_compiled_blocks, SWEEP[size], "aot_eager", False):
-        assert done == [c["strategy"] for c in SWEEP[size]]
+    assert_each_config_checked(pool.run(_compiled_blocks, SWEEP[size], "aot_eager", False), SWEEP[size], 1)
 
 
 # Ulysses in head chunks (the hybrid's Ulysses half at 4 ranks): with 4 k/v heads a rank of a Ulysses group
@@ -179,14 +178,13 @@ CHUNKED = {2: [{"strategy": "ulysses", "size": 2, "ulysses_chunks": 2}],
 
 @pytest.mark.parametrize("size", [2, 4])
 def test_ulysses_head_chunks_compile_fullgraph_and_match_dense_reference(pool, size):
-    for done in pool.run(_compiled_blocks, CHUNKED[size], "aot_eager", False, HEADS):
-        assert done == [c["strategy"] for c in CHUNKED[size]]
+    assert_each_config_checked(pool.run(_compiled_blocks, CHUNKED[size], "aot_eager", False, HEADS), CHUNKED[size], 1)
 
 
 @pytest.mark.parametrize("size", [2, 4])
 def test_linear_attention_compiles_fullgraph_and_matches_reference(pool, size):
-    for done in pool.run(scan_blocks_of, _compiled_blocks, LINEAR_SWEEP[size], "aot_eager", True):
-        assert done == ["lasp"] * len(LINEAR_SWEEP[size])
+    assert_each_config_checked(pool.run(scan_blocks_of, _compiled_blocks, LINEAR_SWEEP[size], "aot_eager", True),
+                               LINEAR_SWEEP[size], 1)
 
 
 # -- inductor: one module per size, both ops in one graph ------------------------------------------

@@ -10,7 +10,7 @@ import torch
 from ds_seqpar import SequenceParallel
 from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind
 
-from ..dist_checks import global_inputs
+from ..dist_checks import assert_each_config_checked, global_inputs, group_shares
 from ..reference import assert_derived_close, assert_shards_close, masked_attention_with_grads, pairs_per_query_set
 from .test_ring import counted_fwd_bwd
 
@@ -30,19 +30,20 @@ LONG_CASES = [(640, None, 260, None, True, None), (640, None, 270, 2.0, False, [
 
 
 def _check_masks(cfgs, cases=MASK_CASES):
-    counts = []
-    for cfg in cfgs:
-        sp = SequenceParallel(cfg)
-        n = 0
-        for seq, real, window, softcap, use_sinks, bounds in cases:
-            for causal in (True, False):
-                for heads, kv_heads in HEADS:
-                    q, k, v, dout = global_inputs(seq + heads + kv_heads, 1, seq, heads, kv_heads, HEAD_DIM)
-                    sinks = SINKS[:heads].clone() if use_sinks else None
-                    scale = HEAD_DIM ** -0.5
-                    kw = dict(window=window, softcap=softcap, sinks=sinks, bounds=bounds)
-                    ref64 = masked_attention_with_grads(q, k, v, dout, causal, scale, torch.float64, **kw)
-                    plain = masked_attention_with_grads(q, k, v, dout, causal, scale, torch.float32, **kw)
+    """{config index: cases checked} of this rank's group_shares; each case's references are computed once
+    and checked against every config."""
+    shares = group_shares(cfgs)
+    counts = {i: 0 for i, _, _ in shares}
+    for seq, real, window, softcap, use_sinks, bounds in cases:
+        for causal in (True, False):
+            for heads, kv_heads in HEADS:
+                q, k, v, dout = global_inputs(seq + heads + kv_heads, 1, seq, heads, kv_heads, HEAD_DIM)
+                sinks = SINKS[:heads].clone() if use_sinks else None
+                scale = HEAD_DIM ** -0.5
+                kw = dict(window=window, softcap=softcap, sinks=sinks, bounds=bounds)
+                ref64 = masked_attention_with_grads(q, k, v, dout, causal, scale, torch.float64, **kw)
+                plain = masked_attention_with_grads(q, k, v, dout, causal, scale, torch.float32, **kw)
+                for i, cfg, sp in shares:
                     q_l, k_l, v_l = (sp.shard(t).detach().requires_grad_() for t in (q, k, v))
                     s_l = None if sinks is None else sinks.clone().requires_grad_()
                     out_l = sp.attention(q_l, k_l, v_l, causal=causal, softmax_scale=scale, seq_len=real,
@@ -55,8 +56,7 @@ def _check_masks(cfgs, cases=MASK_CASES):
                         total = s_l.grad.clone()          # each rank holds its share (its rows / heads)
                         torch.distributed.all_reduce(total, group=sp.group)
                         assert_derived_close(f"{case} dsinks", total, ref64[4], plain[4])
-                    n += 1
-        counts.append(n)
+                    counts[i] += 1
     return counts
 
 
@@ -66,8 +66,7 @@ def test_masks_and_score_modifiers_match_dense_reference(pool, size):
     if size == 4:
         cfgs += [{"strategy": "zigzag", "size": 4, "ulysses_size": 2},
                  {"strategy": "ring", "size": 4, "overlap": False}]
-    for counts in pool.run(_check_masks, cfgs):
-        assert counts == [len(MASK_CASES) * 2 * len(HEADS)] * len(cfgs), counts
+    assert_each_config_checked(pool.run(_check_masks, cfgs), cfgs, len(MASK_CASES) * 2 * len(HEADS))
 
 
 @pytest.mark.parametrize("size", [2, 4])
@@ -75,8 +74,7 @@ def test_long_windows_cut_into_key_columns_match_dense_reference(pool, size):
     cfgs = [{"strategy": s, "size": size} for s in ("ulysses", "ring", "zigzag")]
     if size == 4:
         cfgs.append({"strategy": "zigzag", "size": 4, "ulysses_size": 2})
-    for counts in pool.run(_check_masks, cfgs, LONG_CASES):
-        assert counts == [len(LONG_CASES) * 2 * len(HEADS)] * len(cfgs), counts
+    assert_each_config_checked(pool.run(_check_masks, cfgs, LONG_CASES), cfgs, len(LONG_CASES) * 2 * len(HEADS))
 
 
 # -- work and bytes follow the window -------------------------------------------------------------

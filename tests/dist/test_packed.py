@@ -10,7 +10,7 @@ import torch
 from ds_seqpar import SequenceParallel
 from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind
 
-from ..dist_checks import global_inputs
+from ..dist_checks import assert_each_config_checked, global_inputs, group_shares
 from ..reference import assert_shards_close, packed_attention_with_grads, pairs_per_query_set
 from .test_ring import counted_fwd_bwd
 
@@ -25,25 +25,26 @@ SOFTMAX = ("ulysses", "ring", "zigzag", "striped")
 
 def _check_packed(cfgs, doc_cases=DOC_CASES, head_cases=HEAD_CASES):
     """Every (config, documents, causal, heads) case: out, dq, dk, dv vs the float64 per-document
-    reference with the derived tolerance. Returns the number of cases checked per config."""
-    counts = []
-    for cfg in cfgs:
-        sp = SequenceParallel(cfg)
-        n = 0
-        for seq, bounds in doc_cases:
-            for causal, heads, kv_heads in head_cases:
-                q, k, v, dout = global_inputs(seq + heads + kv_heads, 1, seq, heads, kv_heads, HEAD_DIM)
-                scale = HEAD_DIM ** -0.5
-                ref64 = packed_attention_with_grads(q, k, v, dout, bounds, causal, scale, torch.float64)
-                plain = packed_attention_with_grads(q, k, v, dout, bounds, causal, scale, torch.float32)
+    reference with the derived tolerance. Returns {config index: cases checked} of this rank's
+    group_shares; each case's references are computed once."""
+    shares = group_shares(cfgs)
+    counts = {i: 0 for i, _, _ in shares}
+    n = 0
+    for seq, bounds in doc_cases:
+        for causal, heads, kv_heads in head_cases:
+            q, k, v, dout = global_inputs(seq + heads + kv_heads, 1, seq, heads, kv_heads, HEAD_DIM)
+            scale = HEAD_DIM ** -0.5
+            ref64 = packed_attention_with_grads(q, k, v, dout, bounds, causal, scale, torch.float64)
+            plain = packed_attention_with_grads(q, k, v, dout, bounds, causal, scale, torch.float32)
+            cu = torch.tensor(bounds, dtype=torch.int32) if n % 2 else bounds     # tensor or list
+            for i, cfg, sp in shares:
                 q_l, k_l, v_l = (sp.shard(t).detach().requires_grad_() for t in (q, k, v))
-                cu = torch.tensor(bounds, dtype=torch.int32) if n % 2 else bounds     # tensor or list
                 out_l = sp.attention(q_l, k_l, v_l, causal=causal, softmax_scale=scale, cu_seqlens=cu)
                 out_l.backward(sp.shard(dout))
                 case = f"{cfg} cu_seqlens={bounds} causal={causal} heads={heads}/{kv_heads} sp_rank={sp.rank}"
                 assert_shards_close(case, sp, out_l, (q_l, k_l, v_l), ref64, plain)
-                n += 1
-        counts.append(n)
+                counts[i] += 1
+            n += 1
     return counts
 
 
@@ -52,14 +53,12 @@ def test_packed_documents_match_per_document_reference(pool, size):
     cfgs = [{"strategy": s, "size": size} for s in SOFTMAX]
     if size == 4:
         cfgs.append({"strategy": "striped", "size": 4, "overlap": False})
-    for counts in pool.run(_check_packed, cfgs):
-        assert counts == [len(DOC_CASES) * len(HEAD_CASES)] * len(cfgs), counts
+    assert_each_config_checked(pool.run(_check_packed, cfgs), cfgs, len(DOC_CASES) * len(HEAD_CASES))
 
 
 def test_packed_documents_hybrid_match_per_document_reference(pool):
     cfgs = [{"strategy": s, "size": 4, "ulysses_size": 2} for s in ("ring", "zigzag", "striped")]
-    for counts in pool.run(_check_packed, cfgs):
-        assert counts == [len(DOC_CASES) * len(HEAD_CASES)] * len(cfgs), counts
+    assert_each_config_checked(pool.run(_check_packed, cfgs), cfgs, len(DOC_CASES) * len(HEAD_CASES))
 
 
 def test_long_documents_cut_into_kernel_tiles_stay_exact(pool):
@@ -67,8 +66,7 @@ def test_long_documents_cut_into_kernel_tiles_stay_exact(pool):
     tiles (kernels/torch_kernel.py causal_tile), merged like any sub-blocks."""
     cfgs = [{"strategy": s, "size": 2} for s in ("ulysses", "ring", "striped")]
     docs, heads = [(700, [0, 37, 700])], [(True, 2, 1)]
-    for counts in pool.run(_check_packed, cfgs, docs, heads):
-        assert counts == [1] * len(cfgs), counts
+    assert_each_config_checked(pool.run(_check_packed, cfgs, docs, heads), cfgs, 1)
 
 
 # -- work and bytes --------------------------------------------------------------------------

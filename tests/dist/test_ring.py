@@ -10,16 +10,14 @@ from ds_seqpar import SequenceParallel
 from ds_seqpar.kernels import AttentionKernel
 from ds_seqpar.strategies.closed_form import Shapes, closed_form_by_kind
 
-from ..dist_checks import HEAD_CASES, check_attention_exact, global_inputs, sharded_attention_grads
+from ..dist_checks import (HEAD_CASES, assert_each_config_checked, check_configs_exact, global_inputs,
+                           sharded_attention_grads)
 from ..reference import block_pairs, pairs_per_query_set
 
 RING_STRATEGIES = ("ring", "zigzag", "striped")
 SEQ, BATCH, HEAD_DIM, E = 64, 2, 16, 4
 
 
-def _check_many(cfgs):
-    """One pool task for several configs (each builds its own groups, a collective)."""
-    return [len(check_attention_exact(cfg)) for cfg in cfgs]
 
 
 @pytest.mark.parametrize("size", [2, 4])
@@ -27,15 +25,13 @@ def test_ring_strategies_match_single_process(pool, size):
     cfgs = [{"strategy": s, "size": size} for s in RING_STRATEGIES]
     if size == 4:
         cfgs.append({"strategy": "zigzag", "size": 4, "overlap": False})   # the non-overlapped path
-    for counts in pool.run(_check_many, cfgs):
-        assert counts == [len(HEAD_CASES)] * len(cfgs), (cfgs, counts)
+    assert_each_config_checked(pool.run(check_configs_exact, cfgs), cfgs, len(HEAD_CASES))
 
 
 @pytest.mark.parametrize("ulysses_size", [2, 4])
 def test_hybrid_matches_single_process(pool, ulysses_size):
     cfgs = [{"strategy": s, "size": 4, "ulysses_size": ulysses_size} for s in RING_STRATEGIES]
-    for counts in pool.run(_check_many, cfgs):
-        assert counts == [len(HEAD_CASES)] * len(cfgs), (cfgs, counts)
+    assert_each_config_checked(pool.run(check_configs_exact, cfgs), cfgs, len(HEAD_CASES))
 
 
 def _layout_of(cfg):
