@@ -21,6 +21,20 @@ def group_shares(cfgs):
     return [(i, cfg, sp) for i, (cfg, sp) in enumerate(zip(cfgs, sps)) if i % first.dp_size == first.dp_rank]
 
 
+def first_group_runs(sp):
+    """Whether this rank is in the world's first sequence group: a check of one case at a size below the
+    world runs there alone (the other groups would run the very same case); the others return None and
+    the test reads the first group's ranks (first_group_results)."""
+    return sp.dp_rank == 0
+
+
+def first_group_results(results, size):
+    """The results of the ranks that ran (first_group_runs): one group's, ``size`` ranks."""
+    ran = [r for r in results if r is not None]
+    assert len(ran) == size, f"{len(ran)} ranks ran, not one group of {size}: {results}"
+    return ran
+
+
 def assert_each_config_checked(results, cfgs, cases):
     """Over the ranks' {config index: cases checked}: every config checked ``cases`` times by all ranks of
     one sequence group (size ranks), none skipped."""

@@ -9,6 +9,7 @@ try it (DS_SEQPAR_UNTESTED_OK=1).
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 from importlib import metadata
@@ -27,7 +28,8 @@ def _key(version: str) -> Tuple[int, ...]:
     return tuple(int(re.match(r"\d*", part).group() or 0) for part in version.split(".")[:3])
 
 
-def installed(package: str):
+@functools.lru_cache(maxsize=None)        # a release does not change under a running process; the lookup scans
+def installed(package: str):              # the environment's distributions (ms), once per applied model before
     try:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
