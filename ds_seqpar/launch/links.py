@@ -1,6 +1,6 @@
 """Cutting this process's links to its peers, on the failure path.
 
-A rank whose collective failed waits a while to hear from its peers (comm.failure_census) before
+A rank whose collective failed waits a while to hear from its peers (train/census.py) before
 it exits. A peer blocked in a collective with it would wait the whole collective timeout to notice
 (gloo raises "Connection closed by peer" only once the socket closes), report too late to be
 heard, and be named as unresponsive although it was only waiting. Shutting this process's peer

@@ -11,6 +11,7 @@ import traceback
 from .. import comm
 from ..launch import hosts
 from ..launch.links import sever_peer_links
+from .census import failure_census
 
 
 def leave_world() -> None:
@@ -39,7 +40,7 @@ def exit_process(code: int) -> None:
 
 def fail_rank(err: BaseException) -> int:
     """This rank's failure, said by this rank. A failed collective is a peer's failure seen from
-    here: the census (comm.failure_census) finds out who is gone and where, within CENSUS_WAIT_S
+    here: the census (census.py) finds out who is gone and where, within CENSUS_WAIT_S
     on every rank. This rank's own error goes to the census too (peers name it: its log may be on
     another host) and is said here with its traceback."""
     rank = os.environ.get("RANK", "?")
@@ -52,7 +53,7 @@ def fail_rank(err: BaseException) -> int:
         # the store lives in rank 0 under most launchers: it stays a moment for peers still asking it
         return fail(code, f"ds_seqpar.train: rank {rank} failed: {what}{hint}",
                      linger_s=1.0 if rank == "0" else 0.0)
-    comm.failure_census(f"{_OWN}{_one_line(what)}", wait_s=0)
+    failure_census(f"{_OWN}{_one_line(what)}", wait_s=0)
     detail = "" if isinstance(err, KeyboardInterrupt) else traceback.format_exc()
     return fail(code, f"{detail}ds_seqpar.train: rank {rank} failed: {what}")
 
@@ -84,7 +85,7 @@ def _one_line(text: str, limit: int = 300) -> str:
 def _comm_failure_hint(what: str) -> str:
     """Who is gone and on which host, from the census: the ranks that never answered and the ranks
     that failed by themselves, or the rendezvous store's host when the store cannot be reached."""
-    census = comm.failure_census(_one_line(what), wait_s=CENSUS_WAIT_S)
+    census = failure_census(_one_line(what), wait_s=CENSUS_WAIT_S)
     me = comm.global_rank() if comm.is_initialized() else -1
     parts = []
     if census is not None and census.store_error:

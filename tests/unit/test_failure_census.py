@@ -1,12 +1,12 @@
-"""The failure path's census (comm.failure_census) and the host map (launch/hosts.py), without a
+"""The failure path's census (train/census.py) and the host map (launch/hosts.py), without a
 world: a fake store stands in for the rendezvous store. Across real hosts: tests/multinode."""
 import threading
 import time
 
 import pytest
 
-from ds_seqpar import comm
 from ds_seqpar.launch import hosts
+from ds_seqpar.train import census as census_module
 
 HOSTS = [{"host": "a", "addr": "10.0.0.1"}, {"host": "a", "addr": "10.0.0.1"},
          {"host": "b", "addr": "10.0.0.2"}, {"host": "b", "addr": "10.0.0.2"}]
@@ -31,29 +31,30 @@ class FakeStore:
 @pytest.fixture
 def world(monkeypatch):
     def use(store, rank=0, size=4):
-        monkeypatch.setattr(comm, "is_initialized", lambda: True)
-        monkeypatch.setattr(comm.dist, "get_rank", lambda: rank)
-        monkeypatch.setattr(comm.dist, "get_world_size", lambda: size)
-        monkeypatch.setattr(comm.dist.distributed_c10d, "_get_default_store", lambda: store)
+        dist = census_module.dist
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(dist, "get_rank", lambda: rank)
+        monkeypatch.setattr(dist, "get_world_size", lambda: size)
+        monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: store)
     return use
 
 
 def test_census_names_the_ranks_that_never_report(world):
     world(FakeStore({"ds_seqpar/failed/1": b"RuntimeError: timed out"}))
-    census = comm.failure_census("RuntimeError: timed out", wait_s=0.5)
+    census = census_module.failure_census("RuntimeError: timed out", wait_s=0.5)
     assert census.silent == [2, 3] and sorted(census.said) == [0, 1] and not census.store_error
 
 
 def test_census_is_bounded_when_the_store_never_answers(world):
     world(FakeStore(blocks=True), rank=2)
     start = time.monotonic()
-    census = comm.failure_census("RuntimeError: timed out", wait_s=0.5)
+    census = census_module.failure_census("RuntimeError: timed out", wait_s=0.5)
     assert time.monotonic() - start < 0.5 + 2.0 + 1.0
     assert census.store_error == "no answer within 2s" and census.silent == [0, 1, 2, 3]
 
 
 def test_no_world_no_census():
-    assert comm.failure_census("x", wait_s=0) is None
+    assert census_module.failure_census("x", wait_s=0) is None
 
 
 def test_where_groups_ranks_by_host():
