@@ -19,7 +19,7 @@ from .checks import UnsupportedModelError
 
 # package -> (lowest tested, first untested)
 TESTED: Dict[str, Tuple[str, str]] = {"transformers": ("5.23.0", "5.25.0"), "trl": ("1.16.0", "1.17.0"),
-                                      "accelerate": ("1.15.0", "1.16.0")}
+                                      "accelerate": ("1.15.0", "1.17.0")}
 OVERRIDE = "DS_SEQPAR_UNTESTED_OK"
 
 
