@@ -1,7 +1,8 @@
 """One pool of 4 CPU gloo ranks for the whole session (process start + imports are slow on 2 cores).
 
 Tests at 2 ranks use sequence_parallel.size=2 on this world, i.e. two independent sequence groups
-of 2 ranks (dp=2) that both check their results.
+of 2 ranks (dp=2): a sweep of several configs splits them between the groups, a single case runs on the
+first group alone (tests/dist_checks.py: group_shares, first_group_runs), and the rest check theirs on both.
 """
 import os
 

@@ -17,7 +17,7 @@ def group_shares(cfgs):
     configs of one call share a size. tests check the union with assert_each_config_checked."""
     sps = [SequenceParallel(cfg) for cfg in cfgs]
     first = sps[0]
-    assert all(sp.size == first.size for sp in sps), [cfg for cfg in cfgs]
+    assert all(sp.size == first.size for sp in sps), cfgs
     return [(i, cfg, sp) for i, (cfg, sp) in enumerate(zip(cfgs, sps)) if i % first.dp_size == first.dp_rank]
 
 
