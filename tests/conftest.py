@@ -20,6 +20,18 @@ def pytest_itemcollected(item):
     item.config.stash.setdefault(COLLECTED, set()).add(item.nodeid.split("::")[0])
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    # Under pytest-xdist's --dist loadgroup (setup.cfg's addopts), one worker runs every test on the session's
+    # rank pools, so the pools start once; another runs the hosts tier, whose network namespaces and addresses
+    # are fixed names; the rest (launches, unit tests) spread over the workers. Without xdist the marks are inert.
+    for item in items:
+        if {"pool", "pool2"} & set(item.fixturenames):
+            item.add_marker(pytest.mark.xdist_group("rank_pools"))
+        elif item.get_closest_marker("multinode"):
+            item.add_marker(pytest.mark.xdist_group("hosts"))
+
+
 @pytest.fixture(scope="session")
 def pool():
     from ds_seqpar.launch.rankpool import RankPool
