@@ -5,6 +5,7 @@ of 2 ranks (dp=2): a sweep of several configs splits them between the groups, a 
 first group alone (tests/dist_checks.py: group_shares, first_group_runs), and the rest check theirs on both.
 """
 import os
+import pathlib
 
 import pytest
 
@@ -22,14 +23,18 @@ def pytest_itemcollected(item):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    # Under pytest-xdist's --dist loadgroup (setup.cfg's addopts), one worker runs every test on the session's
-    # rank pools, so the pools start once; another runs the hosts tier, whose network namespaces and addresses
-    # are fixed names; the rest (launches, unit tests) spread over the workers. Without xdist the marks are inert.
+    # Under pytest-xdist's --dist loadgroup (setup.cfg's addopts: two workers) each worker that runs a test on
+    # a rank pool starts its own pools, so the pools' tests come in two groups of about equal time, one a worker:
+    # the multi-rank tier (tests/dist) and the rest (the end-to-end and tools tests that compare against the
+    # pool, and the hosts tier, whose network namespaces and addresses are fixed names: one worker runs all of
+    # it). The other tests (launches, unit tests) fill in beside them. Without xdist the marks are inert.
+    tests = pathlib.Path(__file__).parent
     for item in items:
-        if {"pool", "pool2"} & set(item.fixturenames):
-            item.add_marker(pytest.mark.xdist_group("rank_pools"))
-        elif item.get_closest_marker("multinode"):
-            item.add_marker(pytest.mark.xdist_group("hosts"))
+        folder = pathlib.Path(item.path).relative_to(tests).parts[0]
+        if folder == "multinode":
+            item.add_marker(pytest.mark.xdist_group("pools_and_hosts"))
+        elif {"pool", "pool2"} & set(item.fixturenames):
+            item.add_marker(pytest.mark.xdist_group("pools_dist" if folder == "dist" else "pools_and_hosts"))
 
 
 @pytest.fixture(scope="session")
