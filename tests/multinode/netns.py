@@ -33,7 +33,7 @@ def unavailable() -> str:
     for tool in ("ip", "unshare", "mount"):
         if shutil.which(tool) is None:
             return f"{tool} is not on PATH"
-    probe = PREFIX + "probe"
+    probe = f"{PREFIX}probe{os.getpid()}"         # each pytest-xdist worker probes at collection, at once
     made = _ip("netns", "add", probe, check=False)
     _ip("netns", "del", probe, check=False)
     if made.returncode:
