@@ -1,4 +1,5 @@
-"""One pool of 4 CPU gloo ranks for the whole session (process start + imports are slow on 2 cores).
+"""One pool of 4 CPU gloo ranks for the whole session, a session per xdist worker (process start + imports
+are slow on 2 cores).
 
 Tests at 2 ranks use sequence_parallel.size=2 on this world, i.e. two independent sequence groups
 of 2 ranks (dp=2): a sweep of several configs splits them between the groups, a single case runs on the
