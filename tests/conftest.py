@@ -13,6 +13,13 @@ import pytest
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
+# imported once by the rank pools' fork server instead of by every rank (seconds each on 2 cores): most pool
+# tests build a transformers model, Llama the most; before any pool starts (the bench and tool tests start
+# their own), so every pool in the session forks from a server that has them
+from ds_seqpar.launch import rankpool  # noqa: E402
+
+rankpool.preload("transformers.modeling_utils", "transformers.models.llama.modeling_llama")
+
 WORLD = 4
 COLLECTED = pytest.StashKey[set]()      # the test files this session collected (tests/unit/test_collection.py)
 

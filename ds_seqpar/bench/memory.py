@@ -164,13 +164,14 @@ def points(args) -> List[MemorySpec]:
 
 
 def _pool(world: int, malloc: str):
-    """A fresh pool of ``world`` one-thread ranks, started with the measurement's malloc setting."""
+    """A fresh pool of ``world`` one-thread ranks, started with the measurement's malloc setting (spawned: glibc
+    reads it when a process starts, and a forked rank keeps its fork server's heap and setting)."""
     from ..launch.env import restored_environ
     from ..launch.rankpool import RankPool
     with restored_environ(*MALLOC_ENV):
         if malloc == "mmap":
             os.environ.update(MALLOC_ENV)
-        return RankPool(world, timeout_s=7200.0, threads_per_rank=1).start()
+        return RankPool(world, timeout_s=7200.0, threads_per_rank=1, start_method="spawn").start()
 
 
 def measure_one(spec: MemorySpec, malloc: str) -> Dict[str, Any]:

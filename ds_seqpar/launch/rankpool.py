@@ -1,7 +1,9 @@
 """A pool of local CPU ranks, started once and reused: run a function on every rank, get results.
 
 Starting a process and importing torch + deepspeed costs seconds on a small machine, so tests and
-benchmarks keep one world alive and send it work. A function that raises on any rank makes
+benchmarks keep one world alive and send it work, and the ranks are forked from a server process that
+imported those modules once (multiprocessing's forkserver), so a world of P ranks pays the imports once,
+not P times. A function that raises on any rank makes
 ``run`` raise with that rank's traceback; ranks stuck in a collective with a failed peer are
 killed after a grace period and the pool restarts on its next use, so nothing hangs.
 """
@@ -22,7 +24,28 @@ class RankFailure(AssertionError):
     """One or more ranks raised (or hung); the message holds each failing rank's traceback."""
 
 
-def _worker(rank: int, world: int, port: int, timeout_s: float, threads: int, tasks, results) -> None:
+# what the fork server imports before it forks any rank: the imports every rank makes (torch, DeepSpeed for
+# its comm backend), and what preload() adds
+_preload = ["torch", "deepspeed", "ds_seqpar.comm", "ds_seqpar.deepspeed_shm"]
+
+
+# environment variables the C runtime reads when a process starts, which a forked rank cannot take up
+_READ_AT_EXEC = ("MALLOC_", "GLIBC_TUNABLES", "LD_PRELOAD")
+
+
+def preload(*modules: str) -> None:
+    """Have the fork server import ``modules`` too (a test session adds transformers' model code). The server
+    is one per parent process and reads the list once, when the first pool starts: call this before that;
+    after, a module not preloaded is imported by each rank as it needs it, as without a fork server."""
+    _preload.extend(m for m in modules if m not in _preload)
+
+
+def _worker(rank: int, world: int, port: int, timeout_s: float, threads: int, tasks, results,
+            environ: dict) -> None:
+    # a forked rank inherits the fork server's environment (as of the first pool's start); a rank must see
+    # the parent's environment of now, as a spawned one would
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(rank_env(rank, world, port))
     import torch
     torch.set_num_threads(threads)
@@ -63,18 +86,33 @@ def _settle_heap() -> None:
 
 class RankPool:
     def __init__(self, world_size: int, timeout_s: float = 120.0, threads_per_rank: int = 1,
-                 grace_s: float = 10.0):
+                 grace_s: float = 10.0, start_method: Optional[str] = None):
+        """``start_method``: "forkserver" (the default), or "spawn": each rank a fresh interpreter that imports
+        everything itself, for ranks whose environment must act at process start. A forked rank sees the
+        parent's os.environ, but its allocator is the fork server's: so the default is spawn while the
+        environment holds a setting the C runtime reads only when a process starts (glibc's MALLOC_* and
+        GLIBC_TUNABLES, LD_PRELOAD; the memory benches set MALLOC_MMAP_THRESHOLD_)."""
+        if start_method not in (None, "forkserver", "spawn"):
+            raise ValueError(f"RankPool start_method={start_method!r}: choose 'forkserver' or 'spawn'")
         self.world_size, self.timeout_s, self.threads, self.grace_s = world_size, timeout_s, threads_per_rank, grace_s
+        self.start_method = start_method
         self._procs: List[mp.Process] = []
 
     def start(self) -> "RankPool":
-        ctx = mp.get_context("spawn")
+        # forkserver, not fork: the parent may hold threads (a test runner's, a dataloader's) that a fork would
+        # copy mid-lock; the server is a fresh single-threaded process. Importing torch starts no thread
+        # pool (OpenMP's starts at the first parallel op, in each rank), so forking after it is safe.
+        method = self.start_method or ("spawn" if any(k.startswith(_READ_AT_EXEC) for k in os.environ)
+                                       else "forkserver")
+        ctx = mp.get_context(method)
+        if method == "forkserver":
+            ctx.set_forkserver_preload(list(_preload))
         port = free_port()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [ctx.Process(target=_worker, daemon=True,
                                    args=(r, self.world_size, port, self.timeout_s, self.threads,
-                                         self._tasks[r], self._results))
+                                         self._tasks[r], self._results, dict(os.environ)))
                        for r in range(self.world_size)]
         for p in self._procs:
             p.start()

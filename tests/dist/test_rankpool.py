@@ -35,3 +35,43 @@ def test_failure_on_one_rank_is_reported_and_pool_recovers():
 
 def test_results_come_back_in_rank_order(pool):
     assert pool.run(comm.global_rank) == [0, 1, 2, 3]
+
+
+def _seen(name):
+    import os
+    import sys
+    return os.environ.get(name), "transformers.modeling_utils" in sys.modules
+
+
+def test_forked_ranks_see_the_parent_environment_of_now_and_the_preloaded_modules(pool, monkeypatch):
+    # the session pool's fork server started before this variable existed; a rank forked from it now sees it
+    monkeypatch.setenv("DS_SEQPAR_TEST_POOL_ENV", "now")
+    fresh = RankPool(2, timeout_s=60.0).start()
+    try:
+        assert fresh.run(_seen, "DS_SEQPAR_TEST_POOL_ENV") == [("now", True)] * 2   # tests/conftest.py preloads it
+    finally:
+        fresh.close()
+
+
+def _malloc_threshold():
+    import os
+    return os.environ.get("MALLOC_MMAP_THRESHOLD_")
+
+
+def test_an_environment_read_at_process_start_gets_spawned_ranks(monkeypatch):
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    spawned = RankPool(1, timeout_s=60.0)
+    spawned.start()
+    try:
+        assert spawned._procs[0]._popen.method == "spawn"
+        assert spawned.run(_malloc_threshold) == ["65536"]
+    finally:
+        spawned.close()
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    forked = RankPool(1, timeout_s=60.0).start()
+    try:
+        assert forked._procs[0]._popen.method == "forkserver"
+    finally:
+        forked.close()
+    with pytest.raises(ValueError, match="start_method='fork': choose 'forkserver' or 'spawn'"):
+        RankPool(1, start_method="fork")
