@@ -96,16 +96,17 @@ class RankPool:
             raise ValueError(f"RankPool start_method={start_method!r}: choose 'forkserver' or 'spawn'")
         self.world_size, self.timeout_s, self.threads, self.grace_s = world_size, timeout_s, threads_per_rank, grace_s
         self.start_method = start_method
+        self.method: Optional[str] = None          # how start() started the ranks: "forkserver" or "spawn"
         self._procs: List[mp.Process] = []
 
     def start(self) -> "RankPool":
         # forkserver, not fork: the parent may hold threads (a test runner's, a dataloader's) that a fork would
         # copy mid-lock; the server is a fresh single-threaded process. Importing torch starts no thread
         # pool (OpenMP's starts at the first parallel op, in each rank), so forking after it is safe.
-        method = self.start_method or ("spawn" if any(k.startswith(_READ_AT_EXEC) for k in os.environ)
-                                       else "forkserver")
-        ctx = mp.get_context(method)
-        if method == "forkserver":
+        self.method = self.start_method or ("spawn" if any(k.startswith(_READ_AT_EXEC) for k in os.environ)
+                                            else "forkserver")
+        ctx = mp.get_context(self.method)
+        if self.method == "forkserver":
             ctx.set_forkserver_preload(list(_preload))
         port = free_port()
         self._results = ctx.Queue()

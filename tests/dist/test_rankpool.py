@@ -53,24 +53,19 @@ def test_forked_ranks_see_the_parent_environment_of_now_and_the_preloaded_module
         fresh.close()
 
 
-def _malloc_threshold():
-    import os
-    return os.environ.get("MALLOC_MMAP_THRESHOLD_")
-
-
 def test_an_environment_read_at_process_start_gets_spawned_ranks(monkeypatch):
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     spawned = RankPool(1, timeout_s=60.0)
     spawned.start()
     try:
-        assert spawned._procs[0]._popen.method == "spawn"
-        assert spawned.run(_malloc_threshold) == ["65536"]
+        assert spawned.method == spawned._procs[0]._popen.method == "spawn"
+        assert [seen for seen, _ in spawned.run(_seen, "MALLOC_MMAP_THRESHOLD_")] == ["65536"]
     finally:
         spawned.close()
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
     forked = RankPool(1, timeout_s=60.0).start()
     try:
-        assert forked._procs[0]._popen.method == "forkserver"
+        assert forked.method == forked._procs[0]._popen.method == "forkserver"
     finally:
         forked.close()
     with pytest.raises(ValueError, match="start_method='fork': choose 'forkserver' or 'spawn'"):
