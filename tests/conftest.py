@@ -5,13 +5,31 @@ Tests at 2 ranks use sequence_parallel.size=2 on this world, i.e. two independen
 of 2 ranks (dp=2): a sweep of several configs splits them between the groups, a single case runs on the
 first group alone (tests/dist_checks.py: group_shares, first_group_runs), and the rest check theirs on both.
 """
+import getpass
 import os
 import pathlib
+import shutil
+import tempfile
 
 import pytest
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+
+# What the session's ranks and launched jobs leave in the temporary directory (TRL's shared reference caches,
+# wandb's media folders, torchrun's rendezvous folders, Open MPI's session folders) goes into one folder of this
+# session, removed at its end: TMPDIR is read by every process started from here. This process keeps the
+# machine's (gettempdir() pins it at its first call, here), so pytest's own tmp_path folders stay where a
+# failed run's are looked for. Inductor's cache stays the machine's too (its default is under TMPDIR).
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
+SESSION_TMP = tempfile.mkdtemp(prefix="ds_seqpar_session_")
+os.environ["TMPDIR"] = SESSION_TMP
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(SESSION_TMP, ignore_errors=True)
+
 
 # imported once by the rank pools' fork server instead of by every rank (seconds each on 2 cores): most pool
 # tests build a transformers model, Llama the most; before any pool starts (the bench and tool tests start

@@ -238,15 +238,16 @@ def equal_llama(path: str) -> dict:
 def measure_train(args) -> Dict[str, dict]:
     """{label: measure_training's result for zigzag} for the hybrid and its equal Llama."""
     from .train_step import measure_training
-    tmp = tempfile.mkdtemp(prefix="ds_seqpar_bench_hybrid_")
-    llama = os.path.join(tmp, "llama_equal.json")
-    with open(llama, "w") as f:
-        json.dump(equal_llama(args.train_model), f)
-    models = {os.path.basename(args.train_model): os.path.abspath(args.train_model), "llama (equal sizes)": llama}
-    with fresh_pool(args.P) as pool, fresh_pool(1) as solo:
-        return {label: measure_training(pool, solo, ["zigzag"], dict(seq_len=args.train_seq, micro_batch=1, steps=3,
-                                                                      model=path), 1, args.train_repeats)["zigzag"]
-                for label, path in models.items()}
+    with tempfile.TemporaryDirectory(prefix="ds_seqpar_bench_hybrid_") as tmp:
+        llama = os.path.join(tmp, "llama_equal.json")
+        with open(llama, "w") as f:
+            json.dump(equal_llama(args.train_model), f)
+        models = {os.path.basename(args.train_model): os.path.abspath(args.train_model), "llama (equal sizes)": llama}
+        with fresh_pool(args.P) as pool, fresh_pool(1) as solo:
+            return {label: measure_training(pool, solo, ["zigzag"], dict(seq_len=args.train_seq, micro_batch=1,
+                                                                          steps=3, model=path), 1,
+                                            args.train_repeats)["zigzag"]
+                    for label, path in models.items()}
 
 
 # -- the rows ------------------------------------------------------------------------------------------

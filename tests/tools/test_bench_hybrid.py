@@ -46,3 +46,25 @@ def test_the_llama_of_the_training_comparison_has_the_hybrids_sizes():
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "vocab_size", "tie_word_embeddings"):
         assert llama[key] == hybrid[key], key
+
+
+def test_the_training_comparison_reads_its_llama_config_and_leaves_no_file_behind(monkeypatch):
+    # the pools and the training steps are stood in for (minutes of training): what is checked is the
+    # temporary config's lifetime around them
+    import contextlib
+
+    from ds_seqpar.bench import hybrid, train_step
+    seen = {}
+
+    def measure_training(pool, solo, strategies, job, *repeats):
+        with open(job["model"]) as f:
+            seen[job["model"]] = json.load(f)["model_type"]
+        return {"zigzag": job["model"]}
+
+    monkeypatch.setattr(hybrid, "fresh_pool", lambda P: contextlib.nullcontext())
+    monkeypatch.setattr(train_step, "measure_training", measure_training)
+    path = os.path.join(ROOT, "configs", "models", "qwen3_5_small.json")
+    args = resolve(build_parser().parse_args(["--train-model", path, "--train-repeats", "1"]))
+    got = hybrid.measure_train(args)
+    assert set(got) == {"qwen3_5_small.json", "llama (equal sizes)"} and sorted(seen.values()) == ["llama", "qwen3_5_text"]
+    assert not os.path.exists(got["llama (equal sizes)"]), "the equal Llama's config was left behind"
