@@ -280,15 +280,38 @@ def test_releases_outside_the_tested_range_are_refused_by_name(monkeypatch):
     version and the tested range (and how to try it anyway); the installed, tested ones pass."""
     from ds_seqpar.hf import versions
     versions.check_tested(("transformers", "trl", "accelerate"), env={})
-    for version in ("5.25.0", "5.25.0.dev0", "5.22.3", "6.0.0"):
+    for version in ("5.26.0", "5.26.0.dev0", "5.22.3", "6.0.0"):
         monkeypatch.setattr(versions, "installed", lambda package, v=version: v)
         with pytest.raises(UnsupportedModelError, match=rf"transformers {re.escape(version)} is outside the range "
-                                                        r"ds_seqpar is tested with \(transformers>=5.23.0,<5.25.0\).*"
+                                                        r"ds_seqpar is tested with \(transformers>=5.23.0,<5.26.0\).*"
                                                         r"DS_SEQPAR_UNTESTED_OK=1"):
             versions.check_tested(("transformers",), env={})
         versions.check_tested(("transformers",), env={"DS_SEQPAR_UNTESTED_OK": "1"})
-    monkeypatch.setattr(versions, "installed", lambda package: "5.24.1")
-    versions.check_tested(("transformers",), env={})
+    for version in ("5.24.1", "5.25.0"):
+        monkeypatch.setattr(versions, "installed", lambda package, v=version: v)
+        versions.check_tested(("transformers",), env={})
+
+
+def test_a_release_whose_linear_layers_the_seams_do_not_follow_refuses_hybrids_alone(monkeypatch):
+    """transformers 5.25 rewrote the hybrids' linear layers (hf/versions.LINEAR_LAYERS_TESTED): applying
+    sequence parallelism to a hybrid under it stops at once, naming the release, the layer class and what
+    works, whatever DS_SEQPAR_UNTESTED_OK says, and before the sp is looked at; a model of attention layers
+    alone is not refused; 5.23 and 5.24 pass."""
+    from ds_seqpar.hf import apply_sequence_parallel, versions
+    from ..zoo.hybrids import build, hybrid_config
+    assert versions.linear_layers_refused("Qwen3_5GatedDeltaNet", "5.24.1") is None
+    assert versions.linear_layers_refused("Qwen3_5GatedDeltaNet", "5.23.0") is None
+    monkeypatch.setattr(versions, "installed", lambda package: "5.25.0")
+    monkeypatch.setenv("DS_SEQPAR_UNTESTED_OK", "1")
+    hybrid = build(hybrid_config("qwen3_5_text"), torch.float32)
+    before = hybrid.config._attn_implementation
+    with pytest.raises(UnsupportedModelError, match=r"transformers 5.25.0 rewrote the linear-attention and "
+                                                    r"state-space layers \(Qwen3_5GatedDeltaNet here.*use "
+                                                    r"transformers>=5.23.0,<5.25.0 for this model"):
+        apply_sequence_parallel(hybrid, sp=None)
+    assert hybrid.config._attn_implementation == before
+    with pytest.raises(AttributeError):          # past the release checks: the missing sp is looked at
+        apply_sequence_parallel(tiny_model("llama"), sp=None)
 
 
 def test_a_release_that_breaks_a_model_by_itself_is_named():
@@ -299,3 +322,25 @@ def test_a_release_that_breaks_a_model_by_itself_is_named():
         "Llama4ForConditionalGeneration", "5.24.0")
     assert upstream_break("Llama4ForConditionalGeneration", "5.23.0") is None
     assert upstream_break("Llama4ForCausalLM", "5.24.0") is None
+
+
+def test_setup_cfg_bounds_are_the_tested_ranges():
+    """setup.cfg's extras bound each Hugging Face package by hf/versions.TESTED (one range, said twice)."""
+    import configparser
+    import pathlib
+
+    from ds_seqpar.hf.versions import TESTED, _key
+
+    def release(version):                  # setup.cfg's "5.23" is release 5.23.0
+        return _key(version + ".0.0")
+
+    cfg = configparser.ConfigParser()
+    cfg.read(pathlib.Path(__file__).parents[2] / "setup.cfg")
+    for extra in ("test", "hf"):
+        lines = [line.strip() for line in cfg["options.extras_require"][extra].splitlines() if line.strip()]
+        for package, (low, high) in TESTED.items():
+            spec = next((line for line in lines if re.match(rf"{package}\b", line)), None)
+            if spec is None:
+                continue
+            found = dict(re.findall(r"(>=|<)([\d.]+)", spec))
+            assert (release(found[">="]), release(found["<"])) == (_key(low), _key(high)), (extra, spec, low, high)
