@@ -20,10 +20,11 @@ RANKS_PER_HOST = 2
 TINY = ["--seq_len", "64", "--dim", "32", "--n_layers", "2", "--corpus_bytes", "131072", "--no_progress",
         "--no_wandb"]
 # what a rank needs on a remote host besides the command: the interface gloo binds to (else it
-# takes the address the hostname resolves to), one thread per rank on a shared CPU, and this
-# checkout when the package is not installed
+# takes the address the hostname resolves to), one thread per rank on a shared CPU, this
+# checkout when the package is not installed, and the session's temporary folder (tests/conftest.py:
+# the namespace hosts share this machine's files, and ssh starts a login environment without it)
 REMOTE_ENV = {"GLOO_SOCKET_IFNAME": IFNAME, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-              **({"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {})}
+              **{k: os.environ[k] for k in ("PYTHONPATH", "TMPDIR") if os.environ.get(k)}}
 
 
 def ds_config(tmp_path, **sequence_parallel) -> str:
