@@ -33,7 +33,7 @@ from .linear.families import linear_modules
 from .linear.mixers import LinearMixers
 from .linear.seams import install_seams
 from .loss import make_loss_function
-from .versions import check_linear_layers, check_tested, check_upstream
+from .versions import check_tested, check_upstream
 from .vision import VisionLanguage
 
 STATE_ATTR = "_ds_seqpar_hf"       # on the model: the SequenceParallelState while applied
@@ -114,7 +114,6 @@ def apply_sequence_parallel(model: nn.Module, sp) -> nn.Module:
     vision = VisionLanguage.of(model)
     decoder = vision.decoder if vision is not None else model
     linear = linear_modules(decoder)
-    check_linear_layers(linear)
     check_config(model.config, linear_ok=bool(linear), vision_ok=vision is not None)
     layers = check_modules(decoder)
     indexed = indexed_layers(decoder, layers)

@@ -1,12 +1,12 @@
 """The Hugging Face releases ds_seqpar is tested with, and the refusal of any other.
 
 transformers ships monthly and renames what ds_seqpar hooks into (5.24 renamed the layers' cache argument:
-DeepSeek sparse attention then crashed with a raw size error). The suite runs against the pinned set
-(constraints.txt, CI) and, before a change lands, against the newest releases on the index (the README's
-"latest" tier); TESTED holds the range both cover, and setup.cfg's bounds say the same. A release outside it
-is refused by name when sequence parallelism is applied, before any collective, unless the user says to
-try it (DS_SEQPAR_UNTESTED_OK=1). A release can be in range for attention and not for the hybrids' linear
-layers (LINEAR_LAYERS_TESTED): those are refused by the layer's class, with no override.
+DeepSeek sparse attention then crashed with a raw size error; 5.25 wrapped the hybrids' ops in modules, which
+the linear layers' seams now bind through). The suite runs against the pinned set (constraints.txt, CI) and,
+before a change lands, against the newest releases on the index (the README's "latest" tier); TESTED holds the
+range both cover, and setup.cfg's bounds say the same (tests/unit/test_hf_checks.py). A release outside it is
+refused by name when sequence parallelism is applied, before any collective, unless the user says to try it
+(DS_SEQPAR_UNTESTED_OK=1).
 """
 from __future__ import annotations
 
@@ -21,12 +21,6 @@ from .checks import UnsupportedModelError
 # package -> (lowest tested, first untested)
 TESTED: Dict[str, Tuple[str, str]] = {"transformers": ("5.23.0", "5.26.0"), "trl": ("1.16.0", "1.17.0"),
                                       "accelerate": ("1.15.0", "1.17.0")}
-# the transformers releases whose linear-attention, state-space and short-conv layers (hf/linear: the seams
-# replace the ops their modeling files call) ds_seqpar follows. 5.25 rewrote those layers (the conv runs through
-# a kernel-hub forward that takes the cache and the layer index, the cache has a new state API): their seams do
-# not follow it yet, so an applied hybrid would fail inside the layer. Refused at apply time, with no override:
-# the failure is known, not untested.
-LINEAR_LAYERS_TESTED: Tuple[str, str] = ("5.23.0", "5.25.0")
 OVERRIDE = "DS_SEQPAR_UNTESTED_OK"
 
 
@@ -70,25 +64,6 @@ def check_upstream(model) -> None:
                                     f"model alone)")
 
 
-def linear_layers_refused(layer_class: str, version=None):
-    """Why the installed (or given) transformers release cannot run ``layer_class`` (a hf/linear layer)
-    sequence-parallel, or None."""
-    version = version or installed("transformers")
-    low, high = LINEAR_LAYERS_TESTED
-    if version is None or _key(low) <= _key(version) < _key(high):
-        return None
-    return (f"ds_seqpar.hf: transformers {version} rewrote the linear-attention and state-space layers ({layer_class} "
-            f"here: a kernel-hub conv forward and a new cache API), which ds_seqpar's sequence-parallel seams do not "
-            f"follow yet; use transformers>={low},<{high} for this model, or a model without such layers")
-
-
-def check_linear_layers(layers) -> None:
-    """Refuse the applied model's hf/linear layers (``[(name, module)]``) under a release they do not follow."""
-    why = linear_layers_refused(type(layers[0][1]).__name__) if layers else None
-    if why is not None:
-        raise UnsupportedModelError(why)
-
-
 def check_tested(packages=("transformers",), env=None) -> None:
     """Refuse an installed release of ``packages`` outside TESTED (a package not installed passes: whoever
     imports it says so)."""
@@ -107,5 +82,4 @@ def check_tested(packages=("transformers",), env=None) -> None:
                 f"or set {OVERRIDE}=1 to try this one (the README's latest tier tests a new release)")
 
 
-__all__ = ["TESTED", "LINEAR_LAYERS_TESTED", "OVERRIDE", "UPSTREAM_BREAKS", "check_tested", "check_upstream",
-           "check_linear_layers", "linear_layers_refused", "upstream_break", "installed"]
+__all__ = ["TESTED", "OVERRIDE", "UPSTREAM_BREAKS", "check_tested", "check_upstream", "upstream_break", "installed"]

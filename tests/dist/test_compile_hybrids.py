@@ -10,9 +10,7 @@ for fp32 runs that differ only in the order of sums, REL x the tensor's largest 
 bound is derived (inductor_vs_eager)."""
 import torch
 
-from ..zoo.hybrids import batch, build, hybrid_config, needs_linear_release
-
-pytestmark = needs_linear_release
+from ..zoo.hybrids import batch, build, hybrid_config
 
 REL = 1e-5
 SEQ = 64

@@ -13,7 +13,6 @@ import torch
 from ds_seqpar import SequenceParallel
 
 from ..reference import assert_derived_close
-from ..zoo.hybrids import LINEAR_RELEASE_REFUSED
 
 PROMPT, NEW = 27, 6                  # 27: not a multiple of any layout's block, so the prompt is padded
 CASES = ([{"strategy": s, "size": p} for p in (2, 4) for s in ("ulysses", "ring", "zigzag", "striped")]
@@ -285,9 +284,8 @@ def generate_refusals():
     out["inner zeros"] = _message(gen(padded, attention_mask=inner))
     out["right padding"] = _message(gen(padded, attention_mask=mask.flip(1)))
     out["equal lengths"] = _message(gen(padded, attention_mask=torch.ones_like(mask)))
-    hybrid = build(hybrid_config("qwen3_5_text"), torch.float32)
-    # under a release the linear layers' seams do not follow (zoo.hybrids.LINEAR_RELEASE_REFUSED) apply refuses
-    out["linear layers"] = _message(lambda: apply_sequence_parallel(hybrid, sp))
+    hybrid = hybrid_config("qwen3_5_text")
+    linear = apply_sequence_parallel(build(hybrid, torch.float32), sp)
     checkpointed = apply_sequence_parallel(_model("llama"), sp)
     checkpointed.gradient_checkpointing_enable()
     checkpointed.train()
@@ -296,9 +294,8 @@ def generate_refusals():
     out["checkpointing, eval"] = _message(lambda: checkpointed.generate(input_ids=prompt, max_new_tokens=2,
                                                                         pad_token_id=0))
     # hybrids decode (tests/dist/test_generate_hybrids.py), but not from a left-padded batch
-    if out["linear layers"] == "no error":
-        out["linear layers"] = _message(lambda: hybrid.generate(input_ids=padded, attention_mask=mask,
-                                                                max_new_tokens=2, pad_token_id=0))
+    out["linear layers"] = _message(lambda: linear.generate(input_ids=padded, attention_mask=mask, max_new_tokens=2,
+                                                            pad_token_id=0))
     # ranks that pick different tokens (here a logits processor of rank 1's own): the next step's first merge
     # carries the tokens, and every rank stops there with the same error
     from transformers import LogitsProcessorList
@@ -327,8 +324,7 @@ REFUSED = {
     "inner zeros": "with an attention_mask that is not left padding (zeros between or after real tokens",
     "right padding": "with an attention_mask that is not left padding (zeros between or after real tokens",
     "equal lengths": "no error",
-    "linear layers": ("rewrote the linear-attention and state-space layers" if LINEAR_RELEASE_REFUSED else
-                      "with a left-padded attention_mask and linear-attention / SSM layers"),
+    "linear layers": "with a left-padded attention_mask and linear-attention / SSM layers",
     "checkpointing": "with gradient checkpointing in training mode", "checkpointing, eval": "no error",
     "ranks diverge": "the ranks of a sequence group decode different tokens",
 }

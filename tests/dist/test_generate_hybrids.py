@@ -14,10 +14,8 @@ import torch
 
 from ds_seqpar import SequenceParallel
 
-from ..zoo.hybrids import HYBRIDS, build, hybrid_config, needs_linear_release
+from ..zoo.hybrids import HYBRIDS, build, hybrid_config
 from ..reference import max_err
-
-pytestmark = needs_linear_release
 
 PROMPT, NEW = 27, 6        # 27: a length no layout splits, so the prefill's end padding is cut off the states
 

@@ -5,10 +5,8 @@ unsharded model (tests/zoo/hybrids.py derives the bound), for each family, both 
 P = 2 and 4; what cannot be exact is refused by name on every rank."""
 import pytest
 
-from ..zoo.hybrids import check_hybrid, check_hybrids, check_packed, needs_linear_release
+from ..zoo.hybrids import check_hybrid, check_hybrids, check_packed
 from .test_lasp import scan_blocks_of
-
-pytestmark = needs_linear_release
 
 P2 = dict(size=2)
 P4 = dict(size=4)

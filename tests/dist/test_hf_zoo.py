@@ -2,7 +2,6 @@
 transformers under every softmax strategy at P=2 trains exactly or is refused by name, the same on
 both ranks of each sequence group; never a silent mismatch. docs/models.md is this sweep's page."""
 from ..zoo.decoders import STRATEGIES, causal_lm_types, merged, rounding_bounded_ratios, sweep
-from ..zoo.hybrids import LINEAR_RELEASE_REFUSED
 
 # architectures whose masks this wave made exact; they must stay exact under every strategy (Llama 4's own
 # row: chunked layers and NoPE layers with attention temperature tuning from global positions; the variant
@@ -32,10 +31,6 @@ def test_every_causal_lm_is_exact_or_refused_by_name(pool):
     assert not mismatches, f"silently wrong under sequence parallelism: {mismatches}"
     outcome = {mt: r for mt, r, _ in rows}
     for mt in HYBRIDS_EXACT & set(outcome):                  # docs/hybrids.md: state passing needs runs of tokens
-        if LINEAR_RELEASE_REFUSED:                           # a release the linear layers' seams do not follow
-            assert all(o[0] == "refused" and "rewrote the linear-attention" in o[1] for o in outcome[mt].values()), \
-                (mt, outcome[mt])
-            continue
         assert all(outcome[mt][s][0] == "exact" for s in STRATEGIES if s != "striped"), (mt, outcome[mt])
         assert outcome[mt]["striped"][0] == "refused" and "striped" in outcome[mt]["striped"][1], (mt, outcome[mt])
     for mt in (MUST_BE_EXACT | INDEXED_EXACT) & set(outcome):

@@ -292,36 +292,40 @@ def test_releases_outside_the_tested_range_are_refused_by_name(monkeypatch):
         versions.check_tested(("transformers",), env={})
 
 
-def test_a_release_whose_linear_layers_the_seams_do_not_follow_refuses_hybrids_alone(monkeypatch):
-    """transformers 5.25 rewrote the hybrids' linear layers (hf/versions.LINEAR_LAYERS_TESTED): applying
-    sequence parallelism to a hybrid under it stops at once, naming the release, the layer class and what
-    works, whatever DS_SEQPAR_UNTESTED_OK says, and before the sp is looked at; a model of attention layers
-    alone is not refused; 5.23 and 5.24 pass."""
-    from ds_seqpar.hf import apply_sequence_parallel, versions
-    from ..zoo.hybrids import build, hybrid_config
-    assert versions.linear_layers_refused("Qwen3_5GatedDeltaNet", "5.24.1") is None
-    assert versions.linear_layers_refused("Qwen3_5GatedDeltaNet", "5.23.0") is None
-    monkeypatch.setattr(versions, "installed", lambda package: "5.25.0")
-    monkeypatch.setenv("DS_SEQPAR_UNTESTED_OK", "1")
-    hybrid = build(hybrid_config("qwen3_5_text"), torch.float32)
-    before = hybrid.config._attn_implementation
-    with pytest.raises(UnsupportedModelError, match=r"transformers 5.25.0 rewrote the linear-attention and "
-                                                    r"state-space layers \(Qwen3_5GatedDeltaNet here.*use "
-                                                    r"transformers>=5.23.0,<5.25.0 for this model"):
-        apply_sequence_parallel(hybrid, sp=None)
-    assert hybrid.config._attn_implementation == before
-    with pytest.raises(AttributeError):          # past the release checks: the missing sp is looked at
-        apply_sequence_parallel(tiny_model("llama"), sp=None)
+def test_a_seam_binds_the_arguments_of_an_op_a_module_wraps():
+    """transformers 5.25 wraps each op of the hybrids' modeling files in an nn.Module (so that a hub kernel can
+    replace it) whose forward is the op: the seam binds positional arguments by the forward's names (the
+    module's own signature is (*args, **kwargs): the conv seam then found no hidden_states and failed)."""
+    from ds_seqpar.hf.linear.seams import _parameters
+
+    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+        return hidden_states
+
+    class Func(torch.nn.Module):          # what 5.25's use_kernel_func_from_hub makes of the function
+        forward = staticmethod(causal_conv1d_fn)
+    want = (("hidden_states", "weight", "bias", "activation"), {"bias": None, "activation": None})
+    assert _parameters(causal_conv1d_fn) == want
+    assert _parameters(Func()) == want
 
 
-def test_a_release_that_breaks_a_model_by_itself_is_named():
-    """hf/versions.UPSTREAM_BREAKS: Llama 4's multimodal class under transformers 5.24 (its own forward fails),
-    not under 5.23; other classes never."""
-    from ds_seqpar.hf.versions import upstream_break
-    assert "transformers 5.24.0 breaks Llama4ForConditionalGeneration" in upstream_break(
-        "Llama4ForConditionalGeneration", "5.24.0")
-    assert upstream_break("Llama4ForConditionalGeneration", "5.23.0") is None
-    assert upstream_break("Llama4ForCausalLM", "5.24.0") is None
+def test_seams_skip_a_fused_path_the_release_does_not_have(monkeypatch):
+    """5.25's Falcon-Mamba has no fused mamba_inner_fn path (an optional op: the layer's conv and scan seams
+    still see every token); a missing required op still stops apply by name."""
+    import sys
+    import types
+
+    from ds_seqpar.hf.linear.seams import install_seams
+    modeling = types.ModuleType("ds_seqpar_test_modeling_falcon_mamba")
+    modeling.causal_conv1d_fn = lambda hidden_states, weight, bias=None, activation=None: hidden_states
+    modeling.mamba_selective_scan = lambda u, delta, A, B, C, D=None: u
+    monkeypatch.setitem(sys.modules, modeling.__name__, modeling)
+    layer = type("FalconMambaMixer", (torch.nn.Module,), {"__module__": modeling.__name__})()
+    install_seams([("model.layers.0.mixer", layer)])
+    assert hasattr(modeling.causal_conv1d_fn, "_ds_seqpar_original")
+    assert hasattr(modeling.mamba_selective_scan, "_ds_seqpar_original") and not hasattr(modeling, "mamba_inner_fn")
+    del modeling.mamba_selective_scan
+    with pytest.raises(UnsupportedModelError, match="FalconMambaMixer's modeling file has no mamba_selective_scan"):
+        install_seams([("model.layers.0.mixer", layer)])
 
 
 def test_setup_cfg_bounds_are_the_tested_ranges():

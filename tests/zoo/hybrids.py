@@ -1,16 +1,6 @@
 """Tiny random-init hybrids (linear-attention / convolution layers next to softmax attention), built
 from each model's own config class, and the exactness check the hybrid tests run on the pool."""
-import pytest
 import torch
-
-from ds_seqpar.hf.versions import LINEAR_LAYERS_TESTED, installed, linear_layers_refused
-
-# the installed transformers refuses the hybrids' linear layers (hf/versions.LINEAR_LAYERS_TESTED; the latest
-# tier's newer release): the hybrid tests skip there, and the zoo and the VLM sweep expect that refusal by name
-LINEAR_RELEASE_REFUSED = linear_layers_refused("a linear layer") is not None
-needs_linear_release = pytest.mark.skipif(
-    LINEAR_RELEASE_REFUSED, reason=f"transformers {installed('transformers')} is outside the linear layers' range "
-                                   f"{LINEAR_LAYERS_TESTED}: refused by name (tests/unit/test_hf_checks.py)")
 
 SEQ = 152            # N/P is not a multiple of the 64-token chunk (delta rule, SSD) at P = 2 or 4 (nor is N/2P)
 _GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
