@@ -292,6 +292,16 @@ def test_releases_outside_the_tested_range_are_refused_by_name(monkeypatch):
         versions.check_tested(("transformers",), env={})
 
 
+
+def test_a_release_that_breaks_a_model_by_itself_is_named():
+    """hf/versions.UPSTREAM_BREAKS: Llama 4's multimodal class under transformers 5.24 (its own forward fails),
+    not under 5.23; other classes never."""
+    from ds_seqpar.hf.versions import upstream_break
+    assert "transformers 5.24.0 breaks Llama4ForConditionalGeneration" in upstream_break(
+        "Llama4ForConditionalGeneration", "5.24.0")
+    assert upstream_break("Llama4ForConditionalGeneration", "5.23.0") is None
+    assert upstream_break("Llama4ForCausalLM", "5.24.0") is None
+
 def test_a_seam_binds_the_arguments_of_an_op_a_module_wraps():
     """transformers 5.25 wraps each op of the hybrids' modeling files in an nn.Module (so that a hub kernel can
     replace it) whose forward is the op: the seam binds positional arguments by the forward's names (the
